@@ -1,0 +1,217 @@
+"""Group-statistics benchmark: dapo_flow.algos against verl-style Python loops, same run.
+
+What it times, at 512x16 rows (response length 1024) and 4096x16 rows (response length 256):
+
+(a) operator path: per-sequence float32 scores + string group ids from an Arrow column
+    -> per-sequence GRPO advantages and the dynamic-sampling keep mask
+    (factorize once, sequence_advantages + keep_groups).
+(b) token path: (batch, resp_len) token rewards + bool response mask + uid strings (verl's
+    object array) -> token-level GRPO advantages (outcome_advantages) and the keep mask.
+
+Baseline: a per-row Python loop with verl's structure (dict of lists per uid, torch.mean /
+torch.std per group, per-row scalar updates; keep = np.std > 0 or a singleton, with a set for
+membership). Results must agree (allclose, and dapo-flow's exact zeros for constant groups).
+Also measured: the memory floor of (b), one read of the reward tensor plus one write of an
+output tensor of its shape, with the output preallocated (`out.copy_(rewards)`) and freshly
+allocated (`rewards.clone()`, which pays the page faults a new tensor pays).
+
+Run: python benchmarks/group_ops.py [--quick]
+Timings are the minimum over interleaved repetitions (the box may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from dapo_flow.algos import factorize, keep_groups, outcome_advantages, sequence_advantages
+
+SHAPES = [(512, 16, 1024), (4096, 16, 256)]  # prompts, samples per prompt, response length
+
+
+# ---------------------------------------------------------------- verl-style loop baselines
+
+
+def loop_grpo_scores(scores: torch.Tensor, index: np.ndarray, eps: float = 1e-6) -> torch.Tensor:
+    """verl compute_grpo_outcome_advantage on per-sequence scores (loop, float32)."""
+    scores = scores.clone()
+    id2score: dict = defaultdict(list)
+    id2mean, id2std = {}, {}
+    for i in range(scores.shape[0]):
+        id2score[index[i]].append(scores[i])
+    for idx, vals in id2score.items():
+        if len(vals) == 1:
+            id2mean[idx], id2std[idx] = torch.tensor(0.0), torch.tensor(1.0)
+        else:
+            stacked = torch.stack(vals)
+            id2mean[idx], id2std[idx] = torch.mean(stacked), torch.std(stacked)
+    for i in range(scores.shape[0]):
+        scores[i] = (scores[i] - id2mean[index[i]]) / (id2std[index[i]] + eps)
+    return scores
+
+
+def loop_grpo_tokens(token_rewards: torch.Tensor, mask: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+    """verl compute_grpo_outcome_advantage, token level."""
+    return loop_grpo_scores(token_rewards.sum(dim=-1), index).unsqueeze(-1) * mask
+
+
+def loop_keep(index: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """verl DAPO recipe group filter (np.std > 0 or singleton), set membership."""
+    uid2vals: dict = defaultdict(list)
+    for uid, v in zip(index, values):
+        uid2vals[uid].append(v)
+    kept = {uid for uid, vals in uid2vals.items() if np.std(vals) > 0 or len(vals) == 1}
+    return np.array([uid in kept for uid in index])
+
+
+# ---------------------------------------------------------------- data
+
+
+def make_batch(prompts: int, n: int, resp_len: int, seed: int = 0) -> dict:
+    """DAPO-like batch: acc ±1 plus soft overlong penalties; a quarter of the groups all
+    correct / all wrong and a tenth constant at the non-dyadic 0.7 (verl's one-ulp noise)."""
+    rng = np.random.default_rng(seed)
+    rows = prompts * n
+    p_correct = rng.uniform(0, 1, prompts)
+    p_correct[rng.uniform(size=prompts) < 0.25] = rng.integers(0, 2, 1)[0]
+    acc = (rng.uniform(size=rows) < np.repeat(p_correct, n)).astype(np.float32)
+    lengths = rng.integers(1, resp_len + 1, rows)
+    penalty = np.minimum(-(lengths - 0.75 * resp_len) / (0.25 * resp_len), 0).astype(np.float32)
+    scores = (2 * acc - 1 + penalty).astype(np.float32)
+    constant = np.repeat(rng.uniform(size=prompts) < 0.1, n)
+    scores[constant] = np.float32(0.7)
+    order = rng.permutation(rows)  # group members are not adjacent
+    uids = np.array([f"p{i // n}" for i in range(rows)], dtype=object)[order]
+    scores, acc, lengths = scores[order], acc[order], lengths[order]
+    acc[constant[order]] = 1.0
+    token_rewards = torch.zeros(rows, resp_len)
+    token_rewards[torch.arange(rows), torch.from_numpy(lengths - 1)] = torch.from_numpy(scores)
+    mask = torch.arange(resp_len)[None, :] < torch.from_numpy(lengths)[:, None]
+    return dict(
+        scores=scores, acc=acc, uids=uids, uid_column=pa.chunked_array([pa.array(uids.tolist())]),
+        token_rewards=token_rewards, mask=mask, constant=constant[order],
+    )
+
+
+# ---------------------------------------------------------------- timing
+
+
+def best_of(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Minimum wall time in ms per function, repetitions interleaved."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for f in fns.values():
+        f()  # warm-up
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: min(v) * 1e3 for k, v in times.items()}
+
+
+def check(ours: np.ndarray, ref: np.ndarray, constant: np.ndarray, what: str) -> str:
+    """allclose off the constant groups, exact zeros on them; returns verl's noise there."""
+    ok = np.allclose(ours[~constant], ref[~constant], rtol=1e-5, atol=1e-5)
+    zeros = bool((ours[constant] == 0).all())
+    if not (ok and zeros):
+        raise SystemExit(f"{what}: results disagree (allclose={ok}, exact zeros={zeros})")
+    noise = np.abs(ref[constant]).max() if constant.any() else 0.0
+    return f"{what}: agree; max |diff| {np.abs(ours - ref)[~constant].max():.1e}, verl |adv| on constant groups <= {noise:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = parser.parse_args()
+    reps, loop_reps = (5, 1) if args.quick else (25, 2)
+    torch.set_grad_enabled(False)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; min of {reps} interleaved reps (loops: {loop_reps})")
+    header = f"{'rows x len':>14} {'path':<34} {'loop ms':>9} {'ours ms':>9} {'speedup':>8} {'floor ms':>9} {'ours/floor':>10}"
+    print(header)
+    print("-" * len(header))
+    notes = []
+    for prompts, n, resp_len in SHAPES:
+        b = make_batch(prompts, n, resp_len)
+        rows = prompts * n
+        tag = f"{prompts}x{n} x {resp_len}"
+        rewards, mask, uids = b["token_rewards"], b["mask"], b["uids"]
+        out = torch.empty_like(rewards)
+
+        # correctness first
+        g = factorize(b["uid_column"])
+        adv_a = sequence_advantages(b["scores"], g, "grpo")
+        keep_a = keep_groups(g, b["acc"])
+        ref_a = loop_grpo_scores(torch.from_numpy(b["scores"]), uids).numpy()
+        ref_keep = loop_keep(uids, b["acc"])
+        notes.append(f"{tag} " + check(adv_a, ref_a, b["constant"], "(a)"))
+        adv_b = outcome_advantages(rewards, mask, factorize(uids), "grpo")
+        ref_b = loop_grpo_tokens(rewards, mask, uids)
+        const_tok = np.broadcast_to(b["constant"][:, None], rewards.shape)
+        notes.append(f"{tag} " + check(adv_b.numpy(), ref_b.numpy(), const_tok, "(b)"))
+        if not (np.array_equal(keep_a, ref_keep) and np.array_equal(keep_groups(uids, b["acc"]), ref_keep)):
+            raise SystemExit("keep masks disagree")
+
+        def path_a() -> None:
+            g = factorize(b["uid_column"])  # once per batch, shared by both calls
+            sequence_advantages(b["scores"], g, "grpo")
+            keep_groups(g, b["acc"])
+
+        def path_b(into: torch.Tensor | None) -> Callable[[], None]:
+            def run() -> None:
+                g = factorize(uids)
+                outcome_advantages(rewards, mask, g, "grpo", out=into)
+                keep_groups(g, b["acc"])
+            return run
+
+        codes = factorize(uids).codes  # an int prompt-index column instead of uid strings
+
+        def path_b_int() -> None:
+            outcome_advantages(rewards, mask, codes, "grpo", out=out)
+            keep_groups(codes, b["acc"])
+
+        fast = best_of(
+            {
+                "a": path_a,
+                "b": path_b(out),
+                "b_alloc": path_b(None),
+                "b_int": path_b_int,
+                "floor": lambda: out.copy_(rewards),
+                "floor_alloc": lambda: rewards.clone(),
+                "read": lambda: torch.mv(rewards, rewards.new_ones(resp_len)),
+                "write": lambda: out.fill_(0.0),
+            },
+            reps,
+        )
+        slow = best_of(
+            {
+                "a": lambda: (loop_grpo_scores(torch.from_numpy(b["scores"]), uids), loop_keep(uids, b["acc"])),
+                "b": lambda: (loop_grpo_tokens(rewards, mask, uids), loop_keep(uids, b["acc"])),
+            },
+            loop_reps,
+        )
+        table = [
+            ("(a) scores+str ids -> adv, keep", slow["a"], fast["a"], None),
+            ("(b) tokens+str ids, out= buffer", slow["b"], fast["b"], fast["floor"]),
+            ("(b) tokens+str ids, new tensor", slow["b"], fast["b_alloc"], fast["floor_alloc"]),
+            ("(b) tokens+int ids, out= buffer", slow["b"], fast["b_int"], fast["floor"]),
+        ]
+        for name, loop_ms, ours_ms, floor_ms in table:
+            floor_s = f"{floor_ms:9.2f} {ours_ms / floor_ms:10.2f}" if floor_ms else f"{'':9} {'':10}"
+            print(f"{tag:>14} {name:<34} {loop_ms:9.1f} {ours_ms:9.2f} {loop_ms / ours_ms:7.0f}x {floor_s}")
+        notes.append(
+            f"{tag} two-pass bound (row-sum read {fast['read']:.2f} + output write {fast['write']:.2f}) "
+            f"= {(fast['read'] + fast['write']) / fast['floor']:.2f}x floor; rows={rows}"
+        )
+    print()
+    for line in notes:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""`dapo-flow`: parse args -> call dapo_flow's library functions. Nothing else lives here.
+
+Any DapoFlowError is printed (no traceback) and exits 2. torch, ray and mlflow are only
+imported by the commands that need them (plus whatever importing the operators costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+import typing
+
+from rich.console import Console
+
+from dapo_flow.errors import DapoFlowError
+
+EXAMPLES = {
+    "validate": "dapo-flow validate graphs/dapo.yaml",
+    "explain": "dapo-flow explain graphs/dapo.yaml --cpus 8 --gpus 2",
+    "graph": "dapo-flow graph graphs/dapo.yaml -o dapo.png     (or .svg, .mmd)",
+    "ops": "dapo-flow ops",
+    "run": "dapo-flow run graphs/dapo.yaml --executor local --steps 5",
+    "models": "dapo-flow models build tiny-adder --force",
+    "ui": "dapo-flow ui --port 5000",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        return args.func(args) or 0
+    except DapoFlowError as exc:
+        err.print("[bold red]error:[/] ", end="")
+        err.print(str(exc), markup=False, highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dapo-flow",
+        description="DAPO/GRPO RL steps as typed operator DAGs: validate, explain, draw, run.",
+        epilog="examples:\n" + "\n".join(f"  {e}" for e in EXAMPLES.values()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, func) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {EXAMPLES[name]}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=func)
+        return p
+
+    p = command("validate", "Check a graph (types, wiring, columns, placement); print ok or every problem.", _validate)
+    p.add_argument("graph", help="graph YAML file")
+    p = command("explain", "Print the compiled, placed plan without starting Ray.", _explain)
+    p.add_argument("graph", help="graph YAML file")
+    p.add_argument("--cpus", type=float, help="place on this many CPUs (default: this machine)")
+    p.add_argument("--gpus", type=float, help="place on this many GPUs (default: this machine)")
+    p.add_argument("--nodes", type=int, default=1, help="cluster machines (default 1)")
+    p = command("graph", "Draw the graph's DAG to a .png, .svg or .mmd (mermaid) file.", _graph)
+    p.add_argument("graph", help="graph YAML file")
+    p.add_argument("-o", "--out", required=True, help="output file: .png, .svg or .mmd")
+    command("ops", "List every operator: columns in/out with Arrow types, cardinality, params.", _ops)
+    p = command("run", "Compile the graph and train (on Ray, or in-process with --executor local).", _run)
+    p.add_argument("graph", help="graph YAML file")
+    p.add_argument("--executor", choices=["ray", "local"], default="ray", help="default: ray")
+    p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--steps", type=int, help="override run.steps")
+    p = command("models", "Manage built-in models.", None)
+    msub = p.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    b = msub.add_parser("build", help="Build (train) a built-in model into the cache.",
+                        description="Build (train) a built-in model into the cache.",
+                        epilog=f"example:\n  {EXAMPLES['models']}",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("name", help="built-in model name, e.g. tiny-adder")
+    b.add_argument("--force", action="store_true", help="rebuild even when cached")
+    b.set_defaults(func=_models_build)
+    p = command("ui", "Open the MLflow UI on the runs' tracking store.", _ui)
+    p.add_argument("--port", type=int, default=5000, help="default 5000")
+    return parser
+
+
+def _compile(path: str, cluster=None):
+    from dapo_flow.compiler import compile_graph
+    from dapo_flow.registry import load_plugins
+
+    load_plugins()
+    return compile_graph(path, cluster)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    placed = _compile(args.graph)
+    p = placed.plan
+    Console().print(f"[green]ok[/]: {args.graph}: graph '{p.spec.name}', {len(p.nodes)} nodes, "
+                    f"{len(placed.stages)} stages", highlight=False)
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from dapo_flow.compiler import explain
+    from dapo_flow.plan import Cluster
+
+    cluster = None
+    if args.cpus is not None or args.gpus is not None:
+        local = Cluster.local()
+        cluster = Cluster(cpus=args.cpus if args.cpus is not None else local.cpus,
+                          gpus=args.gpus if args.gpus is not None else local.gpus, nodes=args.nodes)
+    sys.stdout.write(explain(_compile(args.graph, cluster)))
+    return 0
+
+
+def _graph(args: argparse.Namespace) -> int:
+    from dapo_flow.drawing import draw
+
+    out = draw(_compile(args.graph), args.out)
+    Console().print(f"wrote {out}", highlight=False)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    placed = _compile(args.graph)
+    try:
+        from dapo_flow.runtime import execute
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("dapo_flow.runtime",):
+            raise
+        raise DapoFlowError("the runtime is not built yet (dapo_flow.runtime is missing)") from None
+    execute(placed, executor=args.executor, address=args.address, resume=args.resume, steps=args.steps)
+    return 0
+
+
+def _models_build(args: argparse.Namespace) -> int:
+    try:
+        from dapo_flow.models import build_builtin
+    except ImportError as exc:
+        raise DapoFlowError(f"the model builder is not available: {exc}") from None
+    path = build_builtin(args.name, force=args.force)
+    Console().print(f"built {args.name} at {path}", highlight=False)
+    return 0
+
+
+def _ui(args: argparse.Namespace) -> int:
+    try:
+        from dapo_flow.tracking import default_tracking_uri
+    except ImportError as exc:
+        raise DapoFlowError(f"tracking is not available: {exc}") from None
+    uri = default_tracking_uri()
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
+           "--host", "127.0.0.1", "--port", str(args.port), "--workers", "1"]
+    Console(stderr=True).print(f"MLflow UI on http://127.0.0.1:{args.port}  (store: {uri})",
+                               highlight=False)
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    return subprocess.call(cmd, env=env)
+
+
+# --- ops ------------------------------------------------------------------------------
+
+
+def _ops(args: argparse.Namespace) -> int:
+    from dapo_flow.compiler import type_name
+    from dapo_flow.contract import produces, requires
+    from dapo_flow.registry import CUSTOM_OP, load_plugins
+
+    out = Console(highlight=False, soft_wrap=True)
+    for name, cls in load_plugins().items():
+        doc = inspect.getdoc(sys.modules[cls.__module__]) or inspect.getdoc(cls) or ""
+        model = "runs a model (needs `model:`)" if cls.NEEDS_MODEL else "CPU, in the driver"
+        out.print(f"[bold cyan]{name}[/]  [dim]{cls.CARDINALITY}, {model}[/]")
+        out.print(textwrap.indent(doc.split("\n\n")[0], "  "), markup=False)
+        defaults = cls.Params()
+        for label, cols in (("in ", requires(cls, defaults)), ("out", produces(cls, defaults))):
+            text = ", ".join(f"{c}: {type_name(t)}" for c, t in cols.items()) or "-"
+            out.print(f"  [bold]{label}[/] {text}", markup=True)
+        dynamic = [w for w in ("requires", "produces") if callable(getattr(cls, w, None))]
+        if dynamic:
+            out.print(f"  [dim](columns shown for default params; {' and '.join(dynamic)} depend on params)[/]")
+        docs = _field_docs(cls.Params)
+        out.print("  [bold]params[/]")
+        for field, info in cls.Params.model_fields.items():
+            default = "required" if info.is_required() else f"= {info.get_default(call_default_factory=True)!r}"
+            bounds = ", ".join(_bounds(info))
+            out.print(f"    {field}: {_type_str(info.annotation)} {default}"
+                      + (f"  [{bounds}]" if bounds else ""), markup=False)
+            if docs.get(field):
+                out.print(textwrap.indent(docs[field], "        "), markup=False, style="dim")
+        out.print()
+    out.print(f"[bold cyan]{CUSTOM_OP}[/]  your own class: `op: custom` with `impl: module:Class` "
+              "or `impl: file.py:Class` (see dapo_flow/contract.py)")
+    return 0
+
+
+def _field_docs(params: type) -> dict[str, str]:
+    """Attribute docstrings of a Params class (pydantic's description when set)."""
+    docs = {k: f.description for k, f in params.model_fields.items() if f.description}
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(params))).body[0].body
+    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
+        return docs
+    for stmt, nxt in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs.setdefault(stmt.target.id, inspect.cleandoc(nxt.value.value))
+    return docs
+
+
+def _bounds(info) -> list[str]:
+    ops = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "min_length": "min length",
+           "max_length": "max length"}
+    return [f"{sym} {getattr(m, key)}" for m in info.metadata for key, sym in ops.items()
+            if hasattr(m, key)]
+
+
+def _type_str(ann) -> str:
+    origin = typing.get_origin(ann)
+    if origin is typing.Literal:
+        return " | ".join(repr(v) for v in typing.get_args(ann))
+    if origin is not None and origin.__name__ in ("Union", "UnionType"):
+        return " | ".join(_type_str(a) for a in typing.get_args(ann))
+    if ann is type(None):
+        return "None"
+    return ann.__name__ if isinstance(ann, type) and origin is None else str(ann).replace("typing.", "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

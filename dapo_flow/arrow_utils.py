@@ -1,0 +1,69 @@
+"""Arrow <-> numpy/torch adapters for ragged token columns, vectorized via list offsets."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from dapo_flow import columns as C
+
+
+def _flat(col: pa.ChunkedArray | pa.Array) -> pa.ListArray:
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    return arr
+
+
+def ragged_to_padded(
+    col: pa.ChunkedArray | pa.Array, *, pad: float | int = 0, dtype=None
+) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as a right-padded 2-D array plus row lengths.
+
+    Shape: (rows,) list column -> (rows, max_len) values, (rows,) int64 lengths.
+    """
+    arr = _flat(col)
+    offsets = arr.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = offsets - offsets[0]
+    values = arr.flatten().to_numpy(zero_copy_only=False)
+    lengths = np.diff(offsets)
+    width = int(lengths.max()) if len(lengths) else 0
+    out = np.full((len(lengths), width), pad, dtype=dtype or values.dtype)
+    # row index and position of every flat value: one scatter, no Python loop over rows
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    pos = np.arange(len(values)) - np.repeat(offsets[:-1], lengths)
+    out[rows, pos] = values
+    return out, lengths
+
+
+def padded_to_ragged(values: np.ndarray, lengths: np.ndarray, type_: pa.DataType) -> pa.ListArray:
+    """Inverse of :func:`ragged_to_padded`: keep the first ``lengths[i]`` values of row i."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    mask = np.arange(values.shape[1])[None, :] < lengths[:, None] if values.ndim == 2 else None
+    flat = values[mask] if mask is not None else np.zeros(0, values.dtype)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(
+        pa.array(offsets, pa.int32()), pa.array(flat, type=type_.value_type)
+    )
+
+
+def token_lists(col: pa.ChunkedArray | pa.Array) -> list[list[int]]:
+    """A list<int32> column as Python lists (what model backends take)."""
+    return _flat(col).to_pylist()
+
+
+def with_columns(table: pa.Table, new: Mapping[str, pa.Array | np.ndarray | Sequence]) -> pa.Table:
+    """``table`` plus (or with replaced) columns, typed from ``columns.SCHEMA`` when known."""
+    for name, values in new.items():
+        type_ = C.SCHEMA.get(name)
+        arr = values if isinstance(values, (pa.Array, pa.ChunkedArray)) else pa.array(values, type=type_)
+        if type_ is not None and arr.type != type_:
+            arr = arr.cast(type_)
+        idx = table.schema.get_field_index(name)
+        table = table.set_column(idx, name, arr) if idx >= 0 else table.append_column(name, arr)
+    return table
+
+
+def float_column(table: pa.Table, name: str) -> np.ndarray:
+    """A scalar column as float32 numpy (nulls are an error upstream, not here)."""
+    return table.column(name).to_numpy().astype(np.float32, copy=False)

@@ -1,0 +1,77 @@
+"""Column names and their Arrow types: the one place they are spelled.
+
+Every operator declares its inputs and outputs with these constants; the compiler
+propagates them along the graph's edges so miswiring fails before Ray starts.
+Token sequences are ``list<int32>``, per-token values ``list<float32>``, and
+per-sequence scalars ``float32``.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+TOKENS = pa.list_(pa.int32())
+TOKEN_FLOATS = pa.list_(pa.float32())
+
+# --- prompt rows (the graph's `prompts` source) -------------------------------
+PROMPT_ID = "prompt_id"  # group id: all samples of one prompt share it (by value)
+PROMPT_TEXT = "prompt_text"
+PROMPT_IDS = "prompt_ids"  # prompt token ids after the chat template
+GROUND_TRUTH = "ground_truth"
+DATA_SOURCE = "data_source"
+
+# --- rollout rows (one per sample) --------------------------------------------
+SAMPLE_IDX = "sample_idx"
+RESPONSE_IDS = "response_ids"
+RESPONSE_TEXT = "response_text"
+RESPONSE_LEN = "response_len"  # valid response tokens, EOS included
+TRUNCATED = "truncated"  # hit max_tokens without EOS
+ROLLOUT_LOGP = "rollout_logp"  # sampled-token logprobs from the rollout engine
+
+# --- rewards --------------------------------------------------------------------
+SCORE = "score"  # verifier score before shaping
+ACC = "acc"  # 1.0 if correct else 0.0; kept before the overlong penalty
+OVERLONG_PENALTY = "overlong_penalty"
+REWARD = "reward"  # sequence reward after shaping; lands on the last valid token
+
+# --- training -------------------------------------------------------------------
+OLD_LOGP = "old_logp"  # recomputed by the trainer before the update
+REF_LOGP = "ref_logp"
+ENTROPY = "entropy"
+ADVANTAGE = "advantage"  # per sequence; broadcast over response tokens by `update`
+LOSS_MASK = "loss_mask"  # per sequence; False rows contribute no loss (overlong filtering)
+
+SCHEMA: dict[str, pa.DataType] = {
+    PROMPT_ID: pa.string(),
+    PROMPT_TEXT: pa.string(),
+    PROMPT_IDS: TOKENS,
+    GROUND_TRUTH: pa.string(),
+    DATA_SOURCE: pa.string(),
+    SAMPLE_IDX: pa.int32(),
+    RESPONSE_IDS: TOKENS,
+    RESPONSE_TEXT: pa.string(),
+    RESPONSE_LEN: pa.int32(),
+    TRUNCATED: pa.bool_(),
+    ROLLOUT_LOGP: TOKEN_FLOATS,
+    SCORE: pa.float32(),
+    ACC: pa.float32(),
+    OVERLONG_PENALTY: pa.float32(),
+    REWARD: pa.float32(),
+    OLD_LOGP: TOKEN_FLOATS,
+    REF_LOGP: TOKEN_FLOATS,
+    ENTROPY: TOKEN_FLOATS,
+    ADVANTAGE: pa.float32(),
+    LOSS_MASK: pa.bool_(),
+}
+
+PROMPT_COLUMNS = (PROMPT_ID, PROMPT_TEXT, PROMPT_IDS, GROUND_TRUTH, DATA_SOURCE)
+
+
+def typed(*names: str) -> dict[str, pa.DataType]:
+    """``{name: arrow type}`` for known column names, in the order given."""
+    return {name: SCHEMA[name] for name in names}
+
+
+def prompt_schema() -> pa.Schema:
+    """Schema of the tables the `prompts` source feeds into the graph."""
+    return pa.schema([(name, SCHEMA[name]) for name in PROMPT_COLUMNS])

@@ -1,0 +1,91 @@
+"""The operator contract: what every built-in or custom operator class provides.
+
+An operator is a plain class (no base class to inherit from):
+
+- ``Params``: a frozen Pydantic model (``extra="forbid"``), every field documented.
+- ``REQUIRES`` / ``PRODUCES``: ``{column: arrow type}`` (see ``dapo_flow.columns``). An
+  operator whose columns depend on its params defines ``requires(params)`` /
+  ``produces(params)`` classmethods instead; :func:`requires` / :func:`produces` read either.
+- ``CARDINALITY``: ``map`` (one row out per row in), ``filter`` (drops whole rows; with
+  ``group`` semantics it drops whole prompt groups), ``expand`` (several rows per row in,
+  e.g. n samples per prompt), or ``sink`` (consumes the batch, returns a one-row metrics table).
+- ``NEEDS_MODEL``: whether the node must name a model (``model:``) and runs in its actor.
+- ``__init__(params, ctx)``, ``__call__(batch: pa.Table) -> pa.Table``, and optionally
+  ``last_metrics() -> dict[str, float]`` for what the last call measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Protocol, runtime_checkable
+
+import pyarrow as pa
+from pydantic import BaseModel
+
+Cardinality = Literal["map", "filter", "group-filter", "expand", "sink"]
+CARDINALITIES: tuple[str, ...] = ("map", "filter", "group-filter", "expand", "sink")
+
+
+@dataclass
+class OpContext:
+    """What an operator instance may use at run time, handed in by the runtime.
+
+    ``model`` is the loaded model resource of the node's ``model:`` (None for CPU ops);
+    ``models`` maps every model name the worker hosts to its resource.
+    """
+
+    node_id: str
+    seed: int = 0
+    model: Any = None
+    models: Mapping[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Operator(Protocol):
+    Params: type[BaseModel]
+    CARDINALITY: str
+    NEEDS_MODEL: bool
+
+    def __call__(self, batch: pa.Table) -> pa.Table: ...
+
+
+def requires(op_cls: type, params: BaseModel) -> dict[str, pa.DataType]:
+    """Input columns of ``op_cls`` configured with ``params``."""
+    fn = getattr(op_cls, "requires", None)
+    return dict(fn(params)) if callable(fn) else dict(getattr(op_cls, "REQUIRES", {}))
+
+
+def produces(op_cls: type, params: BaseModel) -> dict[str, pa.DataType]:
+    """Output columns ``op_cls`` adds (map/expand) or emits (sink) with ``params``."""
+    fn = getattr(op_cls, "produces", None)
+    return dict(fn(params)) if callable(fn) else dict(getattr(op_cls, "PRODUCES", {}))
+
+
+def contract_problems(op_cls: Any) -> list[str]:
+    """Everything wrong with a class as an operator; [] when it satisfies the contract."""
+    problems: list[str] = []
+    params = getattr(op_cls, "Params", None)
+    if not (isinstance(params, type) and issubclass(params, BaseModel)):
+        problems.append("needs a nested `Params` class that is a pydantic BaseModel")
+    else:
+        cfg = params.model_config
+        if cfg.get("extra") != "forbid" or not cfg.get("frozen"):
+            problems.append(
+                "`Params` must set model_config = ConfigDict(frozen=True, extra='forbid')"
+            )
+    if getattr(op_cls, "CARDINALITY", None) not in CARDINALITIES:
+        problems.append(f"`CARDINALITY` must be one of {', '.join(CARDINALITIES)}")
+    for name in ("REQUIRES", "PRODUCES"):
+        method = name.lower()
+        value = getattr(op_cls, name, None)
+        if value is None and not callable(getattr(op_cls, method, None)):
+            problems.append(f"needs `{name}` (column -> arrow type) or a `{method}(params)`")
+        elif value is not None and not all(
+            isinstance(k, str) and isinstance(v, pa.DataType) for k, v in dict(value).items()
+        ):
+            problems.append(f"`{name}` must map column names to pyarrow DataTypes")
+    if not isinstance(getattr(op_cls, "NEEDS_MODEL", None), bool):
+        problems.append("needs `NEEDS_MODEL = True/False`")
+    if not callable(getattr(op_cls, "__call__", None)):
+        problems.append("needs `__call__(self, batch: pa.Table) -> pa.Table`")
+    return problems

@@ -1,0 +1,62 @@
+"""User-facing errors. The CLI prints any DapoFlowError and exits 2, never a traceback."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class DapoFlowError(Exception):
+    """Base: a user-facing error; the CLI prints it and exits 2."""
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    """One problem found in a graph, located as precisely as we can."""
+
+    file: str
+    line: int
+    node: str  # node id, or "" for graph-level fields
+    field: str  # dotted field path, e.g. "params.clip_high"
+    message: str
+    hint: str = ""
+
+    def render(self) -> str:
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        who = f" node '{self.node}'" if self.node else ""
+        what = f" {self.field}:" if self.field else ""
+        fix = f"\n    fix: {self.hint}" if self.hint else ""
+        return f"{where}:{who}{what} {self.message}{fix}"
+
+
+class GraphError(DapoFlowError):
+    """The graph is invalid; carries every problem found, sorted by location."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = sorted(problems)
+        n = len(self.problems)
+        head = f"{n} problem{'s' if n != 1 else ''} in the graph:"
+        super().__init__("\n".join([head, *("  " + p.render() for p in self.problems)]))
+
+
+class SchemaError(GraphError):
+    """An operator's input columns are missing upstream or have the wrong Arrow type."""
+
+
+class UnknownOperatorError(GraphError):
+    """A node names an op that is not in the registry."""
+
+
+class OperatorContractError(DapoFlowError):
+    """A custom operator class does not satisfy the operator contract."""
+
+
+class ModelError(DapoFlowError):
+    """A model path/builtin cannot be resolved or loaded."""
+
+
+class DataError(DapoFlowError):
+    """A prompt data source is missing or has bad rows."""
+
+
+class RunError(DapoFlowError):
+    """The run cannot go on (cap reached with policy 'error', dead actor, timeout...)."""

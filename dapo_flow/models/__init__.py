@@ -1,0 +1,119 @@
+"""Policy backends and model resolution.
+
+``resolve_model("builtin:tiny-adder")`` builds the tiny model on first use and caches it under
+``dapo_flow_home()/models``; any other string must be a local Hugging Face causal-LM directory
+(nothing is downloaded from the Hub). Backends: ``models.hf.HFPolicy`` (torch) and
+``models.vllm_engine.VLLMGenerator``. Importing this package loads neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from dapo_flow.errors import ModelError
+from dapo_flow.home import dapo_flow_home
+
+BUILTIN_PREFIX = "builtin:"
+FIX = "point `path:` at a local Hugging Face model directory (config.json + weights)"
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # e.g. LlamaForCausalLM, GPT2LMHeadModel
+
+
+def _tiny_adder(out_dir: Path, progress: bool) -> Path:
+    from dapo_flow.models.tiny_adder import build_tiny_adder
+
+    return build_tiny_adder(out_dir, progress=progress)
+
+
+def _tiny_adder_version() -> int:
+    from dapo_flow.models.tiny_adder import RECIPE_VERSION
+
+    return RECIPE_VERSION
+
+
+# name -> (builder(out_dir, progress), recipe version); the version is part of the cache path
+BUILTINS: dict[str, tuple[Callable[[Path, bool], Path], Callable[[], int]]] = {
+    "tiny-adder": (_tiny_adder, _tiny_adder_version),
+}
+
+
+def builtin_dir(name: str) -> Path:
+    """Cache directory of a builtin model (it may not exist yet)."""
+    if name not in BUILTINS:
+        raise ModelError(f"unknown builtin model '{BUILTIN_PREFIX}{name}'; builtins: {_builtin_names()}")
+    return dapo_flow_home() / "models" / f"{name}-v{BUILTINS[name][1]()}"
+
+
+def build_builtin(name: str, *, force: bool = False, progress: bool = True) -> Path:
+    """Build a builtin model into the cache (unless cached and not ``force``); returns its dir.
+
+    Safe across processes: builds into a temp dir beside the target under a file lock, then
+    renames it into place, so readers never see a half-written model.
+    """
+    from filelock import FileLock
+
+    final = builtin_dir(name)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        if final.is_dir() and not force:
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+        try:
+            BUILTINS[name][0](tmp, progress)
+            tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache is meant to be shared
+            if final.exists():  # force: move the old build aside first, rename is atomic
+                old = Path(tempfile.mkdtemp(prefix=f".{final.name}-old-", dir=final.parent))
+                os.rename(final, old / final.name)
+                shutil.rmtree(old)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve_model(path: str, *, progress: bool = True) -> Path:
+    """A model directory for ``path``: a builtin (built and cached on first use) or a local dir."""
+    if path.startswith(BUILTIN_PREFIX):
+        name = path[len(BUILTIN_PREFIX) :]
+        cached = builtin_dir(name)
+        return cached if cached.is_dir() else build_builtin(name, progress=progress)
+    model_dir = Path(path).expanduser()
+    if not model_dir.exists():
+        raise ModelError(f"model path '{path}' does not exist; {FIX}, or use one of {_builtin_names()}")
+    if not model_dir.is_dir():
+        raise ModelError(f"model path '{path}' is a file, not a directory; {FIX}")
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"model path '{path}' has no config.json; {FIX}")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{config_file} is not valid JSON ({exc}); {FIX}") from None
+    problem = _not_causal_lm(config)
+    if problem:
+        raise ModelError(f"model path '{path}': {problem}; {FIX} of a causal (decoder-only) LM")
+    return model_dir.resolve()
+
+
+def _not_causal_lm(config: dict) -> str | None:
+    """Why ``config`` does not describe a causal LM, or None when it does."""
+    archs = config.get("architectures") or []
+    if any(a.endswith(CAUSAL_LM_SUFFIXES) for a in archs):
+        return None
+    model_type = config.get("model_type")
+    if not archs and model_type:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            return None
+    if not archs and not model_type:
+        return "config.json names neither `architectures` nor `model_type`"
+    return f"config.json describes {', '.join(archs) or model_type!r}, not a causal LM"
+
+
+def _builtin_names() -> str:
+    return ", ".join(BUILTIN_PREFIX + n for n in BUILTINS)

@@ -1,0 +1,312 @@
+"""Hugging Face (torch) policy: batched sampling with exact logprobs, logprob recomputation, weights.
+
+Layout used everywhere (verl's): prompts LEFT-padded to width P, responses RIGHT-padded to
+width R, so every response starts at column P and the logits that predict it are columns
+P-1 .. P+R-2. Position ids count only real tokens (``cumsum(mask) - 1``), which makes a row's
+logprobs independent of how much padding its batch needed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from dapo_flow.errors import ModelError
+from dapo_flow.models.sampling import Rollouts, SamplingConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shape: ragged -> ids (B, width) long, mask (B, width) long; tokens flush right."""
+    width = max(map(len, seqs), default=0) if width is None else width
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.as_tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+def right_pad(seqs: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shape: ragged -> ids (B, width) long, mask (B, width) long; tokens flush left."""
+    width = max(map(len, seqs), default=0) if width is None else width
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+            mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Padding-aware position ids: 0 at each row's first real token. Shape: (B, T) -> (B, T)."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[target] without materializing the log-softmax. Shape: (..., V), (...) -> (...)."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits). Shape: (..., V) -> (...)."""
+    logits = logits.float()
+    probs = logits.softmax(-1)
+    return logits.logsumexp(-1) - (probs * logits).sum(-1)
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits with tokens outside the top-k / nucleus set to -inf (the top token always kept)."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p  # mass before this token already >= p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class HFPolicy:
+    """A causal LM held in torch: rollouts, logprobs (optionally with grad), weight export/import."""
+
+    max_batch_samples: int = 2048  # rows per generation batch; prompts*n above this are chunked
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        seed: int = 0,
+        trainable: bool = False,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from dapo_flow.models import resolve_model
+
+        if dtype not in DTYPES:
+            raise ModelError(f"unknown dtype '{dtype}'; use one of {sorted(DTYPES)}")
+        self.path = resolve_model(str(path))
+        self.device = torch.device(device)
+        self.seed = seed
+        torch.manual_seed(seed)  # anything stochastic inside the model (none for Llama: no dropout)
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype]).to(self.device)
+        self.model.eval()  # no dropout in RL: rollout and training must see the same function
+        self.model.requires_grad_(trainable)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.eos_ids = self._eos_ids()
+        self.eos_id = self.eos_ids[0]
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.eos_id  # pads are masked; any id works
+
+    def _eos_ids(self) -> list[int]:
+        """All stop ids: the tokenizer's EOS first, then generation_config's (may be a list)."""
+        ids: list[int] = []
+        gen_cfg = getattr(self.model, "generation_config", None)
+        for value in (self.tokenizer.eos_token_id, getattr(gen_cfg, "eos_token_id", None)):
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if v is not None and int(v) not in ids:
+                    ids.append(int(v))
+        if not ids:
+            raise ModelError(f"{self.path}: no EOS token in the tokenizer or generation_config.json")
+        return ids
+
+    # --- sampling -------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig) -> Rollouts:
+        """``cfg.n`` samples per prompt; deterministic given ``cfg.seed`` and the batch chunking."""
+        start = time.perf_counter()
+        gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        truncated: list[bool] = []
+        for chunk in self._prompt_chunks(prompt_ids, cfg.n):
+            r, lp, tr = self._generate_batch(chunk, cfg, gen)
+            responses += r
+            logprobs += lp
+            truncated += tr
+        prompt_index, sample_idx = Rollouts.layout(len(prompt_ids), cfg.n)
+        return Rollouts(
+            prompt_index=prompt_index,
+            sample_idx=sample_idx,
+            response_ids=responses,
+            logprobs=logprobs,
+            truncated=np.asarray(truncated, dtype=bool),
+            tokens_generated=sum(map(len, responses)),
+            seconds=time.perf_counter() - start,
+        )
+
+    def _prompt_chunks(self, prompt_ids: list[list[int]], n: int) -> Iterator[list[list[int]]]:
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ModelError("generate: empty prompt (every prompt needs at least one token, e.g. BOS)")
+        per_chunk = max(1, self.max_batch_samples // n)
+        for i in range(0, len(prompt_ids), per_chunk):
+            yield prompt_ids[i : i + per_chunk]
+
+    @torch.inference_mode()
+    def _generate_batch(
+        self, prompts: list[list[int]], cfg: SamplingConfig, gen: torch.Generator
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        ids, mask = left_pad(prompts, self.pad_id)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        # Prefill each prompt once, then fan its KV cache out to its n samples.
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1
+        )
+        cache = out.past_key_values
+        logits = out.logits[:, -1].float().repeat_interleave(cfg.n, 0)  # (S, V)
+        if cfg.n > 1:
+            cache.batch_repeat_interleave(cfg.n)
+        mask = mask.repeat_interleave(cfg.n, 0)
+        next_pos = mask.sum(-1, keepdim=True)  # (S, 1): position of the first response token
+        num = logits.shape[0]
+        eos = torch.tensor(self.eos_ids, device=self.device)
+        tokens = torch.full((num, cfg.max_tokens), self.pad_id, dtype=torch.long, device=self.device)
+        lps = torch.zeros((num, cfg.max_tokens), dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(num, dtype=torch.long, device=self.device)
+        done = torch.zeros(num, dtype=torch.bool, device=self.device)
+        for t in range(cfg.max_tokens):
+            tok, lp = self._sample(logits, cfg, gen)
+            tokens[:, t] = tok.masked_fill(done, self.pad_id)
+            lps[:, t] = lp
+            lengths += (~done).long()
+            done |= torch.isin(tok, eos)
+            if t + 1 == cfg.max_tokens or bool(done.all()):
+                break
+            # Finished rows keep decoding (cheaper than compacting the cache); their tokens are dropped.
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = self.model(
+                input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                past_key_values=cache, use_cache=True,
+            )
+            logits = out.logits[:, -1].float()
+            next_pos = next_pos + 1
+        lens = lengths.tolist()
+        tok_rows, lp_rows = tokens.tolist(), lps.tolist()
+        responses = [row[:n] for row, n in zip(tok_rows, lens)]
+        return responses, [row[:n] for row, n in zip(lp_rows, lens)], (~done).tolist()
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next tokens and their logprobs under log_softmax(logits / T). Shape: (S, V) -> (S,), (S,)."""
+        if cfg.temperature == 0:
+            tok = logits.argmax(-1)
+            return tok, token_logprobs(logits, tok)
+        scaled = logits / cfg.temperature
+        probs = filter_top_k_top_p(scaled, cfg.top_k, cfg.top_p).softmax(-1)
+        tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+        return tok, token_logprobs(scaled, tok)
+
+    # --- logprob recomputation --------------------------------------------------------------------
+
+    def pack(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Model inputs for prompt+response rows (prompt left-padded, response right-padded).
+
+        Shape: input_ids / attention_mask / position_ids (B, P+R); response_ids and
+        response_mask (B, R); response_start () = P, so the logits predicting the response are
+        ``logits[:, P-1 : P+R-1]``.
+        """
+        if len(prompt_ids) != len(response_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+        p_ids, p_mask = left_pad(prompt_ids, self.pad_id)
+        r_ids, r_mask = right_pad(response_ids, self.pad_id, max(1, max(map(len, response_ids), default=1)))
+        mask = torch.cat([p_mask, r_mask], dim=1)
+        return {
+            "input_ids": torch.cat([p_ids, r_ids], dim=1),
+            "attention_mask": mask,
+            "position_ids": positions(mask),
+            "response_ids": r_ids,
+            "response_mask": r_mask.bool(),
+            "response_start": torch.tensor(p_ids.shape[1]),
+        }
+
+    def response_logprobs(
+        self,
+        prompt_ids: list[list[int]],
+        response_ids: list[list[int]],
+        *,
+        temperature: float = 1.0,
+        micro_batch_size: int = 64,
+        with_entropy: bool = False,
+        grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Per-token log p(response | prompt) under ``softmax(logits / temperature)``.
+
+        ``grad=True``: one autograd pass over all rows (the caller micro-batches the update);
+        otherwise inference mode, ``micro_batch_size`` rows at a time.
+        Shape: -> logp (B, R) float32 (0 at padding), entropy (B, R) or None, response_mask (B, R) bool.
+        """
+        batch = {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
+        temp = temperature or 1.0  # greedy rollouts are scored at temperature 1
+        if grad:
+            logp, ent = self._logprobs_pass(batch, slice(None), temp, with_entropy)
+        else:
+            with torch.inference_mode():
+                parts = [
+                    self._logprobs_pass(batch, slice(i, i + micro_batch_size), temp, with_entropy)
+                    for i in range(0, len(prompt_ids), micro_batch_size)
+                ]
+            logp = torch.cat([p[0] for p in parts]) if parts else batch["response_mask"].float()
+            ent = torch.cat([p[1] for p in parts]) if with_entropy and parts else None
+        return logp, ent, batch["response_mask"]
+
+    def _logprobs_pass(
+        self, batch: dict[str, torch.Tensor], rows: slice, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        resp, resp_mask = batch["response_ids"][rows], batch["response_mask"][rows]
+        width = resp.shape[1]
+        out = self.model(
+            input_ids=batch["input_ids"][rows],
+            attention_mask=batch["attention_mask"][rows],
+            position_ids=batch["position_ids"][rows],
+            use_cache=False,
+            logits_to_keep=width + 1,  # only the positions that predict response tokens
+        )
+        logits = out.logits[:, :-1].float() / temperature  # (b, R, V)
+        logp = token_logprobs(logits, resp).masked_fill(~resp_mask, 0.0)
+        ent = entropy_from_logits(logits).masked_fill(~resp_mask, 0.0) if with_entropy else None
+        return logp, ent
+
+    # --- weights ----------------------------------------------------------------------------------
+
+    def named_weights(self) -> dict[str, np.ndarray]:
+        """float32 copies of every weight, ``lm_head.weight`` included even when tied."""
+        out = {k: v.detach().to("cpu", torch.float32, copy=True).numpy() for k, v in self.model.state_dict().items()}
+        if "lm_head.weight" not in out:  # tied embeddings: engines such as vLLM still want it
+            head = self.model.get_output_embeddings().weight
+            out["lm_head.weight"] = head.detach().to("cpu", torch.float32, copy=True).numpy()
+        return out
+
+    def load_named_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Copy ``weights`` (as from :meth:`named_weights`) into the model, in place."""
+        params = self.model.state_dict()
+        missing = sorted(set(params) - set(weights))
+        unknown = sorted(set(weights) - set(params) - {"lm_head.weight"})
+        if missing or unknown:
+            raise ModelError(f"weights do not match the model: missing {missing[:5]}, unexpected {unknown[:5]}")
+        with torch.no_grad():
+            for name, value in weights.items():
+                if name not in params:
+                    continue  # lm_head.weight of a tied model: same tensor as the embedding
+                target = params[name]
+                if tuple(target.shape) != tuple(value.shape):
+                    raise ModelError(f"weight '{name}': shape {tuple(value.shape)} != model's {tuple(target.shape)}")
+                target.copy_(torch.from_numpy(np.asarray(value)))
+
+    def save(self, out_dir: Path | str) -> Path:
+        """A Hugging Face model directory (weights, config, tokenizer) that ``path:`` can point at."""
+        out = Path(out_dir)
+        self.model.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        return out

@@ -1,0 +1,235 @@
+"""The RL loop, top to bottom in named phases:
+
+rollout until the group filter has enough groups -> train segment (old/ref logprobs ->
+advantages -> update) -> weight sync -> log -> validate -> checkpoint.
+
+Variants are nodes of the graph, never `if` branches here: the loop only knows the
+plan's segments (rollout, train), its group filter and its weight syncs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+
+from dapo_flow import columns as C
+from dapo_flow.errors import RunError
+from dapo_flow.runtime.metrics import MetricAccumulator, batch_stats, concat, first_row
+from dapo_flow.runtime.sampler import PromptSampler
+from dapo_flow.runtime.worker import StageWorker
+from dapo_flow.spec import PROMPTS_SOURCE
+
+DRIVER = "driver"
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # completed steps
+    carry: pa.Table | None = None  # kept groups beyond prompts_per_step (carry_surplus)
+    samples_generated: int = 0
+    wall_seconds: float = 0.0
+
+
+@dataclass
+class Rollout:
+    batch: pa.Table | None  # None: skip this step
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Runner:
+    """Executes a placed plan's nodes on the driver worker and the executor's actors."""
+
+    def __init__(self, placed, executor, driver: StageWorker, sampler: PromptSampler):
+        self.placed = placed
+        self.plan = placed.plan
+        self.run = self.plan.spec.run
+        self.ex = executor
+        self.driver = driver
+        self.sampler = sampler
+        self.nodes = {n.id: n for n in self.plan.nodes}
+        self.stage_of = dict(placed.node_stage)
+        self.chunk = self.run.chunk_prompts
+
+    # --- node execution --------------------------------------------------------
+    def _submit(self, nid: str, table: pa.Table):
+        stage = self.stage_of[nid]
+        if stage == DRIVER:
+            return self.driver.run(nid, table)
+        return self.ex.call(stage, "run", nid, table)
+
+    def _finish(self, handle, nid: str, acc: MetricAccumulator) -> pa.Table:
+        out, metrics, seconds = handle if self.stage_of[nid] == DRIVER else self.ex.get(handle)
+        acc.add(metrics)
+        acc.add({f"time/{nid}": seconds})
+        return out
+
+    def _input(self, nid: str, outs: dict[str, pa.Table]) -> pa.Table:
+        tables = [outs[i] for i in self.nodes[nid].inputs]
+        merged = tables[0]
+        for other in tables[1:]:  # row-aligned join: add the columns the first lacks
+            for name in other.column_names:
+                if name not in merged.column_names:
+                    merged = merged.append_column(name, other.column(name))
+        return merged
+
+    def run_nodes(self, ids, feeds: dict[str, pa.Table], acc: MetricAccumulator,
+                  first_done: tuple[str, Any] | None = None) -> dict[str, pa.Table]:
+        outs = dict(feeds)
+        for nid in ids:
+            if first_done is not None and nid == first_done[0]:
+                outs[nid] = self._finish(first_done[1], nid, acc)
+                continue
+            outs[nid] = self._finish(self._submit(nid, self._input(nid, outs)), nid, acc)
+        return outs
+
+    # --- phase 1: rollout with dynamic sampling ---------------------------------
+    def rollout_batch(self, prompts: pa.Table, acc: MetricAccumulator) -> pa.Table:
+        """One generation batch through the rollout segment, streamed in chunks: every
+        chunk's generation is queued on its actor at once, and each finished chunk flows
+        on to scoring / shaping / filtering while later chunks still generate."""
+        ids = self.plan.rollout
+        size = self.chunk or prompts.num_rows
+        chunks = [prompts.slice(i, size) for i in range(0, prompts.num_rows, size)]
+        head = ids[0]
+        stream = self.stage_of[head] != DRIVER and self.nodes[head].inputs == (PROMPTS_SOURCE,)
+        handles = [self._submit(head, c) for c in chunks] if stream else [None] * len(chunks)
+        kept = []
+        for chunk, handle in zip(chunks, handles):
+            first = (head, handle) if stream else None
+            outs = self.run_nodes(ids, {PROMPTS_SOURCE: chunk}, acc, first_done=first)
+            kept.append(outs[self.plan.group_filter])
+        return concat(kept)
+
+    def collect(self, state: LoopState) -> Rollout:
+        acc = MetricAccumulator()
+        need = self.run.prompts_per_step
+        if self.plan.group_filter is None:  # no dynamic sampling: the train segment generates
+            return Rollout(self.sampler.next(need), {})
+        fparams = self.nodes[self.plan.group_filter].params
+        per_batch = self.run.gen_prompts_per_batch or need
+        kept = [state.carry] if state.carry is not None else []
+        state.carry = None
+        groups, batches, generated = _n_groups(concat(kept)), 0, 0
+        while groups < need:
+            if fparams.max_gen_batches and batches >= fparams.max_gen_batches:
+                if fparams.on_cap == "error":
+                    raise RunError(
+                        f"dynamic sampling kept {groups}/{need} prompt groups after {batches} "
+                        f"generation batches (group-filter max_gen_batches={fparams.max_gen_batches}). "
+                        "Fix: raise max_gen_batches or run.gen_prompts_per_batch, lower "
+                        "run.prompts_per_step, or set on_cap: train-on-what-we-have / skip-step"
+                    )
+                if fparams.on_cap == "skip-step" or groups == 0:
+                    return Rollout(None, {**acc.result(), "sampling/gen_batches": batches,
+                                          "sampling/capped": 1.0, "sampling/skipped": 1.0})
+                break
+            prompts = self.sampler.next(per_batch)
+            out = self.rollout_batch(prompts, acc)
+            generated += prompts.num_rows * _group_size(self.plan)
+            batches += 1
+            kept.append(out)
+            groups = _n_groups(concat(kept))
+        batch = concat(kept)
+        batch, surplus = _cut_groups(batch, need)
+        if self.run.carry_surplus and surplus is not None and surplus.num_rows:
+            state.carry = surplus
+        state.samples_generated += generated
+        metrics = acc.result()
+        metrics.update({
+            "sampling/gen_batches": float(batches),
+            "sampling/kept_groups": float(_n_groups(batch)),
+            "sampling/samples_generated": float(generated),
+            "sampling/generated_per_trained": float(generated / max(batch.num_rows, 1)),
+            "sampling/capped": float(groups < need),
+        })
+        return Rollout(batch, metrics)
+
+    # --- phase 2: train segment -------------------------------------------------
+    def train(self, rollout: Rollout) -> dict[str, float]:
+        acc = MetricAccumulator()
+        feeds = {PROMPTS_SOURCE: rollout.batch}
+        if self.plan.group_filter is not None:
+            feeds = {self.plan.group_filter: rollout.batch}
+        outs = self.run_nodes(self.plan.train, feeds, acc)
+        metrics = acc.result()
+        batch = None
+        for nid in self.plan.train:
+            node = self.nodes[nid]
+            if node.cardinality == "sink":
+                metrics.update(first_row(outs[nid]))
+            elif batch is None or outs[nid].num_columns >= batch.num_columns:
+                batch = outs[nid]
+        if batch is not None:
+            metrics.update(batch_stats(batch))
+        return metrics
+
+    # --- phase 3: weight sync ---------------------------------------------------
+    def sync(self) -> dict[str, float]:
+        seconds = 0.0
+        for update_id, model in self.plan.syncs:
+            src = self.stage_of[update_id]
+            for dst in self._generator_stages(model):
+                if dst == src:
+                    seconds += self.ex.get(self.ex.call(src, "sync_generators"))
+                else:
+                    weights = self.ex.call(src, "export_weights", model)
+                    seconds += self.ex.get(self.ex.call(dst, "import_weights", model, weights))
+        return {"time/weight_sync": seconds}
+
+    def _generator_stages(self, model: str) -> list[str]:
+        return sorted({self.stage_of[n.id] for n in self.plan.nodes
+                       if n.op == "generate" and n.model == model})
+
+    # --- phase 4: validation ------------------------------------------------------
+    def validate(self, val_prompts: pa.Table | None, log_samples: int) -> tuple[dict[str, float], list[dict]]:
+        gen = next((n for n in self.plan.nodes if n.op == "generate"), None)
+        score = next((n for n in self.plan.nodes if n.op == "score"), None)
+        if val_prompts is None or gen is None or score is None:
+            return {}, []
+        start = time.perf_counter()
+        overrides = {"temperature": self.run.val_temperature, "n": self.run.val_n}
+        stage = self.stage_of[gen.id]
+        if stage == DRIVER:
+            rolled = self.driver.run_variant(gen.id, val_prompts, overrides)
+        else:
+            rolled = self.ex.get(self.ex.call(stage, "run_variant", gen.id, val_prompts, overrides))
+        scored = self._finish(self._submit(score.id, rolled), score.id, MetricAccumulator())
+        metrics = {
+            "val/acc": float(np.mean(scored.column(C.ACC).to_numpy())),
+            "val/score": float(np.mean(scored.column(C.SCORE).to_numpy())),
+            "val/response_len_mean": float(np.mean(scored.column(C.RESPONSE_LEN).to_numpy())),
+            "time/validate": time.perf_counter() - start,
+        }
+        cols = [c for c in (C.PROMPT_TEXT, C.RESPONSE_TEXT, C.GROUND_TRUTH, C.SCORE, C.ACC) if c in scored.column_names]
+        samples = scored.select(cols).slice(0, log_samples).to_pylist()
+        return metrics, samples
+
+
+def _n_groups(table: pa.Table | None) -> int:
+    if table is None or table.num_rows == 0:
+        return 0
+    return len(np.unique(table.column(C.PROMPT_ID).to_numpy(zero_copy_only=False)))
+
+
+def _cut_groups(batch: pa.Table, need: int) -> tuple[pa.Table, pa.Table | None]:
+    """First ``need`` whole groups (in order of appearance) and the surplus (verl cuts by
+    rows and can split a group; we never do)."""
+    ids = batch.column(C.PROMPT_ID).to_numpy(zero_copy_only=False)
+    uniq, first = np.unique(ids, return_index=True)
+    if len(uniq) <= need:
+        return batch, None
+    chosen = uniq[np.argsort(first)][:need]
+    mask = np.isin(ids, chosen)
+    return batch.filter(pa.array(mask)), batch.filter(pa.array(~mask))
+
+
+def _group_size(plan) -> int:
+    gen = next((n for n in plan.nodes if n.op == "generate"), None)
+    return int(getattr(gen.params, "n", 1)) if gen is not None else 1
+
+
+ProgressFn = Callable[[int, dict[str, float]], None]

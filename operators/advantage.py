@@ -1,0 +1,67 @@
+"""advantage: outcome advantages per sequence (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline).
+
+GRPO: (r - group mean) / (unbiased group std + 1e-6), or r - mean with
+`norm_by_std: false` (Dr.GRPO). Groups are prompt ids by value. The per-sequence value
+is broadcast over the response tokens by `update`, exactly as verl's token-level form.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict
+
+from dapo_flow import algos
+from dapo_flow import columns as C
+from dapo_flow.arrow_utils import float_column, with_columns
+from dapo_flow.contract import OpContext
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    estimator: Literal["grpo", "rloo", "reinforce_pp_baseline"] = "grpo"
+    """Outcome advantage estimator."""
+    norm_by_std: bool = True
+    """GRPO only: divide by the group std (false = Dr.GRPO)."""
+    reward_column: Literal["reward", "score"] = "reward"
+    """Sequence reward to use: `reward` (after overlong shaping) or the raw `score`."""
+
+
+class Advantage:
+    """Adds one advantage per sequence."""
+
+    Params = Params
+    PRODUCES = C.typed(C.ADVANTAGE)
+    CARDINALITY = "map"
+    NEEDS_MODEL = False
+
+    @classmethod
+    def requires(cls, params: Params) -> dict[str, pa.DataType]:
+        return C.typed(C.PROMPT_ID, C.RESPONSE_LEN, params.reward_column)
+
+    def __init__(self, params: Params, ctx: OpContext):
+        self.params = params
+        self._metrics: dict[str, float] = {}
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        p = self.params
+        adv = algos.sequence_advantages(
+            float_column(batch, p.reward_column),
+            batch.column(C.PROMPT_ID).to_numpy(zero_copy_only=False),
+            p.estimator,
+            norm_by_std=p.norm_by_std,
+            lengths=batch.column(C.RESPONSE_LEN).to_numpy(),
+        )
+        if len(adv):
+            self._metrics = {
+                "adv/mean": float(adv.mean()),
+                "adv/abs_mean": float(abs(adv).mean()),
+                "adv/max": float(adv.max()),
+                "adv/min": float(adv.min()),
+            }
+        return with_columns(batch, {C.ADVANTAGE: adv})
+
+    def last_metrics(self) -> dict[str, float]:
+        return dict(self._metrics)

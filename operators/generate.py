@@ -1,0 +1,97 @@
+"""generate: sample n responses per prompt with the node's model (GRPO/DAPO rollout).
+
+One output row per sample; samples of a prompt are contiguous and share its
+``prompt_id`` (the group id). Rollout logprobs are log-softmax(logits / temperature)
+of the sampled tokens, as verl records them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field
+
+from dapo_flow import columns as C
+from dapo_flow.arrow_utils import token_lists, with_columns
+from dapo_flow.contract import OpContext
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    n: int = Field(8, ge=1, le=1024)
+    """Samples per prompt (the group size)."""
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling; -1 disables it."""
+    max_tokens: int = Field(16, ge=1, le=65536)
+    """Maximum response tokens (verl max_response_length)."""
+
+
+class Generate:
+    """Prompt rows in, n sample rows per prompt out."""
+
+    Params = Params
+    REQUIRES = C.typed(C.PROMPT_ID, C.PROMPT_IDS)
+    PRODUCES = C.typed(
+        C.SAMPLE_IDX, C.RESPONSE_IDS, C.RESPONSE_TEXT, C.RESPONSE_LEN, C.TRUNCATED, C.ROLLOUT_LOGP
+    )
+    CARDINALITY = "expand"
+    NEEDS_MODEL = True
+
+    def __init__(self, params: Params, ctx: OpContext):
+        self.params = params
+        self.ctx = ctx
+        self.calls = 0  # advances the sampling seed; checkpointed so resumes replay exactly
+        self._metrics: dict[str, float] = {}
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state["calls"])
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from dapo_flow.models.sampling import SamplingConfig
+
+        p = self.params
+        cfg = SamplingConfig(
+            n=p.n,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            max_tokens=p.max_tokens,
+            seed=self.ctx.seed * 1_000_003 + self.calls,
+        )
+        self.calls += 1
+        model = self.ctx.model
+        out = model.generator.generate(token_lists(batch.column(C.PROMPT_IDS)), cfg)
+        rows = batch.take(pa.array(out.prompt_index, pa.int32()))
+        lengths = np.array([len(r) for r in out.response_ids], dtype=np.int32)
+        tokens = pa.array(out.response_ids, type=C.TOKENS)
+        logp = pa.array(out.logprobs, type=C.TOKEN_FLOATS)
+        texts = model.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        self._metrics = {
+            "gen/tokens": float(out.tokens_generated),
+            "gen/seconds": float(out.seconds),
+            "gen/tokens_per_s": float(out.tokens_generated / max(out.seconds, 1e-9)),
+        }
+        return with_columns(
+            rows,
+            {
+                C.SAMPLE_IDX: out.sample_idx.astype(np.int32),
+                C.RESPONSE_IDS: tokens,
+                C.RESPONSE_TEXT: texts,
+                C.RESPONSE_LEN: lengths,
+                C.TRUNCATED: np.asarray(out.truncated, dtype=bool),
+                C.ROLLOUT_LOGP: logp,
+            },
+        )
+
+    def last_metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+

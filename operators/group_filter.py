@@ -1,0 +1,68 @@
+"""group-filter: DAPO dynamic sampling — drop prompt groups whose metric has zero spread.
+
+A group is kept unless all its values are exactly equal (singletons are kept); kept rows
+keep their order. The runtime repeats the rollout segment upstream of this node until
+`run.prompts_per_step` groups are kept, at most `max_gen_batches` times, then follows
+`on_cap`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field
+
+from dapo_flow import algos
+from dapo_flow import columns as C
+from dapo_flow.contract import OpContext
+
+# verl's metric names map onto our columns
+METRIC_COLUMNS = {
+    "acc": C.ACC,
+    "score": C.SCORE,
+    "seq_reward": C.SCORE,
+    "reward": C.REWARD,
+    "seq_final_reward": C.REWARD,
+}
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    metric: Literal["acc", "score", "seq_reward", "reward", "seq_final_reward"] = "acc"
+    """Per-sequence value whose spread decides (verl recipe default: acc)."""
+    max_gen_batches: int = Field(10, ge=0, le=10_000)
+    """Generation batches allowed per step before `on_cap` applies (0 = unlimited)."""
+    on_cap: Literal["error", "train-on-what-we-have", "skip-step"] = "error"
+    """What to do when the cap is reached with too few kept groups."""
+
+
+class GroupFilter:
+    """Keeps whole prompt groups whose metric values differ."""
+
+    Params = Params
+    CARDINALITY = "group-filter"
+    NEEDS_MODEL = False
+    PRODUCES: dict[str, pa.DataType] = {}
+
+    @classmethod
+    def requires(cls, params: Params) -> dict[str, pa.DataType]:
+        return C.typed(C.PROMPT_ID, METRIC_COLUMNS[params.metric])
+
+    def __init__(self, params: Params, ctx: OpContext):
+        self.params = params
+        self.column = METRIC_COLUMNS[params.metric]
+        self._metrics: dict[str, float] = {}
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        ids = batch.column(C.PROMPT_ID).to_numpy(zero_copy_only=False)
+        keep = algos.keep_groups(ids, batch.column(self.column).to_numpy())
+        groups = len(np.unique(ids)) if len(ids) else 0
+        kept = len(np.unique(ids[keep])) if keep.any() else 0
+        self._metrics = {"filter/kept_groups": float(kept), "filter/dropped_groups": float(groups - kept)}
+        return batch.filter(pa.array(keep))
+
+    def last_metrics(self) -> dict[str, float]:
+        return dict(self._metrics)

@@ -1,0 +1,76 @@
+"""logprob: recompute per-token logprobs of the responses with the actor or a frozen ref.
+
+verl recomputes the old logprobs with the trainer's weights instead of trusting the
+rollout engine's, so importance ratios start at exactly 1 on the first mini-batch.
+Logits are divided by the sampling temperature first, as in verl.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field
+
+from dapo_flow import columns as C
+from dapo_flow.arrow_utils import padded_to_ragged, token_lists, with_columns
+from dapo_flow.contract import OpContext
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Literal["actor", "ref"] = "actor"
+    """`actor` writes old_logp (+ entropy); `ref` writes ref_logp for KL."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Divide logits by this before log-softmax; set it to generate's temperature."""
+    micro_batch_size: int = Field(64, ge=1, le=65536)
+    """Rows per forward pass."""
+    with_entropy: bool = True
+    """Actor only: also emit per-token entropy (logged as a metric)."""
+
+
+class Logprob:
+    """Adds per-token logprobs of the response tokens."""
+
+    Params = Params
+    REQUIRES = C.typed(C.PROMPT_IDS, C.RESPONSE_IDS)
+    CARDINALITY = "map"
+    NEEDS_MODEL = True
+
+    @classmethod
+    def produces(cls, params: Params) -> dict[str, pa.DataType]:
+        if params.role == "ref":
+            return C.typed(C.REF_LOGP)
+        return C.typed(C.OLD_LOGP, C.ENTROPY) if params.with_entropy else C.typed(C.OLD_LOGP)
+
+    def __init__(self, params: Params, ctx: OpContext):
+        self.params = params
+        self.ctx = ctx
+        self._metrics: dict[str, float] = {}
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        p = self.params
+        entropy_wanted = p.role == "actor" and p.with_entropy
+        logp, entropy, mask = self.ctx.model.policy.response_logprobs(
+            token_lists(batch.column(C.PROMPT_IDS)),
+            token_lists(batch.column(C.RESPONSE_IDS)),
+            temperature=p.temperature,
+            micro_batch_size=p.micro_batch_size,
+            with_entropy=entropy_wanted,
+        )
+        lengths = mask.sum(dim=1).numpy()
+        out = {(C.OLD_LOGP if p.role == "actor" else C.REF_LOGP): _ragged(logp, lengths)}
+        if entropy_wanted:
+            out[C.ENTROPY] = _ragged(entropy, lengths)
+            valid = mask.numpy()
+            self._metrics = {"actor/entropy": float(entropy.numpy()[valid].mean()) if valid.any() else 0.0}
+        return with_columns(batch, out)
+
+    def last_metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+
+def _ragged(values, lengths: np.ndarray) -> pa.ListArray:
+    return padded_to_ragged(values.float().numpy(), lengths, C.TOKEN_FLOATS)

@@ -1,0 +1,205 @@
+"""update: PPO-style policy update with DAPO's clip-higher, dual clip and loss aggregation.
+
+ppo_epochs passes over `mini_batches` mini-batches; each mini-batch is one optimizer
+step, accumulated over micro-batches whose losses are partial sums of the mini-batch
+loss (verl's token-count semantics: token-mean divides by the mini-batch token count).
+AdamW with linear warm-up, weight decay and grad-norm clipping; optional KL loss against
+ref logprobs, entropy bonus, and overlong filtering (mask truncated responses).
+Returns a one-row table of metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dapo_flow import algos
+from dapo_flow import columns as C
+from dapo_flow.arrow_utils import ragged_to_padded, token_lists
+from dapo_flow.contract import OpContext
+
+LossAgg = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+"]
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lr: float = Field(1e-6, gt=0.0, le=1.0)
+    """AdamW learning rate (DAPO: 1e-6 on 32B; the tiny default model wants ~1e-3)."""
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    """AdamW weight decay (verl's DAPO recipe: 0.1)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear lr warm-up over this many RL steps."""
+    ppo_epochs: int = Field(1, ge=1, le=100)
+    """Passes over the batch per RL step."""
+    mini_batches: int = Field(1, ge=1, le=4096)
+    """Optimizer steps per epoch (verl: train_batch_size / ppo_mini_batch_size)."""
+    micro_batch_size: int = Field(64, ge=1, le=65536)
+    """Rows per forward/backward pass (gradient accumulation inside a mini-batch)."""
+    shuffle: bool = False
+    """Shuffle rows before splitting into mini-batches (seeded)."""
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """Lower ratio clip: r >= 1 - clip_low."""
+    clip_high: float = Field(0.28, ge=0.0, le=10.0)
+    """Upper ratio clip (DAPO clip-higher: 0.28)."""
+    clip_c: float | None = Field(10.0, gt=1.0)
+    """Dual-clip constant for negative advantages; null disables it."""
+    loss_agg_mode: LossAgg = "token-mean"
+    """How token losses become one number (DAPO: token-mean)."""
+    norm_len: int | None = Field(None, ge=1)
+    """Constant length for seq-mean-token-sum-norm (Dr.GRPO): set max response length."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Max global grad norm."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """KL loss coefficient against ref_logp (0 = no KL; DAPO uses none)."""
+    kl_type: KLType = "low_var_kl"
+    """KL estimator for the loss term."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Entropy bonus coefficient."""
+    mask_truncated: bool = False
+    """Overlong filtering: truncated responses get no loss (DAPO paper, TRL's mask_truncated_completions)."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Divide logits by this (set it to generate's temperature)."""
+
+    @model_validator(mode="after")
+    def _norm_len_for_drgrpo(self) -> "Params":
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.norm_len is None:
+            raise ValueError("loss_agg_mode seq-mean-token-sum-norm needs norm_len (set it to max_tokens)")
+        return self
+
+
+METRICS = (
+    "actor/pg_loss", "actor/clipfrac", "actor/clipfrac_lower", "actor/ppo_kl", "actor/grad_norm",
+    "actor/entropy", "actor/lr", "actor/kl_loss", "actor/skipped_minibatches",
+)
+
+
+class Update:
+    """Trains the node's model on the batch; emits one row of metrics."""
+
+    Params = Params
+    CARDINALITY = "sink"
+    NEEDS_MODEL = True
+    PRODUCES = {name: pa.float32() for name in METRICS}
+
+    @classmethod
+    def requires(cls, params: Params) -> dict[str, pa.DataType]:
+        cols = [C.PROMPT_IDS, C.RESPONSE_IDS, C.OLD_LOGP, C.ADVANTAGE]
+        cols += [C.TRUNCATED] if params.mask_truncated else []
+        cols += [C.REF_LOGP] if params.kl_coef > 0 else []
+        return C.typed(*cols)
+
+    def __init__(self, params: Params, ctx: OpContext):
+        self.params = params
+        self.ctx = ctx
+        self.policy = ctx.model.policy
+        self.policy.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.policy.model.parameters(), lr=params.lr, weight_decay=params.weight_decay
+        )
+        self.steps_done = 0
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+
+    def _lr_factor(self, step: int) -> float:
+        w = self.params.warmup_steps
+        return min(1.0, (step + 1) / w) if w else 1.0
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "steps_done": self.steps_done,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps_done = int(state["steps_done"])
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        p = self.params
+        if batch.num_rows == 0:
+            raise algos.AlgoError("update got an empty batch: every group was filtered out")
+        prompts = token_lists(batch.column(C.PROMPT_IDS))
+        responses = token_lists(batch.column(C.RESPONSE_IDS))
+        old_logp, lengths = ragged_to_padded(batch.column(C.OLD_LOGP), dtype=np.float32)
+        ref_logp = ragged_to_padded(batch.column(C.REF_LOGP), dtype=np.float32)[0] if p.kl_coef > 0 else None
+        mask = np.arange(old_logp.shape[1])[None, :] < lengths[:, None]
+        if p.mask_truncated:
+            mask &= ~batch.column(C.TRUNCATED).to_numpy(zero_copy_only=False)[:, None]
+        adv = batch.column(C.ADVANTAGE).to_numpy().astype(np.float32)
+
+        rng = np.random.default_rng([self.ctx.seed, self.steps_done])
+        sums: dict[str, float] = {name: 0.0 for name in METRICS}
+        n_opt_steps = 0
+        for _epoch in range(p.ppo_epochs):
+            order = rng.permutation(batch.num_rows) if p.shuffle else np.arange(batch.num_rows)
+            for mb in np.array_split(order, min(p.mini_batches, batch.num_rows)):
+                n_tokens = int(mask[mb].sum())
+                if n_tokens == 0:  # e.g. every response truncated under overlong filtering
+                    sums["actor/skipped_minibatches"] += 1
+                    continue
+                stats = self._minibatch(mb, prompts, responses, old_logp, ref_logp, mask, adv, n_tokens)
+                for key, value in stats.items():
+                    sums[key] += value
+                n_opt_steps += 1
+        self.scheduler.step()
+        self.steps_done += 1
+        out = {k: v / max(n_opt_steps, 1) for k, v in sums.items()}
+        out["actor/skipped_minibatches"] = sums["actor/skipped_minibatches"]
+        out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        return pa.table({k: pa.array([out[k]], pa.float32()) for k in METRICS})
+
+    def _minibatch(self, mb, prompts, responses, old_logp, ref_logp, mask, adv, n_tokens) -> dict[str, float]:
+        """One optimizer step over mini-batch rows ``mb`` (micro-batched)."""
+        p = self.params
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = {name: 0.0 for name in METRICS}
+        lr = self.optimizer.param_groups[0]["lr"]
+        for start in range(0, len(mb), p.micro_batch_size):
+            rows = mb[start : start + p.micro_batch_size]
+            logp, entropy, resp_mask = self.policy.response_logprobs(
+                [prompts[i] for i in rows],
+                [responses[i] for i in rows],
+                temperature=p.temperature,
+                with_entropy=True,
+                grad=True,
+            )
+            width = logp.shape[1]
+            m = torch.from_numpy(mask[rows, :width]) & resp_mask
+            old = torch.from_numpy(old_logp[rows, :width])
+            a = torch.from_numpy(adv[rows])[:, None].expand(-1, width)
+            agg = dict(num_tokens=n_tokens, num_seqs=len(mb))
+            pg_loss, pg_stats = algos.policy_loss(
+                old, logp, a, m, clip_low=p.clip_low, clip_high=p.clip_high, clip_c=p.clip_c,
+                agg=p.loss_agg_mode, norm_len=p.norm_len, **agg,
+            )
+            loss = pg_loss
+            ent = algos.agg_loss(entropy.detach(), m, "token-sum") / n_tokens
+            if p.entropy_coef > 0:
+                loss = loss - p.entropy_coef * algos.agg_loss(entropy, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
+            if p.kl_coef > 0:
+                kl = algos.kl_penalty(logp, torch.from_numpy(ref_logp[rows, :width]), p.kl_type)
+                kl_loss = algos.agg_loss(kl, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
+                loss = loss + p.kl_coef * kl_loss
+                stats["actor/kl_loss"] += float(kl_loss)
+            loss.backward()
+            # token-weighted share of this micro-batch in the mini-batch's token statistics
+            share = float(m.sum()) / n_tokens
+            stats["actor/pg_loss"] += float(pg_loss)
+            stats["actor/entropy"] += float(ent)
+            for key in ("clipfrac", "clipfrac_lower", "ppo_kl"):
+                stats[f"actor/{key}"] += pg_stats[key] * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), p.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        stats["actor/grad_norm"] = float(grad_norm)
+        stats["actor/lr"] = lr
+        return stats

@@ -1,0 +1,105 @@
+"""The `dapo-flow` command: happy paths, and bad input -> exit 2 with file:line, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DAPO = str(ROOT / "graphs" / "dapo.yaml")
+BAD = ROOT / "tests" / "graphs_bad"
+
+
+def dapo_flow(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_validate_ok_without_ray_or_mlflow():
+    code = ("import sys, cli; rc = cli.main(['validate', sys.argv[1]]); "
+            "print('heavy:', [m for m in ('ray', 'mlflow') if m in sys.modules]); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code, DAPO], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "ok" in r.stdout and "7 nodes" in r.stdout
+    assert "heavy: []" in r.stdout
+
+
+def test_validate_bad_exits_2_with_location():
+    r = dapo_flow("validate", str(BAD / "bad_multiple.yaml"))
+    assert r.returncode == 2
+    assert "bad_multiple.yaml:18: node 'verify' op: unknown op 'scor'" in r.stderr
+    assert "did you mean 'score'?" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_bad_yaml_and_missing_file(capsys):
+    assert cli.main(["validate", str(BAD / "bad_tab_indent.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "bad_tab_indent.yaml:18:" in err and "tab" in err
+    assert cli.main(["explain", str(BAD / "nope.yaml")]) == 2
+    assert "nope.yaml: no such file" in capsys.readouterr().err
+
+
+def test_explain(capsys):
+    assert cli.main(["explain", DAPO, "--cpus", "2", "--gpus", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out == (ROOT / "tests/golden/dapo.explain.txt").read_text()
+
+
+def test_graph_png_and_mmd(tmp_path, capsys):
+    png, mmd = tmp_path / "dag.png", tmp_path / "dag.mmd"
+    assert cli.main(["graph", DAPO, "-o", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert cli.main(["graph", DAPO, "-o", str(mmd)]) == 0
+    assert mmd.read_text().startswith("flowchart TD")
+    assert cli.main(["graph", DAPO, "-o", str(tmp_path / "dag.gif")]) == 2
+    assert "use one of" in capsys.readouterr().err
+
+
+def test_ops():
+    r = dapo_flow("ops")
+    assert r.returncode == 0, r.stderr
+    for op in ("generate", "score", "overlong-shape", "group-filter", "logprob", "advantage",
+               "update", "custom"):
+        assert op in r.stdout
+    assert "clip_high: float = 0.28" in r.stdout
+    assert "Upper ratio clip (DAPO clip-higher: 0.28)." in r.stdout  # the field's docstring
+    assert "response_ids: list<int32>" in r.stdout
+    assert ">= 1, <= 1024" in r.stdout
+
+
+def test_help():
+    r = dapo_flow("--help")
+    assert r.returncode == 0
+    for cmd in ("validate", "explain", "graph", "ops", "run", "models", "ui"):
+        assert cmd in r.stdout
+    assert dapo_flow("run", "--help").stdout.count("--executor") >= 1
+
+
+def test_run_without_runtime(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "dapo_flow.runtime", None)  # import fails as if missing
+    assert cli.main(["run", DAPO, "--executor", "local"]) == 2
+    assert "the runtime is not built yet" in capsys.readouterr().err
+
+
+def test_run_calls_execute(monkeypatch):
+    import types
+
+    seen = {}
+    fake = types.ModuleType("dapo_flow.runtime")
+    fake.execute = lambda placed, **kw: seen.update(kw, graph=placed.plan.spec.name)
+    monkeypatch.setitem(sys.modules, "dapo_flow.runtime", fake)
+    assert cli.main(["run", DAPO, "--executor", "local", "--steps", "3", "--resume"]) == 0
+    assert seen == {"executor": "local", "address": None, "resume": True, "steps": 3, "graph": "dapo"}
+
+
+def test_usage_errors_exit_2():
+    with pytest.raises(SystemExit) as info:
+        cli.main(["models"])
+    assert info.value.code == 2

@@ -1,0 +1,30 @@
+"""Every graph shipped in graphs/ (subfolders included) validates, plans, places, explains."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dapo_flow.compiler import explain, load, place, plan, validate
+from dapo_flow.plan import Cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAPHS = sorted((ROOT / "graphs").glob("**/*.yaml"))
+
+
+def test_there_are_graphs():
+    assert {p.name for p in GRAPHS} >= {"dapo.yaml", "grpo.yaml"}
+
+
+@pytest.mark.parametrize("path", GRAPHS, ids=lambda p: str(p.relative_to(ROOT / "graphs")))
+def test_graph_compiles(path: Path):
+    text = path.read_text()
+    assert text.startswith("#"), "a graph opens with a comment: what it is, how to run it"
+    assert "dapo-flow run" in text
+    valid = validate(load(path))
+    placed = place(plan(valid), Cluster(cpus=2))
+    assert placed.plan.nodes
+    assert set(placed.node_stage) == {n.id for n in placed.plan.nodes}
+    assert sum(s.num_cpus for s in placed.stages if s.kind == "actor") <= 2
+    assert f"graph {valid.spec.name}" in explain(placed)

@@ -1,0 +1,58 @@
+"""GraphSpec: what a YAML graph is, field by field."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from dapo_flow.loader import load
+from dapo_flow.spec import GraphSpec, ModelSpec, NodeSpec, RunSpec
+
+MINIMAL = {
+    "name": "tiny",
+    "models": {"policy": {"path": "builtin:tiny-adder"}},
+    "data": {"train": {"source": "builtin:addition"}},
+    "nodes": [{"id": "rollout", "op": "generate", "model": "policy", "inputs": ["prompts"]}],
+}
+
+
+def test_round_trip_minimal():
+    spec = GraphSpec.model_validate(MINIMAL)
+    again = GraphSpec.model_validate(spec.model_dump())
+    assert again == spec
+    assert spec.run == RunSpec()  # defaults live in the spec classes only
+    assert spec.placement.mode == "colocated"
+
+
+def test_round_trip_dapo_graph():
+    spec = GraphSpec.model_validate(load("graphs/dapo.yaml").raw)
+    assert GraphSpec.model_validate(spec.model_dump()) == spec
+    assert GraphSpec.model_validate_json(spec.model_dump_json()) == spec
+    assert [n.id for n in spec.nodes][:2] == ["rollout", "verify"]
+
+
+def test_frozen():
+    spec = GraphSpec.model_validate(MINIMAL)
+    with pytest.raises(pydantic.ValidationError):
+        spec.name = "other"
+    with pytest.raises(pydantic.ValidationError):
+        spec.nodes[0].op = "score"
+
+
+@pytest.mark.parametrize(
+    "cls, data",
+    [
+        (GraphSpec, {**MINIMAL, "trainer": {}}),
+        (ModelSpec, {"path": "x", "dtpye": "float32"}),
+        (NodeSpec, {"id": "a", "op": "score", "param": {}}),
+        (RunSpec, {"stepz": 3}),
+    ],
+)
+def test_extra_forbidden(cls, data):
+    with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
+        cls.model_validate(data)
+
+
+def test_node_id_pattern():
+    with pytest.raises(pydantic.ValidationError, match="pattern"):
+        NodeSpec.model_validate({"id": "has space", "op": "score"})
