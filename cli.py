@@ -27,7 +27,13 @@ EXAMPLES = {
     "run": "dapo-flow run graphs/dapo.yaml --executor local --steps 5",
     "models": "dapo-flow models build tiny-adder --force",
     "ui": "dapo-flow ui --port 5000",
+    "sweep": "dapo-flow sweep graphs/ablations/dapo-ladder.yaml --executor local --seeds 0,1",
+    "compare": "dapo-flow compare dapo-ladder -o ladder.png   (experiment name or parent run id)",
+    "diff": "dapo-flow diff graphs/grpo.yaml graphs/dapo.yaml   (files or MLflow run ids)",
 }
+EDIT_EXAMPLE = ("edits (repeatable, applied in the order given):\n"
+                "  dapo-flow run graphs/dapo.yaml --set train.lr=5e-4 --drop overlong "
+                "--set adv.reward_column=score")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,14 +67,18 @@ def _parser() -> argparse.ArgumentParser:
 
     p = command("validate", "Check a graph (types, wiring, columns, placement); print ok or every problem.", _validate)
     p.add_argument("graph", help="graph YAML file")
+    _edit_flags(p)
+    p.add_argument("--effective", action="store_true", help="also print the effective (edited) graph")
     p = command("explain", "Print the compiled, placed plan without starting Ray.", _explain)
     p.add_argument("graph", help="graph YAML file")
+    _edit_flags(p)
     p.add_argument("--cpus", type=float, help="place on this many CPUs (default: this machine)")
     p.add_argument("--gpus", type=float, help="place on this many GPUs (default: this machine)")
     p.add_argument("--nodes", type=int, default=1, help="cluster machines (default 1)")
     p = command("graph", "Draw the graph's DAG to a .png, .svg or .mmd (mermaid) file.", _graph)
     p.add_argument("graph", help="graph YAML file")
     p.add_argument("-o", "--out", required=True, help="output file: .png, .svg or .mmd")
+    _edit_flags(p)
     command("ops", "List every operator: columns in/out with Arrow types, cardinality, params.", _ops)
     p = command("run", "Compile the graph and train (on Ray, or in-process with --executor local).", _run)
     p.add_argument("graph", help="graph YAML file")
@@ -76,6 +86,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--steps", type=int, help="override run.steps")
+    _edit_flags(p)
+    p = command("sweep", "Run every variant of a patch file (x seeds) as MLflow child runs of one parent.",
+                _sweep)
+    p.add_argument("patch", help="patch YAML file, e.g. graphs/ablations/dapo-ladder.yaml")
+    p.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (each applied as --set seed=S)")
+    p.add_argument("--steps", type=int, help="run.steps for every variant (applied as --set run.steps=N)")
+    p.add_argument("--executor", choices=["ray", "local"], default="ray", help="default: ray")
+    p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
+    p.add_argument("--only", help="comma-separated variant names to run (default: all)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="run N variants at once in separate processes (default 1: one after another)")
+    p.add_argument("--dry-run", action="store_true", help="validate every variant, print the edits, train nothing")
+    p = command("compare", "Table (mean ± std over seeds) and val-acc / reward plot of a sweep's variants.",
+                _compare)
+    p.add_argument("target", metavar="EXPERIMENT_OR_PARENT_RUN",
+                   help="a sweep's experiment name (its latest sweep) or parent run id")
+    p.add_argument("-o", "--out", default="compare.png", help="plot file (default compare.png)")
+    p = command("diff", "Show what differs between two effective graphs (files or MLflow run ids).", _diff)
+    p.add_argument("a", help="graph YAML file or MLflow run id")
+    p.add_argument("b", help="graph YAML file or MLflow run id")
     p = command("models", "Manage built-in models.", None)
     msub = p.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     b = msub.add_parser("build", help="Build (train) a built-in model into the cache.",
@@ -90,19 +120,47 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _compile(path: str, cluster=None):
-    from dapo_flow.compiler import compile_graph
+class _EditAction(argparse.Action):
+    """--set/--drop/--swap/--insert append (flag, text) to one list, keeping their order."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), (self.const, values)])
+
+
+def _edit_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("edits", "repeatable; applied in the order given")
+    g.add_argument("--set", dest="edits", action=_EditAction, const="set", default=[],
+                   metavar="PATH=VALUE", help="NODE.PARAM=VALUE or SECTION.KEY=VALUE (VALUE is YAML)")
+    g.add_argument("--drop", dest="edits", action=_EditAction, const="drop", metavar="NODE",
+                   help="remove NODE; its consumers read NODE's inputs")
+    g.add_argument("--swap", dest="edits", action=_EditAction, const="swap", metavar="NODE=OP",
+                   help="replace NODE's op, keeping id and wiring")
+    g.add_argument("--insert", dest="edits", action=_EditAction, const="insert",
+                   metavar="NEW:OP:after=NODE", help="add a node between NODE and its consumers")
+    p.epilog = (p.epilog or "") + "\n" + EDIT_EXAMPLE
+
+
+def _edited(args: argparse.Namespace):
+    from dapo_flow.edits import edit_file, parse_cli_edits
     from dapo_flow.registry import load_plugins
 
     load_plugins()
-    return compile_graph(path, cluster)
+    return edit_file(args.graph, parse_cli_edits(getattr(args, "edits", None) or []))
+
+
+def _compile(args: argparse.Namespace, cluster=None):
+    return _edited(args).compile(cluster)
 
 
 def _validate(args: argparse.Namespace) -> int:
-    placed = _compile(args.graph)
+    edited = _edited(args)
+    placed = edited.compile()
     p = placed.plan
-    Console().print(f"[green]ok[/]: {args.graph}: graph '{p.spec.name}', {len(p.nodes)} nodes, "
+    edits = f" with {len(edited.edits)} edit(s)" if edited.edits else ""
+    Console().print(f"[green]ok[/]: {args.graph}{edits}: graph '{p.spec.name}', {len(p.nodes)} nodes, "
                     f"{len(placed.stages)} stages", highlight=False)
+    if args.effective:
+        sys.stdout.write(edited.yaml())
     return 0
 
 
@@ -115,27 +173,64 @@ def _explain(args: argparse.Namespace) -> int:
         local = Cluster.local()
         cluster = Cluster(cpus=args.cpus if args.cpus is not None else local.cpus,
                           gpus=args.gpus if args.gpus is not None else local.gpus, nodes=args.nodes)
-    sys.stdout.write(explain(_compile(args.graph, cluster)))
+    sys.stdout.write(explain(_compile(args, cluster)))
     return 0
 
 
 def _graph(args: argparse.Namespace) -> int:
     from dapo_flow.drawing import draw
 
-    out = draw(_compile(args.graph), args.out)
+    out = draw(_compile(args), args.out)
     Console().print(f"wrote {out}", highlight=False)
     return 0
 
 
 def _run(args: argparse.Namespace) -> int:
-    placed = _compile(args.graph)
+    edited = _edited(args)
+    placed = edited.compile()
     try:
         from dapo_flow.runtime import execute
     except ModuleNotFoundError as exc:
         if exc.name not in ("dapo_flow.runtime",):
             raise
         raise DapoFlowError("the runtime is not built yet (dapo_flow.runtime is missing)") from None
-    execute(placed, executor=args.executor, address=args.address, resume=args.resume, steps=args.steps)
+    logged = {}  # with edits: log them as params and the effective graph beside the file
+    if edited.edits:
+        logged = {"extra_params": edited.params(), "extra_artifacts": {"graph/effective.yaml": edited.yaml()}}
+    execute(placed, executor=args.executor, address=args.address, resume=args.resume, steps=args.steps,
+            **logged)
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from dapo_flow import sweep
+    from dapo_flow.registry import load_plugins
+
+    load_plugins()
+    patch = sweep.load_patch(args.patch)
+    jobs = sweep.plan_jobs(patch, only=args.only, seeds=args.seeds, steps=args.steps)
+    console = Console(highlight=False)
+    if args.dry_run:
+        ready = sweep.validate_jobs(patch, jobs)
+        console.print(sweep.dry_run_table(patch, ready))
+        console.print(f"[green]ok[/]: every variant compiles ({len(ready)} run(s)); nothing trained (--dry-run)")
+        return 0
+    result = sweep.run_sweep(patch, jobs, executor=args.executor, address=args.address,
+                             parallel=args.parallel, console=console)
+    return 1 if result.failed else 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from dapo_flow import compare
+
+    compare.compare(args.target, out=args.out, console=Console(highlight=False))
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from dapo_flow import graphdiff
+
+    graphdiff.print_diff(args.a, args.b, Console(highlight=False))
     return 0
 
 

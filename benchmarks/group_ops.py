@@ -5,12 +5,14 @@ What it times, at 512x16 rows (response length 1024) and 4096x16 rows (response 
 (a) operator path: per-sequence float32 scores + string group ids from an Arrow column
     -> per-sequence GRPO advantages and the dynamic-sampling keep mask
     (factorize once, sequence_advantages + keep_groups).
-(b) token path: (batch, resp_len) token rewards + bool response mask + uid strings (verl's
-    object array) -> token-level GRPO advantages (outcome_advantages) and the keep mask.
+(b) token path: (batch, resp_len) token rewards + response mask + group ids -> token-level
+    GRPO advantages (outcome_advantages) and the keep mask: with the Arrow uid column and a
+    bool mask (into a new tensor, or into an `out=` buffer), and with int ids and a float32 mask.
 
-Baseline: a per-row Python loop with verl's structure (dict of lists per uid, torch.mean /
-torch.std per group, per-row scalar updates; keep = np.std > 0 or a singleton, with a set for
-membership). Results must agree (allclose, and dapo-flow's exact zeros for constant groups).
+Baseline: a per-row Python loop with verl's structure on verl's object array of uids (dict of
+lists per uid, torch.mean / torch.std per group, per-row scalar updates; keep = np.std > 0 or a
+singleton, with a set for membership instead of verl's list). Results must agree (allclose,
+and dapo-flow's exact zeros for constant groups).
 Also measured: the memory floor of (b), one read of the reward tensor plus one write of an
 output tensor of its shape, with the output preallocated (`out.copy_(rewards)`) and freshly
 allocated (`rewards.clone()`, which pays the page faults a new tensor pays).
@@ -122,69 +124,69 @@ def check(ours: np.ndarray, ref: np.ndarray, constant: np.ndarray, what: str) ->
     if not (ok and zeros):
         raise SystemExit(f"{what}: results disagree (allclose={ok}, exact zeros={zeros})")
     noise = np.abs(ref[constant]).max() if constant.any() else 0.0
-    return f"{what}: agree; max |diff| {np.abs(ours - ref)[~constant].max():.1e}, verl |adv| on constant groups <= {noise:.3f}"
+    diff = np.abs(ours - ref)[~constant].max()
+    return f"{what}: agree; max |diff| {diff:.1e}, verl |adv| on constant groups <= {noise:.3f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = parser.parse_args()
-    reps, loop_reps = (5, 1) if args.quick else (25, 2)
+    reps, loop_reps = (5, 1) if args.quick else (50, 2)
     torch.set_grad_enabled(False)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; min of {reps} interleaved reps (loops: {loop_reps})")
-    header = f"{'rows x len':>14} {'path':<34} {'loop ms':>9} {'ours ms':>9} {'speedup':>8} {'floor ms':>9} {'ours/floor':>10}"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"min of {reps} interleaved reps (loops: {loop_reps})")
+    header = (f"{'rows x len':>14} {'path':<36} {'loop ms':>8} {'ours ms':>8} {'speedup':>8} "
+              f"{'floor ms':>8} {'ours/floor':>10}")
     print(header)
     print("-" * len(header))
     notes = []
     for prompts, n, resp_len in SHAPES:
         b = make_batch(prompts, n, resp_len)
-        rows = prompts * n
         tag = f"{prompts}x{n} x {resp_len}"
-        rewards, mask, uids = b["token_rewards"], b["mask"], b["uids"]
+        rewards, mask, uids, column = b["token_rewards"], b["mask"], b["uids"], b["uid_column"]
         out = torch.empty_like(rewards)
+        codes = factorize(column).codes  # an int prompt-index column instead of uid strings
+        float_mask = mask.float()  # same dtype as the output: the masked write is a vectorised mul
 
-        # correctness first
-        g = factorize(b["uid_column"])
-        adv_a = sequence_advantages(b["scores"], g, "grpo")
-        keep_a = keep_groups(g, b["acc"])
+        # correctness first: ours (Arrow column / codes) against the loops (verl's object array)
         ref_a = loop_grpo_scores(torch.from_numpy(b["scores"]), uids).numpy()
+        ref_b = loop_grpo_tokens(rewards, mask, uids).numpy()
         ref_keep = loop_keep(uids, b["acc"])
-        notes.append(f"{tag} " + check(adv_a, ref_a, b["constant"], "(a)"))
-        adv_b = outcome_advantages(rewards, mask, factorize(uids), "grpo")
-        ref_b = loop_grpo_tokens(rewards, mask, uids)
         const_tok = np.broadcast_to(b["constant"][:, None], rewards.shape)
-        notes.append(f"{tag} " + check(adv_b.numpy(), ref_b.numpy(), const_tok, "(b)"))
-        if not (np.array_equal(keep_a, ref_keep) and np.array_equal(keep_groups(uids, b["acc"]), ref_keep)):
-            raise SystemExit("keep masks disagree")
+        adv_a = sequence_advantages(b["scores"], column, "grpo")
+        adv_b = outcome_advantages(rewards, mask, column, "grpo").numpy()
+        notes.append(f"{tag} " + check(adv_a, ref_a, b["constant"], "(a)"))
+        notes.append(f"{tag} " + check(adv_b, ref_b, const_tok, "(b)"))
+        check(outcome_advantages(rewards, float_mask, codes, "grpo").numpy(), ref_b, const_tok, "(b) f32 mask")
+        for ids in (column, uids, codes):
+            if not np.array_equal(keep_groups(ids, b["acc"]), ref_keep):
+                raise SystemExit("keep masks disagree")
 
         def path_a() -> None:
-            g = factorize(b["uid_column"])  # once per batch, shared by both calls
+            g = factorize(column)  # once per batch, shared by both calls
             sequence_advantages(b["scores"], g, "grpo")
             keep_groups(g, b["acc"])
 
-        def path_b(into: torch.Tensor | None) -> Callable[[], None]:
+        def path_b(ids: object, m: torch.Tensor, into: torch.Tensor | None) -> Callable[[], None]:
             def run() -> None:
-                g = factorize(uids)
-                outcome_advantages(rewards, mask, g, "grpo", out=into)
+                g = factorize(ids)
+                outcome_advantages(rewards, m, g, "grpo", out=into)
                 keep_groups(g, b["acc"])
             return run
-
-        codes = factorize(uids).codes  # an int prompt-index column instead of uid strings
-
-        def path_b_int() -> None:
-            outcome_advantages(rewards, mask, codes, "grpo", out=out)
-            keep_groups(codes, b["acc"])
 
         fast = best_of(
             {
                 "a": path_a,
-                "b": path_b(out),
-                "b_alloc": path_b(None),
-                "b_int": path_b_int,
+                "b_alloc": path_b(column, mask, None),
+                "b": path_b(column, mask, out),
+                "b_best": path_b(codes, float_mask, out),
                 "floor": lambda: out.copy_(rewards),
                 "floor_alloc": lambda: rewards.clone(),
                 "read": lambda: torch.mv(rewards, rewards.new_ones(resp_len)),
                 "write": lambda: out.fill_(0.0),
+                "factorize": lambda: factorize(column),
+                "where": lambda: torch.where(mask, rewards[:, 0:1], rewards.new_zeros(()), out=out),
             },
             reps,
         )
@@ -196,17 +198,18 @@ def main() -> None:
             loop_reps,
         )
         table = [
-            ("(a) scores+str ids -> adv, keep", slow["a"], fast["a"], None),
-            ("(b) tokens+str ids, out= buffer", slow["b"], fast["b"], fast["floor"]),
-            ("(b) tokens+str ids, new tensor", slow["b"], fast["b_alloc"], fast["floor_alloc"]),
-            ("(b) tokens+int ids, out= buffer", slow["b"], fast["b_int"], fast["floor"]),
+            ("(a) scores, str ids -> adv, keep", slow["a"], fast["a"], None),
+            ("(b) str ids, bool mask, new tensor", slow["b"], fast["b_alloc"], fast["floor_alloc"]),
+            ("(b) str ids, bool mask, out= buffer", slow["b"], fast["b"], fast["floor"]),
+            ("(b) int ids, f32 mask, out= buffer", slow["b"], fast["b_best"], fast["floor"]),
         ]
         for name, loop_ms, ours_ms, floor_ms in table:
-            floor_s = f"{floor_ms:9.2f} {ours_ms / floor_ms:10.2f}" if floor_ms else f"{'':9} {'':10}"
-            print(f"{tag:>14} {name:<34} {loop_ms:9.1f} {ours_ms:9.2f} {loop_ms / ours_ms:7.0f}x {floor_s}")
+            floor_s = f"{floor_ms:8.2f} {ours_ms / floor_ms:10.2f}" if floor_ms else ""
+            print(f"{tag:>14} {name:<36} {loop_ms:8.1f} {ours_ms:8.2f} {loop_ms / ours_ms:7.0f}x {floor_s}")
         notes.append(
-            f"{tag} two-pass bound (row-sum read {fast['read']:.2f} + output write {fast['write']:.2f}) "
-            f"= {(fast['read'] + fast['write']) / fast['floor']:.2f}x floor; rows={rows}"
+            f"{tag} (b) parts: factorize str {fast['factorize']:.2f}, row-sum read {fast['read']:.2f}, "
+            f"bool-mask where write {fast['where']:.2f}, plain write {fast['write']:.2f} ms; "
+            f"two-pass bound (read + plain write) = {(fast['read'] + fast['write']) / fast['floor']:.2f}x floor"
         )
     print()
     for line in notes:

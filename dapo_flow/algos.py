@@ -116,7 +116,8 @@ def factorize(group_ids: GroupIds) -> Groups:
     """Map group ids (str or int; list, numpy, polars, torch or Arrow array) to dense codes.
 
     Codes are assigned by value, not position; their order is unspecified. Strings go through a
-    polars Enum cast (hash based, no string sort), integers through a dense remap or ``np.unique``.
+    polars Categorical cast (one hash pass, no string sort), integers through a dense remap or
+    ``np.unique``.
     Shape: (batch,) -> codes (batch,).
     """
     if isinstance(group_ids, Groups):
@@ -163,8 +164,12 @@ def _factorize_series(s: pl.Series) -> Groups:
         s, dtype = s.cast(pl.String), pl.String
     if dtype != pl.String:
         raise AlgoError(f"group ids must be str or int, got polars dtype {dtype}")
-    categories = s.unique()
-    # Enum physical codes are indices into `categories`: dense, by value, O(n) hashing.
+    if hasattr(pl, "Categories"):  # polars >= 1.32
+        # A fresh (unnamed, garbage-collected) category set numbers strings 0, 1, ... by first
+        # appearance: dense codes by value from one hash pass, and no global string cache growth.
+        codes = s.cast(pl.Categorical(pl.Categories.random())).to_physical().to_numpy().astype(np.int64)
+        return Groups(codes, int(codes.max()) + 1)
+    categories = s.unique()  # Enum physical codes index `categories`
     codes = s.cast(pl.Enum(categories)).to_physical().to_numpy().astype(np.int64)
     return Groups(codes, len(categories))
 
@@ -204,58 +209,63 @@ def _groups_for(group_ids: GroupIds, n: int) -> Groups:
 # --------------------------------------------------------------------------------------------
 
 
-def _group_sum(g: Groups, weights: np.ndarray | None = None) -> np.ndarray:
-    """Per-group sum of `weights` (float64), or per-group count if None. Shape: (n_groups,)."""
-    return np.bincount(g.codes, weights=weights, minlength=g.n_groups)
+class _Segments(NamedTuple):
+    """Groups plus their sizes, computed once per call. Reductions are np.bincount (float64)."""
+
+    codes: np.ndarray  # int64, Shape: (batch,)
+    n_groups: int
+    counts: np.ndarray  # float64, Shape: (n_groups,)
+
+    @classmethod
+    def of(cls, g: Groups) -> _Segments:
+        return cls(g.codes, g.n_groups, np.bincount(g.codes, minlength=g.n_groups).astype(np.float64))
+
+    def sum(self, weights: np.ndarray) -> np.ndarray:
+        """Per-group sum. Shape: (batch,) -> (n_groups,)."""
+        return np.bincount(self.codes, weights=weights, minlength=self.n_groups)
+
+    def mean(self, values: np.ndarray, lone: float | None = None) -> np.ndarray:
+        """Per-group mean; `lone` replaces it for singleton groups. Shape: (batch,) -> (n_groups,)."""
+        mean = self.sum(values) / np.maximum(self.counts, 1)
+        return mean if lone is None else np.where(self.counts == 1, lone, mean)
 
 
-def _constant_groups(g: Groups, values: np.ndarray) -> np.ndarray:
+def _constant_groups(seg: _Segments, values: np.ndarray) -> np.ndarray:
     """True for groups whose values are all exactly equal (singletons included).
 
-    Exact: compares every member with one representative member, no float arithmetic.
+    Exact for any dtype: compares every member with one representative member, no arithmetic.
     Shape: values (batch,) -> (n_groups,).
     """
-    representative = np.zeros(g.n_groups, np.int64)
-    representative[g.codes] = np.arange(g.codes.size)  # whichever write wins is a member
-    differs = values != values[representative][g.codes]
-    return _group_sum(g, differs) == 0
+    representative = np.zeros(seg.n_groups, np.int64)
+    representative[seg.codes] = np.arange(seg.codes.size)  # whichever write wins is a member
+    differs = values != values[representative][seg.codes]
+    return seg.sum(differs) == 0
 
 
-def _group_center(s: np.ndarray, g: Groups) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row group size and deviation from the group mean (float64). Shape: (batch,) each."""
-    size = _group_sum(g)
-    mean = _group_sum(g, s) / np.maximum(size, 1)
-    return size[g.codes], s - mean[g.codes]
+# Each estimator maps float64 scores (batch,) to float64 advantages (batch,). Group quantities
+# are formed in group space (n_groups,) and gathered back once with `[seg.codes]`.
 
 
-def _group_std(dev: np.ndarray, g: Groups, size_row: np.ndarray) -> np.ndarray:
-    """Per-row unbiased group std (torch.std) from deviations; size-1 rows get 0. Shape: (batch,)."""
-    m2 = _group_sum(g, dev * dev)[g.codes]
-    return np.sqrt(m2 / np.maximum(size_row - 1, 1))
+def _adv_grpo(s: np.ndarray, seg: _Segments, norm_by_std: bool, lengths: np.ndarray | None) -> np.ndarray:
+    dev = s - seg.mean(s, lone=0.0)[seg.codes]  # verl: a lone sequence uses mean 0 ...
+    if not norm_by_std:  # Dr.GRPO: centre only
+        return dev
+    std = np.sqrt(seg.sum(dev * dev) / np.maximum(seg.counts - 1, 1))  # unbiased, as torch.std
+    denom = np.where(seg.counts == 1, 1.0, std) + GRPO_EPS  # ... and std 1: adv = s / (1 + 1e-6)
+    return dev / denom[seg.codes]
 
 
-def _adv_grpo(s: np.ndarray, g: Groups, norm_by_std: bool, lengths: np.ndarray | None) -> np.ndarray:
-    size, dev = _group_center(s, g)
-    if norm_by_std:
-        adv = dev / (_group_std(dev, g, size) + GRPO_EPS)
-        single = s / (1.0 + GRPO_EPS)  # verl: a lone sequence uses mean 0, std 1
-    else:  # Dr.GRPO: centre only
-        adv, single = dev, s
-    return np.where(size == 1, single, adv)
-
-
-def _adv_rloo(s: np.ndarray, g: Groups, norm_by_std: bool, lengths: np.ndarray | None) -> np.ndarray:
-    size, dev = _group_center(s, g)
+def _adv_rloo(s: np.ndarray, seg: _Segments, norm_by_std: bool, lengths: np.ndarray | None) -> np.ndarray:
     # s_i - mean_{j != i} s_j == (s_i - mean) * n / (n - 1); a lone sequence keeps its score.
-    return np.where(size == 1, s, dev * (size / np.maximum(size - 1, 1)))
+    scale = np.where(seg.counts == 1, 1.0, seg.counts / np.maximum(seg.counts - 1, 1))
+    return (s - seg.mean(s, lone=0.0)[seg.codes]) * scale[seg.codes]
 
 
 def _adv_reinforce_pp_baseline(
-    s: np.ndarray, g: Groups, norm_by_std: bool, lengths: np.ndarray | None
+    s: np.ndarray, seg: _Segments, norm_by_std: bool, lengths: np.ndarray | None
 ) -> np.ndarray:
     assert lengths is not None
-    size, dev = _group_center(s, g)
-    centred = np.where(size == 1, s, dev)  # verl: a lone sequence uses mean 0
+    centred = s - seg.mean(s, lone=0.0)[seg.codes]  # verl: a lone sequence uses mean 0
     # verl whitens the broadcast (batch, resp_len) tensor over valid tokens; a sequence with
     # L valid tokens contributes its value L times, so weight the per-sequence vector by L.
     w = lengths.astype(np.float64)
@@ -267,35 +277,32 @@ def _adv_reinforce_pp_baseline(
     return (centred - mu) / np.sqrt(var + _WHITEN_EPS)
 
 
-def _adv_opo(s: np.ndarray, g: Groups, norm_by_std: bool, lengths: np.ndarray | None) -> np.ndarray:
+def _adv_opo(s: np.ndarray, seg: _Segments, norm_by_std: bool, lengths: np.ndarray | None) -> np.ndarray:
     assert lengths is not None
     w = lengths.astype(np.float64)
-    size = _group_sum(g)[g.codes]
-    w_sum = _group_sum(g, w)[g.codes]
+    tokens = seg.sum(w)
     # Length-weighted group baseline; lone sequences (and groups with no valid token) use 0.
-    baseline = np.divide(_group_sum(g, w * s)[g.codes], w_sum, out=np.zeros_like(s), where=w_sum > 0)
-    return s - np.where(size == 1, 0.0, baseline)
+    baseline = np.divide(seg.sum(w * s), tokens, out=np.zeros(seg.n_groups), where=(tokens > 0) & (seg.counts > 1))
+    return s - baseline[seg.codes]
 
 
-def _adv_grpo_passk(s: np.ndarray, g: Groups, norm_by_std: bool, lengths: np.ndarray | None) -> np.ndarray:
-    size = _group_sum(g)
-    if g.n_groups and size.min() < 2:
-        raise AlgoError(f"grpo_passk needs >= 2 samples per group, got a group of {int(size.min())}")
+def _adv_grpo_passk(s: np.ndarray, seg: _Segments, norm_by_std: bool, lengths: np.ndarray | None) -> np.ndarray:
+    if seg.n_groups and seg.counts.min() < 2:
+        raise AlgoError(f"grpo_passk needs >= 2 samples per group, got a group of {int(seg.counts.min())}")
     # Sort by (group, score): each group's best is its last row, the runner-up the one before.
-    order = np.lexsort((s, g.codes))
-    ends = np.cumsum(size.astype(np.int64))
+    order = np.lexsort((s, seg.codes))
+    ends = np.cumsum(seg.counts.astype(np.int64))
     best, runner_up = order[ends - 1], order[ends - 2]
     gap = s[best] - s[runner_up]  # 0 on a tie for best, so tie-breaking does not matter
     if norm_by_std:
-        size_row, dev = _group_center(s, g)
-        std = _group_std(dev, g, size_row)
-        gap = gap / (std[best] + GRPO_EPS)
+        dev = s - seg.mean(s)[seg.codes]
+        gap = gap / (np.sqrt(seg.sum(dev * dev) / (seg.counts - 1)) + GRPO_EPS)
     adv = np.zeros_like(s)
     adv[best] = gap
     return adv
 
 
-_SEQUENCE_ESTIMATOR_FNS: dict[str, Callable[[np.ndarray, Groups, bool, np.ndarray | None], np.ndarray]] = {
+_SEQUENCE_ESTIMATOR_FNS: dict[str, Callable[[np.ndarray, _Segments, bool, np.ndarray | None], np.ndarray]] = {
     "grpo": _adv_grpo,
     "rloo": _adv_rloo,
     "reinforce_pp_baseline": _adv_reinforce_pp_baseline,
@@ -311,11 +318,17 @@ def _sequence_advantages64(
     """The one implementation behind both advantage entry points. float64, Shape: (batch,)."""
     if not np.isfinite(scores).all():
         raise AlgoError("scores contain NaN or inf")
-    s = scores.astype(np.float64, copy=False)  # float64 keeps dyadic group sums exact
-    adv = _SEQUENCE_ESTIMATOR_FNS[estimator](s, g, norm_by_std, lengths)
-    if estimator != "reinforce_pp_baseline":  # its batch whitening shifts every row
-        constant = _constant_groups(g, s) & (_group_sum(g) > 1)
-        adv[constant[g.codes]] = 0.0  # dapo-flow: exactly 0, not verl's one-ulp noise
+    s = scores.astype(np.float64, copy=False)
+    seg = _Segments.of(g)
+    adv = _SEQUENCE_ESTIMATOR_FNS[estimator](s, seg, norm_by_std, lengths)
+    # dapo-flow: a constant group of >= 2 gets exactly 0, not verl's one-ulp noise. For float32
+    # (or integer) scores the float64 group sums above are exact, so the centring already yields
+    # exact zeros for grpo / rloo / grpo_passk; other inputs get the explicit exact check.
+    # reinforce_pp_baseline is excluded: its batch whitening shifts every row.
+    float32_exact = scores.dtype.kind in "biu" or scores.dtype.itemsize <= 4
+    if estimator == "opo" or (estimator != "reinforce_pp_baseline" and not float32_exact):
+        constant = _constant_groups(seg, s) & (seg.counts > 1)
+        adv[constant[seg.codes]] = 0.0
     return adv
 
 
@@ -399,7 +412,9 @@ def outcome_advantages(
             return adv_tok if out is None else out.copy_(adv_tok)
         rewards = token_rewards.detach()
         # Row sums as a matrix-vector product: one bandwidth-bound read of the rewards.
-        if rewards.shape[1] and rewards.is_contiguous():
+        if rewards.dtype not in (torch.float32, torch.float64):
+            scores = rewards.sum(dim=-1, dtype=torch.float32)  # numpy has no bfloat16
+        elif rewards.shape[1] and rewards.is_contiguous():
             scores = torch.mv(rewards, rewards.new_ones(rewards.shape[1]))
         else:
             scores = rewards.sum(dim=-1)
@@ -452,8 +467,9 @@ def keep_groups(group_ids: GroupIds, values: np.ndarray | Sequence[float] | Tens
     g = _groups_for(group_ids, v.shape[0])
     if v.dtype.kind == "f" and np.isnan(v).any():
         raise AlgoError("values contain NaN (verl would silently drop such a group)")
-    keep = ~_constant_groups(g, v) | (_group_sum(g) == 1)
-    return keep[g.codes]
+    seg = _Segments.of(g)
+    keep = ~_constant_groups(seg, v) | (seg.counts == 1)
+    return keep[seg.codes]
 
 
 def overlong_penalty(

@@ -39,7 +39,8 @@ from dapo_flow.registry import CUSTOM_OP, OPERATORS
 from dapo_flow.rewrites import REWRITES
 from dapo_flow.spec import PROMPTS_SOURCE, GraphSpec, NodeSpec
 
-__all__ = ["Cluster", "compile_graph", "explain", "load", "place", "plan", "validate"]
+__all__ = ["Cluster", "Found", "compile_graph", "did_you_mean", "explain", "load", "place", "plan",
+           "pydantic_problems", "validate"]
 
 
 def compile_graph(path: str | Path, cluster: Cluster | None = None) -> PlacedPlan:
@@ -51,7 +52,7 @@ def compile_graph(path: str | Path, cluster: Cluster | None = None) -> PlacedPla
 
 
 @dataclass
-class _Found:
+class Found:
     """Problems collected so far, each with the GraphError subclass it belongs to."""
 
     doc: GraphDoc
@@ -87,7 +88,7 @@ def _dotted(path: Iterable[Any]) -> str:
     return out
 
 
-def _did_you_mean(word: str, options: Iterable[str]) -> str:
+def did_you_mean(word: str, options: Iterable[str]) -> str:
     options = sorted(set(options))
     close = difflib.get_close_matches(word, options, n=3, cutoff=0.6)
     if close:
@@ -107,7 +108,7 @@ def type_name(t: pa.DataType) -> str:
     return str(t)
 
 
-def _pydantic_problems(found: _Found, err: ValidationError, base: PathKey,
+def pydantic_problems(found: Found, err: ValidationError, base: PathKey,
                        model: type[BaseModel]) -> None:
     for e in err.errors():
         loc = tuple(e["loc"])
@@ -115,13 +116,13 @@ def _pydantic_problems(found: _Found, err: ValidationError, base: PathKey,
         kind = e["type"]
         if kind == "extra_forbidden":
             allowed = _fields_at(model, loc[:-1])
-            found.add(path, f"unknown key '{loc[-1]}'", _did_you_mean(str(loc[-1]), allowed))
+            found.add(path, f"unknown key '{loc[-1]}'", did_you_mean(str(loc[-1]), allowed))
         elif kind == "missing":
             found.add(path, "required field is missing")
         elif kind == "literal_error" and isinstance(e.get("input"), str):
             options = re.findall(r"'([^']*)'", str(e.get("ctx", {}).get("expected", "")))
             found.add(path, f"{e['msg']} (got {_short(e['input'])})",
-                      _did_you_mean(e["input"], options) if options else "")
+                      did_you_mean(e["input"], options) if options else "")
         else:
             msg = e["msg"].removeprefix("Value error, ")
             got = f" (got {_short(e['input'])})" if loc else ""
@@ -179,12 +180,12 @@ class _Node:
 
 def validate(doc: GraphDoc) -> ValidGraph:
     """Check everything; raise one GraphError listing every problem, sorted by line."""
-    found = _Found(doc)
+    found = Found(doc)
     spec: GraphSpec | None = None
     try:
         spec = GraphSpec.model_validate(doc.raw)
     except ValidationError as err:
-        _pydantic_problems(found, err, (), GraphSpec)
+        pydantic_problems(found, err, (), GraphSpec)
     nodes = _node_specs(doc, spec)
     for node in nodes or []:
         _check_op(found, node)
@@ -233,7 +234,7 @@ def _node_specs(doc: GraphDoc, spec: GraphSpec | None) -> list[_Node] | None:
         return None
 
 
-def _check_op(found: _Found, node: _Node) -> None:
+def _check_op(found: Found, node: _Node) -> None:
     """Resolve the node's operator class and validate its params."""
     s = node.spec
     if s.op == CUSTOM_OP:
@@ -262,16 +263,16 @@ def _check_op(found: _Found, node: _Node) -> None:
                       "remove `impl:`, or write `op: custom` to use your own class")
     else:
         found.add(node.path + ("op",), f"unknown op '{s.op}'",
-                  _did_you_mean(s.op, [*OPERATORS, CUSTOM_OP]), kind=UnknownOperatorError)
+                  did_you_mean(s.op, [*OPERATORS, CUSTOM_OP]), kind=UnknownOperatorError)
         return
     node.cls = cls
     try:
         node.params = cls.Params.model_validate(s.params)
     except ValidationError as err:
-        _pydantic_problems(found, err, node.path + ("params",), cls.Params)
+        pydantic_problems(found, err, node.path + ("params",), cls.Params)
 
 
-def _check_models(found: _Found, nodes: list[_Node], declared: set[str]) -> None:
+def _check_models(found: Found, nodes: list[_Node], declared: set[str]) -> None:
     first: dict[str, int] = {}
     for node in nodes:
         if node.id == PROMPTS_SOURCE:
@@ -284,7 +285,7 @@ def _check_models(found: _Found, nodes: list[_Node], declared: set[str]) -> None
         model = node.spec.model
         if model is not None and model not in declared:
             found.add(node.path + ("model",), f"model '{model}' is not declared in `models:`",
-                      _did_you_mean(model, declared) if declared else "declare it under `models:`")
+                      did_you_mean(model, declared) if declared else "declare it under `models:`")
         if node.cls is None:
             continue
         needs = bool(getattr(node.cls, "NEEDS_MODEL", False))
@@ -298,10 +299,10 @@ def _check_models(found: _Found, nodes: list[_Node], declared: set[str]) -> None
     for name in placement if isinstance(placement, dict) else ():
         if name not in declared:
             found.add(("placement", "models", name), f"model '{name}' is not declared in `models:`",
-                      _did_you_mean(str(name), declared) if declared else "")
+                      did_you_mean(str(name), declared) if declared else "")
 
 
-def _check_edges(found: _Found, nodes: list[_Node]) -> nx.DiGraph:
+def _check_edges(found: Found, nodes: list[_Node]) -> nx.DiGraph:
     """The graph of known edges; reports unknown inputs and reads from sinks."""
     by_id = {n.id: n for n in reversed(nodes)}  # first definition wins
     graph = nx.DiGraph()
@@ -314,7 +315,7 @@ def _check_edges(found: _Found, nodes: list[_Node]) -> nx.DiGraph:
             path = node.path + ("inputs", j)
             if inp != PROMPTS_SOURCE and inp not in by_id:
                 found.add(path, f"unknown input '{inp}'",
-                          _did_you_mean(inp, [PROMPTS_SOURCE, *by_id]), field_name="inputs")
+                          did_you_mean(inp, [PROMPTS_SOURCE, *by_id]), field_name="inputs")
                 continue
             src = by_id.get(inp)
             if src is not None and src.cardinality == "sink":
@@ -329,7 +330,7 @@ def _check_edges(found: _Found, nodes: list[_Node]) -> nx.DiGraph:
     return graph
 
 
-def _check_cycles(found: _Found, nodes: list[_Node], graph: nx.DiGraph) -> bool:
+def _check_cycles(found: Found, nodes: list[_Node], graph: nx.DiGraph) -> bool:
     """Report one cycle per strongly connected component; True when there is none."""
     index = {n.id: n.index for n in reversed(nodes)}
     ok = True
@@ -345,7 +346,7 @@ def _check_cycles(found: _Found, nodes: list[_Node], graph: nx.DiGraph) -> bool:
     return ok
 
 
-def _check_training(found: _Found, nodes: list[_Node]) -> None:
+def _check_training(found: Found, nodes: list[_Node]) -> None:
     """One update per model; updated models feed a generator; refs stay frozen."""
     if any(n.cls is None for n in nodes):
         return  # a typo'd op may be the update: don't guess
@@ -390,7 +391,7 @@ class _Rows:
     input_rows_from: str
 
 
-def _propagate(found: _Found, nodes: list[_Node], order: tuple[str, ...]) -> dict[str, _Rows]:
+def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...]) -> dict[str, _Rows]:
     """Arrow schemas along every edge, from `prompts` in topological order."""
     prompt = C.prompt_schema()
     src = {name: PROMPTS_SOURCE for name in prompt.names}
@@ -481,7 +482,7 @@ def _param_variants(cls: type) -> Iterable[tuple[str, BaseModel]]:
                 continue
 
 
-def _check_group_filter(found: _Found, nodes: list[_Node], graph: nx.DiGraph,
+def _check_group_filter(found: Found, nodes: list[_Node], graph: nx.DiGraph,
                         rows: dict[str, _Rows]) -> None:
     """A group-filter must see whole prompt groups: straight from a generate, no row
     filter in between; and only one per graph (dynamic sampling repeats its upstream)."""
@@ -507,7 +508,7 @@ def _check_group_filter(found: _Found, nodes: list[_Node], graph: nx.DiGraph,
                       f"move '{origin}' after '{gf.id}'")
 
 
-def _check_consistency(found: _Found, nodes: list[_Node], graph: nx.DiGraph,
+def _check_consistency(found: Found, nodes: list[_Node], graph: nx.DiGraph,
                        order: tuple[str, ...]) -> None:
     """Params that must agree with the generate node upstream."""
     by_id = {n.id: n for n in reversed(nodes)}

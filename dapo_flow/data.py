@@ -9,7 +9,7 @@ flattened column), ``data_source``, ``extra_info.index``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,8 +26,18 @@ FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 @dataclass(frozen=True)
 class _Record:
+    number: int  # position in the source: jsonl line number, parquet/json row index
     where: str  # "line 7" / "row 6": how a user finds the row in the source
     fields: dict[str, Any]
+
+
+@dataclass
+class _Row:
+    record: _Record
+    text: str  # what is tokenized: the raw prompt or the chat-templated messages
+    answer: Any
+    raw: bool  # a plain-string prompt: gets BOS; templated text carries its own specials
+    ids: list[int] = field(default_factory=list)
 
 
 def load_prompts(
@@ -85,24 +95,23 @@ def load_prompts(
             reject(rec, " | ".join(answer_keys), "is missing (no ground truth)",
                    "add the answer there or name its column with answer_key")
             continue
-        rows.append((rec, text, answer, isinstance(prompt, str)))
+        rows.append(_Row(rec, text, answer, raw=isinstance(prompt, str)))
 
-    ids = _tokenize(tokenizer, [r[1] for r in rows], [r[3] for r in rows])
-    keep = []
-    for row, row_ids in zip(rows, ids):
-        if max_prompt_tokens is not None and len(row_ids) > max_prompt_tokens:
-            reject(row[0], prompt_key, f"has {len(row_ids)} tokens > max_prompt_tokens={max_prompt_tokens}",
+    for row, ids in zip(rows, _tokenize(tokenizer, [r.text for r in rows], [r.raw for r in rows])):
+        row.ids = ids
+    if max_prompt_tokens is not None:
+        for row in [r for r in rows if len(r.ids) > max_prompt_tokens]:
+            reject(row.record, prompt_key, f"has {len(row.ids)} tokens > max_prompt_tokens={max_prompt_tokens}",
                    "raise max_prompt_tokens or shorten the prompt")
-            continue
-        keep.append((row, row_ids))
+        rows = [r for r in rows if len(r.ids) <= max_prompt_tokens]
 
     table = pa.table(
         {
-            C.PROMPT_ID: _prompt_ids(split, [r[0] for r, _ in keep]),
-            C.PROMPT_TEXT: [r[1] for r, _ in keep],
-            C.PROMPT_IDS: [i for _, i in keep],
-            C.GROUND_TRUTH: [_as_text(r[2]) for r, _ in keep],
-            C.DATA_SOURCE: [str(r[0].fields.get("data_source") or default_source) for r, _ in keep],
+            C.PROMPT_ID: _prompt_ids(split, [r.record for r in rows]),
+            C.PROMPT_TEXT: [r.text for r in rows],
+            C.PROMPT_IDS: [r.ids for r in rows],
+            C.GROUND_TRUTH: [_as_text(r.answer) for r in rows],
+            C.DATA_SOURCE: [str(r.record.fields.get("data_source") or default_source) for r in rows],
         },
         schema=C.prompt_schema(),
     )
@@ -117,7 +126,7 @@ def _builtin_records(source: str, split: str, seed: int, options: dict[str, Any]
         raise DataError(f"{source}: unknown options {unknown}; allowed: {list(ADDITION_OPTIONS)}")
     task = AdditionTask(seed=seed, **options)
     return [
-        _Record(f"problem {p.index}", {"prompt": p.prompt, "ground_truth": p.answer,
+        _Record(p.index, f"problem {p.index}", {"prompt": p.prompt, "ground_truth": p.answer,
                                        "extra_info": {"index": p.index}})
         for p in task.problems(split)
     ]
@@ -130,17 +139,18 @@ def _file_records(path: Path) -> list[_Record]:
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return [_Record(f"row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+        return [_Record(i, f"row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
     if suffix == ".json":
         data = _parse_json(path, path.read_text(encoding="utf-8"), "file")
         if not isinstance(data, list):
             raise DataError(f"{path}: a .json prompt file must hold a list of records")
-        return [_Record(f"record {i}", _as_record(path, r, f"record {i}")) for i, r in enumerate(data)]
+        return [_Record(i, f"record {i}", _as_record(path, r, f"record {i}")) for i, r in enumerate(data)]
     if suffix == ".jsonl":
         out = []
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
             if line.strip():
-                out.append(_Record(f"line {n}", _as_record(path, _parse_json(path, line, f"line {n}"), f"line {n}")))
+                record = _as_record(path, _parse_json(path, line, f"line {n}"), f"line {n}")
+                out.append(_Record(n, f"line {n}", record))
         return out
     raise DataError(f"{path}: unsupported prompt file type '{suffix}'; use one of {FILE_SUFFIXES}")
 
@@ -198,9 +208,12 @@ def _prompt_ids(split: str, records: list[_Record]) -> list[str]:
     """``{split}-{extra_info.index}`` when every row has a distinct index, else the row position."""
     indices = [_get(r.fields, "extra_info.index") for r in records]
     if None in indices or len(set(map(str, indices))) != len(indices):
-        indices = [r.where.split()[-1] for r in records]
+        indices = [r.number for r in records]
     return [f"{split}-{i}" for i in indices]
 
 
 def _as_text(answer: Any) -> str:
-    return answer if isinstance(answer, str) else json.dumps(answer) if isinstance(answer, (list, dict)) else str(answer)
+    """Ground truth as a string: numbers via str, lists/dicts as JSON."""
+    if isinstance(answer, str):
+        return answer
+    return json.dumps(answer) if isinstance(answer, (list, dict)) else str(answer)

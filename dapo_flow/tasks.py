@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
-
 import numpy as np
 
 from dapo_flow.errors import DataError
@@ -150,7 +148,3 @@ def verify_math(
         return wrong
     truth = last_boxed(ground_truth) or ground_truth
     return correct if normalize_math_answer(predicted) == normalize_math_answer(truth) else wrong
-
-
-Verifier = Callable[..., float]
-VERIFIERS: dict[str, Verifier] = {"addition": verify_addition, "math": verify_math}

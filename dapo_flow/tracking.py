@@ -29,8 +29,13 @@ def default_tracking_uri() -> str:
 
 
 def _quiet_env() -> None:
+    import logging
+
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    # migrations and store set-up log at INFO on every new database: noise for a CLI user
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, str]:
@@ -150,3 +155,101 @@ def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[dict
          "metrics": dict(r.data.metrics), "tags": dict(r.data.tags), "status": r.info.status}
         for r in runs
     ]
+
+
+# --- sweeps and comparisons: parent/child runs, artifacts of finished runs ----------------
+
+
+def _client(uri: str):
+    from mlflow import MlflowClient
+
+    _quiet_env()
+    return MlflowClient(tracking_uri=uri)
+
+
+def _record(client, run, history_keys: Iterable[str] = ()) -> dict[str, Any]:
+    history = {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)]
+               for k in history_keys if k in run.data.metrics}
+    return {"run_id": run.info.run_id, "name": run.info.run_name, "status": run.info.status,
+            "experiment_id": run.info.experiment_id, "params": dict(run.data.params),
+            "metrics": dict(run.data.metrics), "tags": dict(run.data.tags), "history": history,
+            "start_time": run.info.start_time, "end_time": run.info.end_time}
+
+
+def find_run(uri: str, run_id: str) -> dict[str, Any] | None:
+    """A run as a dict (run_id, name, status, params, metrics, tags, times), None if unknown."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(uri)
+    try:
+        return _record(client, client.get_run(run_id))
+    except MlflowException:
+        return None
+
+
+def child_runs(uri: str, parent_run_id: str, history_keys: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """Child runs of a parent (oldest first), with metric histories of ``history_keys``."""
+    client = _client(uri)
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs([parent.info.experiment_id],
+                              filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                              max_results=10000, order_by=["attributes.start_time ASC"])
+    keys = tuple(history_keys)
+    return [_record(client, r, keys) for r in runs]
+
+
+def latest_run(uri: str, experiment: str, filter_string: str = "") -> dict[str, Any] | None:
+    """The most recently started run of an experiment matching the filter, or None."""
+    client = _client(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    runs = client.search_runs([exp.experiment_id], filter_string=filter_string, max_results=1,
+                              order_by=["attributes.start_time DESC"])
+    return _record(client, runs[0]) if runs else None
+
+
+def experiment_names(uri: str) -> list[str]:
+    return [e.name for e in _client(uri).search_experiments()]
+
+
+def experiment_name(uri: str, experiment_id: str) -> str:
+    return _client(uri).get_experiment(experiment_id).name
+
+
+def add_to_run(uri: str, run_id: str, *, texts: Mapping[str, str] | None = None,
+               files: Mapping[str, str | None] | None = None, tags: Mapping[str, str] | None = None) -> None:
+    """Log text artifacts (name -> text), files (path -> artifact dir) and tags to an existing
+    run without touching its status (a Tracker with ``run_id`` would mark it RUNNING)."""
+    from mlflow.entities import RunTag
+
+    client = _client(uri)
+    for name, text in (texts or {}).items():
+        client.log_text(run_id, text, name)
+    for path, subdir in (files or {}).items():
+        client.log_artifact(run_id, str(path), subdir)
+    if tags:
+        client.log_batch(run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in tags.items()])
+
+
+def set_run_status(uri: str, run_id: str, status: str) -> None:
+    _client(uri).set_terminated(run_id, status=status)
+
+
+def read_artifact_text(uri: str, run_id: str, path: str) -> str | None:
+    """The text of one artifact of a run, or None when the run has no such artifact."""
+    import tempfile
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    client = _client(uri)
+    folder = str(Path(path).parent) if Path(path).parent != Path(".") else None
+    names = {a.path for a in client.list_artifacts(run_id, folder)}
+    if path not in names:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        local = client.download_artifacts(run_id, path, tmp)
+        return Path(local).read_text(encoding="utf-8")
+
+
+def artifact_paths(uri: str, run_id: str, folder: str | None = None) -> list[str]:
+    return [a.path for a in _client(uri).list_artifacts(run_id, folder)]

@@ -189,11 +189,11 @@ class Update:
                 kl = algos.kl_penalty(logp, torch.from_numpy(ref_logp[rows, :width]), p.kl_type)
                 kl_loss = algos.agg_loss(kl, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
                 loss = loss + p.kl_coef * kl_loss
-                stats["actor/kl_loss"] += float(kl_loss)
+                stats["actor/kl_loss"] += float(kl_loss.detach())
             loss.backward()
             # token-weighted share of this micro-batch in the mini-batch's token statistics
             share = float(m.sum()) / n_tokens
-            stats["actor/pg_loss"] += float(pg_loss)
+            stats["actor/pg_loss"] += float(pg_loss.detach())
             stats["actor/entropy"] += float(ent)
             for key in ("clipfrac", "clipfrac_lower", "ppo_kl"):
                 stats[f"actor/{key}"] += pg_stats[key] * share

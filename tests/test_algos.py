@@ -186,7 +186,9 @@ def _verl_policy_loss(old_log_prob, log_prob, advantages, response_mask, clipran
     pg_clipfrac = _verl_masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
     pg_losses3 = -advantages * clip_ratio_c
     clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
-    pg_clipfrac_lower = _verl_masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask)
+    pg_clipfrac_lower = _verl_masked_mean(
+        torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask
+    )
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
     return _verl_masked_mean(pg_losses, response_mask), pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
@@ -247,6 +249,12 @@ def test_factorize_codes_by_value(ids):
     assert codes.dtype == np.int64 and n_groups == 3
     assert codes[0] == codes[2] and len({codes[0], codes[1], codes[3]}) == 3
     assert set(codes.tolist()) == {0, 1, 2}
+
+
+def test_factorize_enum_fallback_for_older_polars(monkeypatch):
+    monkeypatch.delattr(pl, "Categories", raising=False)  # polars < 1.32 has no Categories
+    codes, n_groups = factorize(["b", "a", "b", "c"])
+    assert n_groups == 3 and codes[0] == codes[2] and set(codes.tolist()) == {0, 1, 2}
 
 
 def test_factorize_passthrough_empty_and_errors():
@@ -316,6 +324,19 @@ def test_constant_groups_exact_zero_where_verl_is_noisy():
         assert (outcome_advantages(rewards, mask, ids, est) == 0).all(), est
 
 
+def test_constant_groups_exact_zero_for_float64_scores():
+    # float64 sums of equal values need not be exact (0.1 + 0.1 + 0.1 = 0.30000000000000004,
+    # mean 0.10000000000000002), so float64 input takes the explicit exact-equality check.
+    scores = np.array([0.1, 0.1, 0.1, 0.2, 0.3])
+    ids = [0, 0, 0, 1, 1]
+    for est in ("grpo", "rloo", "opo", "grpo_passk"):
+        adv = sequence_advantages(scores, ids, est, lengths=[3, 1, 2, 2, 2])
+        assert (adv[:3] == 0).all() and (adv[3:] != 0).any(), est
+    tok = outcome_advantages(torch.tensor([[0.1], [0.1], [0.1]], dtype=torch.float64),
+                             torch.ones(3, 1, dtype=torch.bool), [0, 0, 0], "grpo")
+    assert (tok == 0).all()
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("norm", [True, False])
 def test_grpo_matches_verl_reference(seed, norm):
@@ -330,7 +351,8 @@ def test_rloo_hand_worked_and_reference():
     assert_close(adv, np.array([0.5, -1.0, 0.5, 2.0], np.float32))
     for seed in range(3):
         rewards, mask, uids = _random_batch(seed)
-        assert_close(outcome_advantages(rewards, mask, uids, "rloo"), _verl_reference_rloo(rewards, mask.float(), uids))
+        ref = _verl_reference_rloo(rewards, mask.float(), uids)
+        assert_close(outcome_advantages(rewards, mask, uids, "rloo"), ref)
 
 
 def test_reinforce_pp_baseline_hand_worked_and_reference():
@@ -618,7 +640,8 @@ def test_agg_loss_errors_and_verl():
 
 def _hand_policy_batch():
     # tokens (log ratio, A): clip_low 0.2, clip_high 0.28, clip_c 3
-    #   t00 (ln 1.5, +1): max(-1.5, -1.28) = -1.28   clipped (pg2 > pg1)
+    #   t00 (ln 1.5, +1): max(-1.5, -1.28) = -1.28   clipped (pg2 > pg1); A > 0: no dual clip
+    #                     (applied, min(-1.28, -A·3) would give -3)
     #   t01 (ln 1.5, -1): max( 1.5,  1.28) =  1.5
     #   t02 (ln 0.5, -1): max( 0.5,  0.8 ) =  0.8    clipped
     #   t03 (ln 0.5, +1): max(-0.5, -0.8 ) = -0.5
@@ -807,7 +830,9 @@ def test_kl_penalty_gradcheck_reference_and_errors():
 # Properties (hypothesis)
 # =============================================================================================
 
-_scores = hnp.arrays(np.float32, st.integers(1, 40), elements=st.sampled_from([np.float32(v) for v in (-1.0, 0.0, 0.5, 0.7, 1.0, 2.3)]))
+_scores = hnp.arrays(  # a few values, so constant groups and ties are common
+    np.float32, st.integers(1, 40), elements=st.sampled_from([np.float32(v) for v in (-1, 0, 0.5, 0.7, 1, 2.3)])
+)
 
 
 @PROPS

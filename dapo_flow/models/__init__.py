@@ -112,7 +112,8 @@ def _not_causal_lm(config: dict) -> str | None:
             return None
     if not archs and not model_type:
         return "config.json names neither `architectures` nor `model_type`"
-    return f"config.json describes {', '.join(archs) or model_type!r}, not a causal LM"
+    what = ", ".join(archs) if archs else f"model_type {model_type!r}"
+    return f"config.json describes {what}, not a causal LM"
 
 
 def _builtin_names() -> str:

@@ -9,6 +9,7 @@ logprobs independent of how much padding its batch needed.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -77,6 +78,25 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
+@contextmanager
+def hf_progress_bars_off() -> Iterator[None]:
+    """Silence transformers' tqdm bars ("Loading weights", "Writing model shards"), then restore."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _check_prompts(prompt_ids: list[list[int]]) -> None:
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ModelError("empty prompt: every prompt needs at least one token (e.g. BOS)")
+
+
 class HFPolicy:
     """A causal LM held in torch: rollouts, logprobs (optionally with grad), weight export/import."""
 
@@ -101,7 +121,8 @@ class HFPolicy:
         self.device = torch.device(device)
         self.seed = seed
         torch.manual_seed(seed)  # anything stochastic inside the model (none for Llama: no dropout)
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype]).to(self.device)
+        with hf_progress_bars_off():
+            self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype]).to(self.device)
         self.model.eval()  # no dropout in RL: rollout and training must see the same function
         self.model.requires_grad_(trainable)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
@@ -148,8 +169,7 @@ class HFPolicy:
         )
 
     def _prompt_chunks(self, prompt_ids: list[list[int]], n: int) -> Iterator[list[list[int]]]:
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ModelError("generate: empty prompt (every prompt needs at least one token, e.g. BOS)")
+        _check_prompts(prompt_ids)
         per_chunk = max(1, self.max_batch_samples // n)
         for i in range(0, len(prompt_ids), per_chunk):
             yield prompt_ids[i : i + per_chunk]
@@ -219,6 +239,7 @@ class HFPolicy:
         """
         if len(prompt_ids) != len(response_ids):
             raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+        _check_prompts(prompt_ids)
         p_ids, p_mask = left_pad(prompt_ids, self.pad_id)
         r_ids, r_mask = right_pad(response_ids, self.pad_id, max(1, max(map(len, response_ids), default=1)))
         mask = torch.cat([p_mask, r_mask], dim=1)
@@ -307,6 +328,7 @@ class HFPolicy:
     def save(self, out_dir: Path | str) -> Path:
         """A Hugging Face model directory (weights, config, tokenizer) that ``path:`` can point at."""
         out = Path(out_dir)
-        self.model.save_pretrained(out)
+        with hf_progress_bars_off():
+            self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out

@@ -7,7 +7,7 @@ so the trainer's recomputation with the same temperature matches them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -51,7 +51,6 @@ class Rollouts:
     truncated: np.ndarray  # bool: hit max_tokens without EOS
     tokens_generated: int = 0
     seconds: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)  # backend-specific timings
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -59,6 +58,26 @@ class Rollouts:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens_generated / self.seconds if self.seconds > 0 else 0.0
+
+    def check(self, num_prompts: int, cfg: SamplingConfig, eos_ids: list[int]) -> None:
+        """Raise ``ValueError`` if a backend broke the contract (layout, lengths, EOS, truncation)."""
+        prompt_index, sample_idx = self.layout(num_prompts, cfg.n)
+        problems = []
+        if not (np.array_equal(self.prompt_index, prompt_index) and np.array_equal(self.sample_idx, sample_idx)):
+            problems.append("samples are not n contiguous rows per prompt in prompt order")
+        if not len(self.response_ids) == len(self.logprobs) == len(self.truncated) == len(prompt_index):
+            problems.append("response_ids / logprobs / truncated lengths differ from prompts * n")
+        stop = set(eos_ids)
+        for i, (ids, lps, trunc) in enumerate(zip(self.response_ids, self.logprobs, self.truncated)):
+            ends_with_eos = bool(ids) and ids[-1] in stop
+            if len(lps) != len(ids) or not 1 <= len(ids) <= cfg.max_tokens or stop & set(ids[:-1]):
+                problems.append(f"sample {i}: {len(ids)} tokens, {len(lps)} logprobs, EOS only last")
+            elif bool(trunc) != (not ends_with_eos) or (trunc and len(ids) != cfg.max_tokens):
+                problems.append(f"sample {i}: truncated={bool(trunc)} but {len(ids)} tokens, EOS last: {ends_with_eos}")
+            if len(problems) > 5:
+                break
+        if problems:
+            raise ValueError("rollouts break the contract: " + "; ".join(problems))
 
     @staticmethod
     def layout(num_prompts: int, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from dapo_flow.tasks import AdditionTask, verify_addition
 
-RECIPE_VERSION = 1  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
+RECIPE_VERSION = 2  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
 BUILD_INFO = "dapo_flow_build.json"
 
 
@@ -41,6 +41,7 @@ class Recipe:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
+    label_smoothing: float = 0.0
     eval_samples_per_prompt: int = 4
     eval_seed: int = 1234
 
@@ -132,7 +133,10 @@ def _warm_start(model: Any, tokenizer: Any, task: AdditionTask, recipe: Recipe, 
         for step in range(recipe.steps):
             idx = torch.randint(len(seqs), (recipe.batch_size,), generator=gen)
             logits = model(input_ids=ids[idx], attention_mask=mask[idx]).logits[:, :-1]
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[idx].reshape(-1))
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets[idx].reshape(-1),
+                label_smoothing=recipe.label_smoothing,
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -169,19 +173,18 @@ def sampled_accuracy(model_dir: Path, task: AdditionTask, recipe: Recipe = RECIP
 def _deterministic_torch(seed: int) -> Iterator[None]:
     """One thread, deterministic kernels, a fixed seed, no HF progress bars; restores the caller's settings."""
     import torch
-    from transformers.utils import logging as hf_logging
+
+    from dapo_flow.models.hf import hf_progress_bars_off
 
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    rng, bars = torch.get_rng_state(), hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # our own rich bar is the only one shown
+    rng = torch.get_rng_state()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(seed)
     try:
-        yield
+        with hf_progress_bars_off():  # our rich bar is the only one shown
+            yield
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
         torch.set_rng_state(rng)
-        if bars:
-            hf_logging.enable_progress_bar()

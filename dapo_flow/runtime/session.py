@@ -22,7 +22,7 @@ from dapo_flow.runtime.executors import LocalExecutor, RayExecutor
 from dapo_flow.runtime.loop import DRIVER, LoopState, Runner
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.setup import graph_hash, stage_setups
-from dapo_flow.runtime.worker import StageSetup, StageWorker
+from dapo_flow.runtime.worker import StageSetup, StageWorker, quiet_libraries
 from dapo_flow.tracking import Tracker, flatten, runs_dir
 
 
@@ -89,11 +89,13 @@ def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
 
 
 def run_session(placed, *, executor: str, address: str | None, resume: bool, steps: int | None,
-                console: Console | None = None) -> dict:
+                console: Console | None = None, run_name: str | None = None,
+                parent_run_id: str | None = None, extra_params: dict | None = None,
+                extra_artifacts: dict | None = None) -> dict:
+    quiet_libraries()
     spec = placed.plan.spec
-    run = spec.run
     console = console or Console()
-    total = steps or run.steps
+    total = steps or spec.run.steps
     ghash = graph_hash(spec)
     ckpt_root = runs_dir() / "checkpoints" / f"{spec.name}-{ghash[:10]}"
     driver_state: dict = {}
@@ -124,9 +126,14 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
     tracker = None
     try:
         tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
-                          run_id=driver_state.get("mlflow_run_id"), run_name=spec.name)
+                          run_id=driver_state.get("mlflow_run_id"), run_name=run_name or spec.name,
+                          parent_run_id=parent_run_id)
         if not resume:
             _log_start(tracker, placed, ghash, executor)
+            if extra_params:
+                tracker.log_params({k: str(v) for k, v in extra_params.items()})
+            for name, text in (extra_artifacts or {}).items():
+                tracker.log_text(text, name)
         for stage, states in op_states.items():
             if stage == DRIVER:
                 driver.load_op_states(states)

@@ -42,6 +42,21 @@ class StageSetup:
     num_threads: int = 0  # torch threads; 0 = leave torch's default
 
 
+def quiet_libraries() -> None:
+    """transformers' per-load progress bars and info logs drown the run's own progress."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 def resolve_op(node: NodeSetup) -> type:
     from dapo_flow.imports import load_object
     from dapo_flow.registry import CUSTOM_OP, OPERATORS
@@ -55,6 +70,7 @@ class StageWorker:
     """Loads the stage's models once, builds its operators, runs them on Arrow tables."""
 
     def __init__(self, graph: GraphSpec, setup: StageSetup, seed: int):
+        quiet_libraries()
         if setup.num_threads:
             import torch
 

@@ -1,0 +1,293 @@
+"""Compare a sweep's variants: val acc, reward, samples and wall time, mean ± std over seeds.
+
+The pure part turns run records into rows and curves: ``RunRecord.from_run`` (a dict from
+``tracking.child_runs``) -> ``aggregate`` -> ``Row``s; ``curves`` -> mean curve per variant.
+The IO part, ``report(uri, parent_run_id)``, prints the table, draws the PNG and logs both
+(compare.png, compare.md) to the parent run; ``compare(target)`` finds the parent run from a
+run id or an experiment name (its latest sweep).
+
+"Reward" is ``score/mean``: the verifier's mean score over every rollout generated in the
+step, before overlong shaping and before dynamic sampling drops groups, so variants with and
+without those nodes compare on the same scale.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from dapo_flow.errors import DapoFlowError
+
+VAL = "val/acc"
+REWARD = "score/mean"
+REWARD_FALLBACK = "batch/score_mean"
+STEP_TIME = "time/step"
+SAMPLES = "sampling/samples_generated_total"
+HISTORY_KEYS = (VAL, REWARD, REWARD_FALLBACK, STEP_TIME, SAMPLES)
+PARENT_TAG = "dapo_flow.sweep"  # "parent" on a sweep's parent run
+ERROR_TAG = "dapo_flow.error"  # the error text on a failed child run
+
+Curve = tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Mean and sample std (n - 1) of the values that exist; std is None for one value."""
+
+    mean: float | None
+    std: float | None
+    n: int
+
+    @classmethod
+    def of(cls, values: Iterable[float | None]) -> "Stat":
+        xs = [float(v) for v in values if v is not None and not math.isnan(v)]
+        if not xs:
+            return cls(None, None, 0)
+        return cls(statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else None, len(xs))
+
+    def fmt(self, spec: str = ".3f") -> str:
+        if self.mean is None:
+            return "-"
+        text = format(self.mean, spec)
+        return text if self.std is None else f"{text} ± {format(self.std, spec)}"
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What compare needs of one child run."""
+
+    run_id: str
+    variant: str
+    seed: str
+    status: str
+    history: Mapping[str, Curve] = field(default_factory=dict)
+    wall_seconds: float | None = None
+    samples: float | None = None
+    error: str = ""
+
+    @classmethod
+    def from_run(cls, run: Mapping) -> "RunRecord":
+        params, tags, metrics = run.get("params", {}), run.get("tags", {}), run.get("metrics", {})
+        name = run.get("name") or run["run_id"]
+        history = {k: tuple(sorted((int(s), float(v)) for s, v in pts))
+                   for k, pts in (run.get("history") or {}).items()}
+        steps = history.get(STEP_TIME)
+        if steps:
+            wall = sum(v for _, v in steps)
+        elif run.get("start_time") is not None and run.get("end_time") is not None:
+            wall = (run["end_time"] - run["start_time"]) / 1000
+        else:
+            wall = None
+        samples = history[SAMPLES][-1][1] if history.get(SAMPLES) else metrics.get(SAMPLES)
+        return cls(run_id=run["run_id"], variant=params.get("sweep.variant") or name.split("/")[0],
+                   seed=params.get("sweep.seed") or params.get("seed") or "?", status=run.get("status", "?"),
+                   history=history, wall_seconds=wall, samples=samples, error=tags.get(ERROR_TAG, ""))
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "FINISHED"
+
+    def curve(self, key: str) -> Curve:
+        if key == REWARD and not self.history.get(REWARD):
+            return self.history.get(REWARD_FALLBACK, ())
+        return self.history.get(key, ())
+
+
+@dataclass(frozen=True)
+class Row:
+    variant: str
+    runs: int  # finished runs (the statistics are over these)
+    failed: int
+    final_val: Stat
+    best_val: Stat
+    final_reward: Stat
+    samples: Stat
+    wall: Stat
+
+
+COLUMNS = ("variant", "seeds", "final val acc", "best val acc", "final reward", "samples",
+           "wall (s)")
+
+
+def _order(records: Sequence[RunRecord], order: Iterable[str]) -> list[str]:
+    names = list(dict.fromkeys(order))
+    return [n for n in names if any(r.variant == n for r in records)] + sorted(
+        {r.variant for r in records} - set(names), key=[r.variant for r in records].index)
+
+
+def aggregate(records: Sequence[RunRecord], order: Iterable[str] = ()) -> list[Row]:
+    """One row per variant (in ``order``, then first appearance); failed runs only counted."""
+    rows = []
+    for name in _order(records, order):
+        mine = [r for r in records if r.variant == name]
+        ok = [r for r in mine if r.ok]
+        last = lambda curve: curve[-1][1] if curve else None  # noqa: E731
+        rows.append(Row(
+            variant=name, runs=len(ok), failed=len(mine) - len(ok),
+            final_val=Stat.of(last(r.curve(VAL)) for r in ok),
+            best_val=Stat.of(max((v for _, v in r.curve(VAL)), default=None) for r in ok),
+            final_reward=Stat.of(last(r.curve(REWARD)) for r in ok),
+            samples=Stat.of(r.samples for r in ok),
+            wall=Stat.of(r.wall_seconds for r in ok),
+        ))
+    return rows
+
+
+def curves(records: Sequence[RunRecord], key: str,
+           order: Iterable[str] = ()) -> dict[str, list[tuple[int, float, float]]]:
+    """variant -> [(step, mean, std)] over its finished runs (std 0 where one run has the step)."""
+    out = {}
+    for name in _order(records, order):
+        by_step: dict[int, list[float]] = {}
+        for r in records:
+            if r.variant == name and r.ok:
+                for step, value in r.curve(key):
+                    by_step.setdefault(step, []).append(value)
+        if by_step:
+            out[name] = [(s, statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0)
+                         for s, v in sorted(by_step.items())]
+    return out
+
+
+def _cells(row: Row) -> list[str]:
+    seeds = str(row.runs) + (f" (+{row.failed} failed)" if row.failed else "")
+    return [row.variant, seeds, row.final_val.fmt(), row.best_val.fmt(), row.final_reward.fmt("+.3f"),
+            row.samples.fmt(".0f"), row.wall.fmt(".0f")]
+
+
+def table(rows: Sequence[Row], title: str = "") -> Table:
+    t = Table(title=title or None, caption="mean ± std over seeds; reward = mean verifier score of all "
+              "rollouts in the last step (before shaping and filtering)")
+    width = max([len(r.variant) for r in rows] + [7])
+    for col in COLUMNS:
+        if col == "variant":
+            t.add_column(col, no_wrap=True, min_width=width)
+        else:
+            t.add_column(col, justify="right")
+    for row in rows:
+        t.add_row(*(escape(c) for c in _cells(row)))
+    return t
+
+
+def markdown(rows: Sequence[Row], title: str = "") -> str:
+    lines = [f"# {title}", ""] if title else []
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    lines += ["", "mean ± std over seeds; reward = mean verifier score (`score/mean`) of all rollouts "
+              "in the last step, before overlong shaping and dynamic-sampling filtering."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: Sequence[RunRecord], out: str | Path, order: Iterable[str] = (), title: str = "") -> Path:
+    """val/acc and reward vs step, one line per variant (mean over seeds, ± std shaded)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    order = list(order)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for ax, key, label in ((axes[0], VAL, "val acc (greedy)"), (axes[1], REWARD, "reward (rollout score mean)")):
+        for name, pts in curves(records, key, order).items():
+            steps = [p[0] for p in pts]
+            mean = [p[1] for p in pts]
+            std = [p[2] for p in pts]
+            (line,) = ax.plot(steps, mean, marker="o" if len(steps) < 15 else None, ms=3, label=name)
+            if any(std):
+                ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                                color=line.get_color(), alpha=0.15)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if not handles:
+        handles, labels = axes[1].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="center right", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 0.87, 1))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# --- IO: MLflow ---------------------------------------------------------------------------
+
+
+def report(uri: str, parent_run_id: str, out: str | Path | None = "compare.png",
+           console: Console | None = None) -> list[Row]:
+    """Print the comparison of a parent run's children, write the plot to ``out`` (if given)
+    and log compare.png and compare.md to the parent run."""
+    import shutil
+
+    from dapo_flow.tracking import add_to_run, child_runs, find_run
+
+    console = console or Console()
+    parent = find_run(uri, parent_run_id)
+    if parent is None:
+        raise DapoFlowError(f"no run '{parent_run_id}' in {uri}")
+    records = [RunRecord.from_run(r) for r in child_runs(uri, parent_run_id, HISTORY_KEYS)]
+    if not records:
+        raise DapoFlowError(f"run {parent_run_id} ('{parent['name']}') has no child runs: pass the "
+                            "parent run id that `dapo-flow sweep` prints, or the sweep's experiment name")
+    order = [v for v in parent["params"].get("sweep.variants", "").split(",") if v]
+    title = f"{parent['name']} ({parent_run_id[:8]})"
+    rows = aggregate(records, order)
+    console.print(table(rows, title))
+    for r in records:
+        if not r.ok:
+            console.print(f"{r.variant}/seed{r.seed} {r.status}: {r.error or '(no error recorded)'}",
+                          style="red", markup=False, highlight=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        png = plot(records, Path(tmp) / "compare.png", order, title)
+        add_to_run(uri, parent_run_id, files={str(png): None}, texts={"compare.md": markdown(rows, title)})
+        if out is not None:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(png, out)
+            console.print(f"wrote {out}; logged compare.png and compare.md to run {parent_run_id}")
+    return rows
+
+
+def resolve(target: str, uri: str) -> str:
+    """The parent run id for ``target``: a parent run id, a child run id (its parent), or an
+    experiment name (its latest sweep)."""
+    from dapo_flow.compiler import did_you_mean
+    from dapo_flow.tracking import experiment_names, find_run, latest_run
+
+    run = find_run(uri, target)
+    if run is not None:
+        parent = run["tags"].get("mlflow.parentRunId")
+        return parent if parent and run["tags"].get(PARENT_TAG) != "parent" else target
+    names = experiment_names(uri)
+    if target not in names:
+        raise DapoFlowError(f"'{target}' is neither a run id nor an experiment in {uri}\n    fix: "
+                            + did_you_mean(target, [n for n in names if n != "Default"] or ["(none yet)"]))
+    parent = latest_run(uri, target, f"tags.`{PARENT_TAG}` = 'parent'")
+    if parent is None:
+        raise DapoFlowError(f"experiment '{target}' has no sweep parent run: run `dapo-flow sweep PATCH` "
+                            "first, or pass a parent run id")
+    return parent["run_id"]
+
+
+def compare(target: str, out: str | Path | None = "compare.png", console: Console | None = None,
+            uri: str | None = None) -> list[Row]:
+    from dapo_flow.tracking import default_tracking_uri
+
+    uri = uri or default_tracking_uri()
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        raise DapoFlowError(f"no MLflow store at {uri.removeprefix('sqlite:///')}: run `dapo-flow sweep` in "
+                            "this directory first, or set MLFLOW_TRACKING_URI")
+    return report(uri, resolve(target, uri), out, console)

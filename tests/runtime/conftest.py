@@ -1,0 +1,49 @@
+"""A small DAPO graph for runtime tests: a few steps of 4 prompts x 4 samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TEMPLATE = """\
+name: {name}
+seed: {seed}
+models:
+  policy: {{path: "builtin:tiny-adder", backend: hf}}
+data:
+  train: {{source: "builtin:addition", split: train}}
+  val: {{source: "builtin:addition", split: val, size: 16}}
+run: {{steps: {steps}, prompts_per_step: 4, gen_prompts_per_batch: 8, val_every: 2, checkpoint_every: {ckpt}, chunk_prompts: 4}}
+tracking: {{experiment: runtime-tests, log_samples: 4}}
+nodes:
+  - {{id: rollout, op: generate, model: policy, inputs: [prompts], params: {{n: 4, max_tokens: 8}}}}
+  - {{id: verify, op: score, inputs: [rollout], params: {{correct: 1.0, wrong: {wrong}}}}}
+  - {{id: overlong, op: overlong-shape, inputs: [verify], params: {{max_len: 8, buffer_len: 4}}}}
+  - {{id: filter, op: group-filter, inputs: [overlong], params: {{metric: {metric}, max_gen_batches: {cap}, on_cap: {on_cap}}}}}
+  - {{id: old_logp, op: logprob, model: policy, inputs: [filter]}}
+  - {{id: adv, op: advantage, inputs: [old_logp]}}
+  - {{id: train, op: update, model: policy, inputs: [adv], params: {{lr: 1.0e-3, mini_batches: 2}}}}
+"""
+
+
+def write_graph(tmp: Path, *, name: str = "small", seed: int = 0, steps: int = 3, ckpt: int = 2,
+                metric: str = "acc", cap: int = 10, on_cap: str = "train-on-what-we-have",
+                wrong: float = -1.0) -> Path:
+    path = tmp / f"{name}.yaml"
+    path.write_text(TEMPLATE.format(name=name, seed=seed, steps=steps, ckpt=ckpt, metric=metric,
+                                    cap=cap, on_cap=on_cap, wrong=wrong))
+    return path
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture()
+def small_graph():
+    """`small_graph(dir, **options) -> path` writes the small DAPO graph."""
+    return write_graph
+
+
+@pytest.fixture()
+def workdir(tmp_path, monkeypatch, tiny_adder_path):
+    monkeypatch.chdir(tmp_path)  # the default MLflow store and checkpoints live under cwd
+    return tmp_path

@@ -1,0 +1,80 @@
+"""The runtime in-process (--executor local): a real short run, MLflow read back, resume,
+determinism and the dynamic-sampling cap policies."""
+
+from __future__ import annotations
+
+import pytest
+
+from dapo_flow.compiler import compile_graph
+from dapo_flow.errors import RunError
+from dapo_flow.plan import Cluster
+from dapo_flow.runtime import execute
+from dapo_flow.tracking import read_run
+
+CLUSTER = Cluster(cpus=2)
+
+
+def _run(path, **kw):
+    return execute(compile_graph(path, CLUSTER), executor="local", **kw)
+
+
+def test_short_run_is_tracked_in_mlflow(workdir, small_graph):
+    summary = _run(small_graph(workdir, steps=3, ckpt=2))
+    run = read_run(summary["tracking_uri"], summary["run_id"])
+    assert run["status"] == "FINISHED"
+    assert run["params"]["nodes.train.params.lr"] == "0.001"
+    assert run["params"]["graph_hash"] == summary["graph_hash"]
+    assert "version.torch" in run["params"]
+    assert run["tags"]["graph"] == "small"
+    assert run["tags"]["ops"].split(",")[0] == "generate"
+    steps = [s for s, _ in run["history"]["batch/reward_mean"]]
+    assert steps == [1, 2, 3]  # each step exactly once
+    assert [s for s, _ in run["history"]["val/acc"]] == [0, 2, 3]
+    for key in ("actor/pg_loss", "actor/clipfrac", "actor/clipfrac_lower", "actor/ppo_kl",
+                "actor/grad_norm", "actor/entropy", "actor/lr", "sampling/gen_batches",
+                "sampling/kept_groups", "time/rollout", "time/weight_sync", "perf/tokens_per_s",
+                "batch/response_len_mean", "batch/overlong_frac", "overlong/penalty_mean"):
+        assert key in run["metrics"], key
+    assert {"graph", "samples"} <= set(run["artifacts"])
+    assert summary["steps"] == 3 and summary["samples_generated"] > 0
+
+
+def test_same_seed_same_metrics(workdir, small_graph):
+    a = _run(small_graph(workdir, name="a", steps=2, ckpt=0))
+    b = _run(small_graph(workdir, name="b", steps=2, ckpt=0))
+    ha = read_run(a["tracking_uri"], a["run_id"])["history"]
+    hb = read_run(b["tracking_uri"], b["run_id"])["history"]
+    for key in ("batch/reward_mean", "actor/pg_loss", "actor/grad_norm", "val/acc"):
+        assert ha[key] == hb[key], key
+
+
+def test_resume_continues_the_same_run(workdir, small_graph):
+    path = small_graph(workdir, steps=4, ckpt=2)
+    first = _run(path, steps=2)
+    resumed = _run(path, resume=True, steps=4)
+    assert resumed["run_id"] == first["run_id"]
+    history = read_run(resumed["tracking_uri"], resumed["run_id"])["history"]
+    assert [s for s, _ in history["batch/reward_mean"]] == [1, 2, 3, 4]
+
+
+def test_resume_without_checkpoint_is_a_clear_error(workdir, small_graph):
+    with pytest.raises(RunError, match="nothing to resume"):
+        _run(small_graph(workdir), resume=True)
+
+
+def _constant_metric_graph(small_graph, workdir, on_cap):
+    # correct == wrong: every group has zero score spread, so dynamic sampling keeps nothing
+    return small_graph(workdir, metric="score", wrong=1.0, cap=2, on_cap=on_cap, steps=2, ckpt=0)
+
+
+def test_cap_error_says_what_to_change(workdir, small_graph):
+    with pytest.raises(RunError, match=r"kept 0/4 prompt groups after 2 generation batches.*max_gen_batches"):
+        _run(_constant_metric_graph(small_graph, workdir, "error"))
+
+
+@pytest.mark.parametrize("policy", ["skip-step", "train-on-what-we-have"])
+def test_cap_skip_policies_log_skipped_steps(workdir, small_graph, policy):
+    summary = _run(_constant_metric_graph(small_graph, workdir, policy))
+    history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    assert [v for _, v in history["sampling/skipped"]] == [1.0, 1.0]
+    assert "actor/pg_loss" not in history  # nothing was trained
