@@ -63,6 +63,7 @@ class Tracker:
         import mlflow
         from mlflow import MlflowClient
 
+        _quiet_env()  # again: importing mlflow installs its own logger configuration
         self.uri = uri or default_tracking_uri()
         if self.uri.startswith("sqlite:///"):
             Path(self.uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)

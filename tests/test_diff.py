@@ -25,7 +25,7 @@ def test_grpo_to_dapo():
     assert Change("changed", "train.clip_high", 0.2, 0.28) in changes
     assert Change("changed", "adv.reward_column", "score", "reward") in changes
     assert Change("changed", "old_logp.inputs", ["verify"], ["dynamic_sampling"]) in changes
-    assert Change("changed", "run.gen_prompts_per_batch", None, 32) in changes
+    assert Change("changed", "run.gen_prompts_per_batch", None, 48) in changes
     added = [c.key for c in changes if c.kind == "added"]
     assert added == ["node overlong", "node dynamic_sampling"]  # placed where dapo has them
     assert [c.key for c in changes].index("node overlong") < [c.key for c in changes].index("old_logp.inputs")
@@ -40,11 +40,12 @@ def test_defaults_filled_in():
     a = raw(DAPO)
     b = copy.deepcopy(a)
     del b["nodes"][6]["params"]["clip_high"]  # 0.28 is the default
-    del b["run"]["val_every"]  # 10 is the default
+    del b["run"]["val_n"]  # 1 is the default
+    a["run"]["val_n"] = 1
     b["nodes"][6]["params"]["mask_truncated"] = False  # written out, same as the default
     assert diff_graphs(a, b) == []
     sections, nodes = flatten_graph(a)
-    assert sections["run.steps"] == 40 and nodes["train"]["kl_coef"] == 0.0
+    assert sections["run.steps"] == 120 and nodes["train"]["kl_coef"] == 0.0
     assert nodes["train"]["op"] == "update" and nodes["rollout"]["inputs"] == ["prompts"]
 
 

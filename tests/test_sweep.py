@@ -62,7 +62,7 @@ def test_ladder_rungs_change_one_thing_each():
     assert p["+soft-overlong"]["train"].loss_agg_mode == "seq-mean-token-mean"
     assert p["+token-loss"]["train"].loss_agg_mode == "token-mean"
     assert ready["+token-loss"].group_filter is None and ready["+dynamic-sampling"].group_filter == "dynamic_sampling"
-    assert ready["+dynamic-sampling"].spec.run.gen_prompts_per_batch == 32
+    assert ready["+dynamic-sampling"].spec.run.gen_prompts_per_batch == 48
     dr = p["dr-grpo"]
     assert (dr["adv"].norm_by_std, dr["train"].loss_agg_mode, dr["train"].norm_len) == (
         False, "seq-mean-token-sum-norm", 8)
@@ -216,7 +216,7 @@ def test_real_sweep_then_compare_and_diff(tmp_path, monkeypatch, capsys, tiny_ad
     changes = diff_graphs(load_graph(children["grpo/seed3"]["run_id"])[1], load_graph(rloo["run_id"])[1])
     assert [c.render() for c in changes] == ["adv.estimator: grpo -> rloo"]
     assert cli.main(["diff", str(GRPO), rloo["run_id"]]) == 0
-    assert "~ run.steps: 40 -> 2" in capsys.readouterr().out
+    assert "~ run.steps: 120 -> 2" in capsys.readouterr().out
 
 
 @pytest.mark.slow

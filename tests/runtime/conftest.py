@@ -21,7 +21,7 @@ nodes:
   - {{id: filter, op: group-filter, inputs: [overlong], params: {{metric: {metric}, max_gen_batches: {cap}, on_cap: {on_cap}}}}}
   - {{id: old_logp, op: logprob, model: policy, inputs: [filter]}}
   - {{id: adv, op: advantage, inputs: [old_logp]}}
-  - {{id: train, op: update, model: policy, inputs: [adv], params: {{lr: 1.0e-3, mini_batches: 2}}}}
+  - {{id: train, op: update, model: policy, inputs: [adv], params: {{lr: 1.0e-4, mini_batches: 2}}}}
 """
 
 

@@ -22,7 +22,7 @@ def test_short_run_is_tracked_in_mlflow(workdir, small_graph):
     summary = _run(small_graph(workdir, steps=3, ckpt=2))
     run = read_run(summary["tracking_uri"], summary["run_id"])
     assert run["status"] == "FINISHED"
-    assert run["params"]["nodes.train.params.lr"] == "0.001"
+    assert run["params"]["nodes.train.params.lr"] == "0.0001"
     assert run["params"]["graph_hash"] == summary["graph_hash"]
     assert "version.torch" in run["params"]
     assert run["tags"]["graph"] == "small"
