@@ -565,12 +565,32 @@ def _stage_name(node: PlanNode, mode: str) -> str:
     return f"model:{node.model}"
 
 
+def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
+    """A cheap CPU map whose inputs and consumers all live in one actor runs in that actor
+    (e.g. `advantage` between `logprob` and `update`): two fewer round trips and table
+    copies per step, and the actor runs the whole chain in one call."""
+    consumers: dict[str, list[str]] = {n.id: [] for n in plan.nodes}
+    for n in plan.nodes:
+        for i in n.inputs:
+            consumers.setdefault(i, []).append(n.id)
+    out = dict(stage_of)
+    for n in plan.nodes:  # topological order, so chains of CPU maps move one by one
+        if out[n.id] != "driver" or n.cardinality != "map" or not n.inputs or not consumers[n.id]:
+            continue
+        around = {out.get(i, "driver") for i in (*n.inputs, *consumers[n.id])}
+        if len(around) == 1 and next(iter(around)) != "driver":
+            out[n.id] = next(iter(around))
+    return out
+
+
 def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
     """CPU ops in the driver; one actor per model (two when disaggregated), with
     `placement.models` resources or a default that fits the cluster."""
+    stage_of = {n.id: _stage_name(n, plan.spec.placement.mode) for n in plan.nodes}
+    stage_of = _pull_into_actors(plan, stage_of)
     members: dict[str, list[str]] = {"driver": []}
     for node in plan.nodes:
-        members.setdefault(_stage_name(node, plan.spec.placement.mode), []).append(node.id)
+        members.setdefault(stage_of[node.id], []).append(node.id)
     actors = [name for name in members if name != "driver"]
     model_of = {name: name.split(":", 1)[1] for name in actors}
     explicit = plan.spec.placement.models

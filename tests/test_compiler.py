@@ -154,9 +154,10 @@ def test_colocated_on_two_cpus():
     placed = place(_plan(), Cluster(cpus=2))
     assert [s.name for s in placed.stages] == ["driver", "model:policy"]
     actor = placed.stage("model:policy")
-    assert actor.nodes == ("rollout", "old_logp", "train") and actor.models == ("policy",)
+    # adv sits between two nodes of the actor, so it is pulled into the actor (one call)
+    assert actor.nodes == ("rollout", "old_logp", "adv", "train") and actor.models == ("policy",)
     assert (actor.num_cpus, actor.num_gpus) == (1.0, 0.0)
-    assert placed.stage("driver").nodes == ("verify", "overlong", "dynamic_sampling", "adv")
+    assert placed.stage("driver").nodes == ("verify", "overlong", "dynamic_sampling")
     assert placed.node_stage["train"] == "model:policy"
     with pytest.raises(TypeError):
         placed.node_stage["train"] = "driver"  # read-only
@@ -167,7 +168,7 @@ def test_disaggregated(tmp_path):
     placed = place(plan(validate(load(path))), Cluster(cpus=2))
     assert [s.name for s in placed.stages] == ["driver", "rollout:policy", "model:policy"]
     assert placed.stage("rollout:policy").nodes == ("rollout",)
-    assert placed.stage("model:policy").nodes == ("old_logp", "train")
+    assert placed.stage("model:policy").nodes == ("old_logp", "adv", "train")
     # 2 actors + driver on 2 CPUs: fractional shares, nobody starves
     assert placed.stage("model:policy").num_cpus == pytest.approx(2 / 3)
 

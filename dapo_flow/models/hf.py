@@ -323,7 +323,7 @@ class HFPolicy:
                 target = params[name]
                 if tuple(target.shape) != tuple(value.shape):
                     raise ModelError(f"weight '{name}': shape {tuple(value.shape)} != model's {tuple(target.shape)}")
-                target.copy_(torch.from_numpy(np.asarray(value)))
+                target.copy_(torch.tensor(value))  # copies: arrays from the object store are read-only
 
     def save(self, out_dir: Path | str) -> Path:
         """A Hugging Face model directory (weights, config, tokenizer) that ``path:`` can point at."""

@@ -62,6 +62,7 @@ class VLLMGenerator:
             logprobs_mode="processed_logprobs",
             max_model_len=config.get("max_position_embeddings"),
             enforce_eager=True,  # tiny/rollout-sized batches: compile time dominates any gain on CPU
+            use_tqdm_on_load=False,  # else every weight sync prints a progress bar
         )
         self.tokenizer = self.llm.get_tokenizer()
         # reload_weights repoints the model config at the weights dir: keep one dir for the engine's life.

@@ -1,4 +1,5 @@
-"""Checkpoints: model weights, optimizer/scheduler/op states, data cursor, RNG, MLflow run id.
+"""Checkpoints: model weights, optimizer/scheduler/op states, data cursor, RNG, MLflow run id,
+and the kept groups carried to the next step (run.carry_surplus) as an Arrow IPC file.
 
 Written to a temporary folder and renamed into place, so a crash mid-write never leaves a
 checkpoint that looks complete. `latest()` finds the newest complete one.
@@ -11,10 +12,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import torch
 
 DRIVER_FILE = "driver.json"
 OPS_FILE = "ops.pt"
+CARRY_FILE = "carry.arrow"
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -22,14 +25,18 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def save(root: Path, step: int, *, driver: dict[str, Any], op_states: dict[str, Any],
-         save_models) -> Path:
-    """``save_models(dir)`` writes the trained models' HF directories into ``dir``."""
+         save_models, carry: pa.Table | None = None) -> Path:
+    """``save_models(dir)`` writes the trained models' HF directories into ``dir``;
+    ``carry`` is the table of groups carried over to the next step, if any."""
     final = step_dir(root, step)
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "models").mkdir(parents=True)
     save_models(tmp / "models")
     torch.save(op_states, tmp / OPS_FILE)
+    if carry is not None:
+        with pa.OSFile(str(tmp / CARRY_FILE), "wb") as sink, pa.ipc.new_file(sink, carry.schema) as out:
+            out.write_table(carry)
     (tmp / DRIVER_FILE).write_text(json.dumps(driver, indent=2))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -45,3 +52,11 @@ def load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     driver = json.loads((path / DRIVER_FILE).read_text())
     ops = torch.load(path / OPS_FILE, weights_only=False)
     return driver, ops
+
+
+def load_carry(path: Path) -> pa.Table | None:
+    """The carried-over groups saved with the checkpoint (None when there were none)."""
+    if not (path / CARRY_FILE).is_file():
+        return None
+    with pa.memory_map(str(path / CARRY_FILE)) as source:
+        return pa.ipc.open_file(source).read_all()

@@ -15,7 +15,14 @@ from dapo_flow.errors import RunError
 from dapo_flow.runtime.worker import StageSetup, StageWorker
 from dapo_flow.spec import GraphSpec
 
-CALL_TIMEOUT_S = float(os.environ.get("DAPO_FLOW_CALL_TIMEOUT", "900"))
+RESUME_HINT = "`dapo-flow run GRAPH --resume` continues from the last checkpoint"
+DEFAULT_CALL_TIMEOUT_S = 900.0
+STARTUP_TIMEOUT_S = 900.0  # actors load models (and may wait for resources) before the first call
+
+
+def call_timeout() -> float:
+    """Seconds to wait for one actor call: $DAPO_FLOW_CALL_TIMEOUT, read at call time."""
+    return float(os.environ.get("DAPO_FLOW_CALL_TIMEOUT", DEFAULT_CALL_TIMEOUT_S))
 
 
 class LocalExecutor:
@@ -56,33 +63,50 @@ class RayExecutor:
             )
         remote_cls = ray.remote(StageWorker)
         self.actors = {}
-        for name, setup in setups.items():
-            cpus, gpus = resources.get(name, (1.0, 0.0))
-            self.actors[name] = remote_cls.options(
-                num_cpus=cpus, num_gpus=gpus, name=None, max_restarts=0
-            ).remote(graph, setup, seed)
-        # surface load errors (bad model path...) now, with the actor's message
-        self.get([a.ready.remote() for a in self.actors.values()])
+        try:
+            for name, setup in setups.items():
+                cpus, gpus = resources.get(name, (1.0, 0.0))
+                self.actors[name] = remote_cls.options(
+                    num_cpus=cpus, num_gpus=gpus, name=None, max_restarts=0
+                ).remote(graph, setup, seed)
+            # surface load errors (bad model path...) now, with the actor's message; a short
+            # call timeout (a test's, a fast model's) must not cut model loading short
+            self.get([a.ready.remote() for a in self.actors.values()],
+                     timeout=max(call_timeout(), STARTUP_TIMEOUT_S))
+        except BaseException:
+            self.shutdown()  # else the actors and the cluster outlive a failed start in-process
+            raise
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
         return getattr(self.actors[stage], method).remote(*args)
 
-    def get(self, handle: Any) -> Any:
+    def get(self, handle: Any, timeout: float | None = None) -> Any:
         ray = self._ray
+        timeout = call_timeout() if timeout is None else timeout
         try:
-            return ray.get(handle, timeout=CALL_TIMEOUT_S)
+            return ray.get(handle, timeout=timeout)
         except ray.exceptions.GetTimeoutError as exc:
             raise RunError(
-                f"an actor did not answer within {CALL_TIMEOUT_S:.0f} s (hung weight sync or "
-                "generation?); raise DAPO_FLOW_CALL_TIMEOUT if the model is just slow"
+                f"{self._who(handle)} did not answer within {timeout:g} s (hung weight sync or "
+                "generation? not enough CPUs/GPUs for the actors?); raise DAPO_FLOW_CALL_TIMEOUT "
+                f"if the model is just slow. {RESUME_HINT}"
             ) from exc
         except ray.exceptions.RayActorError as exc:
-            raise RunError(f"an actor died: {_root_cause(exc)}; resume with --resume") from exc
+            raise RunError(f"{self._who(handle)} died: {_root_cause(exc)}. {RESUME_HINT}") from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             if isinstance(cause, Exception) and type(cause).__module__.startswith("dapo_flow"):
                 raise cause from None
             raise RunError(f"an operator failed inside an actor: {_root_cause(exc)}") from exc
+
+    def _who(self, handle: Any) -> str:
+        """'the actor of stage X' for a single call's handle, for messages."""
+        try:
+            actor_id = handle.task_id().actor_id()
+            return next(f"the actor of stage '{s}'" for s, a in self.actors.items()
+                        if a._actor_id == actor_id)
+        except Exception:  # a list of handles, or a private Ray attribute gone: no name
+            return "an actor"
 
     def shutdown(self) -> None:
         for actor in self.actors.values():

@@ -53,6 +53,10 @@ class Runner:
         self.nodes = {n.id: n for n in self.plan.nodes}
         self.stage_of = dict(placed.node_stage)
         self.chunk = self.run.chunk_prompts
+        self.consumers: dict[str, list[str]] = {n.id: [] for n in self.plan.nodes}
+        for n in self.plan.nodes:
+            for i in n.inputs:
+                self.consumers.setdefault(i, []).append(n.id)
 
     # --- node execution --------------------------------------------------------
     def _submit(self, nid: str, table: pa.Table):
@@ -76,14 +80,41 @@ class Runner:
                     merged = merged.append_column(name, other.column(name))
         return merged
 
+    def _chains(self, ids) -> list[list[str]]:
+        """``ids`` cut into runs an actor can execute in one call: consecutive nodes of one
+        actor stage, each the only consumer of the one before."""
+        chains: list[list[str]] = []
+        for nid in ids:
+            prev = chains[-1][-1] if chains else None
+            if (prev is not None and self.stage_of[nid] != DRIVER
+                    and self.stage_of[nid] == self.stage_of[prev]
+                    and self.nodes[nid].inputs == (prev,) and self.consumers[prev] == [nid]):
+                chains[-1].append(nid)
+            else:
+                chains.append([nid])
+        return chains
+
     def run_nodes(self, ids, feeds: dict[str, pa.Table], acc: MetricAccumulator,
                   first_done: tuple[str, Any] | None = None) -> dict[str, pa.Table]:
+        """Outputs of ``ids`` (inner nodes of an actor chain are not returned)."""
         outs = dict(feeds)
-        for nid in ids:
-            if first_done is not None and nid == first_done[0]:
-                outs[nid] = self._finish(first_done[1], nid, acc)
+        for chain in self._chains(ids):
+            head, last = chain[0], chain[-1]
+            if first_done is not None and head == first_done[0]:
+                outs[head] = self._finish(first_done[1], head, acc)
+                chain = chain[1:]
+                if not chain:
+                    continue
+                head = chain[0]
+            if len(chain) == 1:
+                outs[head] = self._finish(self._submit(head, self._input(head, outs)), head, acc)
                 continue
-            outs[nid] = self._finish(self._submit(nid, self._input(nid, outs)), nid, acc)
+            table, report = self.ex.get(self.ex.call(self.stage_of[head], "run_chain", chain,
+                                                     self._input(head, outs)))
+            for nid, metrics, seconds in report:
+                acc.add(metrics)
+                acc.add({f"time/{nid}": seconds})
+            outs[last] = table
         return outs
 
     # --- phase 1: rollout with dynamic sampling ---------------------------------
@@ -156,13 +187,11 @@ class Runner:
             feeds = {self.plan.group_filter: rollout.batch}
         outs = self.run_nodes(self.plan.train, feeds, acc)
         metrics = acc.result()
-        batch = None
         for nid in self.plan.train:
-            node = self.nodes[nid]
-            if node.cardinality == "sink":
+            if self.nodes[nid].cardinality == "sink":
                 metrics.update(first_row(outs[nid]))
-            elif batch is None or outs[nid].num_columns >= batch.num_columns:
-                batch = outs[nid]
+        # the training batch as the filter (or generation) left it: rewards, lengths, acc
+        batch = rollout.batch if self.plan.group_filter is not None else _widest(outs, self.plan.train)
         if batch is not None:
             metrics.update(batch_stats(batch))
         return metrics
@@ -207,6 +236,11 @@ class Runner:
         cols = [c for c in (C.PROMPT_TEXT, C.RESPONSE_TEXT, C.GROUND_TRUTH, C.SCORE, C.ACC) if c in scored.column_names]
         samples = scored.select(cols).slice(0, log_samples).to_pylist()
         return metrics, samples
+
+
+def _widest(outs: dict[str, pa.Table], ids) -> pa.Table | None:
+    tables = [outs[i] for i in ids if i in outs and outs[i].num_rows > 1]
+    return max(tables, key=lambda t: t.num_columns, default=None)
 
 
 def _n_groups(table: pa.Table | None) -> int:

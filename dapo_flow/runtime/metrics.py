@@ -10,8 +10,9 @@ import pyarrow as pa
 
 from dapo_flow import columns as C
 
-# counters add up over generation batches; everything else is averaged
+# counters and times add up over a step's calls (generation batches, chunks); the rest is averaged
 _SUMMED_SUFFIXES = ("_groups", "/tokens", "/seconds", "/samples", "/skipped_minibatches")
+_SUMMED_PREFIXES = ("time/",)
 
 
 class MetricAccumulator:
@@ -25,7 +26,8 @@ class MetricAccumulator:
     def result(self) -> dict[str, float]:
         out = {}
         for key, values in self._values.items():
-            out[key] = float(np.sum(values)) if key.endswith(_SUMMED_SUFFIXES) else float(np.mean(values))
+            summed = key.endswith(_SUMMED_SUFFIXES) or key.startswith(_SUMMED_PREFIXES)
+            out[key] = float(np.sum(values)) if summed else float(np.mean(values))
         return out
 
 

@@ -2,7 +2,9 @@
 
 Metrics reach MLflow exactly once: they are buffered and written when a checkpoint is
 written (and at the end), so a resume from the last checkpoint never duplicates or loses
-a step. Without checkpoints (checkpoint_every: 0) they are written every step.
+a step. The checkpoint holds the buffered metrics too, and a resume writes those MLflow
+lacks (the run died between writing the checkpoint and flushing). Without checkpoints
+(checkpoint_every: 0) they are written every step.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dapo_flow.runtime.loop import DRIVER, LoopState, Runner
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.setup import graph_hash, stage_setups
 from dapo_flow.runtime.worker import StageSetup, StageWorker, quiet_libraries
-from dapo_flow.tracking import Tracker, flatten, runs_dir
+from dapo_flow.tracking import Tracker, flatten, read_run, runs_dir
 
 
 def _versions() -> dict[str, str]:
@@ -100,6 +102,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
     ckpt_root = runs_dir() / "checkpoints" / f"{spec.name}-{ghash[:10]}"
     driver_state: dict = {}
     op_states: dict = {}
+    carry = None
     model_paths: dict[str, str] = {}
     if resume:
         last = checkpoint.latest(ckpt_root)
@@ -107,6 +110,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
             raise RunError(f"nothing to resume: no checkpoint of graph '{spec.name}' (hash "
                            f"{ghash[:10]}) under {ckpt_root}; run without --resume")
         driver_state, op_states = checkpoint.load(last)
+        carry = checkpoint.load_carry(last)
         model_paths = {m: str(last / "models" / m) for m in driver_state["trained_models"]}
         console.print(f"resuming from {last} (step {driver_state['step']})")
 
@@ -134,6 +138,8 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
                 tracker.log_params({k: str(v) for k, v in extra_params.items()})
             for name, text in (extra_artifacts or {}).items():
                 tracker.log_text(text, name)
+        else:
+            _log_unlogged(tracker, driver_state.get("unlogged_metrics", []))
         for stage, states in op_states.items():
             if stage == DRIVER:
                 driver.load_op_states(states)
@@ -142,7 +148,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
         sampler = PromptSampler(train_prompts, spec.seed)
         if driver_state:
             sampler.load(driver_state["sampler"])
-        state = LoopState(step=int(driver_state.get("step", 0)),
+        state = LoopState(step=int(driver_state.get("step", 0)), carry=carry,
                           samples_generated=int(driver_state.get("samples_generated", 0)),
                           wall_seconds=float(driver_state.get("wall_seconds", 0.0)))
         runner = Runner(placed, ex, driver, sampler)
@@ -208,7 +214,7 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_r
             last_val = metrics.get("val/acc", last_val)
             ckpt_due = run.checkpoint_every and (step % run.checkpoint_every == 0 or step == total)
             if ckpt_due:
-                _checkpoint(runner, state, tracker, ckpt_root, trained)
+                _checkpoint(runner, state, tracker, ckpt_root, trained, pending)
             if ckpt_due or not run.checkpoint_every:
                 for s, m in pending:
                     tracker.log_metrics(s, m)
@@ -230,7 +236,8 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_r
     return summary
 
 
-def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, trained) -> None:
+def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, trained,
+                unlogged: list[tuple[int, dict]]) -> None:
     ex = runner.ex
     stages = sorted({s for s in runner.stage_of.values() if s != DRIVER})
     op_states = {s: ex.get(ex.call(s, "op_states")) for s in stages}
@@ -238,14 +245,26 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
     driver = {
         "step": state.step, "sampler": runner.sampler.state(), "mlflow_run_id": tracker.run_id,
         "samples_generated": state.samples_generated, "wall_seconds": state.wall_seconds,
-        "trained_models": trained,
+        "trained_models": trained, "unlogged_metrics": [[s, m] for s, m in unlogged],
     }
 
     def save_models(out: Path) -> None:
         for s in stages:
             ex.get(ex.call(s, "save_models", str(out)))
 
-    checkpoint.save(root, state.step, driver=driver, op_states=op_states, save_models=save_models)
+    checkpoint.save(root, state.step, driver=driver, op_states=op_states, save_models=save_models,
+                    carry=state.carry)
+
+
+def _log_unlogged(tracker: Tracker, entries: list) -> None:
+    """Log the checkpoint's buffered (step, metrics) that MLflow does not have yet."""
+    if not entries:
+        return
+    history = read_run(tracker.uri, tracker.run_id)["history"]
+    for step, metrics in entries:
+        key = next(iter(metrics), None)  # one log_batch per step: one key tells
+        if key is not None and step not in {s for s, _ in history.get(key, [])}:
+            tracker.log_metrics(step, metrics)
 
 
 def _print_summary(console: Console, summary: dict) -> None:

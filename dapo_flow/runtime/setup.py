@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from dapo_flow.runtime.worker import NodeSetup, StageSetup
@@ -25,7 +24,6 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str,
     specs = {n.id: n for n in plan.spec.nodes}
     nodes = {n.id: n for n in plan.nodes}
     trained = {n.model for n in plan.nodes if n.op == "update"}
-    actors = [s for s in placed.stages if s.kind == "actor"]
     setups = {}
     for stage in placed.stages:
         members = [nodes[i] for i in stage.nodes]
@@ -46,13 +44,15 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str,
             scores=tuple(m for m in stage.models if any(
                 n.model == m and n.op != "generate" for n in members)),
             model_paths=dict(model_paths or {}),
-            # an actor on a CPU-only box gets the cores: the driver mostly waits on it
-            num_threads=_threads(stage, placed.cluster, len(actors)),
+            num_threads=_threads(stage),
         )
     return setups
 
 
-def _threads(stage, cluster, n_actors: int) -> int:
+def _threads(stage) -> int:
+    """Torch threads for an actor: its whole CPUs, at least 1. Oversubscribing (2 threads on
+    a 2-core box that also runs the driver) made steps 6-17x slower under load (measured in
+    benchmarks/step_overhead.py), because the threads spin waiting on each other."""
     if stage.kind != "actor" or stage.num_gpus > 0:
         return 0
-    return max(1, int((cluster.cpus or os.cpu_count() or 1) // max(n_actors, 1)))
+    return max(1, int(stage.num_cpus))

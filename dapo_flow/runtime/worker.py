@@ -43,11 +43,15 @@ class StageSetup:
 
 
 def quiet_libraries() -> None:
-    """transformers' per-load progress bars and info logs drown the run's own progress."""
+    """transformers' per-load progress bars and info logs drown the run's own progress;
+    so do vLLM's (read at its import, so this runs first in every worker)."""
     import os
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # ERROR, not WARNING: every weight sync warns "RotaryEmbedding: Failed to load weights"
+    # (its cos/sin cache is not a weight, so it keeps its own: harmless)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         from transformers.utils import logging as hf_logging
 
@@ -113,6 +117,15 @@ class StageWorker:
         seconds = time.perf_counter() - start
         metrics = op.last_metrics() if hasattr(op, "last_metrics") else {}
         return out, metrics, seconds
+
+    def run_chain(self, node_ids: list[str], table: pa.Table) -> tuple[pa.Table, list[tuple[str, dict, float]]]:
+        """Run a linear chain of this stage's nodes in one call (one round trip, one table
+        transfer); returns the last output and each node's (id, metrics, seconds)."""
+        report = []
+        for nid in node_ids:
+            table, metrics, seconds = self.run(nid, table)
+            report.append((nid, metrics, seconds))
+        return table, report
 
     def run_variant(self, node_id: str, table: pa.Table, overrides: Mapping[str, Any]) -> pa.Table:
         """Run a node with some params replaced (validation: greedy, n=1), statelessly."""

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 TEMPLATE = """\
 name: {name}
 seed: {seed}
 models:
-  policy: {{path: "builtin:tiny-adder", backend: hf}}
+  policy: {{path: "builtin:tiny-adder", backend: {backend}}}
 data:
   train: {{source: "builtin:addition", split: train}}
   val: {{source: "builtin:addition", split: val, size: 16}}
-run: {{steps: {steps}, prompts_per_step: 4, gen_prompts_per_batch: 8, val_every: 2, checkpoint_every: {ckpt}, chunk_prompts: 4}}
+run: {{steps: {steps}, prompts_per_step: 4, gen_prompts_per_batch: 8, val_every: 2, checkpoint_every: {ckpt}, chunk_prompts: 4, carry_surplus: {carry}}}
 tracking: {{experiment: runtime-tests, log_samples: 4}}
 nodes:
   - {{id: rollout, op: generate, model: policy, inputs: [prompts], params: {{n: 4, max_tokens: 8}}}}
@@ -27,23 +28,38 @@ nodes:
 
 def write_graph(tmp: Path, *, name: str = "small", seed: int = 0, steps: int = 3, ckpt: int = 2,
                 metric: str = "acc", cap: int = 10, on_cap: str = "train-on-what-we-have",
-                wrong: float = -1.0) -> Path:
+                wrong: float = -1.0, backend: str = "hf", carry: bool = False) -> Path:
     path = tmp / f"{name}.yaml"
     path.write_text(TEMPLATE.format(name=name, seed=seed, steps=steps, ckpt=ckpt, metric=metric,
-                                    cap=cap, on_cap=on_cap, wrong=wrong))
+                                    cap=cap, on_cap=on_cap, wrong=wrong, backend=backend,
+                                    carry=str(carry).lower()))
     return path
 
 
 import pytest  # noqa: E402
 
 
-@pytest.fixture()
+@pytest.fixture(scope="session")  # a plain function: module fixtures may use it too
 def small_graph():
     """`small_graph(dir, **options) -> path` writes the small DAPO graph."""
     return write_graph
 
 
+@pytest.fixture(scope="session")
+def empty_mlflow_store(tmp_path_factory) -> Path:
+    """An empty, already migrated MLflow sqlite db: a new store costs ~2-5 s of migrations,
+    a copy of this one ~0."""
+    from dapo_flow.tracking import search_runs
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    assert search_runs(f"sqlite:///{path}", "none") == []  # opening the store migrates it
+    return path
+
+
 @pytest.fixture()
-def workdir(tmp_path, monkeypatch, tiny_adder_path):
+def workdir(tmp_path, monkeypatch, tiny_adder_path, empty_mlflow_store):
     monkeypatch.chdir(tmp_path)  # the default MLflow store and checkpoints live under cwd
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "dapo-flow-runs").mkdir()
+    shutil.copyfile(empty_mlflow_store, tmp_path / "dapo-flow-runs" / "mlflow.db")
     return tmp_path

@@ -1,0 +1,131 @@
+"""Shared pieces of the benchmark scripts: a scratch working directory, running a graph
+with edits, reading per-step timings back from MLflow, and writing the result JSON.
+
+Not a public API: only `benchmarks/*.py` import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from rich.console import Console
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_GRAPH = REPO / "graphs" / "dapo.yaml"
+
+
+@contextlib.contextmanager
+def scratch_dir(keep: str | None, console: Console) -> Iterator[Path]:
+    """cd into ``keep`` (created, kept) or a fresh temp dir (removed at exit): the MLflow
+    store and checkpoints land under ./dapo-flow-runs of the working directory."""
+    old = Path.cwd()
+    path = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="dapo-flow-bench-"))
+    path.mkdir(parents=True, exist_ok=True)
+    console.print(f"[dim]working directory: {path}[/]")
+    os.chdir(path)
+    try:
+        yield path
+    finally:
+        os.chdir(old)
+        if not keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def run_graph(graph: Path, sets: Sequence[str], *, executor: str, steps: int,
+              console: Console) -> tuple[dict, Any]:
+    """Compile ``graph`` with ``--set`` edits and run it; returns (summary, placed plan)."""
+    from dapo_flow.edits import edit_file, parse_cli_edits
+    from dapo_flow.registry import load_plugins
+    from dapo_flow.runtime import execute
+
+    load_plugins()
+    edited = edit_file(graph, parse_cli_edits([("set", s) for s in sets]))
+    placed = edited.compile()
+    summary = execute(placed, executor=executor, steps=steps, console=console,
+                      run_name=f"bench-{executor}", extra_params=edited.params())
+    return summary, placed
+
+
+def step_history(summary: dict) -> dict[str, dict[int, float]]:
+    """metric -> {step: value} of a finished run (from its MLflow store)."""
+    from dapo_flow.tracking import read_run
+
+    run = read_run(summary["tracking_uri"], summary["run_id"])
+    return {key: dict(points) for key, points in run["history"].items()}
+
+
+def final_checkpoint(summary: dict, placed, model: str = "policy") -> Path:
+    """HF directory of ``model`` in the run's last checkpoint."""
+    from dapo_flow.runtime.checkpoint import step_dir
+    from dapo_flow.tracking import runs_dir
+
+    spec = placed.plan.spec
+    root = runs_dir() / "checkpoints" / f"{spec.name}-{summary['graph_hash'][:10]}"
+    path = step_dir(root, summary["steps"]) / "models" / model
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no checkpointed model at {path} (checkpoint_every must hit the last step)")
+    return path
+
+
+def make_console() -> Console:
+    """Wide enough for the result tables when the output goes to a file or pipe."""
+    return Console() if sys.stdout.isatty() else Console(width=120)
+
+
+def pin_torch_threads(n: int) -> None:
+    """Experiment knob: give every model stage ``n`` torch threads instead of the library's
+    rule (all CPUs split over the actors, dapo_flow/runtime/setup.py). Stage setups are built
+    in the driver and shipped to the workers, so this reaches Ray actors and local stages."""
+    from dapo_flow.runtime import setup
+
+    setup._threads = lambda stage, cluster, n_actors: n if stage.kind == "actor" else 0
+
+
+def write_json(path: str | None, payload: dict, console: Console) -> None:
+    if not path:
+        return
+    out = Path(path).expanduser().resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    console.print(f"wrote {out}")
+
+
+def fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+class LoadSampler:
+    """Mean 1-minute load average while the block runs (sampled every 2 s): a box busy with
+    other work inflates every timing, and a ratio only if the load changed between runs."""
+
+    def __init__(self, every_s: float = 2.0):
+        import threading
+
+        self.every_s, self.samples = every_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> float | None:
+        return sum(self.samples) / len(self.samples) if self.samples else None
