@@ -186,6 +186,18 @@ def markdown(rows: Sequence[Row], title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rolling(values: list[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` points (the first points average what they have)."""
+    import numpy as np
+
+    if window <= 1 or not values:
+        return list(values)
+    csum = np.cumsum(np.concatenate([[0.0], values]))
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(idx - window, 0)
+    return list((csum[idx] - csum[lo]) / (idx - lo))
+
+
 def plot(records: Sequence[RunRecord], out: str | Path, order: Iterable[str] = (), title: str = "") -> Path:
     """val/acc and reward vs step, one line per variant (mean over seeds, ± std shaded)."""
     import matplotlib
@@ -196,11 +208,12 @@ def plot(records: Sequence[RunRecord], out: str | Path, order: Iterable[str] = (
 
     order = list(order)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    for ax, key, label in ((axes[0], VAL, "val acc (greedy)"), (axes[1], REWARD, "reward (rollout score mean)")):
+    panels = ((axes[0], VAL, "val acc", 1), (axes[1], REWARD, "reward (rollout score, 10-step mean)", 10))
+    for ax, key, label, window in panels:
         for name, pts in curves(records, key, order).items():
             steps = [p[0] for p in pts]
-            mean = [p[1] for p in pts]
-            std = [p[2] for p in pts]
+            mean = _rolling([p[1] for p in pts], window)  # per-step reward is too noisy to read
+            std = _rolling([p[2] for p in pts], window)
             (line,) = ax.plot(steps, mean, marker="o" if len(steps) < 15 else None, ms=3, label=name)
             if any(std):
                 ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],

@@ -39,6 +39,8 @@ class LocalExecutor:
         return handle
 
     def shutdown(self) -> None:
+        for worker in self.workers.values():
+            worker.close()  # a vLLM engine holds its KV cache until closed
         self.workers.clear()
 
 

@@ -139,7 +139,9 @@ class Runner:
         acc = MetricAccumulator()
         need = self.run.prompts_per_step
         if self.plan.group_filter is None:  # no dynamic sampling: the train segment generates
-            return Rollout(self.sampler.next(need), {})
+            generated = need * _group_size(self.plan)
+            state.samples_generated += generated
+            return Rollout(self.sampler.next(need), {"sampling/samples_generated": float(generated)})
         fparams = self.nodes[self.plan.group_filter].params
         per_batch = self.run.gen_prompts_per_batch or need
         kept = [state.carry] if state.carry is not None else []

@@ -144,6 +144,12 @@ class StageWorker:
     def import_weights(self, model: str, weights: dict) -> float:
         return self.resources[model].load_weights(weights)
 
+    def close(self) -> None:
+        """Release rollout engines that are not the torch policy itself."""
+        for res in self.resources.values():
+            if res.generator is not res.policy and hasattr(res.generator, "close"):
+                res.generator.close()
+
     # --- checkpoints ----------------------------------------------------------
     def op_states(self) -> dict[str, dict]:
         return {nid: op.state_dict() for nid, op in self.ops.items() if hasattr(op, "state_dict")}
