@@ -157,16 +157,8 @@ class HFPolicy:
             responses += r
             logprobs += lp
             truncated += tr
-        prompt_index, sample_idx = Rollouts.layout(len(prompt_ids), cfg.n)
-        return Rollouts(
-            prompt_index=prompt_index,
-            sample_idx=sample_idx,
-            response_ids=responses,
-            logprobs=logprobs,
-            truncated=np.asarray(truncated, dtype=bool),
-            tokens_generated=sum(map(len, responses)),
-            seconds=time.perf_counter() - start,
-        )
+        return Rollouts.contiguous(len(prompt_ids), cfg.n, responses, logprobs, truncated,
+                                   time.perf_counter() - start)
 
     def _prompt_chunks(self, prompt_ids: list[list[int]], n: int) -> Iterator[list[list[int]]]:
         _check_prompts(prompt_ids)

@@ -79,6 +79,21 @@ class Rollouts:
         if problems:
             raise ValueError("rollouts break the contract: " + "; ".join(problems))
 
+    @classmethod
+    def contiguous(cls, num_prompts: int, n: int, response_ids: list[list[int]],
+                   logprobs: list[list[float]], truncated: list[bool], seconds: float) -> "Rollouts":
+        """Rollouts whose samples come ``n`` per prompt, in prompt order (what backends emit)."""
+        prompt_index, sample_idx = cls.layout(num_prompts, n)
+        return cls(
+            prompt_index=prompt_index,
+            sample_idx=sample_idx,
+            response_ids=response_ids,
+            logprobs=logprobs,
+            truncated=np.asarray(truncated, dtype=bool),
+            tokens_generated=sum(map(len, response_ids)),
+            seconds=seconds,
+        )
+
     @staticmethod
     def layout(num_prompts: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(prompt_index, sample_idx) for ``n`` contiguous samples per prompt."""

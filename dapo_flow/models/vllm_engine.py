@@ -99,16 +99,8 @@ class VLLMGenerator:
                 responses.append(ids)
                 logprobs.append([float(step[t].logprob) for step, t in zip(completion.logprobs, ids)])
                 truncated.append(completion.finish_reason == "length")
-        prompt_index, sample_idx = Rollouts.layout(len(prompt_ids), cfg.n)
-        return Rollouts(
-            prompt_index=prompt_index,
-            sample_idx=sample_idx,
-            response_ids=responses,
-            logprobs=logprobs,
-            truncated=np.asarray(truncated, dtype=bool),
-            tokens_generated=sum(map(len, responses)),
-            seconds=time.perf_counter() - start,
-        )
+        return Rollouts.contiguous(len(prompt_ids), cfg.n, responses, logprobs, truncated,
+                                   time.perf_counter() - start)
 
     def sync_weights(self, weights: dict[str, np.ndarray]) -> float:
         """Load ``weights`` (HF names, as from ``HFPolicy.named_weights``) into the engine; returns seconds.

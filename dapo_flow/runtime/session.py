@@ -9,7 +9,6 @@ lacks (the run died between writing the checkpoint and flushing). Without checkp
 
 from __future__ import annotations
 
-import os
 import platform
 import time
 from pathlib import Path
