@@ -182,17 +182,7 @@ def test_crash_between_checkpoint_and_metric_flush_resumes_carry_and_metrics(
     not steps 1-2's: the resume logs exactly those, restores the 4 carried-over groups and
     the op states, and ends with the numbers of the uninterrupted run."""
     path = _graph(small_graph, workdir)
-    flush = Tracker.log_metrics
-
-    def dying_flush(self, step, metrics):
-        if step == 1:
-            raise _Crash()
-        flush(self, step, metrics)
-
-    monkeypatch.setattr(Tracker, "log_metrics", dying_flush)
-    with pytest.raises(_Crash):
-        execute(compile_graph(path, CLUSTER), executor="local")
-    monkeypatch.setattr(Tracker, "log_metrics", flush)
+    _crash_when_flushing(path, 1, monkeypatch)
     [ckpt] = runs_dir().glob("checkpoints/crash-*/step_000002")
     carry = checkpoint.load_carry(ckpt)
     assert carry is not None and len(set(carry.column("prompt_id").to_pylist())) == 4
@@ -205,10 +195,19 @@ def test_crash_between_checkpoint_and_metric_flush_resumes_carry_and_metrics(
 def test_resume_of_a_finished_run_with_a_lost_final_flush(workdir, small_graph, monkeypatch):
     """Killed after the last checkpoint but before its flush: resume only logs and finishes."""
     path = small_graph(workdir, name="short", steps=2, ckpt=2)
+    _crash_when_flushing(path, 2, monkeypatch)
+    summary = execute(compile_graph(path, CLUSTER), executor="local", resume=True)
+    run = read_run(summary["tracking_uri"], summary["run_id"])
+    assert run["status"] == "FINISHED"
+    assert [s for s, _ in run["history"]["batch/reward_mean"]] == [1, 2]
+
+
+def _crash_when_flushing(path, crash_step: int, monkeypatch) -> None:
+    """Run ``path`` locally and die when the metrics of ``crash_step`` reach MLflow."""
     flush = Tracker.log_metrics
 
     def dying_flush(self, step, metrics):
-        if step == 2:
+        if step == crash_step:
             raise _Crash()
         flush(self, step, metrics)
 
@@ -216,8 +215,3 @@ def test_resume_of_a_finished_run_with_a_lost_final_flush(workdir, small_graph, 
     with pytest.raises(_Crash):
         execute(compile_graph(path, CLUSTER), executor="local")
     monkeypatch.setattr(Tracker, "log_metrics", flush)
-    summary = execute(compile_graph(path, CLUSTER), executor="local", resume=True)
-    run = read_run(summary["tracking_uri"], summary["run_id"])
-    assert run["status"] == "FINISHED"
-    assert [s for s, _ in run["history"]["batch/reward_mean"]] == [1, 2]
-
