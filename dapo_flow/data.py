@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import pyarrow as pa
 
@@ -52,6 +52,7 @@ def load_prompts(
     max_prompt_tokens: int | None = None,
     on_bad_row: Literal["error", "skip"] = "error",
     options: dict[str, Any] | None = None,
+    read_parquet: Callable[[Path], pa.Table] | None = None,
 ) -> tuple[pa.Table, int]:
     """Read, template and tokenize prompts; returns (table, number of skipped bad rows).
 
@@ -60,6 +61,8 @@ def load_prompts(
     ``split`` picks the builtin split and prefixes every ``prompt_id``.
     Bad rows (no ground truth, empty prompt, more than ``max_prompt_tokens`` tokens) raise
     :class:`DataError` with ``on_bad_row="error"`` and are counted and dropped with ``"skip"``.
+    ``read_parquet`` replaces pyarrow's reader for .parquet files (the Ray executor passes
+    Ray Data's, which reads a directory or object-store path of many files in parallel).
     """
     if on_bad_row not in ("error", "skip"):
         raise DataError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
@@ -69,7 +72,7 @@ def load_prompts(
     else:
         if options:
             raise DataError(f"{source}: `options` only apply to builtin sources, got {sorted(options)}")
-        records, default_source = _file_records(Path(source)), Path(source).stem
+        records, default_source = _file_records(Path(source), read_parquet), Path(source).stem
     records = records[:size] if size is not None else records
 
     rows, bad = [], 0
@@ -132,14 +135,15 @@ def _builtin_records(source: str, split: str, seed: int, options: dict[str, Any]
     ]
 
 
-def _file_records(path: Path) -> list[_Record]:
+def _file_records(path: Path, read_parquet: Callable[[Path], pa.Table] | None = None) -> list[_Record]:
     if not path.is_file():
         raise DataError(f"prompt file {path} does not exist (resolved: {path.resolve()})")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return [_Record(i, f"row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+        table = (read_parquet or pq.read_table)(path)
+        return [_Record(i, f"row {i}", r) for i, r in enumerate(table.to_pylist())]
     if suffix == ".json":
         data = _parse_json(path, path.read_text(encoding="utf-8"), "file")
         if not isinstance(data, list):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+import pyarrow as pa
+
 from dapo_flow.errors import RunError
 from dapo_flow.runtime.worker import StageSetup, StageWorker
 from dapo_flow.spec import GraphSpec
@@ -27,6 +29,7 @@ def call_timeout() -> float:
 
 class LocalExecutor:
     name = "local"
+    read_parquet = None  # prompts are read with pyarrow in-process
 
     def __init__(self, graph: GraphSpec, setups: Mapping[str, StageSetup], seed: int,
                  resources: Mapping[str, tuple[float, float]] | None = None):
@@ -81,6 +84,15 @@ class RayExecutor:
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
         return getattr(self.actors[stage], method).remote(*args)
+
+    def read_parquet(self, path) -> pa.Table:
+        """Prompts read with Ray Data (parallel reads of a file, a folder, or remote storage),
+        rows kept in file order so Ray and local runs see the same prompts."""
+        ctx = self._ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = True
+        ds = self._ray.data.read_parquet(str(path))
+        tables = [t for t in self._ray.get(ds.to_arrow_refs()) if t.num_rows]
+        return pa.concat_tables(tables) if tables else ds.schema().base_schema.empty_table()
 
     def get(self, handle: Any, timeout: float | None = None) -> Any:
         ray = self._ray

@@ -39,21 +39,29 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _load_data(spec):
+def _tokenizer(spec):
+    """The generator's tokenizer; resolving the model first builds a builtin one, with its
+    progress bar here in the driver, before any actor asks for it."""
     from transformers import AutoTokenizer
 
-    from dapo_flow.data import load_prompts
     from dapo_flow.models import resolve_model
 
     gen_model = next((n.model for n in spec.nodes if n.op == "generate" and n.model), None)
     model_name = gen_model or next(iter(spec.models))
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(spec.models[model_name].path)))
+    for model in spec.models.values():
+        resolve_model(model.path)
+    return AutoTokenizer.from_pretrained(str(resolve_model(spec.models[model_name].path)))
+
+
+def _load_data(spec, tokenizer, read_parquet=None):
+    from dapo_flow.data import load_prompts
 
     def load(src):
         return load_prompts(
             src.source, tokenizer=tokenizer, split=src.split, size=src.size, seed=spec.seed,
             options=dict(src.options), prompt_key=src.prompt_key, answer_key=src.answer_key,
             max_prompt_tokens=src.max_prompt_tokens, on_bad_row=src.on_bad_row,
+            read_parquet=read_parquet,
         )
 
     train, skipped = load(spec.data.train)
@@ -113,7 +121,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
         model_paths = {m: str(last / "models" / m) for m in driver_state["trained_models"]}
         console.print(f"resuming from {last} (step {driver_state['step']})")
 
-    train_prompts, val_prompts, skipped = _load_data(spec)
+    tokenizer = _tokenizer(spec)
     setups = stage_setups(placed, model_paths)
     driver = StageWorker(spec, setups.pop(DRIVER, StageSetup(DRIVER, (), ())), spec.seed)
     resources = {s.name: (s.num_cpus, s.num_gpus) for s in placed.stages if s.kind == "actor"}
@@ -128,6 +136,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
     startup = time.perf_counter() - start
     tracker = None
     try:
+        train_prompts, val_prompts, skipped = _load_data(spec, tokenizer, ex.read_parquet)
         tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
                           run_id=driver_state.get("mlflow_run_id"), run_name=run_name or spec.name,
                           parent_run_id=parent_run_id)
