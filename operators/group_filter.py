@@ -57,11 +57,11 @@ class GroupFilter:
         self._metrics: dict[str, float] = {}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        ids = batch.column(C.PROMPT_ID).to_numpy(zero_copy_only=False)
-        keep = algos.keep_groups(ids, batch.column(self.column).to_numpy())
-        groups = len(np.unique(ids)) if len(ids) else 0
-        kept = len(np.unique(ids[keep])) if keep.any() else 0
-        self._metrics = {"filter/kept_groups": float(kept), "filter/dropped_groups": float(groups - kept)}
+        # factorize the string ids once; keep_groups and the counts reuse the codes
+        groups = algos.factorize(batch.column(C.PROMPT_ID).to_numpy(zero_copy_only=False))
+        keep = algos.keep_groups(groups, batch.column(self.column).to_numpy())
+        kept = int(np.count_nonzero(np.bincount(groups.codes[keep], minlength=groups.n_groups)))
+        self._metrics = {"filter/kept_groups": float(kept), "filter/dropped_groups": float(groups.n_groups - kept)}
         return batch.filter(pa.array(keep))
 
     def last_metrics(self) -> dict[str, float]:

@@ -165,7 +165,8 @@ class Runner:
             generated += prompts.num_rows * _group_size(self.plan)
             batches += 1
             kept.append(out)
-            groups = _n_groups(concat(kept))
+            # group ids never repeat across generation batches (the sampler suffixes the epoch)
+            groups += _n_groups(out)
         batch = concat(kept)
         batch, surplus = _cut_groups(batch, need)
         if self.run.carry_surplus and surplus is not None and surplus.num_rows:
