@@ -7,7 +7,9 @@ What it times, at 512x16 rows (response length 1024) and 4096x16 rows (response 
     (factorize once, sequence_advantages + keep_groups).
 (b) token path: (batch, resp_len) token rewards + response mask + group ids -> token-level
     GRPO advantages (outcome_advantages) and the keep mask: with the Arrow uid column and a
-    bool mask (into a new tensor, or into an `out=` buffer), and with int ids and a float32 mask.
+    bool mask (into a new tensor, as the API returns by default, or into an `out=` buffer), and
+    with int ids. On CPU this runs dapo_flow.kernels (numba): row sums, group statistics and the
+    masked write; the parts line compares that write with the torch.where it replaced.
 
 Baseline: a per-row Python loop with verl's structure on verl's object array of uids (dict of
 lists per uid, torch.mean / torch.std per group, per-row scalar updates; keep = np.std > 0 or a
@@ -33,6 +35,7 @@ import pyarrow as pa
 import torch
 
 from dapo_flow.algos import factorize, keep_groups, outcome_advantages, sequence_advantages
+from dapo_flow.kernels import masked_broadcast
 
 SHAPES = [(512, 16, 1024), (4096, 16, 256)]  # prompts, samples per prompt, response length
 
@@ -131,7 +134,11 @@ def check(ours: np.ndarray, ref: np.ndarray, constant: np.ndarray, what: str) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch (and kernel) threads; default torch's, the runtime gives actors 1 per CPU")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     reps, loop_reps = (5, 1) if args.quick else (50, 2)
     torch.set_grad_enabled(False)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
@@ -147,7 +154,6 @@ def main() -> None:
         rewards, mask, uids, column = b["token_rewards"], b["mask"], b["uids"], b["uid_column"]
         out = torch.empty_like(rewards)
         codes = factorize(column).codes  # an int prompt-index column instead of uid strings
-        float_mask = mask.float()  # same dtype as the output: the masked write is a vectorised mul
 
         # correctness first: ours (Arrow column / codes) against the loops (verl's object array)
         ref_a = loop_grpo_scores(torch.from_numpy(b["scores"]), uids).numpy()
@@ -158,7 +164,7 @@ def main() -> None:
         adv_b = outcome_advantages(rewards, mask, column, "grpo").numpy()
         notes.append(f"{tag} " + check(adv_a, ref_a, b["constant"], "(a)"))
         notes.append(f"{tag} " + check(adv_b, ref_b, const_tok, "(b)"))
-        check(outcome_advantages(rewards, float_mask, codes, "grpo").numpy(), ref_b, const_tok, "(b) f32 mask")
+        check(outcome_advantages(rewards, mask.float(), codes, "grpo").numpy(), ref_b, const_tok, "(b) f32 mask")
         for ids in (column, uids, codes):
             if not np.array_equal(keep_groups(ids, b["acc"]), ref_keep):
                 raise SystemExit("keep masks disagree")
@@ -180,13 +186,14 @@ def main() -> None:
                 "a": path_a,
                 "b_alloc": path_b(column, mask, None),
                 "b": path_b(column, mask, out),
-                "b_best": path_b(codes, float_mask, out),
+                "b_int": path_b(codes, mask, out),
                 "floor": lambda: out.copy_(rewards),
                 "floor_alloc": lambda: rewards.clone(),
                 "read": lambda: torch.mv(rewards, rewards.new_ones(resp_len)),
                 "write": lambda: out.fill_(0.0),
                 "factorize": lambda: factorize(column),
                 "where": lambda: torch.where(mask, rewards[:, 0:1], rewards.new_zeros(()), out=out),
+                "kernel_write": lambda: masked_broadcast(rewards[:, 0], mask, out),
             },
             reps,
         )
@@ -201,14 +208,15 @@ def main() -> None:
             ("(a) scores, str ids -> adv, keep", slow["a"], fast["a"], None),
             ("(b) str ids, bool mask, new tensor", slow["b"], fast["b_alloc"], fast["floor_alloc"]),
             ("(b) str ids, bool mask, out= buffer", slow["b"], fast["b"], fast["floor"]),
-            ("(b) int ids, f32 mask, out= buffer", slow["b"], fast["b_best"], fast["floor"]),
+            ("(b) int ids, bool mask, out= buffer", slow["b"], fast["b_int"], fast["floor"]),
         ]
         for name, loop_ms, ours_ms, floor_ms in table:
             floor_s = f"{floor_ms:8.2f} {ours_ms / floor_ms:10.2f}" if floor_ms else ""
             print(f"{tag:>14} {name:<36} {loop_ms:8.1f} {ours_ms:8.2f} {loop_ms / ours_ms:7.0f}x {floor_s}")
         notes.append(
             f"{tag} (b) parts: factorize str {fast['factorize']:.2f}, row-sum read {fast['read']:.2f}, "
-            f"bool-mask where write {fast['where']:.2f}, plain write {fast['write']:.2f} ms; "
+            f"masked write: torch.where {fast['where']:.2f}, kernel {fast['kernel_write']:.2f}, "
+            f"plain fill {fast['write']:.2f} ms; "
             f"two-pass bound (read + plain write) = {(fast['read'] + fast['write']) / fast['floor']:.2f}x floor"
         )
     print()

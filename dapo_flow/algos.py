@@ -15,7 +15,8 @@ integer codes (:func:`factorize`), then every per-group quantity is a segment re
 (``np.bincount``) on the small per-sequence vector, and token tensors are touched by at most one
 read (row sums) and one fused broadcast write.
 
-Only torch, numpy and polars are used here: no Ray, Arrow or MLflow.
+Only torch, numpy, polars and numba (:mod:`dapo_flow.kernels`) are used here: no Ray, Arrow
+or MLflow.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import numpy as np
 import polars as pl
 import torch
 from torch import Tensor
+
+from dapo_flow.kernels import grpo_token_advantages, masked_broadcast
 
 __all__ = [
     "AlgoError",
@@ -411,6 +414,16 @@ def outcome_advantages(
             adv_tok = _reinforce_pp_token(token_rewards, mask, gamma)
             return adv_tok if out is None else out.copy_(adv_tok)
         rewards = token_rewards.detach()
+        if out is None:
+            out = torch.empty_like(rewards, memory_format=torch.contiguous_format)
+        g = _groups_for(group_ids, rewards.shape[0])
+        if estimator == "grpo":  # the DAPO hot path: one fused CPU sweep when the kernel applies
+            codes = np.ascontiguousarray(g.codes, dtype=np.int64)
+            finite = grpo_token_advantages(rewards, mask, codes, g.n_groups, norm_by_std, GRPO_EPS, out)
+            if finite is False:
+                raise AlgoError("scores contain NaN or inf")
+            if finite:
+                return out
         # Row sums as a matrix-vector product: one bandwidth-bound read of the rewards.
         if rewards.dtype not in (torch.float32, torch.float64):
             scores = rewards.sum(dim=-1, dtype=torch.float32)  # numpy has no bfloat16
@@ -418,17 +431,16 @@ def outcome_advantages(
             scores = torch.mv(rewards, rewards.new_ones(rewards.shape[1]))
         else:
             scores = rewards.sum(dim=-1)
-        g = _groups_for(group_ids, rewards.shape[0])
         lengths = _row_counts(mask).cpu().numpy() if estimator in _NEEDS_LENGTHS else None
         adv64 = _sequence_advantages64(scores.cpu().numpy(), g, estimator, norm_by_std, lengths)
         adv = torch.from_numpy(adv64).to(device=rewards.device, dtype=rewards.dtype)
-        if out is None:
-            out = torch.empty_like(rewards, memory_format=torch.contiguous_format)
         return _broadcast_masked(adv, mask, out)
 
 
 def _broadcast_masked(adv: Tensor, mask: Tensor, out: Tensor) -> Tensor:
     """out[i, t] = adv[i] where mask[i, t] else 0, in one fused pass. Shape: (batch,) -> (batch, T)."""
+    if masked_broadcast(adv, mask, out) is not None:  # CPU: numba, ~3x faster than torch.where
+        return out
     column = adv[:, None]
     if mask.dtype == torch.bool:
         return torch.where(mask, column, column.new_zeros(()), out=out)
