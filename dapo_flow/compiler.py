@@ -23,7 +23,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ValidationError
 
 from dapo_flow import columns as C
-from dapo_flow.contract import contract_problems, produces, requires
+from dapo_flow.contract import contract_problems, produces, requires, resolve
 from dapo_flow.errors import (
     DapoFlowError,
     GraphError,
@@ -422,10 +422,11 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...]) -> dict
                 cols.setdefault(f.name, f.type)
                 source.setdefault(f.name, rows[i].source[f.name])
         try:
+            node.params = resolve(node.cls, node.params, cols)
             needed, made = requires(node.cls, node.params), produces(node.cls, node.params)
-        except Exception as exc:  # user code in a custom op's requires()/produces()
-            found.add(node.path + ("impl",), f"requires()/produces() raised {exc!r}",
-                      "make them return {column: pyarrow type}", kind=SchemaError)
+        except Exception as exc:  # user code in a custom op's resolve()/requires()/produces()
+            found.add(node.path + ("impl",), f"resolve()/requires()/produces() raised {exc!r}",
+                      "make resolve return params and the others {column: pyarrow type}", kind=SchemaError)
             continue
         for name, typ in needed.items():
             if name not in cols:

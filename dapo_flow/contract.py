@@ -9,6 +9,10 @@ An operator is a plain class (no base class to inherit from):
 - ``CARDINALITY``: ``map`` (one row out per row in), ``filter`` (drops whole rows; with
   ``group`` semantics it drops whole prompt groups), ``expand`` (several rows per row in,
   e.g. n samples per prompt), or ``sink`` (consumes the batch, returns a one-row metrics table).
+- optionally ``resolve(params, available) -> params``: a classmethod the compiler calls with the
+  ``{column: arrow type}`` reaching the node, before reading its columns, so a param can default
+  to "whatever upstream provides" (e.g. advantage's ``reward_column: auto``). The resolved
+  params are what explain shows, MLflow logs and the runtime runs.
 - ``NEEDS_MODEL``: whether the node must name a model (``model:``) and runs in its actor.
 - ``__init__(params, ctx)``, ``__call__(batch: pa.Table) -> pa.Table``, and optionally
   ``last_metrics() -> dict[str, float]`` for what the last call measured.
@@ -47,6 +51,12 @@ class Operator(Protocol):
     NEEDS_MODEL: bool
 
     def __call__(self, batch: pa.Table) -> pa.Table: ...
+
+
+def resolve(op_cls: type, params: BaseModel, available: Mapping[str, pa.DataType]) -> BaseModel:
+    """``params`` with the op's upstream-dependent values filled in (unchanged without a hook)."""
+    fn = getattr(op_cls, "resolve", None)
+    return fn(params, dict(available)) if callable(fn) else params
 
 
 def requires(op_cls: type, params: BaseModel) -> dict[str, pa.DataType]:

@@ -1,8 +1,11 @@
-"""advantage: outcome advantages per sequence (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline).
+"""advantage: outcome advantages per sequence (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline,
+GRPO pass@k, OPO).
 
 GRPO: (r - group mean) / (unbiased group std + 1e-6), or r - mean with
 `norm_by_std: false` (Dr.GRPO). Groups are prompt ids by value. The per-sequence value
 is broadcast over the response tokens by `update`, exactly as verl's token-level form.
+The reward read is `reward` (after overlong shaping) when an upstream node makes it, else the
+raw `score`, so dropping the shaping node is a one-flag ablation.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from dapo_flow.contract import OpContext
 class Params(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    estimator: Literal["grpo", "rloo", "reinforce_pp_baseline"] = "grpo"
-    """Outcome advantage estimator."""
+    estimator: Literal["grpo", "rloo", "reinforce_pp_baseline", "grpo_passk", "opo"] = "grpo"
+    """Outcome advantage estimator (`grpo_passk`: only each group's best gets the gap to the
+    runner-up, needs n >= 2; `opo`: length-weighted group baseline)."""
     norm_by_std: bool = True
-    """GRPO only: divide by the group std (false = Dr.GRPO)."""
-    reward_column: Literal["reward", "score"] = "reward"
-    """Sequence reward to use: `reward` (after overlong shaping) or the raw `score`."""
+    """grpo / grpo_passk: divide by the group std (false = Dr.GRPO)."""
+    reward_column: Literal["auto", "reward", "score"] = "auto"
+    """Sequence reward to use: `reward` (after overlong shaping), the raw `score`, or `auto`:
+    `reward` when an upstream node produces it, else `score` (resolved when the graph compiles)."""
 
 
 class Advantage:
@@ -38,8 +43,15 @@ class Advantage:
     NEEDS_MODEL = False
 
     @classmethod
+    def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:
+        if params.reward_column != "auto":
+            return params
+        column = C.REWARD if C.REWARD in available else C.SCORE
+        return params.model_copy(update={"reward_column": column})
+
+    @classmethod
     def requires(cls, params: Params) -> dict[str, pa.DataType]:
-        return C.typed(C.PROMPT_ID, C.RESPONSE_LEN, params.reward_column)
+        return C.typed(C.PROMPT_ID, C.RESPONSE_LEN, _reward_column(params))
 
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params
@@ -48,7 +60,7 @@ class Advantage:
     def __call__(self, batch: pa.Table) -> pa.Table:
         p = self.params
         adv = algos.sequence_advantages(
-            float_column(batch, p.reward_column),
+            float_column(batch, _reward_column(p)),
             batch.column(C.PROMPT_ID).to_numpy(zero_copy_only=False),
             p.estimator,
             norm_by_std=p.norm_by_std,
@@ -65,3 +77,8 @@ class Advantage:
 
     def last_metrics(self) -> dict[str, float]:
         return dict(self._metrics)
+
+
+def _reward_column(params: Params) -> str:
+    """`auto` before the compiler resolved it (e.g. `dapo-flow ops`) reads as the default, `reward`."""
+    return C.REWARD if params.reward_column == "auto" else params.reward_column

@@ -126,6 +126,15 @@ def test_drop_then_set_the_column_it_made():
     assert [n.id for n in placed.plan.nodes] == ["rollout", "verify", "dynamic_sampling", "old_logp", "adv", "train"]
 
 
+def test_drop_overlong_alone_reads_the_raw_score():
+    # adv's reward_column defaults to `auto`: `reward` while overlong shaping is upstream, else `score`
+    params = {n.id: n.params for n in edited().compile(CLUSTER).plan.nodes}
+    assert params["adv"].reward_column == "reward"
+    placed = edited(("drop", "overlong")).compile(CLUSTER)
+    assert {n.id: n.params for n in placed.plan.nodes}["adv"].reward_column == "score"
+    assert "reward_column=score" in explain(placed)
+
+
 def test_swap_keeps_id_wiring_and_the_params_the_new_op_has():
     e = edited(("swap", "verify=logprob"))
     n = node(e.doc, "verify")
@@ -195,13 +204,13 @@ BAD = [
     ([("drop", "prompts")], "<--drop prompts>", "implicit source", ""),
     ([("drop", "verify")], "<--drop verify>: node 'overlong' inputs", "requires column 'score'",
      "the dropped node 'verify' produced it"),
-    ([("drop", "overlong")], "<--drop overlong>: node 'adv' inputs", "requires column 'reward'",
-     "--set adv.reward_column=score"),
+    ([("set", "adv.reward_column=reward"), ("drop", "overlong")], "<--drop overlong>: node 'adv' inputs",
+     "requires column 'reward'", "--set adv.reward_column=score"),
     ([("swap", "verify=scor")], "<--swap verify=scor>", "unknown op 'scor'", "did you mean 'score'"),
     ([("swap", "verfy=score")], "<--swap verfy=score>", "unknown node 'verfy'", "'verify'"),
     ([("swap", "verify")], "<--swap verify>", "expected NODE=OP", "--swap NODE=OP"),
-    ([("swap", "overlong=advantage")], "<--swap overlong=advantage>", "requires column 'reward'",
-     "the swapped node 'overlong' produced it"),
+    ([("swap", "old_logp=advantage")], "<--swap old_logp=advantage>", "requires column 'old_logp'",
+     "the swapped node 'old_logp' produced it"),
     ([("insert", "x:logprob:after=nope")], "<--insert x:logprob:after=nope>", "unknown node 'nope'", ""),
     ([("insert", "adv:logprob:after=old_logp")], "<--insert adv:logprob:after=old_logp>",
      "node id 'adv' already exists", "pick a new id"),
