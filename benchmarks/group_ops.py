@@ -8,7 +8,8 @@ What it times, at 512x16 rows (response length 1024) and 4096x16 rows (response 
 (b) token path: (batch, resp_len) token rewards + response mask + group ids -> token-level
     GRPO advantages (outcome_advantages) and the keep mask: with the Arrow uid column and a
     bool mask (into a new tensor, as the API returns by default, or into an `out=` buffer), and
-    with int ids. On CPU this runs dapo_flow.kernels (numba): row sums, group statistics and the
+    with int ids; with group members scattered over the batch, and adjacent (verl's layout from
+    `repeat(interleave=True)`, where the kernel makes one sweep). On CPU this runs dapo_flow.kernels (numba): row sums, group statistics and the
     masked write; the parts line compares that write with the torch.where it replaced.
 
 Baseline: a per-row Python loop with verl's structure on verl's object array of uids (dict of
@@ -174,11 +175,19 @@ def main() -> None:
             sequence_advantages(b["scores"], g, "grpo")
             keep_groups(g, b["acc"])
 
-        def path_b(ids: object, m: torch.Tensor, into: torch.Tensor | None) -> Callable[[], None]:
+        # verl's layout: `repeat(interleave=True)` puts a prompt's samples next to each other
+        order = np.argsort(codes, kind="stable")
+        adj = dict(rewards=rewards[torch.from_numpy(order)].contiguous(), mask=mask[torch.from_numpy(order)].contiguous(),
+                   column=column.take(pa.array(order)), codes=codes[order], acc=b["acc"][order], uids=uids[order])
+        adv_adj = outcome_advantages(adj["rewards"], adj["mask"], adj["column"], "grpo").numpy()
+        notes.append(f"{tag} " + check(adv_adj, ref_b[order], const_tok[order], "(b) groups adjacent"))
+
+        def path_b(ids: object, m: torch.Tensor, into: torch.Tensor | None, r: torch.Tensor = rewards,
+                   acc: np.ndarray = b["acc"]) -> Callable[[], None]:
             def run() -> None:
                 g = factorize(ids)
-                outcome_advantages(rewards, m, g, "grpo", out=into)
-                keep_groups(g, b["acc"])
+                outcome_advantages(r, m, g, "grpo", out=into)
+                keep_groups(g, acc)
             return run
 
         fast = best_of(
@@ -187,6 +196,8 @@ def main() -> None:
                 "b_alloc": path_b(column, mask, None),
                 "b": path_b(column, mask, out),
                 "b_int": path_b(codes, mask, out),
+                "b_adj": path_b(adj["column"], adj["mask"], out, adj["rewards"], adj["acc"]),
+                "b_adj_int": path_b(adj["codes"], adj["mask"], out, adj["rewards"], adj["acc"]),
                 "floor": lambda: out.copy_(rewards),
                 "floor_alloc": lambda: rewards.clone(),
                 "read": lambda: torch.mv(rewards, rewards.new_ones(resp_len)),
@@ -201,6 +212,8 @@ def main() -> None:
             {
                 "a": lambda: (loop_grpo_scores(torch.from_numpy(b["scores"]), uids), loop_keep(uids, b["acc"])),
                 "b": lambda: (loop_grpo_tokens(rewards, mask, uids), loop_keep(uids, b["acc"])),
+                "b_adj": lambda: (loop_grpo_tokens(adj["rewards"], adj["mask"], adj["uids"]),
+                                  loop_keep(adj["uids"], adj["acc"])),
             },
             loop_reps,
         )
@@ -209,6 +222,8 @@ def main() -> None:
             ("(b) str ids, bool mask, new tensor", slow["b"], fast["b_alloc"], fast["floor_alloc"]),
             ("(b) str ids, bool mask, out= buffer", slow["b"], fast["b"], fast["floor"]),
             ("(b) int ids, bool mask, out= buffer", slow["b"], fast["b_int"], fast["floor"]),
+            ("(b) adjacent, str ids, out= buffer", slow["b_adj"], fast["b_adj"], fast["floor"]),
+            ("(b) adjacent, int ids, out= buffer", slow["b_adj"], fast["b_adj_int"], fast["floor"]),
         ]
         for name, loop_ms, ours_ms, floor_ms in table:
             floor_s = f"{floor_ms:8.2f} {ours_ms / floor_ms:10.2f}" if floor_ms else ""

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from dapo_flow import algos, kernels
-from dapo_flow.algos import AlgoError, factorize, outcome_advantages, sequence_advantages
+from dapo_flow.algos import AlgoError, factorize, keep_groups, outcome_advantages, sequence_advantages
 
 
 @pytest.fixture
@@ -18,6 +18,7 @@ def torch_path(monkeypatch):
     """outcome_advantages with both kernels declining, i.e. the torch/numpy reference path."""
     monkeypatch.setattr(algos, "grpo_token_advantages", lambda *a, **k: None)
     monkeypatch.setattr(algos, "masked_broadcast", lambda *a, **k: None)
+    monkeypatch.setattr(algos, "keep_mask", lambda *a, **k: None)
 
     def run(*args, **kwargs):
         return outcome_advantages(*args, **kwargs)
@@ -25,9 +26,10 @@ def torch_path(monkeypatch):
     return run
 
 
-def _batch(seed: int, rows: int = 64, width: int = 20, groups: int = 11):
+def _batch(seed: int, rows: int = 64, width: int = 20, groups: int = 11, contiguous: bool = False):
     """Scores at the last valid token plus some at masked positions, constant groups (0.7f,
-    the value whose float32 mean is inexact), singletons, holes in the mask, scattered groups."""
+    the value whose float32 mean is inexact), singletons, holes in the mask; group members
+    scattered, or adjacent (`contiguous`, verl's layout)."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, width + 1, rows)
     mask = torch.from_numpy(np.arange(width)[None, :] < lengths[:, None])
@@ -39,20 +41,25 @@ def _batch(seed: int, rows: int = 64, width: int = 20, groups: int = 11):
     rewards = torch.zeros(rows, width)
     rewards[torch.arange(rows), torch.from_numpy(lengths - 1)] = torch.from_numpy(scores)
     rewards[:, -1] += torch.from_numpy((rng.uniform(size=rows) < 0.2).astype(np.float32))  # masked reward counts
+    if contiguous:
+        order = torch.from_numpy(np.argsort(ids, kind="stable"))
+        rewards, mask, ids = rewards[order].contiguous(), mask[order].contiguous(), ids[order.numpy()]
     return rewards, mask, ids
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
-def test_grpo_kernel_matches_torch_path(torch_path, seed, norm, dtype, mask_kind):
-    rewards, mask, ids = _batch(seed)
+@pytest.mark.parametrize("layout", ["scattered", "contiguous"])
+def test_grpo_kernel_matches_torch_path(torch_path, seed, norm, dtype, mask_kind, layout):
+    rewards, mask, ids = _batch(seed, contiguous=layout == "contiguous")
+    g = factorize(ids)
+    assert kernels._kernels().runs_are_contiguous(g.codes, g.n_groups) == (layout == "contiguous")
     rewards = rewards.to(dtype)
     m = mask if mask_kind == "bool" else mask.to(dtype)
     out = torch.full_like(rewards, float("nan"))
-    assert kernels.grpo_token_advantages(rewards, m, factorize(ids).codes, factorize(ids).n_groups,
-                                         norm, algos.GRPO_EPS, out) is True
+    assert kernels.grpo_token_advantages(rewards, m, g.codes, g.n_groups, norm, algos.GRPO_EPS, out) is True
     ref = torch_path(rewards, m, ids, "grpo", norm_by_std=norm)
     assert_close(out, ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(out == 0, ref == 0)  # exact zeros in the same places (constant groups, mask)
@@ -82,14 +89,27 @@ def test_kernels_decline_what_they_cannot_take():
     assert_close(outcome_advantages(rewards, mask.long(), ids, "grpo"), ref, rtol=0, atol=0)
 
 
-def test_non_finite_score_is_an_error_on_the_kernel_path():
-    rewards, mask, ids = _batch(1)
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_non_finite_score_is_an_error_on_the_kernel_path(contiguous):
+    rewards, mask, ids = _batch(1, contiguous=contiguous)
     rewards[5, 0] = float("inf")
     with pytest.raises(AlgoError, match="NaN or inf"):
         outcome_advantages(rewards, mask, ids, "grpo")
     rewards[5, 0] = float("nan")
     with pytest.raises(AlgoError, match="NaN or inf"):
         outcome_advantages(rewards, mask, ids, "grpo", norm_by_std=False)
+
+
+def test_keep_mask_kernel_matches_numpy_path(torch_path):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 30, 500)
+    for values in (rng.integers(0, 2, 500).astype(np.float32), rng.integers(0, 3, 500), rng.uniform(size=500) < 0.1,
+                   np.where(rng.uniform(size=500) < 0.5, 0.7, 0.3)):
+        fast = kernels.keep_mask(factorize(ids).codes, factorize(ids).n_groups, values)
+        assert fast is not None and np.array_equal(fast, algos.keep_groups(ids, values))
+    assert kernels.keep_mask(factorize(ids).codes, factorize(ids).n_groups, np.array(["x"] * 500)) is None
+    with pytest.raises(AlgoError, match="NaN"):  # the kernel declines, the numpy path names it
+        keep_groups(ids, np.where(ids == 3, np.nan, 1.0))
 
 
 def test_kernels_use_the_torch_thread_budget(monkeypatch):
@@ -118,6 +138,8 @@ def test_prop_kernel_equals_sequence_math_broadcast(data, rows, width):
     mask = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=width, max_size=width),
                                            min_size=rows, max_size=rows)))
     ids = data.draw(st.lists(st.sampled_from(["a", "b", "c"]), min_size=rows, max_size=rows))
+    if data.draw(st.booleans()):
+        ids = sorted(ids)  # contiguous groups: the one-sweep kernel
     tok = outcome_advantages(rewards, mask, ids, "grpo")
     seq = sequence_advantages(rewards.sum(-1).numpy(), ids, "grpo")
     assert_close(tok, torch.where(mask, torch.from_numpy(seq)[:, None], 0.0), rtol=1e-6, atol=1e-6)
