@@ -40,10 +40,12 @@ __all__ = [
     "KL_KINDS",
     "LOSS_AGG_MODES",
     "SEQUENCE_ESTIMATORS",
+    "adaptive_kl_coef",
     "agg_loss",
     "entropy_from_logits",
     "factorize",
     "keep_groups",
+    "kl_in_reward",
     "kl_penalty",
     "logprobs_from_logits",
     "masked_mean",
@@ -716,6 +718,44 @@ def policy_loss(
             [masked_mean(clipped, mask), masked_mean(lower, mask), masked_mean(-log_ratio.detach(), mask)]
         ).tolist()  # one device sync for all three
     return loss, {"clipfrac": stats[0], "clipfrac_lower": stats[1], "ppo_kl": stats[2]}
+
+
+def kl_in_reward(
+    scores: np.ndarray, logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: str, coef: float
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """KL penalty folded into the reward (verl ``apply_kl_penalty``, ``use_kl_in_reward``).
+
+    verl writes ``token_level_rewards = token_level_scores - coef * kl * mask`` per token; the
+    outcome estimators sum a row's token rewards, so per sequence that is
+    ``score - coef * sum_t(kl * mask)``, returned with the summed KL. ``current_kl`` is verl's
+    controller input: the batch mean of each row's masked-mean KL (``masked_mean(kl, mask,
+    axis=-1).mean()``). The KL is computed without gradient (it is a reward).
+    Shape: scores (batch,), logp / ref_logp / mask (batch, T) -> (batch,) float32 reward,
+    (batch,) float32 summed KL, scalar.
+    """
+    if coef < 0:
+        raise AlgoError(f"coef must be >= 0, got {coef}")
+    s = _as_numpy(scores, "scores")
+    _check_pair(logp, mask, "logp", "mask")
+    if s.shape[0] != logp.shape[0]:
+        raise AlgoError(f"got {s.shape[0]} scores for {logp.shape[0]} sequences")
+    with torch.no_grad():
+        kl = _masked(kl_penalty(logp.detach(), ref_logp.detach(), kind), mask)
+        kl_sum = kl.sum(dim=-1)
+        current = float(masked_mean(kl, mask, dim=-1).mean()) if kl.shape[0] else 0.0
+    kl_np = kl_sum.to(torch.float32).cpu().numpy()
+    reward = (s.astype(np.float32) - np.float32(coef) * kl_np).astype(np.float32)
+    return reward, kl_np, current
+
+
+def adaptive_kl_coef(coef: float, current_kl: float, *, target_kl: float, horizon: int, n_steps: int) -> float:
+    """verl's ``AdaptiveKLController.update`` (Ziegler et al. 2019): move the coefficient toward
+    keeping the KL at ``target_kl``: ``coef * (1 + clip(current / target - 1, -0.2, 0.2) *
+    n_steps / horizon)``, with ``n_steps`` the batch size."""
+    if target_kl <= 0 or horizon <= 0:
+        raise AlgoError(f"target_kl and horizon must be > 0, got {target_kl}, {horizon}")
+    error = float(np.clip(current_kl / target_kl - 1, -0.2, 0.2))
+    return coef * (1 + error * n_steps / horizon)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:

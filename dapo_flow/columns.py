@@ -33,6 +33,7 @@ SCORE = "score"  # verifier score before shaping
 ACC = "acc"  # 1.0 if correct else 0.0; kept before the overlong penalty
 OVERLONG_PENALTY = "overlong_penalty"
 REWARD = "reward"  # sequence reward after shaping; lands on the last valid token
+KL = "kl"  # per sequence: KL(policy || ref) summed over valid tokens (the `kl` op, before coef)
 
 # --- training -------------------------------------------------------------------
 OLD_LOGP = "old_logp"  # recomputed by the trainer before the update
@@ -57,6 +58,7 @@ SCHEMA: dict[str, pa.DataType] = {
     ACC: pa.float32(),
     OVERLONG_PENALTY: pa.float32(),
     REWARD: pa.float32(),
+    KL: pa.float32(),
     OLD_LOGP: TOKEN_FLOATS,
     REF_LOGP: TOKEN_FLOATS,
     ENTROPY: TOKEN_FLOATS,

