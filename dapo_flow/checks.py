@@ -1,0 +1,413 @@
+"""validate: every check of a loaded graph, all problems collected before raising once.
+
+Pydantic errors of every section, each node's params against its operator's ``Params``, wiring
+(unknown inputs, cycles, unreachable nodes), model rules (one update per model, frozen refs) and
+Arrow column types propagated from `prompts` along every edge (operators may ``resolve`` params
+against the columns that reach them).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Iterable
+
+import networkx as nx
+import pyarrow as pa
+from pydantic import BaseModel, ValidationError
+
+from dapo_flow import columns as C
+from dapo_flow.contract import contract_problems, produces, requires, resolve
+from dapo_flow.errors import DapoFlowError, OperatorContractError, SchemaError, UnknownOperatorError
+from dapo_flow.imports import load_object
+from dapo_flow.loader import GraphDoc, PathKey
+from dapo_flow.plan import ValidGraph
+from dapo_flow.problems import Found, did_you_mean, pydantic_problems, type_name
+from dapo_flow.registry import CUSTOM_OP, OPERATORS
+from dapo_flow.spec import PROMPTS_SOURCE, GraphSpec, NodeSpec
+
+
+# --- validate -------------------------------------------------------------------------
+
+
+@dataclass
+class _Node:
+    """What validate knows about one node; cls/params stay None when they were broken."""
+
+    index: int
+    spec: NodeSpec
+    cls: type | None = None
+    params: BaseModel | None = None
+
+    @property
+    def path(self) -> PathKey:
+        return ("nodes", self.index)
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def cardinality(self) -> str | None:
+        return getattr(self.cls, "CARDINALITY", None)
+
+
+def validate(doc: GraphDoc) -> ValidGraph:
+    """Check everything; raise one GraphError listing every problem, sorted by line."""
+    found = Found(doc)
+    spec: GraphSpec | None = None
+    try:
+        spec = GraphSpec.model_validate(doc.raw)
+    except ValidationError as err:
+        pydantic_problems(found, err, (), GraphSpec)
+    nodes = _node_specs(doc, spec)
+    for node in nodes or []:
+        _check_op(found, node)
+    models = doc.get(("models",))
+    declared = set(models) if isinstance(models, dict) else set()
+    if nodes is None:  # some node is unreadable: its edges are unknown, stop here
+        found.raise_if_any()
+        raise AssertionError("unreachable: GraphSpec failed without errors")
+    _check_models(found, nodes, declared)
+    graph = _check_edges(found, nodes)
+    order: tuple[str, ...] = ()
+    schemas: dict[str, _Rows] = {}
+    if _check_cycles(found, nodes, graph):
+        index = {n.id: n.index for n in nodes}
+        topo = nx.lexicographical_topological_sort(graph, key=lambda n: index.get(n, -1))
+        order = tuple(n for n in topo if n != PROMPTS_SOURCE)
+        _check_training(found, nodes)
+        schemas = _propagate(found, nodes, order)
+        _check_group_filter(found, nodes, graph, schemas)
+        _check_consistency(found, nodes, graph, order)
+    found.raise_if_any()
+    assert spec is not None
+    by_id = {n.id: n for n in nodes}
+    return ValidGraph(
+        spec=spec,
+        doc=doc,
+        op_cls=MappingProxyType({n.id: n.cls for n in nodes}),
+        params=MappingProxyType({n.id: n.params for n in nodes}),
+        in_schema=MappingProxyType({i: schemas[i].in_schema for i in by_id}),
+        out_schema=MappingProxyType({i: schemas[i].out_schema for i in by_id}),
+        order=order,
+    )
+
+
+def _node_specs(doc: GraphDoc, spec: GraphSpec | None) -> list[_Node] | None:
+    """Nodes that parse as NodeSpec (their errors are already reported by GraphSpec);
+    None when any node does not, since then the graph's edges are unknown."""
+    if spec is not None:
+        return [_Node(i, n) for i, n in enumerate(spec.nodes)]
+    raw = doc.get(("nodes",))
+    if not isinstance(raw, list):
+        return None
+    try:
+        return [_Node(i, NodeSpec.model_validate(item)) for i, item in enumerate(raw)]
+    except ValidationError:
+        return None
+
+
+def _check_op(found: Found, node: _Node) -> None:
+    """Resolve the node's operator class and validate its params."""
+    s = node.spec
+    if s.op == CUSTOM_OP:
+        if s.impl is None:
+            found.add(node.path + ("op",), "op 'custom' needs `impl:` naming the operator class",
+                      "add `impl: package.module:Class` or `impl: path/to/file.py:Class`",
+                      field_name="impl")
+            return
+        base_dir = Path(found.doc.file).parent
+        try:
+            cls = load_object(s.impl, base_dir=base_dir)
+        except DapoFlowError as exc:
+            found.add(node.path + ("impl",), f"cannot load impl: {exc}",
+                      "check the class name; relative .py paths resolve against the graph's folder")
+            return
+        bad = contract_problems(cls) if isinstance(cls, type) else ["is not a class"]
+        if bad:
+            err = OperatorContractError(f"{s.impl} is not an operator: " + "; ".join(bad))
+            found.add(node.path + ("impl",), f"{type(err).__name__}: {err}",
+                      "see dapo_flow/contract.py for what an operator class provides")
+            return
+    elif s.op in OPERATORS:
+        cls = OPERATORS[s.op]
+        if s.impl is not None:
+            found.add(node.path + ("impl",), f"`impl` is only for op: custom, and '{s.op}' is built in",
+                      "remove `impl:`, or write `op: custom` to use your own class")
+    else:
+        found.add(node.path + ("op",), f"unknown op '{s.op}'",
+                  did_you_mean(s.op, [*OPERATORS, CUSTOM_OP]), kind=UnknownOperatorError)
+        return
+    node.cls = cls
+    try:
+        node.params = cls.Params.model_validate(s.params)
+    except ValidationError as err:
+        pydantic_problems(found, err, node.path + ("params",), cls.Params)
+
+
+def _check_models(found: Found, nodes: list[_Node], declared: set[str]) -> None:
+    first: dict[str, int] = {}
+    for node in nodes:
+        if node.id == PROMPTS_SOURCE:
+            found.add(node.path + ("id",), f"'{PROMPTS_SOURCE}' is the implicit source fed by data.train",
+                      "give this node another id")
+        if node.id in first:
+            found.add(node.path + ("id",), f"duplicate node id '{node.id}' (first used on line "
+                      f"{found.doc.line_of(('nodes', first[node.id]))})", "node ids must be unique")
+        first.setdefault(node.id, node.index)
+        model = node.spec.model
+        if model is not None and model not in declared:
+            found.add(node.path + ("model",), f"model '{model}' is not declared in `models:`",
+                      did_you_mean(model, declared) if declared else "declare it under `models:`")
+        if node.cls is None:
+            continue
+        needs = bool(getattr(node.cls, "NEEDS_MODEL", False))
+        if needs and model is None:
+            found.add(node.path, f"op '{node.spec.op}' runs a model but names none",
+                      "add `model: NAME` with a name from `models:`", field_name="model")
+        if not needs and model is not None:
+            found.add(node.path + ("model",), f"op '{node.spec.op}' does not use a model",
+                      "remove `model:`")
+    placement = found.doc.get(("placement", "models"))
+    for name in placement if isinstance(placement, dict) else ():
+        if name not in declared:
+            found.add(("placement", "models", name), f"model '{name}' is not declared in `models:`",
+                      did_you_mean(str(name), declared) if declared else "")
+
+
+def _check_edges(found: Found, nodes: list[_Node]) -> nx.DiGraph:
+    """The graph of known edges; reports unknown inputs and reads from sinks."""
+    by_id = {n.id: n for n in reversed(nodes)}  # first definition wins
+    graph = nx.DiGraph()
+    graph.add_node(PROMPTS_SOURCE)
+    graph.add_nodes_from(by_id)
+    for node in nodes:
+        if by_id[node.id] is not node or node.id == PROMPTS_SOURCE:
+            continue  # a duplicate or reserved id: reported, its edges would mislead
+        for j, inp in enumerate(node.spec.inputs):
+            path = node.path + ("inputs", j)
+            if inp != PROMPTS_SOURCE and inp not in by_id:
+                found.add(path, f"unknown input '{inp}'",
+                          did_you_mean(inp, [PROMPTS_SOURCE, *by_id]), field_name="inputs")
+                continue
+            src = by_id.get(inp)
+            if src is not None and src.cardinality == "sink":
+                found.add(path, f"input '{inp}' is a sink (op '{src.spec.op}' emits only metrics); "
+                          "nothing can read from it", "feed this node from the node before "
+                          f"'{inp}'", field_name="inputs")
+            graph.add_edge(inp, node.id)
+        if not node.spec.inputs:
+            found.add(node.path, "has no inputs, so no rows ever reach it",
+                      f"add `inputs: [{PROMPTS_SOURCE}]` or the id of an upstream node",
+                      field_name="inputs")
+    return graph
+
+
+def _check_cycles(found: Found, nodes: list[_Node], graph: nx.DiGraph) -> bool:
+    """Report one cycle per strongly connected component; True when there is none."""
+    index = {n.id: n.index for n in reversed(nodes)}
+    ok = True
+    for comp in nx.strongly_connected_components(graph):
+        first = min(comp, key=lambda n: index.get(n, -1))
+        if len(comp) == 1 and not graph.has_edge(first, first):
+            continue
+        ok = False
+        cycle = nx.find_cycle(graph.subgraph(comp), source=first)
+        ids = [u for u, _ in cycle] + [cycle[-1][1]]
+        found.add(("nodes", index[first], "inputs"), "cycle: " + " -> ".join(ids),
+                  "a step is a DAG: feed one of these nodes from an upstream node instead")
+    return ok
+
+
+def _check_training(found: Found, nodes: list[_Node]) -> None:
+    """One update per model; updated models feed a generator; refs stay frozen."""
+    if any(n.cls is None for n in nodes):
+        return  # a typo'd op may be the update: don't guess
+    updates: dict[str, _Node] = {}
+    for node in nodes:
+        if node.spec.op != "update":
+            continue
+        model = node.spec.model
+        if model in updates:
+            other = updates[model]
+            found.add(node.path + ("model",), f"model '{model}' is already updated by node "
+                      f"'{other.id}' (line {found.doc.line_of(other.path)})",
+                      "one update per model and step: remove one, or train another model")
+        elif model is not None:
+            updates[model] = node
+    if not updates and not any(n.spec.op == "update" for n in nodes):
+        found.add(("nodes",), "a graph must train something: no node has op 'update'",
+                  "add an `update` node fed by an `advantage` node", field_name="nodes")
+    generated = {n.spec.model for n in nodes if n.spec.op == "generate"}
+    for model, node in updates.items():
+        if model not in generated:
+            found.add(node.path + ("model",), f"model '{model}' is updated but no `generate` node "
+                      "uses it, so the new weights never reach a rollout",
+                      f"generate with `model: {model}`, or update the model you generate with")
+    for node in nodes:
+        if node.spec.op == "logprob" and getattr(node.params, "role", None) == "ref":
+            model = node.spec.model
+            if model in updates:
+                found.add(node.path + ("model",), f"a reference model must stay frozen, but "
+                          f"'{model}' is updated by node '{updates[model].id}'",
+                          "declare a separate model (same path) for the reference and use it here")
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Columns a node emits, who added each, and which node decided its rows."""
+
+    in_schema: pa.Schema
+    out_schema: pa.Schema
+    source: dict[str, str]  # column -> node id that added it
+    rows_from: str  # id of the nearest upstream node that changed the rows (or prompts)
+    input_rows_from: str
+
+
+def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...]) -> dict[str, _Rows]:
+    """Arrow schemas along every edge, from `prompts` in topological order."""
+    prompt = C.prompt_schema()
+    src = {name: PROMPTS_SOURCE for name in prompt.names}
+    rows: dict[str, _Rows] = {PROMPTS_SOURCE: _Rows(prompt, prompt, src, PROMPTS_SOURCE, "")}
+    by_id = {n.id: n for n in reversed(nodes)}
+    for nid in order:
+        node = by_id[nid]
+        inputs = node.spec.inputs
+        if (node.params is None or not inputs or any(i not in rows for i in inputs)
+                or any(by_id[i].cardinality == "sink" for i in inputs if i in by_id)):
+            continue  # broken here or upstream: already reported, don't cascade
+        origins = {i: rows[i].rows_from for i in inputs}
+        if len(set(origins.values())) > 1:
+            found.add(node.path + ("inputs",), "inputs carry different rows ("
+                      + ", ".join(f"'{i}' rows come from '{o}'" for i, o in origins.items())
+                      + "); several inputs are joined row by row",
+                      "feed it from nodes that share their rows (chain the nodes instead)")
+            continue
+        cols: dict[str, pa.DataType] = {}
+        source: dict[str, str] = {}
+        for i in inputs:
+            for f in rows[i].out_schema:
+                if f.name in cols and cols[f.name] != f.type:
+                    found.add(node.path + ("inputs",), f"inputs disagree on column '{f.name}': "
+                              f"'{source[f.name]}' gives {type_name(cols[f.name])}, '{rows[i].source[f.name]}' "
+                              f"gives {type_name(f.type)}", "make the producers agree on the type",
+                              kind=SchemaError)
+                cols.setdefault(f.name, f.type)
+                source.setdefault(f.name, rows[i].source[f.name])
+        try:
+            node.params = resolve(node.cls, node.params, cols)
+            needed, made = requires(node.cls, node.params), produces(node.cls, node.params)
+        except Exception as exc:  # user code in a custom op's resolve()/requires()/produces()
+            found.add(node.path + ("impl",), f"resolve()/requires()/produces() raised {exc!r}",
+                      "make resolve return params and the others {column: pyarrow type}", kind=SchemaError)
+            continue
+        for name, typ in needed.items():
+            if name not in cols:
+                found.add(node.path + ("inputs",), f"requires column '{name}' ({type_name(typ)}) "
+                          "but no upstream node produces it", _producer_hint(name), kind=SchemaError)
+            elif cols[name] != typ:
+                found.add(node.path + ("inputs",), f"requires column '{name}' as {type_name(typ)}, "
+                          f"but '{source[name]}' gives {type_name(cols[name])}",
+                          f"make '{source[name]}' produce {type_name(typ)}", kind=SchemaError)
+        if node.cardinality == "sink":
+            out, out_src = dict(made), {name: nid for name in made}
+        else:
+            out, out_src = dict(cols), dict(source)
+            for name, typ in made.items():
+                if name in out and out[name] != typ:
+                    found.add(node.path + ("op",), f"produces column '{name}' as {type_name(typ)}, "
+                              f"but '{source[name]}' already gives it as {type_name(out[name])}",
+                              "rename the column or match its type", kind=SchemaError)
+                out[name], out_src[name] = typ, nid
+        rows_in = next(iter(origins.values()))
+        rows_from = rows_in if node.cardinality == "map" else nid
+        rows[nid] = _Rows(pa.schema(list(cols.items())), pa.schema(list(out.items())), out_src,
+                          rows_from, rows_in)
+    return rows
+
+
+def _producer_hint(column: str) -> str:
+    """Which built-in op (and which params) produces ``column``."""
+    hints = []
+    for op, cls in OPERATORS.items():
+        for label, params in _param_variants(cls):
+            if column in produces(cls, params):
+                hints.append(f"op '{op}'" + (f" with {label}" if label else ""))
+                break
+    if not hints:
+        return "no built-in op produces it: add a custom op that does"
+    return f"add an upstream node that produces it: {' or '.join(hints)}"
+
+
+def _param_variants(cls: type) -> Iterable[tuple[str, BaseModel]]:
+    """Default params, then each Literal/bool field flipped to its other values."""
+    try:
+        yield "", cls.Params()
+    except ValidationError:
+        return
+    for name, info in cls.Params.model_fields.items():
+        ann = info.annotation
+        values = typing.get_args(ann) if typing.get_origin(ann) is typing.Literal else (
+            (True, False) if ann is bool else ())
+        for value in values:
+            try:
+                yield f"{name}: {value}", cls.Params.model_validate({name: value})
+            except ValidationError:
+                continue
+
+
+def _check_group_filter(found: Found, nodes: list[_Node], graph: nx.DiGraph,
+                        rows: dict[str, _Rows]) -> None:
+    """A group-filter must see whole prompt groups: straight from a generate, no row
+    filter in between; and only one per graph (dynamic sampling repeats its upstream)."""
+    gfs = [n for n in nodes if n.cardinality == "group-filter"]
+    for extra in gfs[1:]:
+        found.add(extra.path + ("op",), f"a second group-filter (the first is '{gfs[0].id}')",
+                  "one group-filter per graph: dynamic sampling repeats everything upstream of it")
+    by_id = {n.id: n for n in reversed(nodes)}
+    for gf in gfs:
+        if gf.id not in rows:
+            continue
+        origin = rows[gf.id].input_rows_from
+        src = by_id.get(origin)
+        if origin == PROMPTS_SOURCE:
+            later = [d for d in nx.descendants(graph, gf.id) if by_id[d].spec.op == "generate"]
+            after = f" ('{later[0]}' comes after it)" if later else ""
+            found.add(gf.path + ("inputs",), "a group-filter needs whole prompt groups, but no "
+                      f"`generate` node is upstream{after}",
+                      "put the group-filter after the generate and score nodes")
+        elif src is not None and src.cardinality == "filter":
+            found.add(gf.path + ("inputs",), f"row filter '{origin}' sits between the generate "
+                      "and this group-filter, so it sees partial prompt groups",
+                      f"move '{origin}' after '{gf.id}'")
+
+
+def _check_consistency(found: Found, nodes: list[_Node], graph: nx.DiGraph,
+                       order: tuple[str, ...]) -> None:
+    """Params that must agree with the generate node upstream."""
+    by_id = {n.id: n for n in reversed(nodes)}
+    position = {nid: k for k, nid in enumerate(order)}
+    for node in nodes:
+        if node.params is None or node.spec.op not in ("overlong-shape", "logprob", "update"):
+            continue
+        gens = [a for a in nx.ancestors(graph, node.id)
+                if a in by_id and by_id[a].spec.op == "generate" and by_id[a].params is not None]
+        if not gens:
+            continue
+        gen = by_id[max(gens, key=position.__getitem__)]
+        gp = gen.params
+        if node.spec.op == "overlong-shape" and node.params.max_len != gp.max_tokens:
+            found.add(node.path + ("params", "max_len"), f"max_len {node.params.max_len} differs "
+                      f"from max_tokens {gp.max_tokens} of generate '{gen.id}'",
+                      f"set max_len: {gp.max_tokens} so the penalty interval ends at the "
+                      "response limit")
+        temp = getattr(node.params, "temperature", None)
+        if node.spec.op != "overlong-shape" and gp.temperature > 0 and temp != gp.temperature:
+            found.add(node.path + ("params", "temperature"), f"temperature {temp} differs from "
+                      f"{gp.temperature} of generate '{gen.id}': logprobs would not match the "
+                      "sampling distribution", f"set temperature: {gp.temperature}")
+
+
