@@ -8,6 +8,8 @@ per-sequence scalars ``float32``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pyarrow as pa
 
 TOKENS = pa.list_(pa.int32())
@@ -67,6 +69,14 @@ SCHEMA: dict[str, pa.DataType] = {
 }
 
 PROMPT_COLUMNS = (PROMPT_ID, PROMPT_TEXT, PROMPT_IDS, GROUND_TRUTH, DATA_SOURCE)
+
+
+def reward_source(choice: str, available: Mapping[str, pa.DataType] | None = None) -> str:
+    """The column a `reward_column` param reads: `reward` or `score` as named, or for `auto`
+    `reward` when an upstream node produces it (or while upstream is unknown), else `score`."""
+    if choice != "auto":
+        return choice
+    return REWARD if available is None or REWARD in available else SCORE
 
 
 def typed(*names: str) -> dict[str, pa.DataType]:

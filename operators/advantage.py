@@ -44,14 +44,11 @@ class Advantage:
 
     @classmethod
     def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:
-        if params.reward_column != "auto":
-            return params
-        column = C.REWARD if C.REWARD in available else C.SCORE
-        return params.model_copy(update={"reward_column": column})
+        return params.model_copy(update={"reward_column": C.reward_source(params.reward_column, available)})
 
     @classmethod
     def requires(cls, params: Params) -> dict[str, pa.DataType]:
-        return C.typed(C.PROMPT_ID, C.RESPONSE_LEN, _reward_column(params))
+        return C.typed(C.PROMPT_ID, C.RESPONSE_LEN, C.reward_source(params.reward_column))
 
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params
@@ -60,7 +57,7 @@ class Advantage:
     def __call__(self, batch: pa.Table) -> pa.Table:
         p = self.params
         adv = algos.sequence_advantages(
-            float_column(batch, _reward_column(p)),
+            float_column(batch, C.reward_source(p.reward_column)),
             batch.column(C.PROMPT_ID).to_numpy(zero_copy_only=False),
             p.estimator,
             norm_by_std=p.norm_by_std,
@@ -78,7 +75,3 @@ class Advantage:
     def last_metrics(self) -> dict[str, float]:
         return dict(self._metrics)
 
-
-def _reward_column(params: Params) -> str:
-    """`auto` before the compiler resolved it (e.g. `dapo-flow ops`) reads as the default, `reward`."""
-    return C.REWARD if params.reward_column == "auto" else params.reward_column

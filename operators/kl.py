@@ -51,14 +51,11 @@ class KL:
 
     @classmethod
     def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:
-        if params.reward_column != "auto":
-            return params
-        return params.model_copy(update={"reward_column": C.REWARD if C.REWARD in available else C.SCORE})
+        return params.model_copy(update={"reward_column": C.reward_source(params.reward_column, available)})
 
     @classmethod
     def requires(cls, params: Params) -> dict[str, pa.DataType]:
-        source = C.REWARD if params.reward_column == "auto" else params.reward_column
-        return C.typed(C.OLD_LOGP, C.REF_LOGP, source)
+        return C.typed(C.OLD_LOGP, C.REF_LOGP, C.reward_source(params.reward_column))
 
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params
@@ -73,7 +70,7 @@ class KL:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         p = self.params
-        source = C.REWARD if p.reward_column == "auto" else p.reward_column
+        source = C.reward_source(p.reward_column)
         logp, lengths = ragged_to_padded(batch.column(C.OLD_LOGP), dtype=np.float32)
         ref, ref_lengths = ragged_to_padded(batch.column(C.REF_LOGP), dtype=np.float32)
         if not np.array_equal(lengths, ref_lengths):

@@ -8,7 +8,6 @@ upstream node produces it. Same effect as `update`'s `mask_truncated: true` (and
 
 from __future__ import annotations
 
-import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 

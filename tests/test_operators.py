@@ -66,7 +66,7 @@ def test_advantage_reward_column_auto_follows_upstream():
     assert (with_shaping.reward_column, without.reward_column) == ("reward", "score")
     assert C.SCORE in requires(cls, without) and C.REWARD in requires(cls, with_shaping)
     explicit = cls.Params(reward_column="reward")
-    assert resolve(cls, explicit, {C.SCORE: pa.float32()}) is explicit  # an explicit choice stays
+    assert resolve(cls, explicit, {C.SCORE: pa.float32()}) == explicit  # an explicit choice stays
     # the op reads the resolved column: shaped rewards give different advantages than scores
     shaped = _op("overlong-shape", max_len=8, buffer_len=4)(BATCH)
     adv_reward = cls(with_shaping, OpContext("adv"))(shaped).column(C.ADVANTAGE).to_numpy()
