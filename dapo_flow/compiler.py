@@ -153,8 +153,10 @@ def explain(placed: PlacedPlan) -> str:
                    f"{what}runs {', '.join(s.nodes) or '-'}")
     train = spec.data.train
     gen_batch = run.gen_prompts_per_batch or run.prompts_per_step
+    per_batch = ("generation batches sized from the keep rate so far (auto)" if gen_batch == "auto"
+                 else f"{gen_batch} per generation batch")
     out += ["", f"step ({run.steps} steps, {run.prompts_per_step} prompt groups each):",
-            f"  prompts: {train.source} [{train.split}], {gen_batch} per generation batch",
+            f"  prompts: {train.source} [{train.split}], {per_batch}",
             f"    emits {_columns(C.prompt_schema())}"]
     fused_at = {run_[0]: run_ for run_ in p.fused}
     phases = [("rollout", p.rollout), ("train", p.train)] if p.group_filter else [("step", p.train)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 PROMPTS_SOURCE = "prompts"  # the implicit source node fed by `data.train`
@@ -64,12 +64,19 @@ class RunSpec(_Frozen):
     prompts_per_step: int = Field(
         16, ge=1, description="Prompt groups per training batch (verl train_batch_size)."
     )
-    gen_prompts_per_batch: int | None = Field(
+    gen_prompts_per_batch: int | Literal["auto"] | None = Field(
         None,
-        ge=1,
-        description="Prompts per generation batch (verl gen_batch_size); "
-        "default prompts_per_step.",
+        description="Prompts per generation batch (verl gen_batch_size); default prompts_per_step. "
+        "`auto` sizes each batch from the keep rate measured so far (dynamic sampling then "
+        "generates about what it trains on, instead of a fixed multiple).",
     )
+
+    @field_validator("gen_prompts_per_batch")
+    @classmethod
+    def _positive_batch(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 (or `auto`)")
+        return v
     carry_surplus: bool = Field(
         False, description="Carry kept groups beyond prompts_per_step to the next step."
     )

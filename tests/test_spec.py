@@ -56,3 +56,25 @@ def test_extra_forbidden(cls, data):
 def test_node_id_pattern():
     with pytest.raises(pydantic.ValidationError, match="pattern"):
         NodeSpec.model_validate({"id": "has space", "op": "score"})
+
+
+def test_auto_batch_size_from_keep_rate():
+    from dapo_flow.runtime.loop import auto_batch_size
+
+    assert auto_batch_size(24, None, 24) == 24  # nothing seen yet: one step's worth
+    assert auto_batch_size(24, 0.5, 24) == 56  # ceil(24 * 1.15 / 0.5)
+    assert auto_batch_size(3, 0.9, 24) == 4
+    assert auto_batch_size(24, 0.0, 24) == 8 * 24  # all filtered so far: capped, not unbounded
+
+
+@pytest.mark.parametrize("value, ok", [("auto", True), (48, True), (None, True), (0, False), ("twice", False)])
+def test_gen_prompts_per_batch_accepts_auto(value, ok):
+    from pydantic import ValidationError
+
+    from dapo_flow.spec import RunSpec
+
+    if ok:
+        assert RunSpec(gen_prompts_per_batch=value).gen_prompts_per_batch == value
+    else:
+        with pytest.raises(ValidationError):
+            RunSpec(gen_prompts_per_batch=value)

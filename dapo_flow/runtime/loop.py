@@ -9,6 +9,8 @@ plan's segments (rollout, train), its group filter and its weight syncs.
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -32,6 +34,7 @@ class LoopState:
     carry: pa.Table | None = None  # kept groups beyond prompts_per_step (carry_surplus)
     samples_generated: int = 0
     wall_seconds: float = 0.0
+    keep_rate: float | None = None  # gen_prompts_per_batch auto: EMA of kept groups per prompt
 
 
 @dataclass
@@ -143,7 +146,8 @@ class Runner:
             state.samples_generated += generated
             return Rollout(self.sampler.next(need), {"sampling/samples_generated": float(generated)})
         fparams = self.nodes[self.plan.group_filter].params
-        per_batch = self.run.gen_prompts_per_batch or need
+        auto = self.run.gen_prompts_per_batch == "auto"
+        per_batch = need if auto else (self.run.gen_prompts_per_batch or need)
         kept = [state.carry] if state.carry is not None else []
         state.carry = None
         groups, batches, generated = _n_groups(concat(kept)), 0, 0
@@ -160,13 +164,17 @@ class Runner:
                     return Rollout(None, {**acc.result(), "sampling/gen_batches": batches,
                                           "sampling/capped": 1.0, "sampling/skipped": 1.0})
                 break
-            prompts = self.sampler.next(per_batch)
+            size = auto_batch_size(need - groups, state.keep_rate, need) if auto else per_batch
+            prompts = self.sampler.next(size)
             out = self.rollout_batch(prompts, acc)
             generated += prompts.num_rows * _group_size(self.plan)
             batches += 1
             kept.append(out)
             # group ids never repeat across generation batches (the sampler suffixes the epoch)
-            groups += _n_groups(out)
+            got = _n_groups(out)
+            groups += got
+            if auto:
+                state.keep_rate = _ema(state.keep_rate, got / max(prompts.num_rows, 1))
         batch = concat(kept)
         batch, surplus = _cut_groups(batch, need)
         if self.run.carry_surplus and surplus is not None and surplus.num_rows:
@@ -180,6 +188,8 @@ class Runner:
             "sampling/generated_per_trained": float(generated / max(batch.num_rows, 1)),
             "sampling/capped": float(groups < need),
         })
+        if state.keep_rate is not None:
+            metrics["sampling/keep_rate"] = state.keep_rate
         return Rollout(batch, metrics)
 
     # --- phase 2: train segment -------------------------------------------------
@@ -244,6 +254,25 @@ class Runner:
 def _widest(outs: dict[str, pa.Table], ids) -> pa.Table | None:
     tables = [outs[i] for i in ids if i in outs and outs[i].num_rows > 1]
     return max(tables, key=lambda t: t.num_columns, default=None)
+
+
+KEEP_RATE_MARGIN = 1.15  # ask for 15% more groups than the keep rate predicts: one batch usually does
+KEEP_RATE_FLOOR = 0.05  # a run of all-filtered batches must not ask for unbounded batches
+_EMA_WEIGHT = 0.3  # weight of the newest batch in the keep-rate average
+
+
+def auto_batch_size(remaining: int, keep_rate: float | None, need: int) -> int:
+    """Prompts for the next generation batch under `gen_prompts_per_batch: auto`: enough to
+    keep `remaining` groups at the keep rate seen so far, with a margin; `need` before any
+    batch has been seen, at most 8 x `need`."""
+    if keep_rate is None:
+        return need
+    want = math.ceil(remaining * KEEP_RATE_MARGIN / max(keep_rate, KEEP_RATE_FLOOR))
+    return max(1, min(want, 8 * need))
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _EMA_WEIGHT) * old + _EMA_WEIGHT * new
 
 
 def _n_groups(table: pa.Table | None) -> int:

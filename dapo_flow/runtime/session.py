@@ -160,7 +160,8 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
             sampler.load(driver_state["sampler"])
         state = LoopState(step=int(driver_state.get("step", 0)), carry=carry,
                           samples_generated=int(driver_state.get("samples_generated", 0)),
-                          wall_seconds=float(driver_state.get("wall_seconds", 0.0)))
+                          wall_seconds=float(driver_state.get("wall_seconds", 0.0)),
+                          keep_rate=driver_state.get("keep_rate"))
         runner = Runner(placed, ex, driver, sampler)
         return _loop(runner, state, tracker, total, ckpt_root, console, startup, skipped, ghash,
                      val_prompts)
@@ -255,7 +256,7 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
     driver = {
         "step": state.step, "sampler": runner.sampler.state(), "mlflow_run_id": tracker.run_id,
         "samples_generated": state.samples_generated, "wall_seconds": state.wall_seconds,
-        "trained_models": trained, "unlogged_metrics": [[s, m] for s, m in unlogged],
+        "keep_rate": state.keep_rate, "trained_models": trained, "unlogged_metrics": [[s, m] for s, m in unlogged],
     }
 
     def save_models(out: Path) -> None:

@@ -99,3 +99,24 @@ def test_reference_model_kl_in_reward_and_overlong_filter(workdir, small_graph):
     assert any(v != 0 for _, v in run["history"]["actor/kl_loss"])  # the loss term sees ref_logp too
     assert run["params"]["nodes.train.params.loss_mask"] == "use"  # resolved params are logged
     assert run["params"]["nodes.adv.params.reward_column"] == "reward"
+
+
+def test_auto_generation_batches_resume_exactly(workdir, small_graph):
+    """gen_prompts_per_batch: auto sizes batches from the keep rate, which is checkpointed:
+    2 steps + resume to 4 log the same numbers as 4 steps straight."""
+    from dapo_flow.edits import edit_file, parse_cli_edits
+
+    def placed(name):
+        path = small_graph(workdir, name=name, steps=4, ckpt=2)
+        return edit_file(path, parse_cli_edits([("set", "run.gen_prompts_per_batch=auto")])).compile(CLUSTER)
+
+    straight = execute(placed("straight"), executor="local")
+    p = placed("resumed")
+    execute(p, executor="local", steps=2)
+    resumed = execute(p, executor="local", resume=True)
+    a = read_run(straight["tracking_uri"], straight["run_id"])["history"]
+    b = read_run(resumed["tracking_uri"], resumed["run_id"])["history"]
+    for key in ("sampling/keep_rate", "sampling/samples_generated", "batch/reward_mean", "actor/pg_loss"):
+        assert a[key] == b[key], key
+    assert [s for s, _ in a["sampling/keep_rate"]] == [1, 2, 3, 4]
+    assert all(0 < v <= 1 for _, v in a["sampling/keep_rate"])
