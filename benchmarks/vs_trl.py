@@ -13,10 +13,12 @@ val-acc gain per generated sample. Val acc is measured here, identically for bot
 dapo_flow's HFPolicy: sampled avg@4 at temperature 1 on the 200 val prompts (same seed), on
 the base model, the TRL-saved model and dapo-flow's last checkpoint.
 
-Settings: `default` = the graph as is (24 prompts x 8 samples); `big` = 32 prompts x 16.
-Targets: dapo-flow completions/s >= TRL at default, >= 1.5x TRL at big.
+Settings: `default` = the graph as is (24 prompts x 8 samples); `big` = 32 prompts x 16;
+`auto` = default with `run.gen_prompts_per_batch: auto` (generation batches sized from the keep
+rate, so dynamic sampling spends fewer samples per kept group).
+Targets: dapo-flow completions/s >= TRL at default and auto, >= 1.5x TRL at big.
 
-Run: python benchmarks/vs_trl.py [--setting default|big] [--steps 30] [--quick] [--json out.json]
+Run: python benchmarks/vs_trl.py [--setting default|big|auto] [--steps 30] [--quick] [--json out.json]
      python benchmarks/vs_trl.py --setup      # make TRL importable (once)
 """
 
@@ -38,11 +40,12 @@ from _common import (DEFAULT_GRAPH, REPO, LoadSampler, final_checkpoint, fmt, ma
                      run_graph, scratch_dir, step_history, write_json)
 
 BENCH_VENV = REPO / ".venv-bench"
-SETTINGS = {  # --set edits of the graph per setting; prompts per generation batch stay 2x
+SETTINGS = {  # --set edits of the graph per setting; prompts per generation batch 2x, or auto
     "default": [],
     "big": ["run.prompts_per_step=32", "run.gen_prompts_per_batch=64", "rollout.n=16"],
+    "auto": ["run.gen_prompts_per_batch=auto"],  # dynamic sampling sized from the keep rate
 }
-TARGETS = {"default": 1.0, "big": 1.5}  # dapo-flow / TRL completions per second
+TARGETS = {"default": 1.0, "big": 1.5, "auto": 1.0}  # dapo-flow / TRL completions per second
 VAL_PROMPTS, VAL_N, VAL_TEMPERATURE, VAL_SEED = 200, 4, 1.0, 12345
 KEEP_VERSIONS = {"torch": "2.13.0+cpu"}  # the main venv must keep these exactly
 TRANSFORMERS_RANGE = ("5.16.1", "5.20")  # ... and transformers in [low, high)
@@ -90,8 +93,9 @@ def _model_dir(spec) -> Path:
 def differences(s: dict) -> list[str]:
     out = []
     if s["dynamic_sampling"]:
-        out.append(f"dynamic sampling: dapo-flow generates {s['gen_prompts_per_batch']} prompts x {s['n']} "
-                   f"per batch and keeps {s['prompts_per_step']} groups with mixed rewards (more batches "
+        size = ("as many prompts as the keep rate so far predicts" if s["gen_prompts_per_batch"] == "auto"
+                else f"{s['gen_prompts_per_batch']} prompts")
+        out.append(f"dynamic sampling: dapo-flow generates {size} x {s['n']} per batch and keeps {s['prompts_per_step']} groups with mixed rewards (more batches "
                    "if needed); TRL has none: it trains on every group, zero-advantage ones included")
     out += [
         f"mini-batches: dapo-flow takes {s['mini_batches']} optimizer steps per RL step on contiguous "

@@ -10,7 +10,11 @@ lacks (the run died between writing the checkpoint and flushing). Without checkp
 from __future__ import annotations
 
 import platform
+import signal
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -163,8 +167,9 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
                           wall_seconds=float(driver_state.get("wall_seconds", 0.0)),
                           keep_rate=driver_state.get("keep_rate"))
         runner = Runner(placed, ex, driver, sampler)
-        return _loop(runner, state, tracker, total, ckpt_root, console, startup, skipped, ghash,
-                     val_prompts)
+        with _CtrlC() as ctrl_c:
+            return _loop(runner, state, tracker, total, ckpt_root, console, startup, skipped, ghash,
+                         val_prompts, ctrl_c.check)
     except KeyboardInterrupt:
         if tracker is not None:
             tracker.finish("KILLED")
@@ -178,8 +183,44 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
         ex.shutdown()
 
 
+class _CtrlC:
+    """Ctrl-C raises KeyboardInterrupt as usual and is also remembered: Python drops an
+    exception raised while a finalizer (a weakref callback, ``__del__``) runs, and the run would
+    then carry on, so the loop raises it again at the next step boundary (``check``)."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous = None
+        self._unraisable = sys.unraisablehook
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread():  # signals go to the main thread
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            sys.unraisablehook = self._quiet_dropped_interrupt
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            sys.unraisablehook = self._unraisable
+
+    def _quiet_dropped_interrupt(self, unraisable) -> None:  # noqa: ANN001 - sys.UnraisableHookArgs
+        # the interrupt is remembered and re-raised by `check`: no "Exception ignored" traceback
+        if not (self.pressed and issubclass(unraisable.exc_type, KeyboardInterrupt)):
+            self._unraisable(unraisable)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ANN001 - signal handler signature
+        self.pressed = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+
+
 def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_root: Path,
-          console: Console, startup: float, skipped: int, ghash: str, val_prompts) -> dict:
+          console: Console, startup: float, skipped: int, ghash: str, val_prompts,
+          check_interrupt: Callable[[], None] = lambda: None) -> dict:
     run = runner.run
     spec = runner.plan.spec
     pending: list[tuple[int, dict]] = []
@@ -201,6 +242,7 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_r
     with progress:
         task = progress.add_task(spec.name, total=total, completed=state.step, info="")
         while state.step < total:
+            check_interrupt()
             step = state.step + 1
             t0 = time.perf_counter()
             rollout = runner.collect(state)

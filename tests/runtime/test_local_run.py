@@ -120,3 +120,18 @@ def test_auto_generation_batches_resume_exactly(workdir, small_graph):
         assert a[key] == b[key], key
     assert [s for s, _ in a["sampling/keep_rate"]] == [1, 2, 3, 4]
     assert all(0 < v <= 1 for _, v in a["sampling/keep_rate"])
+
+
+def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run():
+    """Python drops a KeyboardInterrupt raised inside a weakref callback / __del__; the loop's
+    check at the next step boundary raises it again."""
+    from dapo_flow.runtime.session import _CtrlC
+
+    with _CtrlC() as ctrl_c:
+        ctrl_c.check()  # nothing pressed: no-op
+        try:
+            ctrl_c._handle(2, None)  # what the SIGINT handler does, here swallowed by a finalizer
+        except KeyboardInterrupt:
+            pass
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c.check()
