@@ -85,7 +85,7 @@ def pin_torch_threads(n: int) -> None:
     in the driver and shipped to the workers, so this reaches Ray actors and local stages."""
     from dapo_flow.runtime import setup
 
-    setup._threads = lambda stage, cluster, n_actors: n if stage.kind == "actor" else 0
+    setup._threads = lambda stage: n if stage.kind == "actor" else 0
 
 
 def write_json(path: str | None, payload: dict, console: Console) -> None:

@@ -135,26 +135,3 @@ def grpo_runs(rewards, mask, select, codes, n_groups, norm_by_std, eps, out):
             value = out.dtype.type(0.0 if constant else (out[i, 0] - mean) / denom)
             _write_row(mask, select, i, value, out)
     return finite.all()
-
-
-@numba.njit(**_JIT)
-def keep_rows(codes, n_groups, values, keep):
-    """Dynamic-sampling keep mask: a row is kept unless its group has >= 2 rows whose values are
-    all exactly equal. False (keep untouched) when a value is NaN."""
-    n = codes.shape[0]
-    first = np.full(n_groups, -1, np.int64)
-    count = np.zeros(n_groups, np.int64)
-    varies = np.zeros(n_groups, np.bool_)
-    for i in range(n):
-        v = values[i]
-        if v != v:
-            return False
-        c = codes[i]
-        count[c] += 1
-        if first[c] < 0:
-            first[c] = i
-        elif v != values[first[c]]:
-            varies[c] = True
-    for i in range(n):
-        keep[i] = varies[codes[i]] or count[codes[i]] == 1
-    return True

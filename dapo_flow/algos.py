@@ -30,7 +30,7 @@ import polars as pl
 import torch
 from torch import Tensor
 
-from dapo_flow.kernels import grpo_token_advantages, keep_mask, masked_broadcast
+from dapo_flow.kernels import grpo_token_advantages, masked_broadcast
 
 __all__ = [
     "AlgoError",
@@ -479,9 +479,6 @@ def keep_groups(group_ids: GroupIds, values: np.ndarray | Sequence[float] | Tens
     """
     v = _as_numpy(values, "values")
     g = _groups_for(group_ids, v.shape[0])
-    fast = keep_mask(np.ascontiguousarray(g.codes, dtype=np.int64), g.n_groups, v)  # numba, one pass
-    if fast is not None:
-        return fast
     if v.dtype.kind == "f" and np.isnan(v).any():
         raise AlgoError("values contain NaN (verl would silently drop such a group)")
     seg = _Segments.of(g)

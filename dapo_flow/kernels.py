@@ -23,6 +23,10 @@ import torch
 from torch import Tensor
 
 _OUT_DTYPES = (torch.float32, torch.float64)
+#: Smallest output (elements) the kernels take. Below it torch's slower loop still costs less
+#: than numba's per-call overhead (~0.1-0.2 ms) and first-use import (~0.5 s), so training-sized
+#: batches never load numba.
+MIN_ELEMENTS = 1 << 18
 
 
 @functools.cache
@@ -78,16 +82,6 @@ def grpo_token_advantages(
     return True
 
 
-def keep_mask(codes: np.ndarray, n_groups: int, values: np.ndarray) -> np.ndarray | None:
-    """Dynamic-sampling keep mask per row (see ``algos.keep_groups``), or None for the numpy
-    path (NaN values, which the caller reports, or no numba). Shape: (batch,) -> (batch,) bool."""
-    k = _kernels() if values.dtype.kind in "fiub" else None
-    if k is None:
-        return None
-    keep = np.empty(codes.shape[0], np.bool_)
-    return keep if k.keep_rows(codes, n_groups, np.ascontiguousarray(values), keep) else None
-
-
 def _takes(mask: Tensor, out: Tensor) -> bool:
     return (
         out.device.type == "cpu"
@@ -97,7 +91,7 @@ def _takes(mask: Tensor, out: Tensor) -> bool:
         and out.is_contiguous()
         and mask.is_contiguous()
         and not out.requires_grad
-        and out.numel() > 0
+        and out.numel() >= max(MIN_ELEMENTS, 1)
     )
 
 

@@ -10,7 +10,13 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from dapo_flow import algos, kernels
-from dapo_flow.algos import AlgoError, factorize, keep_groups, outcome_advantages, sequence_advantages
+from dapo_flow.algos import AlgoError, factorize, outcome_advantages, sequence_advantages
+
+
+@pytest.fixture(autouse=True)
+def kernels_for_small_inputs(monkeypatch):
+    """The kernels skip inputs under MIN_ELEMENTS; these tests use small ones on purpose."""
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 1)
 
 
 @pytest.fixture
@@ -18,7 +24,6 @@ def torch_path(monkeypatch):
     """outcome_advantages with both kernels declining, i.e. the torch/numpy reference path."""
     monkeypatch.setattr(algos, "grpo_token_advantages", lambda *a, **k: None)
     monkeypatch.setattr(algos, "masked_broadcast", lambda *a, **k: None)
-    monkeypatch.setattr(algos, "keep_mask", lambda *a, **k: None)
 
     def run(*args, **kwargs):
         return outcome_advantages(*args, **kwargs)
@@ -100,16 +105,13 @@ def test_non_finite_score_is_an_error_on_the_kernel_path(contiguous):
         outcome_advantages(rewards, mask, ids, "grpo", norm_by_std=False)
 
 
-def test_keep_mask_kernel_matches_numpy_path(torch_path):
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, 30, 500)
-    for values in (rng.integers(0, 2, 500).astype(np.float32), rng.integers(0, 3, 500), rng.uniform(size=500) < 0.1,
-                   np.where(rng.uniform(size=500) < 0.5, 0.7, 0.3)):
-        fast = kernels.keep_mask(factorize(ids).codes, factorize(ids).n_groups, values)
-        assert fast is not None and np.array_equal(fast, algos.keep_groups(ids, values))
-    assert kernels.keep_mask(factorize(ids).codes, factorize(ids).n_groups, np.array(["x"] * 500)) is None
-    with pytest.raises(AlgoError, match="NaN"):  # the kernel declines, the numpy path names it
-        keep_groups(ids, np.where(ids == 3, np.nan, 1.0))
+def test_training_sized_batches_stay_on_the_torch_path(monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 1 << 18)
+    rewards, mask, ids = _batch(0)  # 64 x 20: what an RL step has, far below the threshold
+    g = factorize(ids)
+    out = torch.empty_like(rewards)
+    assert kernels.grpo_token_advantages(rewards, mask, g.codes, g.n_groups, True, 1e-6, out) is None
+    assert kernels.masked_broadcast(torch.ones(64), mask, out) is None
 
 
 def test_kernels_use_the_torch_thread_budget(monkeypatch):
