@@ -212,3 +212,11 @@ def test_plan_pickles():
 
     p = _plan()
     assert pickle.loads(pickle.dumps(p)) == p
+
+
+def test_explain_names_auto_generation_batches():
+    from dapo_flow.edits import edit_file, parse_cli_edits
+
+    placed = edit_file(ROOT / "graphs" / "dapo.yaml",
+                       parse_cli_edits([("set", "run.gen_prompts_per_batch=auto")])).compile(Cluster(cpus=2))
+    assert "generation batches sized from the keep rate so far (auto)" in explain(placed)
