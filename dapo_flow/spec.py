@@ -71,12 +71,13 @@ class RunSpec(_Frozen):
         "generates about what it trains on, instead of a fixed multiple).",
     )
 
-    @field_validator("gen_prompts_per_batch")
+    @field_validator("gen_prompts_per_batch", mode="before")
     @classmethod
-    def _positive_batch(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, int) and v < 1:
-            raise ValueError("must be >= 1 (or `auto`)")
-        return v
+    def _batch_or_auto(cls, v: Any) -> Any:
+        # one clear message instead of one per member of the union
+        if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError("must be a number of prompts >= 1, or `auto`")
     carry_surplus: bool = Field(
         False, description="Carry kept groups beyond prompts_per_step to the next step."
     )
