@@ -157,6 +157,28 @@ def curves(records: Sequence[RunRecord], key: str,
     return out
 
 
+def sample_curves(records: Sequence[RunRecord],
+                  order: Iterable[str] = ()) -> dict[str, list[tuple[float, float, float]]]:
+    """variant -> [(samples generated so far, val mean, val std)] at its validation steps, the
+    sample count averaged over seeds: how much generation each variant spends for its accuracy."""
+    out = {}
+    for name in _order(records, order):
+        by_step: dict[int, tuple[list[float], list[float]]] = {}
+        for r in records:
+            if r.variant != name or not r.ok:
+                continue
+            spent = {0: 0.0, **dict(r.curve(SAMPLES))}
+            for step, value in r.curve(VAL):
+                if step in spent:
+                    xs, ys = by_step.setdefault(step, ([], []))
+                    xs.append(spent[step])
+                    ys.append(value)
+        if by_step:
+            out[name] = [(statistics.fmean(xs), statistics.fmean(ys), statistics.stdev(ys) if len(ys) > 1 else 0.0)
+                         for _, (xs, ys) in sorted(by_step.items())]
+    return out
+
+
 def _cells(row: Row) -> list[str]:
     seeds = str(row.runs) + (f" (+{row.failed} failed)" if row.failed else "")
     return [row.variant, seeds, row.final_val.fmt(), row.best_val.fmt(), row.final_reward.fmt("+.3f"),
@@ -198,8 +220,16 @@ def _rolling(values: list[float], window: int) -> list[float]:
     return list((csum[idx] - csum[lo]) / (idx - lo))
 
 
+def _band(ax, xs: list[float], mean: list[float], std: list[float], name: str) -> None:  # noqa: ANN001
+    (line,) = ax.plot(xs, mean, marker="o" if len(xs) < 15 else None, ms=3, label=name)
+    if any(std):
+        ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                        color=line.get_color(), alpha=0.15)
+
+
 def plot(records: Sequence[RunRecord], out: str | Path, order: Iterable[str] = (), title: str = "") -> Path:
-    """val/acc and reward vs step, one line per variant (mean over seeds, ± std shaded)."""
+    """val/acc and reward vs step, and val/acc vs samples generated, one line per variant (mean
+    over seeds, ± std shaded)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,21 +237,23 @@ def plot(records: Sequence[RunRecord], out: str | Path, order: Iterable[str] = (
     from matplotlib.ticker import MaxNLocator
 
     order = list(order)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
     panels = ((axes[0], VAL, "val acc", 1), (axes[1], REWARD, "reward (rollout score, 10-step mean)", 10))
     for ax, key, label, window in panels:
         for name, pts in curves(records, key, order).items():
             steps = [p[0] for p in pts]
             mean = _rolling([p[1] for p in pts], window)  # per-step reward is too noisy to read
             std = _rolling([p[2] for p in pts], window)
-            (line,) = ax.plot(steps, mean, marker="o" if len(steps) < 15 else None, ms=3, label=name)
-            if any(std):
-                ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                                color=line.get_color(), alpha=0.15)
+            _band(ax, steps, mean, std, name)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    for name, pts in sample_curves(records, order).items():  # same colours: same variant order
+        _band(axes[2], [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts], name)
+    axes[2].set_xlabel("samples generated")
+    axes[2].set_ylabel("val acc")
+    axes[2].grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     if not handles:
         handles, labels = axes[1].get_legend_handles_labels()
@@ -229,7 +261,7 @@ def plot(records: Sequence[RunRecord], out: str | Path, order: Iterable[str] = (
         fig.legend(handles, labels, loc="center right", fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 0.87, 1))
+    fig.tight_layout(rect=(0, 0, 0.9, 1))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

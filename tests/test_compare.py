@@ -72,6 +72,19 @@ def test_curves_mean_over_seeds_by_step():
     assert C.curves(recs, C.REWARD)["v"][0][:2] == (1, 2.0)
 
 
+def test_sample_curves_put_val_acc_at_samples_spent():
+    a = fake_child_run("auto", 0, val=[0.2, 0.4], reward=[0.0] * 10)
+    b = fake_child_run("auto", 1, val=[0.2, 0.6], reward=[0.0] * 10)
+    a["history"][C.SAMPLES] = [(i, 30.0 * i) for i in range(1, 11)]  # 30 samples a step
+    b["history"][C.SAMPLES] = [(i, 50.0 * i) for i in range(1, 11)]
+    fixed = fake_child_run("fixed", 0, val=[0.2, 0.5], reward=[0.0] * 10)
+    fixed["history"][C.SAMPLES] = [(i, 96.0 * i) for i in range(1, 11)]
+    pts = C.sample_curves(records(a, b, fixed))
+    # step 0: nothing spent; step 10: mean of 300 and 500 samples, mean val 0.5
+    assert [(x, round(m, 6)) for x, m, _ in pts["auto"]] == [(0.0, 0.2), (400.0, 0.5)]
+    assert [(x, m) for x, m, _ in pts["fixed"]] == [(0.0, 0.2), (960.0, 0.5)]
+
+
 def test_record_fallbacks():
     run = fake_child_run("v", 0, [0.5], [0.1])
     run["history"] = {C.VAL: [(0, 0.5)], C.REWARD_FALLBACK: [(1, -0.25)]}
