@@ -57,12 +57,22 @@ def row_sums(rewards, scores):
 
 
 @numba.njit(**_JIT)
-def runs_are_contiguous(codes, n_groups):
-    """True when every group's rows are adjacent (verl's `repeat(interleave=True)` layout)."""
-    changes = 0
-    for i in range(1, codes.shape[0]):
-        changes += codes[i] != codes[i - 1]
-    return changes == n_groups - 1
+def run_starts(codes, n_groups):
+    """First row of each group plus the row count (n_groups + 1 entries) when every group's rows
+    are adjacent (verl's `repeat(interleave=True)` layout); an empty array when they are not."""
+    n = codes.shape[0]
+    starts = np.empty(n_groups + 1, np.int64)
+    k = 0
+    for i in range(n):
+        if i == 0 or codes[i] != codes[i - 1]:
+            if k == n_groups:  # more runs than groups: some group is split
+                return np.empty(0, np.int64)
+            starts[k] = i
+            k += 1
+    if k != n_groups:
+        return np.empty(0, np.int64)
+    starts[n_groups] = n
+    return starts
 
 
 @numba.njit(**_JIT)
@@ -100,19 +110,13 @@ def grpo_scattered(scores, codes, n_groups, norm_by_std, eps, adv):
 
 
 @numba.njit(parallel=True, fastmath={"reassoc"}, **_JIT)
-def grpo_runs(rewards, mask, select, codes, n_groups, norm_by_std, eps, out):
-    """Token-level GRPO in ONE sweep when groups are contiguous runs: per group, read its reward
-    rows, form its statistics, write its output rows while they are hot. Row scores are parked
-    in column 0 of `out` (the output dtype is the score dtype) until the row is written.
-    "reassoc" only reorders the row sums. False on a non-finite score."""
-    n = codes.shape[0]
-    starts = np.empty(n_groups + 1, np.int64)
-    k = 0
-    for i in range(n):
-        if i == 0 or codes[i] != codes[i - 1]:
-            starts[k] = i
-            k += 1
-    starts[n_groups] = n
+def grpo_runs(rewards, mask, select, starts, norm_by_std, eps, out):
+    """Token-level GRPO in ONE sweep when groups are contiguous runs (`starts` from
+    :func:`run_starts`): per group, read its reward rows, form its statistics, write its output
+    rows while they are hot. Row scores are parked in column 0 of `out` (the output dtype is the
+    score dtype) until the row is written. "reassoc" only reorders the row sums. False on a
+    non-finite score."""
+    n_groups = starts.shape[0] - 1
     finite = np.ones(n_groups, np.bool_)
     for g in numba.prange(n_groups):
         lo, hi = starts[g], starts[g + 1]

@@ -71,8 +71,9 @@ def grpo_token_advantages(
     r, m, o = rewards.detach().contiguous().numpy(), mask.detach().numpy(), out.detach().numpy()
     select = mask.dtype == torch.bool
     with _torch_thread_budget():
-        if k.runs_are_contiguous(codes, n_groups):
-            return bool(k.grpo_runs(r, m, select, codes, n_groups, norm_by_std, eps, o))
+        starts = k.run_starts(codes, n_groups)
+        if starts.size:
+            return bool(k.grpo_runs(r, m, select, starts, norm_by_std, eps, o))
         scores = np.empty(r.shape[0], r.dtype)
         adv = np.empty_like(scores)
         k.row_sums(r, scores)
@@ -100,7 +101,7 @@ def _torch_thread_budget() -> Iterator[None]:
     """Run kernels on as many threads as torch has (the runtime's CPU budget for this process).
 
     numba's OpenMP layer shares libgomp with torch and resets its thread count when it launches
-    a parallel region (an actor at 1 torch thread came back at 2), so torch's is restored after.
+    a parallel region (a process at 1 torch thread came back at 2), so torch's is restored after.
     """
     import numba
 

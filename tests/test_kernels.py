@@ -60,7 +60,7 @@ def _batch(seed: int, rows: int = 64, width: int = 20, groups: int = 11, contigu
 def test_grpo_kernel_matches_torch_path(torch_path, seed, norm, dtype, mask_kind, layout):
     rewards, mask, ids = _batch(seed, contiguous=layout == "contiguous")
     g = factorize(ids)
-    assert kernels._kernels().runs_are_contiguous(g.codes, g.n_groups) == (layout == "contiguous")
+    assert bool(kernels._kernels().run_starts(g.codes, g.n_groups).size) == (layout == "contiguous")
     rewards = rewards.to(dtype)
     m = mask if mask_kind == "bool" else mask.to(dtype)
     out = torch.full_like(rewards, float("nan"))
