@@ -161,21 +161,11 @@ def sample_curves(records: Sequence[RunRecord],
                   order: Iterable[str] = ()) -> dict[str, list[tuple[float, float, float]]]:
     """variant -> [(samples generated so far, val mean, val std)] at its validation steps, the
     sample count averaged over seeds: how much generation each variant spends for its accuracy."""
+    spent = curves(records, SAMPLES, order)
     out = {}
-    for name in _order(records, order):
-        by_step: dict[int, tuple[list[float], list[float]]] = {}
-        for r in records:
-            if r.variant != name or not r.ok:
-                continue
-            spent = {0: 0.0, **dict(r.curve(SAMPLES))}
-            for step, value in r.curve(VAL):
-                if step in spent:
-                    xs, ys = by_step.setdefault(step, ([], []))
-                    xs.append(spent[step])
-                    ys.append(value)
-        if by_step:
-            out[name] = [(statistics.fmean(xs), statistics.fmean(ys), statistics.stdev(ys) if len(ys) > 1 else 0.0)
-                         for _, (xs, ys) in sorted(by_step.items())]
+    for name, pts in curves(records, VAL, order).items():
+        by_step = {0: 0.0, **{step: mean for step, mean, _ in spent.get(name, ())}}
+        out[name] = [(by_step[step], mean, std) for step, mean, std in pts if step in by_step]
     return out
 
 
