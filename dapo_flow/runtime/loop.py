@@ -10,7 +10,6 @@ plan's segments (rollout, train), its group filter and its weight syncs.
 from __future__ import annotations
 
 import math
-
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -147,7 +146,6 @@ class Runner:
             return Rollout(self.sampler.next(need), {"sampling/samples_generated": float(generated)})
         fparams = self.nodes[self.plan.group_filter].params
         auto = self.run.gen_prompts_per_batch == "auto"
-        per_batch = need if auto else (self.run.gen_prompts_per_batch or need)
         kept = [state.carry] if state.carry is not None else []
         state.carry = None
         groups, batches, generated = _n_groups(concat(kept)), 0, 0
@@ -164,7 +162,8 @@ class Runner:
                     return Rollout(None, {**acc.result(), "sampling/gen_batches": batches,
                                           "sampling/capped": 1.0, "sampling/skipped": 1.0})
                 break
-            size = auto_batch_size(need - groups, state.keep_rate, need) if auto else per_batch
+            size = (auto_batch_size(need - groups, state.keep_rate, need) if auto
+                    else self.run.gen_prompts_per_batch or need)
             prompts = self.sampler.next(size)
             out = self.rollout_batch(prompts, acc)
             generated += prompts.num_rows * _group_size(self.plan)

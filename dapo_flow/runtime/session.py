@@ -298,7 +298,8 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
     driver = {
         "step": state.step, "sampler": runner.sampler.state(), "mlflow_run_id": tracker.run_id,
         "samples_generated": state.samples_generated, "wall_seconds": state.wall_seconds,
-        "keep_rate": state.keep_rate, "trained_models": trained, "unlogged_metrics": [[s, m] for s, m in unlogged],
+        "keep_rate": state.keep_rate, "trained_models": trained,
+        "unlogged_metrics": [[s, m] for s, m in unlogged],
     }
 
     def save_models(out: Path) -> None:
