@@ -14,7 +14,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -142,37 +143,39 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
     startup = time.perf_counter() - start
     tracker = None
     try:
-        train_prompts, val_prompts, skipped = _load_data(spec, tokenizer, ex.read_parquet)
-        tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
-                          run_id=driver_state.get("mlflow_run_id"), run_name=run_name or spec.name,
-                          parent_run_id=parent_run_id)
-        if not resume:
-            _log_start(tracker, placed, ghash, executor)
-            if extra_params:
-                tracker.log_params({k: str(v) for k, v in extra_params.items()})
-            for name, text in (extra_artifacts or {}).items():
-                tracker.log_text(text, name)
-        else:
-            _log_unlogged(tracker, driver_state.get("unlogged_metrics", []))
-        for stage, states in op_states.items():
-            if stage == DRIVER:
-                driver.load_op_states(states)
-            else:
-                ex.get(ex.call(stage, "load_op_states", states))
-        sampler = PromptSampler(train_prompts, spec.seed)
-        if driver_state:
-            sampler.load(driver_state["sampler"])
-        state = LoopState(step=int(driver_state.get("step", 0)), carry=carry,
-                          samples_generated=int(driver_state.get("samples_generated", 0)),
-                          wall_seconds=float(driver_state.get("wall_seconds", 0.0)),
-                          keep_rate=driver_state.get("keep_rate"))
-        runner = Runner(placed, ex, driver, sampler)
         with _CtrlC() as ctrl_c:
-            return _loop(runner, state, tracker, total, ckpt_root, console, startup, skipped, ghash,
-                         val_prompts, ctrl_c.check)
+            train_prompts, val_prompts, skipped = _load_data(spec, tokenizer, ex.read_parquet)
+            with ctrl_c.held():
+                tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
+                                  run_id=driver_state.get("mlflow_run_id"),
+                                  run_name=run_name or spec.name, parent_run_id=parent_run_id)
+                if not resume:
+                    _log_start(tracker, placed, ghash, executor)
+                    if extra_params:
+                        tracker.log_params({k: str(v) for k, v in extra_params.items()})
+                    for name, text in (extra_artifacts or {}).items():
+                        tracker.log_text(text, name)
+                else:
+                    _log_unlogged(tracker, driver_state.get("unlogged_metrics", []))
+            for stage, states in op_states.items():
+                if stage == DRIVER:
+                    driver.load_op_states(states)
+                else:
+                    ex.get(ex.call(stage, "load_op_states", states))
+            sampler = PromptSampler(train_prompts, spec.seed)
+            if driver_state:
+                sampler.load(driver_state["sampler"])
+            state = LoopState(step=int(driver_state.get("step", 0)), carry=carry,
+                              samples_generated=int(driver_state.get("samples_generated", 0)),
+                              wall_seconds=float(driver_state.get("wall_seconds", 0.0)),
+                              keep_rate=driver_state.get("keep_rate"))
+            runner = Runner(placed, ex, driver, sampler)
+            return _loop(runner, state, tracker, total, ckpt_root, console, startup, skipped,
+                         ghash, val_prompts, ctrl_c)
     except KeyboardInterrupt:
         if tracker is not None:
-            tracker.finish("KILLED")
+            with _CtrlC() as again, again.held(then_raise=False):  # a 2nd Ctrl-C waits for it
+                tracker.finish("KILLED")
         raise RunError("interrupted; `dapo-flow run GRAPH --resume` continues from the last "
                        f"checkpoint under {ckpt_root}") from None
     except BaseException:
@@ -186,10 +189,15 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
 class _CtrlC:
     """Ctrl-C raises KeyboardInterrupt as usual and is also remembered: Python drops an
     exception raised while a finalizer (a weakref callback, ``__del__``) runs, and the run would
-    then carry on, so the loop raises it again at the next step boundary (``check``)."""
+    then carry on, so the loop raises it again at the next step boundary (``check``).
+
+    Inside ``held()`` (checkpoint and MLflow writes) Ctrl-C is only remembered and raised when
+    the block ends: an interrupt in the middle of a sqlite commit leaves the database locked
+    for the rest of the process, and the run could then not even be marked KILLED."""
 
     def __init__(self) -> None:
         self.pressed = False
+        self._holding = 0
         self._previous = None
         self._unraisable = sys.unraisablehook
 
@@ -211,16 +219,29 @@ class _CtrlC:
 
     def _handle(self, signum, frame) -> None:  # noqa: ANN001 - signal handler signature
         self.pressed = True
-        raise KeyboardInterrupt
+        if not self._holding:
+            raise KeyboardInterrupt
 
     def check(self) -> None:
         if self.pressed:
             raise KeyboardInterrupt
 
+    @contextmanager
+    def held(self, then_raise: bool = True) -> Iterator[None]:
+        """Ctrl-C inside is raised when the block ends (``then_raise``) or only remembered."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+        if then_raise and not self._holding:
+            self.check()
+
 
 def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_root: Path,
           console: Console, startup: float, skipped: int, ghash: str, val_prompts,
-          check_interrupt: Callable[[], None] = lambda: None) -> dict:
+          ctrl_c: _CtrlC | None = None) -> dict:
+    ctrl_c = ctrl_c or _CtrlC()  # not entered: no handler, nothing ever pressed
     run = runner.run
     spec = runner.plan.spec
     pending: list[tuple[int, dict]] = []
@@ -232,7 +253,8 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_r
             first_val = val["val/acc"]
             pending.append((0, {**val, "time/startup": startup, "data/skipped_rows": float(skipped)}))
             if samples:
-                tracker.log_table(samples, "samples/step_000000.json")
+                with ctrl_c.held():
+                    tracker.log_table(samples, "samples/step_000000.json")
     last_metrics: dict = {}
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -242,7 +264,7 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_r
     with progress:
         task = progress.add_task(spec.name, total=total, completed=state.step, info="")
         while state.step < total:
-            check_interrupt()
+            ctrl_c.check()
             step = state.step + 1
             t0 = time.perf_counter()
             rollout = runner.collect(state)
@@ -260,25 +282,28 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_r
                 val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
                 metrics.update(val)
                 if samples:
-                    tracker.log_table(samples, f"samples/step_{step:06d}.json")
+                    with ctrl_c.held():
+                        tracker.log_table(samples, f"samples/step_{step:06d}.json")
             state.step = step
             pending.append((step, metrics))
             last_metrics = metrics
             last_val = metrics.get("val/acc", last_val)
             ckpt_due = run.checkpoint_every and (step % run.checkpoint_every == 0 or step == total)
-            if ckpt_due:
-                _checkpoint(runner, state, tracker, ckpt_root, trained, pending)
-            if ckpt_due or not run.checkpoint_every:
-                for s, m in pending:
-                    tracker.log_metrics(s, m)
-                pending.clear()
+            with ctrl_c.held():  # a checkpoint and its metrics are written whole
+                if ckpt_due:
+                    _checkpoint(runner, state, tracker, ckpt_root, trained, pending)
+                if ckpt_due or not run.checkpoint_every:
+                    for s, m in pending:
+                        tracker.log_metrics(s, m)
+                    pending.clear()
             info = f"reward {metrics.get('batch/reward_mean', metrics.get('batch/score_mean', float('nan'))):+.3f}"
             if last_val is not None:
                 info += f"  val acc {last_val:.3f}"
             progress.update(task, completed=step, info=info)
-    for s, m in pending:
-        tracker.log_metrics(s, m)
-    tracker.finish("FINISHED")
+    with ctrl_c.held(then_raise=False):  # the run is done: a late Ctrl-C changes nothing
+        for s, m in pending:
+            tracker.log_metrics(s, m)
+        tracker.finish("FINISHED")
     summary = {
         "run_id": tracker.run_id, "tracking_uri": tracker.uri, "steps": state.step,
         "wall_seconds": state.wall_seconds, "val_acc_start": first_val, "val_acc_end": last_val,

@@ -135,3 +135,47 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run():
             pass
         with pytest.raises(KeyboardInterrupt):
             ctrl_c.check()
+
+
+def test_ctrl_c_during_a_metric_flush_waits_for_the_write(workdir, small_graph, monkeypatch):
+    """A real SIGINT lands while step 1's metrics are being written (right after checkpoint 2,
+    as a user's Ctrl-C can): the write completes, then the run stops as interrupted and is
+    marked KILLED. Raised mid-commit it used to leave sqlite locked ("database is locked")."""
+    import os
+    import signal
+
+    from dapo_flow.tracking import Tracker, search_runs
+
+    flush = Tracker.log_metrics
+
+    def flush_hit_by_ctrl_c(self, step, metrics):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered at once, inside this write
+        flush(self, step, metrics)
+
+    monkeypatch.setattr(Tracker, "log_metrics", flush_hit_by_ctrl_c)
+    path = small_graph(workdir, steps=4, ckpt=2)
+    with pytest.raises(RunError, match="interrupted.*--resume"):
+        _run(path)
+    monkeypatch.setattr(Tracker, "log_metrics", flush)
+    [run] = search_runs(f"sqlite:///{workdir / 'dapo-flow-runs' / 'mlflow.db'}", "runtime-tests")
+    assert run["status"] == "KILLED"
+    history = read_run(f"sqlite:///{workdir / 'dapo-flow-runs' / 'mlflow.db'}", run["run_id"])["history"]
+    assert [s for s, _ in history["batch/reward_mean"]] == [1, 2]  # the whole flush landed
+    resumed = _run(path, resume=True)
+    assert resumed["run_id"] == run["run_id"]
+
+
+def test_ctrl_c_held_is_raised_when_the_block_ends():
+    from dapo_flow.runtime.session import _CtrlC
+
+    with _CtrlC() as ctrl_c:
+        with pytest.raises(KeyboardInterrupt):
+            with ctrl_c.held():
+                ctrl_c._handle(2, None)  # no raise here: the write inside goes on
+                done = True
+        assert done
+        with ctrl_c.held(then_raise=False):
+            ctrl_c._handle(2, None)  # remembered only
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c.check()
