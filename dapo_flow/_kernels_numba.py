@@ -7,6 +7,8 @@ a lone row uses mean 0 and std 1, plus dapo-flow's exact 0 for a constant group 
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 
@@ -27,22 +29,30 @@ def _denom(squares, count, norm_by_std, eps):
 
 
 @numba.njit(inline="always")
-def _write_row(mask, select, i, value, out):
+def _write_row(mask, select, i, value, out, zeroed):
     # out[i] = value where mask[i] (`select`: bool mask), or value * mask[i] (float mask: verl's
-    # adv * mask). The branch is loop-invariant: LLVM unswitches it.
+    # adv * mask). The branches are loop-invariant: LLVM unswitches them. `zeroed`: `out` is all
+    # +0.0 already (a fresh mapping), so with a bool mask only the selected tokens of a row whose
+    # value is not +0.0 are stored: padding and constant groups cost no memory traffic.
     if select:
         zero = out.dtype.type(0)
-        for t in range(mask.shape[1]):
-            out[i, t] = value if mask[i, t] else zero
+        if zeroed:
+            if value != 0 or math.copysign(1.0, value) < 0:  # -0.0 is stored, as torch would
+                for t in range(mask.shape[1]):
+                    if mask[i, t]:
+                        out[i, t] = value
+        else:
+            for t in range(mask.shape[1]):
+                out[i, t] = value if mask[i, t] else zero
     else:
         for t in range(mask.shape[1]):
             out[i, t] = value * mask[i, t]
 
 
 @numba.njit(parallel=True, **_JIT)
-def broadcast_rows(mask, select, values, out):
+def broadcast_rows(mask, select, values, out, zeroed):
     for i in numba.prange(mask.shape[0]):
-        _write_row(mask, select, i, values[i], out)
+        _write_row(mask, select, i, values[i], out, zeroed)
 
 
 @numba.njit(parallel=True, fastmath={"reassoc"}, **_JIT)
@@ -110,7 +120,7 @@ def grpo_scattered(scores, codes, n_groups, norm_by_std, eps, adv):
 
 
 @numba.njit(parallel=True, fastmath={"reassoc"}, **_JIT)
-def grpo_runs(rewards, mask, select, starts, norm_by_std, eps, out):
+def grpo_runs(rewards, mask, select, starts, norm_by_std, eps, out, zeroed):
     """Token-level GRPO in ONE sweep when groups are contiguous runs (`starts` from
     :func:`run_starts`): per group, read its reward rows, form its statistics, write its output
     rows while they are hot. Row scores are parked in column 0 of `out` (the output dtype is the
@@ -137,5 +147,8 @@ def grpo_runs(rewards, mask, select, starts, norm_by_std, eps, out):
         denom = _denom(squares, hi - lo, norm_by_std, eps)
         for i in range(lo, hi):
             value = out.dtype.type(0.0 if constant else (out[i, 0] - mean) / denom)
-            _write_row(mask, select, i, value, out)
+            if zeroed:
+                out[i, 0] = 0.0  # the parked score goes: the row is zeros again
+            _write_row(mask, select, i, value, out, zeroed)
     return finite.all()
+

@@ -30,7 +30,7 @@ import polars as pl
 import torch
 from torch import Tensor
 
-from dapo_flow.kernels import grpo_token_advantages, masked_broadcast
+from dapo_flow.kernels import grpo_token_advantages, masked_broadcast, new_output
 
 __all__ = [
     "AlgoError",
@@ -416,12 +416,14 @@ def outcome_advantages(
             adv_tok = _reinforce_pp_token(token_rewards, mask, gamma)
             return adv_tok if out is None else out.copy_(adv_tok)
         rewards = token_rewards.detach()
+        zeroed = False  # a fresh large output: huge pages (faults 512x less), already all zeros
         if out is None:
-            out = torch.empty_like(rewards, memory_format=torch.contiguous_format)
+            out, zeroed = new_output(rewards)
         g = _groups_for(group_ids, rewards.shape[0])
         if estimator == "grpo":  # the DAPO hot path: one fused CPU sweep when the kernel applies
             codes = np.ascontiguousarray(g.codes, dtype=np.int64)
-            finite = grpo_token_advantages(rewards, mask, codes, g.n_groups, norm_by_std, GRPO_EPS, out)
+            finite = grpo_token_advantages(rewards, mask, codes, g.n_groups, norm_by_std, GRPO_EPS,
+                                           out, zeroed)
             if finite is False:
                 raise AlgoError("scores contain NaN or inf")
             if finite:
@@ -436,12 +438,13 @@ def outcome_advantages(
         lengths = _row_counts(mask).cpu().numpy() if estimator in _NEEDS_LENGTHS else None
         adv64 = _sequence_advantages64(scores.cpu().numpy(), g, estimator, norm_by_std, lengths)
         adv = torch.from_numpy(adv64).to(device=rewards.device, dtype=rewards.dtype)
-        return _broadcast_masked(adv, mask, out)
+        return _broadcast_masked(adv, mask, out, zeroed)
 
 
-def _broadcast_masked(adv: Tensor, mask: Tensor, out: Tensor) -> Tensor:
-    """out[i, t] = adv[i] where mask[i, t] else 0, in one fused pass. Shape: (batch,) -> (batch, T)."""
-    if masked_broadcast(adv, mask, out) is not None:  # CPU: numba, ~3x faster than torch.where
+def _broadcast_masked(adv: Tensor, mask: Tensor, out: Tensor, zeroed: bool = False) -> Tensor:
+    """out[i, t] = adv[i] where mask[i, t] else 0, in one fused pass (``zeroed``: ``out`` is all
+    zeros already). Shape: (batch,) -> (batch, T)."""
+    if masked_broadcast(adv, mask, out, zeroed) is not None:  # CPU: numba, ~3x faster than torch.where
         return out
     column = adv[:, None]
     if mask.dtype == torch.bool:

@@ -7,6 +7,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
+from dapo_flow import algos
 from dapo_flow import columns as C
 
 
@@ -67,3 +68,22 @@ def with_columns(table: pa.Table, new: Mapping[str, pa.Array | np.ndarray | Sequ
 def float_column(table: pa.Table, name: str) -> np.ndarray:
     """A scalar column as float32 numpy (nulls are an error upstream, not here)."""
     return table.column(name).to_numpy().astype(np.float32, copy=False)
+
+
+def group_codes(col: pa.ChunkedArray | pa.Array) -> algos.Groups:
+    """Dense group codes of an id column (prompt uids), for the algos functions.
+
+    String ids take one Arrow hash pass (``dictionary_encode``: codes by first appearance,
+    shared across chunks), ~1.5x faster than going through polars at 65k uids; other types go
+    through :func:`algos.factorize`. Shape: (rows,) -> codes (rows,).
+    """
+    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        return algos.factorize(col)
+    if col.null_count:
+        raise algos.AlgoError(f"group ids contain {col.null_count} null(s)")
+    encoded = col.dictionary_encode()
+    chunks = encoded.chunks if isinstance(encoded, pa.ChunkedArray) else [encoded]
+    if not chunks:
+        return algos.Groups(np.zeros(0, np.int64), 0)
+    codes = np.concatenate([c.indices.to_numpy() for c in chunks]).astype(np.int64, copy=False)
+    return algos.Groups(codes, len(chunks[-1].dictionary))

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from dapo_flow import algos
 from dapo_flow import columns as C
-from dapo_flow.arrow_utils import float_column, with_columns
+from dapo_flow.arrow_utils import float_column, group_codes, with_columns
 from dapo_flow.contract import OpContext
 
 
@@ -58,7 +58,7 @@ class Advantage:
         p = self.params
         adv = algos.sequence_advantages(
             float_column(batch, C.reward_source(p.reward_column)),
-            batch.column(C.PROMPT_ID).to_numpy(zero_copy_only=False),
+            group_codes(batch.column(C.PROMPT_ID)),
             p.estimator,
             norm_by_std=p.norm_by_std,
             lengths=batch.column(C.RESPONSE_LEN).to_numpy(),

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dapo_flow import algos
 from dapo_flow import columns as C
+from dapo_flow.arrow_utils import group_codes
 from dapo_flow.contract import OpContext
 
 # verl's metric names map onto our columns
@@ -58,7 +59,7 @@ class GroupFilter:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         # factorize the string ids once; keep_groups and the counts reuse the codes
-        groups = algos.factorize(batch.column(C.PROMPT_ID).to_numpy(zero_copy_only=False))
+        groups = group_codes(batch.column(C.PROMPT_ID))
         keep = algos.keep_groups(groups, batch.column(self.column).to_numpy())
         kept = int(np.count_nonzero(np.bincount(groups.codes[keep], minlength=groups.n_groups)))
         self._metrics = {"filter/kept_groups": float(kept), "filter/dropped_groups": float(groups.n_groups - kept)}

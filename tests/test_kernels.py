@@ -57,14 +57,17 @@ def _batch(seed: int, rows: int = 64, width: int = 20, groups: int = 11, contigu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
 @pytest.mark.parametrize("layout", ["scattered", "contiguous"])
-def test_grpo_kernel_matches_torch_path(torch_path, seed, norm, dtype, mask_kind, layout):
+@pytest.mark.parametrize("zeroed", [False, True])
+def test_grpo_kernel_matches_torch_path(torch_path, seed, norm, dtype, mask_kind, layout, zeroed):
     rewards, mask, ids = _batch(seed, contiguous=layout == "contiguous")
     g = factorize(ids)
     assert bool(kernels._kernels().run_starts(g.codes, g.n_groups).size) == (layout == "contiguous")
     rewards = rewards.to(dtype)
     m = mask if mask_kind == "bool" else mask.to(dtype)
-    out = torch.full_like(rewards, float("nan"))
-    assert kernels.grpo_token_advantages(rewards, m, g.codes, g.n_groups, norm, algos.GRPO_EPS, out) is True
+    # zeroed: `out` is known to be all zeros (a fresh mapping) and zeros are not stored again
+    out = torch.zeros_like(rewards) if zeroed else torch.full_like(rewards, float("nan"))
+    assert kernels.grpo_token_advantages(rewards, m, g.codes, g.n_groups, norm, algos.GRPO_EPS, out,
+                                         zeroed) is True
     ref = torch_path(rewards, m, ids, "grpo", norm_by_std=norm)
     assert_close(out, ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(out == 0, ref == 0)  # exact zeros in the same places (constant groups, mask)
@@ -78,6 +81,59 @@ def test_masked_broadcast_kernel_matches_torch_path(torch_path, estimator):
     assert_close(outcome_advantages(rewards, mask, ids, estimator), torch_path(rewards, mask, ids, estimator))
     fm = mask.float() * 0.5  # a float mask weights the advantage (verl: adv * mask)
     assert_close(outcome_advantages(rewards, fm, ids, estimator), torch_path(rewards, fm, ids, estimator))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_broadcast_into_zeroed_output_keeps_signed_zeros(dtype):
+    """With a known-zero output only selected tokens of rows not equal to +0.0 are stored; a
+    -0.0 advantage is still written (bit-identical to torch.where)."""
+    values = torch.tensor([1.5, 0.0, -0.0, -2.0] * 4, dtype=dtype)
+    mask = torch.rand(16, 9, generator=torch.Generator().manual_seed(0)) < 0.6
+    ref = torch.where(mask, values[:, None], torch.zeros((), dtype=dtype))
+    out = torch.zeros(16, 9, dtype=dtype)
+    assert kernels.masked_broadcast(values, mask, out, zeroed=True) is out
+    assert torch.equal(out, ref) and torch.equal(out.signbit(), ref.signbit())
+
+
+def test_new_output_is_a_zeroed_huge_page_mapping_when_large(monkeypatch):
+    like = torch.ones(64, 1024)
+    small, zeroed = kernels.new_output(like)
+    assert not zeroed and small.shape == like.shape  # below the threshold: torch's allocator
+    monkeypatch.setattr(kernels, "FRESH_MAP_MIN_BYTES", 4096)
+
+    def mappings() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    before = mappings()
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        out, zeroed = kernels.new_output(like.to(dtype))
+        assert zeroed and out.dtype == dtype and out.shape == like.shape and out.is_contiguous()
+        assert not out.any()  # a fresh anonymous mapping reads as zeros
+        out.fill_(2.0)
+        view = out[3:5]
+        del out  # the view keeps the mapping alive ...
+        assert float(view.sum()) == 2.0 * 2 * 1024
+        del view  # ... and the last reference unmaps it
+    assert mappings() <= before
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_outcome_advantages_into_a_fresh_mapping_matches_torch_path(monkeypatch, contiguous, estimator):
+    rewards, mask, ids = _batch(4, contiguous=contiguous)
+    with monkeypatch.context() as mp:
+        mp.setattr(kernels, "FRESH_MAP_MIN_BYTES", 1)  # every output comes from new_output
+        got = outcome_advantages(rewards, mask, ids, estimator)
+        calls = []
+        mp.setattr(algos, "new_output", lambda like: calls.append(like) or (torch.empty_like(like), False))
+        outcome_advantages(rewards, mask, ids, estimator)
+        assert calls  # the default call allocates through new_output
+    with monkeypatch.context() as mp:  # the torch/numpy path into torch's own tensor
+        mp.setattr(algos, "grpo_token_advantages", lambda *a, **k: None)
+        mp.setattr(algos, "masked_broadcast", lambda *a, **k: None)
+        ref = outcome_advantages(rewards, mask, ids, estimator)
+    assert torch.equal(got, ref) and torch.equal(got.signbit(), ref.signbit())
 
 
 def test_kernels_decline_what_they_cannot_take():
