@@ -175,15 +175,24 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
     except KeyboardInterrupt:
         if tracker is not None:
             with _CtrlC() as again, again.held(then_raise=False):  # a 2nd Ctrl-C waits for it
-                tracker.finish("KILLED")
+                _mark_ended(tracker, "KILLED", console)
         raise RunError("interrupted; `dapo-flow run GRAPH --resume` continues from the last "
                        f"checkpoint under {ckpt_root}") from None
     except BaseException:
         if tracker is not None:
-            tracker.finish("FAILED")
+            _mark_ended(tracker, "FAILED", console)
         raise
     finally:
         ex.shutdown()
+
+
+def _mark_ended(tracker: Tracker, status: str, console: Console) -> None:
+    """Mark the MLflow run ended after a failure, never hiding that failure behind a store error
+    (the checkpoints, not the run's status, are what a resume needs)."""
+    try:
+        tracker.finish(status)
+    except Exception as e:  # noqa: BLE001 - any store error; the original one is re-raised
+        console.print(f"[yellow]warning:[/] could not mark MLflow run {tracker.run_id} {status}: {e}")
 
 
 class _CtrlC:

@@ -179,3 +179,20 @@ def test_ctrl_c_held_is_raised_when_the_block_ends():
             ctrl_c._handle(2, None)  # remembered only
         with pytest.raises(KeyboardInterrupt):
             ctrl_c.check()
+
+
+def test_a_failing_run_whose_store_also_fails_reports_the_first_error(workdir, small_graph, monkeypatch):
+    """A crash inside the loop is what the user sees even if marking the run FAILED fails too."""
+    from dapo_flow.runtime.loop import Runner
+    from dapo_flow.tracking import Tracker
+
+    def broken_train(self, rollout):
+        raise ValueError("the real problem")
+
+    def store_down(self, status="FINISHED"):
+        raise OSError("database is locked")
+
+    monkeypatch.setattr(Runner, "train", broken_train)
+    monkeypatch.setattr(Tracker, "finish", store_down)
+    with pytest.raises(ValueError, match="the real problem"):
+        _run(small_graph(workdir, steps=2, ckpt=0))
