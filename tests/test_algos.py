@@ -934,3 +934,40 @@ def test_prop_groups_object_reuse_matches_raw_ids(scores, data):
     assert isinstance(g, Groups)
     assert np.array_equal(sequence_advantages(scores, g, "grpo"), sequence_advantages(scores, ids, "grpo"))
     assert np.array_equal(keep_groups(g, scores), keep_groups(ids, scores))
+
+
+# --------------------------------------------------------------------------- pass@k
+
+
+def test_pass_at_k_hand_worked():
+    # one prompt, 4 samples, 1 correct: pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5
+    assert algos.pass_at_k(["a"] * 4, [1, 0, 0, 0], 2) == pytest.approx(0.5)
+    # pass@1 is the accuracy; pass@n is "any correct" per prompt: (1 + 0) / 2
+    ids, ok = ["a"] * 4 + ["b"] * 4, [1, 0, 1, 0, 0, 0, 0, 0]
+    assert algos.pass_at_k(ids, ok, 1) == pytest.approx(0.25)
+    assert algos.pass_at_k(ids, ok, 4) == pytest.approx(0.5)
+    # fewer than k wrong samples: certain success; prompts with < k samples are left out
+    assert algos.pass_at_k(["a"] * 4 + ["b"], [1, 1, 0, 1, 0], 2) == pytest.approx(1.0)
+    with pytest.raises(AlgoError, match="at least 5 samples"):
+        algos.pass_at_k(ids, ok, 5)
+    with pytest.raises(AlgoError, match="k must be"):
+        algos.pass_at_k(ids, ok, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_prop_pass_at_k_equals_the_codex_estimator(data):
+    groups = data.draw(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 12)), min_size=1, max_size=6))
+    k = data.draw(st.integers(1, 12))
+    ids, ok, per_prompt = [], [], []
+    for i, (n, c) in enumerate(groups):
+        c = min(c, n)
+        ids += [i] * n
+        ok += [1.0] * c + [0.0] * (n - c)
+        if n >= k:  # the numerically stable form from the Codex paper
+            per_prompt.append(1.0 if n - c < k else 1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+    if not per_prompt:
+        with pytest.raises(AlgoError):
+            algos.pass_at_k(ids, ok, k)
+    else:
+        assert algos.pass_at_k(ids, ok, k) == pytest.approx(np.mean(per_prompt), abs=1e-12)

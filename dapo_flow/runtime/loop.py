@@ -17,7 +17,9 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 
+from dapo_flow import algos
 from dapo_flow import columns as C
+from dapo_flow.arrow_utils import group_codes
 from dapo_flow.errors import RunError
 from dapo_flow.runtime.metrics import MetricAccumulator, batch_stats, concat, first_row
 from dapo_flow.runtime.sampler import PromptSampler
@@ -245,6 +247,11 @@ class Runner:
             "val/response_len_mean": float(np.mean(scored.column(C.RESPONSE_LEN).to_numpy())),
             "time/validate": time.perf_counter() - start,
         }
+        if self.run.val_n > 1:  # avg@n is val/acc; pass@k (unbiased) for k = 2, 4, ..., n
+            groups = group_codes(scored.column(C.PROMPT_ID))
+            acc = scored.column(C.ACC).to_numpy()
+            for k in sorted({2 ** i for i in range(1, self.run.val_n.bit_length())} | {self.run.val_n}):
+                metrics[f"val/pass_at_{k}"] = algos.pass_at_k(groups, acc, k)
         cols = [c for c in (C.PROMPT_TEXT, C.RESPONSE_TEXT, C.GROUND_TRUTH, C.SCORE, C.ACC) if c in scored.column_names]
         samples = scored.select(cols).slice(0, log_samples).to_pylist()
         return metrics, samples

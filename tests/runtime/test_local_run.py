@@ -39,6 +39,15 @@ def test_short_run_is_tracked_in_mlflow(workdir, small_graph):
     assert summary["steps"] == 3 and summary["samples_generated"] > 0
 
 
+def test_validation_with_several_samples_logs_pass_at_k(workdir, small_graph):
+    summary = _run(small_graph(workdir, steps=2, ckpt=0, val_n=4, val_temp=1.0))
+    history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    assert [s for s, _ in history["val/pass_at_4"]] == [0, 2] == [s for s, _ in history["val/pass_at_2"]]
+    for (_, acc), (_, p2), (_, p4) in zip(history["val/acc"], history["val/pass_at_2"], history["val/pass_at_4"]):
+        assert 0.0 <= acc <= p2 <= p4 <= 1.0  # avg@4 <= pass@2 <= pass@4
+    assert any(p4 > acc for (_, acc), (_, p4) in zip(history["val/acc"], history["val/pass_at_4"]))
+
+
 def test_same_seed_same_metrics(workdir, small_graph):
     a = _run(small_graph(workdir, name="a", steps=2, ckpt=0))
     b = _run(small_graph(workdir, name="b", steps=2, ckpt=0))
