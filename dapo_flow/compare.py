@@ -31,6 +31,7 @@ REWARD = "score/mean"
 REWARD_FALLBACK = "batch/score_mean"
 STEP_TIME = "time/step"
 SAMPLES = "sampling/samples_generated_total"
+PASS_PREFIX = "val/pass_at_"  # val/pass_at_{k}, logged when run.val_n > 1
 HISTORY_KEYS = (VAL, REWARD, REWARD_FALLBACK, STEP_TIME, SAMPLES)
 PARENT_TAG = "dapo_flow.sweep"  # "parent" on a sweep's parent run
 ERROR_TAG = "dapo_flow.error"  # the error text on a failed child run
@@ -72,6 +73,7 @@ class RunRecord:
     wall_seconds: float | None = None
     samples: float | None = None
     error: str = ""
+    final_pass: tuple[int, float] | None = None  # (k, last val/pass_at_k) for the largest k logged
 
     @classmethod
     def from_run(cls, run: Mapping) -> "RunRecord":
@@ -87,9 +89,13 @@ class RunRecord:
         else:
             wall = None
         samples = history[SAMPLES][-1][1] if history.get(SAMPLES) else metrics.get(SAMPLES)
+        ks = [int(k.removeprefix(PASS_PREFIX)) for k in metrics
+              if k.startswith(PASS_PREFIX) and k.removeprefix(PASS_PREFIX).isdigit()]
+        final_pass = (max(ks), float(metrics[f"{PASS_PREFIX}{max(ks)}"])) if ks else None
         return cls(run_id=run["run_id"], variant=params.get("sweep.variant") or name.split("/")[0],
                    seed=params.get("sweep.seed") or params.get("seed") or "?", status=run.get("status", "?"),
-                   history=history, wall_seconds=wall, samples=samples, error=tags.get(ERROR_TAG, ""))
+                   history=history, wall_seconds=wall, samples=samples, error=tags.get(ERROR_TAG, ""),
+                   final_pass=final_pass)
 
     @property
     def ok(self) -> bool:
@@ -111,10 +117,21 @@ class Row:
     final_reward: Stat
     samples: Stat
     wall: Stat
+    final_pass: Stat = Stat(None, None, 0)  # unbiased pass@k at the end, k = pass_k
+    pass_k: int | None = None
 
 
 COLUMNS = ("variant", "seeds", "final val acc", "best val acc", "final reward", "samples",
            "wall (s)")
+
+
+def columns(rows: Sequence[Row]) -> tuple[str, ...]:
+    """COLUMNS, plus "final pass@k" after the val acc columns when the runs logged pass@k."""
+    ks = {r.pass_k for r in rows if r.pass_k is not None}
+    if not ks:
+        return COLUMNS
+    name = f"final pass@{ks.pop()}" if len(ks) == 1 else "final pass@k"
+    return COLUMNS[:4] + (name,) + COLUMNS[4:]
 
 
 def _order(records: Sequence[RunRecord], order: Iterable[str]) -> list[str]:
@@ -137,6 +154,8 @@ def aggregate(records: Sequence[RunRecord], order: Iterable[str] = ()) -> list[R
             final_reward=Stat.of(last(r.curve(REWARD)) for r in ok),
             samples=Stat.of(r.samples for r in ok),
             wall=Stat.of(r.wall_seconds for r in ok),
+            final_pass=Stat.of(r.final_pass[1] for r in ok if r.final_pass),
+            pass_k=max((r.final_pass[0] for r in ok if r.final_pass), default=None),
         ))
     return rows
 
@@ -169,30 +188,35 @@ def sample_curves(records: Sequence[RunRecord],
     return out
 
 
-def _cells(row: Row) -> list[str]:
+def _cells(row: Row, cols: tuple[str, ...]) -> list[str]:
     seeds = str(row.runs) + (f" (+{row.failed} failed)" if row.failed else "")
-    return [row.variant, seeds, row.final_val.fmt(), row.best_val.fmt(), row.final_reward.fmt("+.3f"),
-            row.samples.fmt(".0f"), row.wall.fmt(".1f")]
+    mixed = "final pass@k" in cols  # variants logged different k: each cell says its own
+    passed = [row.final_pass.fmt() + (f" (@{row.pass_k})" if mixed and row.pass_k else "")
+              ] if len(cols) > len(COLUMNS) else []
+    return [row.variant, seeds, row.final_val.fmt(), row.best_val.fmt(), *passed,
+            row.final_reward.fmt("+.3f"), row.samples.fmt(".0f"), row.wall.fmt(".1f")]
 
 
 def table(rows: Sequence[Row], title: str = "") -> Table:
     t = Table(title=title or None, caption="mean ± std over seeds; reward = mean verifier score of all "
               "rollouts in the last step (before shaping and filtering)")
     width = max([len(r.variant) for r in rows] + [7])
-    for col in COLUMNS:
+    cols = columns(rows)
+    for col in cols:
         if col == "variant":
             t.add_column(col, no_wrap=True, min_width=width)
         else:
             t.add_column(col, justify="right")
     for row in rows:
-        t.add_row(*(escape(c) for c in _cells(row)))
+        t.add_row(*(escape(c) for c in _cells(row, cols)))
     return t
 
 
 def markdown(rows: Sequence[Row], title: str = "") -> str:
     lines = [f"# {title}", ""] if title else []
-    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    cols = columns(rows)
+    lines += ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(_cells(r, cols)) + " |" for r in rows]
     lines += ["", "mean ± std over seeds; reward = mean verifier score (`score/mean`) of all rollouts "
               "in the last step, before overlong shaping and dynamic-sampling filtering."]
     return "\n".join(lines) + "\n"

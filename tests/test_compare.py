@@ -54,7 +54,24 @@ def test_aggregate_mean_std_over_seeds():
     assert grpo.wall.mean == pytest.approx(4.0) and grpo.samples.mean == 256
     assert (dapo.runs, dapo.failed) == (1, 1)  # the failed run is counted, not averaged
     assert dapo.final_val.fmt() == "0.900" and dapo.wall.mean == pytest.approx(4.0)
-    assert C._cells(dapo)[1] == "1 (+1 failed)"
+    assert C._cells(dapo, C.columns([grpo, dapo]))[1] == "1 (+1 failed)"
+    assert C.columns([grpo, dapo]) == C.COLUMNS  # no pass@k logged: no pass@k column
+
+
+def test_final_pass_at_k_column_when_runs_logged_it():
+    runs = [fake_child_run("grpo", seed, [0.1, 0.4], [0.0]) for seed in (0, 1)]
+    runs[0]["metrics"] = {"val/pass_at_2": 0.5, "val/pass_at_4": 0.625, "val/acc": 0.4}
+    runs[1]["metrics"] = {"val/pass_at_2": 0.6, "val/pass_at_4": 0.875}
+    other = fake_child_run("rloo", 0, [0.1, 0.3], [0.0])  # logged none (val_n: 1)
+    rows = C.aggregate(records(*runs, other))
+    assert rows[0].pass_k == 4 and rows[0].final_pass.mean == pytest.approx(0.75)
+    assert C.columns(rows)[4] == "final pass@4"
+    md = C.markdown(rows)
+    assert "| grpo | 2 | 0.400 ± 0.000 | 0.400 ± 0.000 | 0.750 ± 0.177 |" in md and "| rloo | 1 | 0.300 | 0.300 | - |" in md
+    runs[1]["metrics"] = {"val/pass_at_8": 0.9}  # different k per variant: each cell says its k
+    runs[1]["params"]["sweep.variant"] = "wide"
+    rows = C.aggregate(records(*runs))
+    assert C.columns(rows)[4] == "final pass@k" and C._cells(rows[1], C.columns(rows))[4] == "0.900 (@8)"
 
 
 def test_order_given_then_first_seen():
