@@ -103,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="EXPERIMENT_OR_PARENT_RUN",
                    help="a sweep's experiment name (its latest sweep) or parent run id")
     p.add_argument("-o", "--out", default="compare.png", help="plot file (default compare.png)")
+    p.add_argument("--baseline", metavar="VARIANT", default=None,
+                   help="variant the others' final val acc is compared with, difference and 95%% "
+                        "Welch CI over seeds (default: the sweep's first variant)")
     p = command("diff", "Show what differs between two effective graphs (files or MLflow run ids).", _diff)
     p.add_argument("a", help="graph YAML file or MLflow run id")
     p.add_argument("b", help="graph YAML file or MLflow run id")
@@ -223,7 +226,7 @@ def _sweep(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from dapo_flow import compare
 
-    compare.compare(args.target, out=args.out, console=Console(highlight=False))
+    compare.compare(args.target, out=args.out, console=Console(highlight=False), baseline=args.baseline)
     return 0
 
 

@@ -119,6 +119,38 @@ class Row:
     wall: Stat
     final_pass: Stat = Stat(None, None, 0)  # unbiased pass@k at the end, k = pass_k
     pass_k: int | None = None
+    delta: "Delta | None" = None  # final val acc against the baseline variant
+    is_baseline: bool = False
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Difference of mean final val acc, this variant minus the baseline, with a 95% Welch
+    confidence interval (unequal variances; None when either side has fewer than 2 seeds)."""
+
+    diff: float
+    low: float | None
+    high: float | None
+
+    @classmethod
+    def of(cls, xs: Sequence[float], base: Sequence[float]) -> "Delta | None":
+        if not xs or not base:
+            return None
+        diff = statistics.fmean(xs) - statistics.fmean(base)
+        if len(xs) < 2 or len(base) < 2:
+            return cls(diff, None, None)
+        va, vb = statistics.variance(xs) / len(xs), statistics.variance(base) / len(base)
+        if va + vb == 0:
+            return cls(diff, diff, diff)
+        from scipy.stats import t
+
+        dof = (va + vb) ** 2 / (va ** 2 / (len(xs) - 1) + vb ** 2 / (len(base) - 1))
+        half = float(t.ppf(0.975, dof)) * math.sqrt(va + vb)
+        return cls(diff, diff - half, diff + half)
+
+    def fmt(self) -> str:
+        text = f"{self.diff:+.3f}"
+        return text if self.low is None else f"{text} [{self.low:+.3f}, {self.high:+.3f}]"
 
 
 COLUMNS = ("variant", "seeds", "final val acc", "best val acc", "final reward", "samples",
@@ -126,12 +158,18 @@ COLUMNS = ("variant", "seeds", "final val acc", "best val acc", "final reward", 
 
 
 def columns(rows: Sequence[Row]) -> tuple[str, ...]:
-    """COLUMNS, plus "final pass@k" after the val acc columns when the runs logged pass@k."""
+    """COLUMNS, plus "final pass@k" after the val acc columns when the runs logged pass@k, plus
+    the difference to the baseline when there is one."""
     ks = {r.pass_k for r in rows if r.pass_k is not None}
-    if not ks:
-        return COLUMNS
-    name = f"final pass@{ks.pop()}" if len(ks) == 1 else "final pass@k"
-    return COLUMNS[:4] + (name,) + COLUMNS[4:]
+    extra = ()
+    if ks:
+        extra = (f"final pass@{ks.pop()}" if len(ks) == 1 else "final pass@k",)
+    if any(r.is_baseline for r in rows):
+        extra += (DELTA_COLUMN,)
+    return COLUMNS[:4] + extra + COLUMNS[4:]
+
+
+DELTA_COLUMN = "Δ final val acc vs baseline (95% CI)"
 
 
 def _order(records: Sequence[RunRecord], order: Iterable[str]) -> list[str]:
@@ -140,9 +178,16 @@ def _order(records: Sequence[RunRecord], order: Iterable[str]) -> list[str]:
         {r.variant for r in records} - set(names), key=[r.variant for r in records].index)
 
 
-def aggregate(records: Sequence[RunRecord], order: Iterable[str] = ()) -> list[Row]:
-    """One row per variant (in ``order``, then first appearance); failed runs only counted."""
+def _final_vals(records: Sequence[RunRecord], variant: str) -> list[float]:
+    return [r.curve(VAL)[-1][1] for r in records if r.variant == variant and r.ok and r.curve(VAL)]
+
+
+def aggregate(records: Sequence[RunRecord], order: Iterable[str] = (),
+              baseline: str | None = None) -> list[Row]:
+    """One row per variant (in ``order``, then first appearance); failed runs only counted.
+    ``baseline``: a variant every row's final val acc is compared with (:class:`Delta`)."""
     rows = []
+    base = _final_vals(records, baseline) if baseline else []
     for name in _order(records, order):
         mine = [r for r in records if r.variant == name]
         ok = [r for r in mine if r.ok]
@@ -156,6 +201,8 @@ def aggregate(records: Sequence[RunRecord], order: Iterable[str] = ()) -> list[R
             wall=Stat.of(r.wall_seconds for r in ok),
             final_pass=Stat.of(r.final_pass[1] for r in ok if r.final_pass),
             pass_k=max((r.final_pass[0] for r in ok if r.final_pass), default=None),
+            delta=Delta.of(_final_vals(records, name), base) if baseline and name != baseline else None,
+            is_baseline=name == baseline,
         ))
     return rows
 
@@ -191,9 +238,12 @@ def sample_curves(records: Sequence[RunRecord],
 def _cells(row: Row, cols: tuple[str, ...]) -> list[str]:
     seeds = str(row.runs) + (f" (+{row.failed} failed)" if row.failed else "")
     mixed = "final pass@k" in cols  # variants logged different k: each cell says its own
-    passed = [row.final_pass.fmt() + (f" (@{row.pass_k})" if mixed and row.pass_k else "")
-              ] if len(cols) > len(COLUMNS) else []
-    return [row.variant, seeds, row.final_val.fmt(), row.best_val.fmt(), *passed,
+    extra = []
+    if any(c.startswith("final pass@") for c in cols):
+        extra.append(row.final_pass.fmt() + (f" (@{row.pass_k})" if mixed and row.pass_k else ""))
+    if DELTA_COLUMN in cols:
+        extra.append(row.delta.fmt() if row.delta is not None else "(baseline)" if row.is_baseline else "-")
+    return [row.variant, seeds, row.final_val.fmt(), row.best_val.fmt(), *extra,
             row.final_reward.fmt("+.3f"), row.samples.fmt(".0f"), row.wall.fmt(".1f")]
 
 
@@ -287,9 +337,10 @@ def plot(records: Sequence[RunRecord], out: str | Path, order: Iterable[str] = (
 
 
 def report(uri: str, parent_run_id: str, out: str | Path | None = "compare.png",
-           console: Console | None = None) -> list[Row]:
+           console: Console | None = None, baseline: str | None = None) -> list[Row]:
     """Print the comparison of a parent run's children, write the plot to ``out`` (if given)
-    and log compare.png and compare.md to the parent run."""
+    and log compare.png and compare.md to the parent run. ``baseline``: the variant the others'
+    final val acc is compared with (default: the sweep's first variant)."""
     import shutil
 
     from dapo_flow.tracking import add_to_run, child_runs, find_run
@@ -304,7 +355,15 @@ def report(uri: str, parent_run_id: str, out: str | Path | None = "compare.png",
                             "parent run id that `dapo-flow sweep` prints, or the sweep's experiment name")
     order = [v for v in parent["params"].get("sweep.variants", "").split(",") if v]
     title = f"{parent['name']} ({parent_run_id[:8]})"
-    rows = aggregate(records, order)
+    names = _order(records, order)
+    if baseline is not None and baseline not in names:
+        from dapo_flow.compiler import did_you_mean
+
+        raise DapoFlowError(f"--baseline '{baseline}' is not a variant of this sweep\n    fix: "
+                            + did_you_mean(baseline, names))
+    if baseline is None and len(names) > 1:
+        baseline = names[0]
+    rows = aggregate(records, order, baseline)
     console.print(table(rows, title))
     for r in records:
         if not r.ok:
@@ -342,11 +401,11 @@ def resolve(target: str, uri: str) -> str:
 
 
 def compare(target: str, out: str | Path | None = "compare.png", console: Console | None = None,
-            uri: str | None = None) -> list[Row]:
+            uri: str | None = None, baseline: str | None = None) -> list[Row]:
     from dapo_flow.tracking import default_tracking_uri
 
     uri = uri or default_tracking_uri()
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         raise DapoFlowError(f"no MLflow store at {uri.removeprefix('sqlite:///')}: run `dapo-flow sweep` in "
                             "this directory first, or set MLFLOW_TRACKING_URI")
-    return report(uri, resolve(target, uri), out, console)
+    return report(uri, resolve(target, uri), out, console, baseline)

@@ -157,6 +157,10 @@ def test_compare_reads_mlflow_and_logs_to_the_parent(tmp_path, monkeypatch, caps
     b, a = rows
     assert b.final_val.fmt() == "0.500 ± 0.354" and b.best_val.mean == 0.5 and b.wall.mean == 6.0
     assert (a.runs, a.failed, a.samples.mean) == (1, 1, 128)
+    assert b.is_baseline and a.delta.diff == pytest.approx(0.0)  # the sweep's first variant
+    assert C.compare("fake-sweep", out=None, baseline="a")[0].delta.diff == pytest.approx(0.0)
+    with pytest.raises(DapoFlowError, match="did you mean 'a'"):
+        C.compare("fake-sweep", out=None, baseline="aa")
     assert (tmp_path / "c.png").read_bytes().startswith(b"\x89PNG")
     assert {"compare.png", "compare.md"} <= set(artifact_paths(uri, parent_id))
     out = capsys.readouterr().out
@@ -176,3 +180,22 @@ def test_cli_compare_errors_exit_2(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert cli.main(["compare", "nothing-here"]) == 2
     assert "no MLflow store" in capsys.readouterr().err
+
+
+def test_delta_to_baseline_with_welch_interval():
+    recs = records(*(fake_child_run("grpo", i, [0.1, v], [0.0]) for i, v in enumerate([0.30, 0.34, 0.32])),
+                   *(fake_child_run("dapo", i, [0.1, v], [0.0]) for i, v in enumerate([0.40, 0.36, 0.41])),
+                   fake_child_run("one-seed", 0, [0.1, 0.5], [0.0]))
+    grpo, dapo, one = C.aggregate(recs, baseline="grpo")
+    assert grpo.is_baseline and grpo.delta is None
+    # hand-worked: means 0.32 and 0.39 -> +0.07; variances 0.0004 and 0.0007 over 3 seeds each:
+    # se^2 = 0.0004/3 + 0.0007/3 = 0.000367; Welch dof = se^4 / ((0.0004/3)^2/2 + (0.0007/3)^2/2)
+    # = 3.72; t(0.975, 3.72) = 2.857 -> half-width 2.857 * 0.01915 = 0.0547
+    assert dapo.delta.diff == pytest.approx(0.07)
+    assert (dapo.delta.low, dapo.delta.high) == pytest.approx((0.07 - 0.0547, 0.07 + 0.0547), abs=5e-4)
+    assert one.delta.diff == pytest.approx(0.18) and one.delta.low is None  # one seed: no interval
+    cols = C.columns([grpo, dapo, one])
+    assert cols[4] == C.DELTA_COLUMN
+    assert [C._cells(r, cols)[4] for r in (grpo, dapo, one)] == [
+        "(baseline)", "+0.070 [+0.015, +0.125]", "+0.180"]
+    assert C.DELTA_COLUMN not in C.columns(C.aggregate(recs))  # no baseline: no column
