@@ -58,7 +58,7 @@ class Stat:
         if self.mean is None:
             return "-"
         text = format(self.mean, spec)
-        return text if self.std is None else f"{text} ± {format(self.std, spec)}"
+        return text if self.std is None else f"{text} ± {format(self.std, spec.replace('+', ''))}"
 
 
 @dataclass(frozen=True)
