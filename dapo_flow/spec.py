@@ -85,6 +85,11 @@ class RunSpec(_Frozen):
     val_n: int = Field(1, ge=1, description="Samples per validation prompt.")
     val_temperature: float = Field(0.0, ge=0.0, description="0 = greedy validation.")
     checkpoint_every: int = Field(10, ge=0, description="Checkpoint every N steps (0 = never).")
+    keep_checkpoints: int | None = Field(
+        None, ge=1, description="Keep only the newest N checkpoints: older ones are deleted once "
+        "a newer one is complete (a checkpoint holds the models and their optimizer state, ~3x "
+        "the weights). Default: keep all.",
+    )
     chunk_prompts: int | None = Field(
         None, ge=1, description="Generate in chunks of this many prompts and stream them on."
     )
@@ -93,7 +98,7 @@ class RunSpec(_Frozen):
 class TrackingSpec(_Frozen):
     experiment: str = Field("dapo-flow", description="MLflow experiment name.")
     uri: str | None = Field(
-        None, description="MLflow tracking URI; default sqlite store under ./mlruns-dapo-flow."
+        None, description="MLflow tracking URI; default MLFLOW_TRACKING_URI, else a sqlite store under ./dapo-flow-runs."
     )
     log_samples: int = Field(16, ge=0, description="Sample rollouts logged per val step.")
 

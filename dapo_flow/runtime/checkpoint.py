@@ -43,6 +43,16 @@ def save(root: Path, step: int, *, driver: dict[str, Any], op_states: dict[str, 
     return final
 
 
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root``; returns what went.
+    Oldest first, so a crash part-way leaves the newest ones."""
+    done = sorted(p for p in root.glob("step_*") if (p / DRIVER_FILE).is_file())
+    gone = done[:-keep] if keep > 0 else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
 def latest(root: Path) -> Path | None:
     done = sorted(p for p in root.glob("step_*") if (p / DRIVER_FILE).is_file())
     return done[-1] if done else None

@@ -342,6 +342,9 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
 
     checkpoint.save(root, state.step, driver=driver, op_states=op_states, save_models=save_models,
                     carry=state.carry)
+    keep = runner.run.keep_checkpoints
+    if keep:
+        checkpoint.prune(root, keep)
 
 
 def _log_unlogged(tracker: Tracker, entries: list) -> None:

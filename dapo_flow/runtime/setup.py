@@ -12,9 +12,11 @@ DRIVER = "driver"
 
 
 def graph_hash(spec) -> str:
-    """Identity of a graph for checkpoints/resume: everything but the step count."""
+    """Identity of a graph for checkpoints/resume: everything but the step count and the
+    checkpoint retention (neither changes what a step computes)."""
     data = spec.model_dump(mode="json")
-    data["run"].pop("steps", None)
+    for key in ("steps", "keep_checkpoints"):
+        data["run"].pop(key, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 

@@ -13,7 +13,7 @@ models:
 data:
   train: {{source: "builtin:addition", split: train}}
   val: {{source: "builtin:addition", split: val, size: 16}}
-run: {{steps: {steps}, prompts_per_step: 4, gen_prompts_per_batch: 8, val_every: 2, val_n: {val_n}, val_temperature: {val_temp}, checkpoint_every: {ckpt}, chunk_prompts: 4, carry_surplus: {carry}}}
+run: {{steps: {steps}, prompts_per_step: 4, gen_prompts_per_batch: 8, val_every: 2, val_n: {val_n}, val_temperature: {val_temp}, checkpoint_every: {ckpt}, keep_checkpoints: {keep}, chunk_prompts: 4, carry_surplus: {carry}}}
 tracking: {{experiment: runtime-tests, log_samples: 4}}
 nodes:
   - {{id: rollout, op: generate, model: policy, inputs: [prompts], params: {{n: 4, max_tokens: 8}}}}
@@ -29,11 +29,12 @@ nodes:
 def write_graph(tmp: Path, *, name: str = "small", seed: int = 0, steps: int = 3, ckpt: int = 2,
                 metric: str = "acc", cap: int = 10, on_cap: str = "train-on-what-we-have",
                 wrong: float = -1.0, backend: str = "hf", carry: bool = False, val_n: int = 1,
-                val_temp: float = 0.0) -> Path:
+                val_temp: float = 0.0, keep: int | None = None) -> Path:
     path = tmp / f"{name}.yaml"
     path.write_text(TEMPLATE.format(name=name, seed=seed, steps=steps, ckpt=ckpt, metric=metric,
                                     cap=cap, on_cap=on_cap, wrong=wrong, backend=backend,
-                                    carry=str(carry).lower(), val_n=val_n, val_temp=val_temp))
+                                    carry=str(carry).lower(), val_n=val_n, val_temp=val_temp,
+                                    keep="null" if keep is None else keep))
     return path
 
 

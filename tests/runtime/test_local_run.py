@@ -66,6 +66,25 @@ def test_resume_continues_the_same_run(workdir, small_graph):
     assert [s for s, _ in history["batch/reward_mean"]] == [1, 2, 3, 4]
 
 
+def test_keep_checkpoints_prunes_the_oldest_and_resume_still_works(workdir, small_graph):
+    from dapo_flow.runtime.setup import graph_hash
+    from dapo_flow.tracking import runs_dir
+
+    path = small_graph(workdir, steps=4, ckpt=1, keep=2)
+    first = _run(path)
+    [root] = (runs_dir() / "checkpoints").iterdir()
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000003", "step_000004"]
+    resumed = _run(path, resume=True, steps=5)
+    assert resumed["run_id"] == first["run_id"]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000004", "step_000005"]
+    # retention (like the step count) is not part of the graph's identity: resume finds it
+    (workdir / "other").mkdir()
+    other = small_graph(workdir / "other", steps=9, ckpt=1, keep=None)
+    changed = small_graph(workdir / "other", name="changed", steps=4, ckpt=1, keep=2)
+    spec = lambda p: compile_graph(p, CLUSTER).plan.spec  # noqa: E731
+    assert graph_hash(spec(other)) == graph_hash(spec(path)) != graph_hash(spec(changed))
+
+
 def test_resume_without_checkpoint_is_a_clear_error(workdir, small_graph):
     with pytest.raises(RunError, match="nothing to resume"):
         _run(small_graph(workdir), resume=True)
