@@ -25,6 +25,7 @@ EXAMPLES = {
     "graph": "dapo-flow graph graphs/dapo.yaml -o dapo.png     (or .svg, .mmd)",
     "ops": "dapo-flow ops",
     "run": "dapo-flow run graphs/dapo.yaml --executor local --steps 5",
+    "eval": "dapo-flow eval graphs/dapo.yaml --n 16 --temperature 1.0   (latest checkpoint; or --checkpoint base|PATH)",
     "models": "dapo-flow models build tiny-adder --force",
     "ui": "dapo-flow ui --port 5000",
     "sweep": "dapo-flow sweep graphs/ablations/dapo-ladder.yaml --executor local --seeds 0,1",
@@ -86,6 +87,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--steps", type=int, help="override run.steps")
+    _edit_flags(p)
+    p = command("eval", "Evaluate a checkpoint (or the base model): avg@n, pass@k, response length; "
+                "logged to MLflow.", _eval)
+    p.add_argument("graph", help="graph YAML file (with the --set edits it was trained with)")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|base|PATH",
+                   help="latest: the graph's newest checkpoint (default); base: the untrained models; "
+                        "or a step_* checkpoint folder")
+    p.add_argument("--n", type=int, help="samples per prompt (default run.val_n)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (default run.val_temperature)")
+    p.add_argument("--source", help="prompts: builtin:addition, or a .parquet / .jsonl file (default data.val)")
+    p.add_argument("--split", help="split of a built-in task (default data.val's)")
+    p.add_argument("--size", type=int, help="use at most this many prompts")
+    p.add_argument("--executor", choices=["ray", "local"], default="local", help="default: local")
+    p.add_argument("--address", help="Ray cluster address (with --executor ray)")
     _edit_flags(p)
     p = command("sweep", "Run every variant of a patch file (x seeds) as MLflow child runs of one parent.",
                 _sweep)
@@ -202,6 +217,21 @@ def _run(args: argparse.Namespace) -> int:
         logged = {"extra_params": edited.params(), "extra_artifacts": {"graph/effective.yaml": edited.yaml()}}
     execute(placed, executor=args.executor, address=args.address, resume=args.resume, steps=args.steps,
             **logged)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    for flag in ("n", "size"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise DapoFlowError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.temperature is not None and args.temperature < 0:
+        raise DapoFlowError(f"--temperature must be >= 0, got {args.temperature}")
+    placed = _edited(args).compile()
+    from dapo_flow.runtime.evaluate import evaluate
+
+    evaluate(placed, which=args.checkpoint, n=args.n, temperature=args.temperature, source=args.source,
+             split=args.split, size=args.size, executor=args.executor, address=args.address,
+             console=Console(highlight=False))
     return 0
 
 

@@ -1,7 +1,8 @@
 """Runs a placed plan: `execute(placed, executor="ray"|"local", ...)`.
 
 Submodules: setup (plan -> worker setups), worker (StageWorker), executors (local, Ray),
-loop (the RL phases), session (tracking, checkpoints, progress around the loop).
+loop (the RL phases), session (tracking, checkpoints, progress around the loop), evaluate
+(`dapo-flow eval`: a checkpoint on validation prompts).
 """
 
 from __future__ import annotations

@@ -228,13 +228,18 @@ class Runner:
                        if n.op == "generate" and n.model == model})
 
     # --- phase 4: validation ------------------------------------------------------
-    def validate(self, val_prompts: pa.Table | None, log_samples: int) -> tuple[dict[str, float], list[dict]]:
+    def validate(self, val_prompts: pa.Table | None, log_samples: int, *, n: int | None = None,
+                 temperature: float | None = None) -> tuple[dict[str, float], list[dict]]:
+        """avg@n accuracy (val/acc), score, response length and, for n > 1, unbiased pass@k of
+        the generate node on ``val_prompts`` (n, temperature: default run.val_n / val_temperature)."""
         gen = next((n for n in self.plan.nodes if n.op == "generate"), None)
         score = next((n for n in self.plan.nodes if n.op == "score"), None)
         if val_prompts is None or gen is None or score is None:
             return {}, []
         start = time.perf_counter()
-        overrides = {"temperature": self.run.val_temperature, "n": self.run.val_n}
+        n = n or self.run.val_n
+        temperature = self.run.val_temperature if temperature is None else temperature
+        overrides = {"temperature": temperature, "n": n}
         stage = self.stage_of[gen.id]
         if stage == DRIVER:
             rolled = self.driver.run_variant(gen.id, val_prompts, overrides)
@@ -247,10 +252,10 @@ class Runner:
             "val/response_len_mean": float(np.mean(scored.column(C.RESPONSE_LEN).to_numpy())),
             "time/validate": time.perf_counter() - start,
         }
-        if self.run.val_n > 1:  # avg@n is val/acc; pass@k (unbiased) for k = 2, 4, ..., n
+        if n > 1:  # avg@n is val/acc; pass@k (unbiased) for k = 2, 4, ..., n
             groups = group_codes(scored.column(C.PROMPT_ID))
             acc = scored.column(C.ACC).to_numpy()
-            for k in sorted({2 ** i for i in range(1, self.run.val_n.bit_length())} | {self.run.val_n}):
+            for k in sorted({2 ** i for i in range(1, n.bit_length())} | {n}):
                 metrics[f"val/pass_at_{k}"] = algos.pass_at_k(groups, acc, k)
         cols = [c for c in (C.PROMPT_TEXT, C.RESPONSE_TEXT, C.GROUND_TRUTH, C.SCORE, C.ACC) if c in scored.column_names]
         samples = scored.select(cols).slice(0, log_samples).to_pylist()

@@ -58,20 +58,40 @@ def _tokenizer(spec):
     return AutoTokenizer.from_pretrained(str(resolve_model(spec.models[model_name].path)))
 
 
-def _load_data(spec, tokenizer, read_parquet=None):
+def load_source(spec, src, tokenizer, read_parquet=None):
+    """One data source's prompts as an Arrow table, plus the count of skipped bad rows."""
     from dapo_flow.data import load_prompts
 
-    def load(src):
-        return load_prompts(
-            src.source, tokenizer=tokenizer, split=src.split, size=src.size, seed=spec.seed,
-            options=dict(src.options), prompt_key=src.prompt_key, answer_key=src.answer_key,
-            max_prompt_tokens=src.max_prompt_tokens, on_bad_row=src.on_bad_row,
-            read_parquet=read_parquet,
-        )
+    return load_prompts(
+        src.source, tokenizer=tokenizer, split=src.split, size=src.size, seed=spec.seed,
+        options=dict(src.options), prompt_key=src.prompt_key, answer_key=src.answer_key,
+        max_prompt_tokens=src.max_prompt_tokens, on_bad_row=src.on_bad_row,
+        read_parquet=read_parquet,
+    )
 
-    train, skipped = load(spec.data.train)
-    val, val_skipped = load(spec.data.val) if spec.data.val is not None else (None, 0)
+
+def _load_data(spec, tokenizer, read_parquet=None):
+    train, skipped = load_source(spec, spec.data.train, tokenizer, read_parquet)
+    val, val_skipped = (load_source(spec, spec.data.val, tokenizer, read_parquet)
+                        if spec.data.val is not None else (None, 0))
     return train, val, skipped + val_skipped
+
+
+def checkpoint_root(spec) -> Path:
+    """Where a graph's checkpoints live: one folder per graph name and hash."""
+    return runs_dir() / "checkpoints" / f"{spec.name}-{graph_hash(spec)[:10]}"
+
+
+def start_executor(placed, setups: dict, executor: str, address: str | None, console: Console):
+    """The model actors (Ray) or in-process workers (local) of a placed plan's stages."""
+    spec = placed.plan.spec
+    resources = {s.name: (s.num_cpus, s.num_gpus) for s in placed.stages if s.kind == "actor"}
+    with console.status(f"starting {len(setups)} model actor(s) on {executor}..."):
+        if executor == "ray":
+            return RayExecutor(spec, setups, spec.seed, resources, address=address)
+        if executor == "local":
+            return LocalExecutor(spec, setups, spec.seed)
+        raise RunError(f"unknown executor '{executor}': use ray or local")
 
 
 def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
@@ -113,7 +133,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
     console = console or Console()
     total = steps or spec.run.steps
     ghash = graph_hash(spec)
-    ckpt_root = runs_dir() / "checkpoints" / f"{spec.name}-{ghash[:10]}"
+    ckpt_root = checkpoint_root(spec)
     driver_state: dict = {}
     op_states: dict = {}
     carry = None
@@ -131,15 +151,8 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
     tokenizer = _tokenizer(spec)
     setups = stage_setups(placed, model_paths)
     driver = StageWorker(spec, setups.pop(DRIVER, StageSetup(DRIVER, (), ())), spec.seed)
-    resources = {s.name: (s.num_cpus, s.num_gpus) for s in placed.stages if s.kind == "actor"}
     start = time.perf_counter()
-    with console.status(f"starting {len(setups)} model actor(s) on {executor}..."):
-        if executor == "ray":
-            ex = RayExecutor(spec, setups, spec.seed, resources, address=address)
-        elif executor == "local":
-            ex = LocalExecutor(spec, setups, spec.seed)
-        else:
-            raise RunError(f"unknown executor '{executor}': use ray or local")
+    ex = start_executor(placed, setups, executor, address, console)
     startup = time.perf_counter() - start
     tracker = None
     try:

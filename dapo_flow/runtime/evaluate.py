@@ -1,0 +1,117 @@
+"""`dapo-flow eval`: a trained checkpoint (or the base model) on validation prompts.
+
+The same generate + score path the training loop validates with (so the numbers are the ones
+its curves show), with its own sample count, temperature and data: avg@n accuracy, unbiased
+pass@k for k = 2, 4, ..., n, score and response length. Printed, and logged as an MLflow run
+(tag ``dapo_flow.eval``) next to the training runs of the graph's experiment.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from dapo_flow.errors import RunError
+from dapo_flow.runtime import checkpoint
+from dapo_flow.runtime.loop import DRIVER, Runner
+from dapo_flow.runtime.sampler import PromptSampler
+from dapo_flow.runtime.session import _tokenizer, checkpoint_root, load_source, start_executor
+from dapo_flow.runtime.setup import stage_setups
+from dapo_flow.runtime.worker import StageSetup, StageWorker, quiet_libraries
+from dapo_flow.tracking import Tracker
+
+EVAL_TAG = "dapo_flow.eval"
+
+
+def resolve_checkpoint(spec, which: str) -> tuple[Path | None, dict[str, str], int | None]:
+    """``which``: "latest" (the graph's newest checkpoint), "base" (the models as the graph
+    names them) or a path (a ``step_*`` folder, or a folder of them: its newest). Returns the
+    step folder, model name -> trained weights, and the step."""
+    if which == "base":
+        return None, {}, None
+    if which == "latest":
+        root = checkpoint_root(spec)
+        step_dir = checkpoint.latest(root)
+        if step_dir is None:
+            raise RunError(f"no checkpoint of graph '{spec.name}' under {root}: train it first "
+                           "(`dapo-flow run GRAPH`, with the same --set edits), or pass "
+                           "--checkpoint base / --checkpoint PATH")
+    else:
+        path = Path(which).expanduser()
+        step_dir = path if (path / checkpoint.DRIVER_FILE).is_file() else checkpoint.latest(path)
+        if step_dir is None:
+            raise RunError(f"--checkpoint {which}: not a checkpoint (no {checkpoint.DRIVER_FILE} in it "
+                           "or in a step_* folder below it); pass latest, base or a step_* folder")
+    driver = json.loads((step_dir / checkpoint.DRIVER_FILE).read_text())
+    unknown = sorted(set(driver["trained_models"]) - set(spec.models))
+    if unknown:
+        raise RunError(f"--checkpoint {step_dir}: trained model(s) {unknown} are not models of graph "
+                       f"'{spec.name}' ({sorted(spec.models)}): evaluate it with the graph it was trained with")
+    models = {m: str(step_dir / "models" / m) for m in driver["trained_models"]}
+    return step_dir, models, int(driver["step"])
+
+
+def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature: float | None = None,
+             source: str | None = None, split: str | None = None, size: int | None = None,
+             executor: str = "local", address: str | None = None, console: Console | None = None) -> dict:
+    """Evaluate and log; returns {"metrics", "run_id", "tracking_uri", "checkpoint", "step", ...}."""
+    quiet_libraries()
+    spec = placed.plan.spec
+    console = console or Console()
+    step_dir, models, step = resolve_checkpoint(spec, which)
+    data = spec.data.val or spec.data.train
+    if spec.data.val is None and source is None and split is None:
+        raise RunError(f"graph '{spec.name}' has no data.val: pass --source / --split for the prompts")
+    data = data.model_copy(update={k: v for k, v in (("source", source), ("split", split), ("size", size))
+                                   if v is not None})
+    n = n or spec.run.val_n
+    temperature = spec.run.val_temperature if temperature is None else temperature
+    label = "base model" if step_dir is None else f"{step_dir} (step {step})"
+    console.print(f"evaluating {label} on {data.source} [{data.split}], {n} sample(s) per prompt at "
+                  f"temperature {temperature}", highlight=False, markup=False)
+
+    tokenizer = _tokenizer(spec)
+    setups = stage_setups(placed, models)
+    driver = StageWorker(spec, setups.pop(DRIVER, StageSetup(DRIVER, (), ())), spec.seed)
+    ex = start_executor(placed, setups, executor, address, console)
+    try:
+        prompts, skipped = load_source(spec, data, tokenizer, ex.read_parquet)
+        runner = Runner(placed, ex, driver, PromptSampler(prompts, spec.seed))
+        start = time.perf_counter()
+        with console.status(f"generating {prompts.num_rows} x {n} responses..."):
+            metrics, samples = runner.validate(prompts, spec.tracking.log_samples, n=n, temperature=temperature)
+        seconds = time.perf_counter() - start
+    finally:
+        ex.shutdown()
+    metrics.update({"eval/prompts": float(prompts.num_rows), "eval/skipped_rows": float(skipped)})
+
+    tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
+                      run_name=f"eval {spec.name} " + ("base" if step is None else f"step {step}"),
+                      tags={EVAL_TAG: "1", "graph": spec.name})
+    tracker.log_params({"eval.checkpoint": str(step_dir) if step_dir else "base", "eval.step": str(step),
+                        "eval.n": str(n), "eval.temperature": str(temperature), "eval.source": data.source,
+                        "eval.split": data.split, "eval.size": str(data.size), "seed": str(spec.seed)})
+    tracker.log_metrics(step or 0, metrics)
+    if samples:
+        tracker.log_table(samples, "samples/eval.json")
+    tracker.finish()
+    _print(console, "base model" if step is None else f"step {step}", metrics, seconds, tracker)
+    return {"metrics": metrics, "run_id": tracker.run_id, "tracking_uri": tracker.uri,
+            "checkpoint": str(step_dir) if step_dir else None, "step": step, "n": n, "seconds": seconds}
+
+
+def _print(console: Console, label: str, metrics: dict, seconds: float, tracker: Tracker) -> None:
+    table = Table(title=f"dapo-flow eval: {label}", show_header=False)
+    passes = sorted((k for k in metrics if k.startswith("val/pass_at_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    for key in ["val/acc", *passes, "val/score", "val/response_len_mean"]:
+        if key in metrics:
+            table.add_row(key.replace("val/acc", "val/acc (avg@n)"), f"{metrics[key]:.4f}")
+    for key in ("eval/prompts", "eval/skipped_rows"):
+        table.add_row(key, f"{metrics[key]:.0f}")
+    table.add_row("seconds", f"{seconds:.2f}")
+    table.add_row("MLflow run", tracker.run_id)
+    console.print(table)

@@ -1,0 +1,53 @@
+"""dapo-flow eval: the base model or a checkpoint on validation prompts, logged to MLflow."""
+
+from __future__ import annotations
+
+import pytest
+
+from dapo_flow.compiler import compile_graph
+from dapo_flow.errors import RunError
+from dapo_flow.plan import Cluster
+from dapo_flow.runtime import execute
+from dapo_flow.runtime.evaluate import EVAL_TAG, evaluate, resolve_checkpoint
+from dapo_flow.tracking import read_run
+
+CLUSTER = Cluster(cpus=2)
+
+
+def test_eval_base_then_latest_checkpoint(workdir, small_graph):
+    path = small_graph(workdir, steps=2, ckpt=2)
+    placed = compile_graph(path, CLUSTER)
+    with pytest.raises(RunError, match="no checkpoint of graph 'small'.*--checkpoint base"):
+        evaluate(placed)
+
+    base = evaluate(placed, which="base", n=4, temperature=1.0)
+    assert base["checkpoint"] is None and base["step"] is None
+    m = base["metrics"]
+    assert m["eval/prompts"] == 16 and 0 <= m["val/acc"] <= m["val/pass_at_2"] <= m["val/pass_at_4"] <= 1
+    run = read_run(base["tracking_uri"], base["run_id"])
+    assert run["tags"][EVAL_TAG] == "1" and run["status"] == "FINISHED"
+    assert (run["params"]["eval.checkpoint"], run["params"]["eval.n"]) == ("base", "4")
+
+    execute(placed, executor="local")
+    latest = evaluate(placed, n=4, temperature=1.0)
+    assert latest["step"] == 2 and latest["checkpoint"].endswith("step_000002")
+    step_dir, models, step = resolve_checkpoint(placed.plan.spec, latest["checkpoint"])
+    assert models == {"policy": str(step_dir / "models" / "policy")} and step == 2
+    again = evaluate(placed, which=latest["checkpoint"], n=4, temperature=1.0)  # a path: same model
+    assert again["metrics"]["val/acc"] == latest["metrics"]["val/acc"]  # seeded: deterministic
+    history = read_run(latest["tracking_uri"], latest["run_id"])["history"]
+    assert [s for s, _ in history["val/acc"]] == [2]  # logged at the checkpoint's step
+    greedy = evaluate(placed, n=1, temperature=0.0, split="train", size=8)
+    assert greedy["metrics"]["eval/prompts"] == 8 and "val/pass_at_2" not in greedy["metrics"]
+
+
+def test_eval_errors_are_exit_2(workdir, small_graph, capsys):
+    import cli
+
+    path = str(small_graph(workdir, steps=2, ckpt=2))
+    assert cli.main(["eval", path, "--checkpoint", str(workdir / "nowhere")]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err
+    assert cli.main(["eval", path, "--n", "0"]) == 2
+    assert "--n must be >= 1" in capsys.readouterr().err
+    assert cli.main(["eval", path]) == 2  # nothing trained yet
+    assert "no checkpoint" in capsys.readouterr().err
