@@ -58,8 +58,13 @@ def latest(root: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def load_driver(path: Path) -> dict[str, Any]:
+    """The driver state alone (step, sampler, MLflow run id, graph, ...): no tensors loaded."""
+    return json.loads((path / DRIVER_FILE).read_text())
+
+
 def load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    driver = json.loads((path / DRIVER_FILE).read_text())
+    driver = load_driver(path)
     ops = torch.load(path / OPS_FILE, weights_only=False)
     return driver, ops
 

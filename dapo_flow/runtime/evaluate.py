@@ -8,7 +8,6 @@ pass@k for k = 2, 4, ..., n, score and response length. Printed, and logged as a
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -46,7 +45,7 @@ def resolve_checkpoint(spec, which: str) -> tuple[Path | None, dict[str, str], i
         if step_dir is None:
             raise RunError(f"--checkpoint {which}: not a checkpoint (no {checkpoint.DRIVER_FILE} in it "
                            "or in a step_* folder below it); pass latest, base or a step_* folder")
-    driver = json.loads((step_dir / checkpoint.DRIVER_FILE).read_text())
+    driver = checkpoint.load_driver(step_dir)
     unknown = sorted(set(driver["trained_models"]) - set(spec.models))
     if unknown:
         raise RunError(f"--checkpoint {step_dir}: trained model(s) {unknown} are not models of graph "

@@ -94,6 +94,29 @@ def start_executor(placed, setups: dict, executor: str, address: str | None, con
         raise RunError(f"unknown executor '{executor}': use ray or local")
 
 
+def _nothing_to_resume(spec, ckpt_root: Path) -> str:
+    """Why --resume found no checkpoint; if the same graph name has checkpoints under another
+    hash, what changed since the newest of them (checkpoints record their graph)."""
+    from dapo_flow.graphdiff import diff_graphs
+
+    head = f"nothing to resume: no checkpoint of graph '{spec.name}' (hash {graph_hash(spec)[:10]}) under {ckpt_root}"
+    others = [d for d in ckpt_root.parent.glob(f"{spec.name}-*") if d != ckpt_root and checkpoint.latest(d)]
+    if not others:
+        return f"{head}; run without --resume"
+    newest = checkpoint.latest(max(others, key=lambda d: checkpoint.latest(d).stat().st_mtime))
+    old_graph = checkpoint.load_driver(newest).get("graph")
+    if old_graph is None:
+        return (f"{head}\n    graph '{spec.name}' was changed since its checkpoint {newest}\n    fix: undo "
+                "the change (or pass the same --set edits) to resume it, or run without --resume")
+    ignored = ("run.steps", "run.keep_checkpoints")  # not part of a graph's identity
+    changes = [c for c in diff_graphs(old_graph, spec.model_dump(mode="json")) if c.key not in ignored]
+    listed = "".join(f"\n      {c.render()}" for c in changes[:12])
+    more = f"\n      ... and {len(changes) - 12} more" if len(changes) > 12 else ""
+    return (f"{head}\n    graph '{spec.name}' changed since its checkpoint {newest}:{listed}{more}\n"
+            "    fix: undo these changes (or pass the same --set edits) to resume that run, or run "
+            "without --resume to start a new one")
+
+
 def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
     spec, plan = placed.plan.spec, placed.plan
     params = flatten(spec.model_dump(mode="json"))
@@ -141,8 +164,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
     if resume:
         last = checkpoint.latest(ckpt_root)
         if last is None:
-            raise RunError(f"nothing to resume: no checkpoint of graph '{spec.name}' (hash "
-                           f"{ghash[:10]}) under {ckpt_root}; run without --resume")
+            raise RunError(_nothing_to_resume(spec, ckpt_root))
         driver_state, op_states = checkpoint.load(last)
         carry = checkpoint.load_carry(last)
         model_paths = {m: str(last / "models" / m) for m in driver_state["trained_models"]}
@@ -347,6 +369,7 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
         "samples_generated": state.samples_generated, "wall_seconds": state.wall_seconds,
         "keep_rate": state.keep_rate, "trained_models": trained,
         "unlogged_metrics": [[s, m] for s, m in unlogged],
+        "graph": runner.plan.spec.model_dump(mode="json"),  # what --resume diffs a changed graph with
     }
 
     def save_models(out: Path) -> None:

@@ -90,6 +90,20 @@ def test_resume_without_checkpoint_is_a_clear_error(workdir, small_graph):
         _run(small_graph(workdir), resume=True)
 
 
+def test_resume_of_a_changed_graph_says_what_changed(workdir, small_graph):
+    path = small_graph(workdir, steps=2, ckpt=2)
+    _run(path)
+    path.write_text(path.read_text().replace("lr: 1.0e-4", "lr: 5.0e-5").replace("steps: 2", "steps: 4"))
+    with pytest.raises(RunError) as err:
+        _run(path, resume=True)
+    text = str(err.value)
+    assert "nothing to resume" in text and "changed since its checkpoint" in text and "step_000002" in text
+    assert "train.lr: 0.0001 -> 5e-05" in text and "run.steps" not in text  # steps may change
+    assert "undo these changes" in text
+    path.write_text(path.read_text().replace("lr: 5.0e-5", "lr: 1.0e-4"))
+    assert _run(path, resume=True)["steps"] == 4  # undone: the checkpoint is found again
+
+
 def _constant_metric_graph(small_graph, workdir, on_cap):
     # correct == wrong: every group has zero score spread, so dynamic sampling keeps nothing
     return small_graph(workdir, metric="score", wrong=1.0, cap=2, on_cap=on_cap, steps=2, ckpt=0)
