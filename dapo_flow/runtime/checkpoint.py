@@ -15,6 +15,8 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from dapo_flow.errors import RunError
+
 DRIVER_FILE = "driver.json"
 OPS_FILE = "ops.pt"
 CARRY_FILE = "carry.arrow"
@@ -30,14 +32,23 @@ def save(root: Path, step: int, *, driver: dict[str, Any], op_states: dict[str, 
     ``carry`` is the table of groups carried over to the next step, if any."""
     final = step_dir(root, step)
     tmp = root / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "models").mkdir(parents=True)
-    save_models(tmp / "models")
-    torch.save(op_states, tmp / OPS_FILE)
-    if carry is not None:
-        with pa.OSFile(str(tmp / CARRY_FILE), "wb") as sink, pa.ipc.new_file(sink, carry.schema) as out:
-            out.write_table(carry)
-    (tmp / DRIVER_FILE).write_text(json.dumps(driver, indent=2))
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "models").mkdir(parents=True)
+        save_models(tmp / "models")
+        torch.save(op_states, tmp / OPS_FILE)
+        if carry is not None:
+            with pa.OSFile(str(tmp / CARRY_FILE), "wb") as sink, pa.ipc.new_file(sink, carry.schema) as out:
+                out.write_table(carry)
+        (tmp / DRIVER_FILE).write_text(json.dumps(driver, indent=2))
+    except OSError as exc:  # disk full, quota, permissions: the previous checkpoint stays whole
+        shutil.rmtree(tmp, ignore_errors=True)
+        before = latest(root)
+        raise RunError(
+            f"could not write checkpoint {final}: {exc.strerror or exc}\n    the previous checkpoint "
+            f"{'is ' + str(before) if before else 'does not exist'} (intact)\n    fix: free space "
+            f"under {root} (run.keep_checkpoints bounds it), then `dapo-flow run GRAPH --resume`"
+        ) from exc
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final

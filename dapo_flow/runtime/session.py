@@ -10,12 +10,7 @@ lacks (the run died between writing the checkpoint and flushing). Without checkp
 from __future__ import annotations
 
 import platform
-import signal
-import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -24,6 +19,7 @@ from rich.table import Table
 
 from dapo_flow.errors import RunError
 from dapo_flow.runtime import checkpoint
+from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.executors import LocalExecutor, RayExecutor
 from dapo_flow.runtime.loop import DRIVER, LoopState, Runner
 from dapo_flow.runtime.sampler import PromptSampler
@@ -178,7 +174,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
     startup = time.perf_counter() - start
     tracker = None
     try:
-        with _CtrlC() as ctrl_c:
+        with CtrlC() as ctrl_c:
             train_prompts, val_prompts, skipped = _load_data(spec, tokenizer, ex.read_parquet)
             with ctrl_c.held():
                 tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
@@ -209,7 +205,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
                          ghash, val_prompts, ctrl_c)
     except KeyboardInterrupt:
         if tracker is not None:
-            with _CtrlC() as again, again.held(then_raise=False):  # a 2nd Ctrl-C waits for it
+            with CtrlC() as again, again.held(then_raise=False):  # a 2nd Ctrl-C waits for it
                 _mark_ended(tracker, "KILLED", console)
         raise RunError("interrupted; `dapo-flow run GRAPH --resume` continues from the last "
                        f"checkpoint under {ckpt_root}") from None
@@ -230,62 +226,10 @@ def _mark_ended(tracker: Tracker, status: str, console: Console) -> None:
         console.print(f"[yellow]warning:[/] could not mark MLflow run {tracker.run_id} {status}: {e}")
 
 
-class _CtrlC:
-    """Ctrl-C raises KeyboardInterrupt as usual and is also remembered: Python drops an
-    exception raised while a finalizer (a weakref callback, ``__del__``) runs, and the run would
-    then carry on, so the loop raises it again at the next step boundary (``check``).
-
-    Inside ``held()`` (checkpoint and MLflow writes) Ctrl-C is only remembered and raised when
-    the block ends: an interrupt in the middle of a sqlite commit leaves the database locked
-    for the rest of the process, and the run could then not even be marked KILLED."""
-
-    def __init__(self) -> None:
-        self.pressed = False
-        self._holding = 0
-        self._previous = None
-        self._unraisable = sys.unraisablehook
-
-    def __enter__(self) -> _CtrlC:
-        if threading.current_thread() is threading.main_thread():  # signals go to the main thread
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            sys.unraisablehook = self._quiet_dropped_interrupt
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            sys.unraisablehook = self._unraisable
-
-    def _quiet_dropped_interrupt(self, unraisable) -> None:  # noqa: ANN001 - sys.UnraisableHookArgs
-        # the interrupt is remembered and re-raised by `check`: no "Exception ignored" traceback
-        if not (self.pressed and issubclass(unraisable.exc_type, KeyboardInterrupt)):
-            self._unraisable(unraisable)
-
-    def _handle(self, signum, frame) -> None:  # noqa: ANN001 - signal handler signature
-        self.pressed = True
-        if not self._holding:
-            raise KeyboardInterrupt
-
-    def check(self) -> None:
-        if self.pressed:
-            raise KeyboardInterrupt
-
-    @contextmanager
-    def held(self, then_raise: bool = True) -> Iterator[None]:
-        """Ctrl-C inside is raised when the block ends (``then_raise``) or only remembered."""
-        self._holding += 1
-        try:
-            yield
-        finally:
-            self._holding -= 1
-        if then_raise and not self._holding:
-            self.check()
-
-
 def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_root: Path,
           console: Console, startup: float, skipped: int, ghash: str, val_prompts,
-          ctrl_c: _CtrlC | None = None) -> dict:
-    ctrl_c = ctrl_c or _CtrlC()  # not entered: no handler, nothing ever pressed
+          ctrl_c: CtrlC | None = None) -> dict:
+    ctrl_c = ctrl_c or CtrlC()  # not entered: no handler, nothing ever pressed
     run = runner.run
     spec = runner.plan.spec
     pending: list[tuple[int, dict]] = []

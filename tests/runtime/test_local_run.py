@@ -167,9 +167,9 @@ def test_auto_generation_batches_resume_exactly(workdir, small_graph):
 def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run():
     """Python drops a KeyboardInterrupt raised inside a weakref callback / __del__; the loop's
     check at the next step boundary raises it again."""
-    from dapo_flow.runtime.session import _CtrlC
+    from dapo_flow.runtime.interrupts import CtrlC
 
-    with _CtrlC() as ctrl_c:
+    with CtrlC() as ctrl_c:
         ctrl_c.check()  # nothing pressed: no-op
         try:
             ctrl_c._handle(2, None)  # what the SIGINT handler does, here swallowed by a finalizer
@@ -209,9 +209,9 @@ def test_ctrl_c_during_a_metric_flush_waits_for_the_write(workdir, small_graph, 
 
 
 def test_ctrl_c_held_is_raised_when_the_block_ends():
-    from dapo_flow.runtime.session import _CtrlC
+    from dapo_flow.runtime.interrupts import CtrlC
 
-    with _CtrlC() as ctrl_c:
+    with CtrlC() as ctrl_c:
         with pytest.raises(KeyboardInterrupt):
             with ctrl_c.held():
                 ctrl_c._handle(2, None)  # no raise here: the write inside goes on
@@ -238,3 +238,28 @@ def test_a_failing_run_whose_store_also_fails_reports_the_first_error(workdir, s
     monkeypatch.setattr(Tracker, "finish", store_down)
     with pytest.raises(ValueError, match="the real problem"):
         _run(small_graph(workdir, steps=2, ckpt=0))
+
+
+def test_a_checkpoint_that_cannot_be_written_is_a_clear_error_and_resumable(workdir, small_graph, monkeypatch):
+    import errno
+
+    from dapo_flow.runtime import checkpoint
+    from dapo_flow.tracking import runs_dir
+
+    real_save = checkpoint.torch.save
+    calls = []
+
+    def disk_fills_up(obj, path):
+        calls.append(path)
+        if len(calls) == 2:  # checkpoint 2's op states
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, path)
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_fills_up)
+    path = small_graph(workdir, steps=3, ckpt=1)
+    with pytest.raises(RunError, match=r"could not write checkpoint .*step_000002: No space left on device"):
+        _run(path)
+    [root] = (runs_dir() / "checkpoints").iterdir()
+    assert [p.name for p in root.iterdir()] == ["step_000001"]  # no half-written folder left
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    assert _run(path, resume=True)["steps"] == 3
