@@ -17,8 +17,10 @@ lists per uid, torch.mean / torch.std per group, per-row scalar updates; keep = 
 singleton, with a set for membership instead of verl's list). Results must agree (allclose,
 and dapo-flow's exact zeros for constant groups).
 Also measured: the memory floor of (b), one read of the reward tensor plus one write of an
-output tensor of its shape, with the output preallocated (`out.copy_(rewards)`) and freshly
-allocated (`rewards.clone()`, which pays the page faults a new tensor pays).
+output tensor of its shape, with the output preallocated (`out.copy_(rewards)`, the floor of the
+`out=` rows) and freshly allocated (the new-tensor row's floor: the cheaper of
+`rewards.clone()`, torch's allocator, and `new_output(rewards)[0].copy_(rewards)`, the huge-page
+mapping outcome_advantages itself allocates from, so both sides pay the same page faults).
 
 Run: python benchmarks/group_ops.py [--quick]
 Timings are the minimum over interleaved repetitions (the box may be shared).
