@@ -99,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--source", help="prompts: builtin:addition, or a .parquet / .jsonl file (default data.val)")
     p.add_argument("--split", help="split of a built-in task (default data.val's)")
     p.add_argument("--size", type=int, help="use at most this many prompts")
+    p.add_argument("--seed", type=int, help="sampling seed (default the graph's; does not change which "
+                   "checkpoint is found)")
     p.add_argument("--executor", choices=["ray", "local"], default="local", help="default: local")
     p.add_argument("--address", help="Ray cluster address (with --executor ray)")
     _edit_flags(p)
@@ -230,7 +232,7 @@ def _eval(args: argparse.Namespace) -> int:
     from dapo_flow.runtime.evaluate import evaluate
 
     evaluate(placed, which=args.checkpoint, n=args.n, temperature=args.temperature, source=args.source,
-             split=args.split, size=args.size, executor=args.executor, address=args.address,
+             split=args.split, size=args.size, seed=args.seed, executor=args.executor, address=args.address,
              console=Console(highlight=False))
     return 0
 

@@ -56,8 +56,10 @@ def resolve_checkpoint(spec, which: str) -> tuple[Path | None, dict[str, str], i
 
 def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature: float | None = None,
              source: str | None = None, split: str | None = None, size: int | None = None,
-             executor: str = "local", address: str | None = None, console: Console | None = None) -> dict:
-    """Evaluate and log; returns {"metrics", "run_id", "tracking_uri", "checkpoint", "step", ...}."""
+             seed: int | None = None, executor: str = "local", address: str | None = None,
+             console: Console | None = None) -> dict:
+    """Evaluate and log; returns {"metrics", "run_id", "tracking_uri", "checkpoint", "step", ...}.
+    ``seed`` seeds the sampling (default the graph's; it is not part of the checkpoint lookup)."""
     quiet_libraries()
     spec = placed.plan.spec
     console = console or Console()
@@ -75,11 +77,12 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
 
     tokenizer = _tokenizer(spec)
     setups = stage_setups(placed, models)
-    driver = StageWorker(spec, setups.pop(DRIVER, StageSetup(DRIVER, (), ())), spec.seed)
-    ex = start_executor(placed, setups, executor, address, console)
+    seed = spec.seed if seed is None else seed
+    driver = StageWorker(spec, setups.pop(DRIVER, StageSetup(DRIVER, (), ())), seed)
+    ex = start_executor(placed, setups, executor, address, console, seed)
     try:
         prompts, skipped = load_source(spec, data, tokenizer, ex.read_parquet)
-        runner = Runner(placed, ex, driver, PromptSampler(prompts, spec.seed))
+        runner = Runner(placed, ex, driver, PromptSampler(prompts, seed))
         start = time.perf_counter()
         with console.status(f"generating {prompts.num_rows} x {n} responses..."):
             metrics, samples = runner.validate(prompts, spec.tracking.log_samples, n=n, temperature=temperature)
@@ -93,7 +96,7 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
                       tags={EVAL_TAG: "1", "graph": spec.name})
     tracker.log_params({"eval.checkpoint": str(step_dir) if step_dir else "base", "eval.step": str(step),
                         "eval.n": str(n), "eval.temperature": str(temperature), "eval.source": data.source,
-                        "eval.split": data.split, "eval.size": str(data.size), "seed": str(spec.seed)})
+                        "eval.split": data.split, "eval.size": str(data.size), "seed": str(seed)})
     tracker.log_metrics(step or 0, metrics)
     if samples:
         tracker.log_table(samples, "samples/eval.json")

@@ -78,15 +78,18 @@ def checkpoint_root(spec) -> Path:
     return runs_dir() / "checkpoints" / f"{spec.name}-{graph_hash(spec)[:10]}"
 
 
-def start_executor(placed, setups: dict, executor: str, address: str | None, console: Console):
-    """The model actors (Ray) or in-process workers (local) of a placed plan's stages."""
+def start_executor(placed, setups: dict, executor: str, address: str | None, console: Console,
+                   seed: int | None = None):
+    """The model actors (Ray) or in-process workers (local) of a placed plan's stages, their
+    random streams seeded with ``seed`` (default: the graph's)."""
     spec = placed.plan.spec
+    seed = spec.seed if seed is None else seed
     resources = {s.name: (s.num_cpus, s.num_gpus) for s in placed.stages if s.kind == "actor"}
     with console.status(f"starting {len(setups)} model actor(s) on {executor}..."):
         if executor == "ray":
-            return RayExecutor(spec, setups, spec.seed, resources, address=address)
+            return RayExecutor(spec, setups, seed, resources, address=address)
         if executor == "local":
-            return LocalExecutor(spec, setups, spec.seed)
+            return LocalExecutor(spec, setups, seed)
         raise RunError(f"unknown executor '{executor}': use ray or local")
 
 

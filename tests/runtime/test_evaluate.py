@@ -15,7 +15,7 @@ CLUSTER = Cluster(cpus=2)
 
 
 def test_eval_base_then_latest_checkpoint(workdir, small_graph):
-    path = small_graph(workdir, steps=2, ckpt=2)
+    path = small_graph(workdir, steps=2, ckpt=2, val_n=4, val_temp=1.0)
     placed = compile_graph(path, CLUSTER)
     with pytest.raises(RunError, match="no checkpoint of graph 'small'.*--checkpoint base"):
         evaluate(placed)
@@ -28,9 +28,14 @@ def test_eval_base_then_latest_checkpoint(workdir, small_graph):
     assert run["tags"][EVAL_TAG] == "1" and run["status"] == "FINISHED"
     assert (run["params"]["eval.checkpoint"], run["params"]["eval.n"]) == ("base", "4")
 
-    execute(placed, executor="local")
-    latest = evaluate(placed, n=4, temperature=1.0)
+    trained = execute(placed, executor="local")
+    latest = evaluate(placed)  # the graph's val_n / temperature and seed: training's own validation
     assert latest["step"] == 2 and latest["checkpoint"].endswith("step_000002")
+    val = read_run(trained["tracking_uri"], trained["run_id"])["history"]
+    for key in ("val/acc", "val/pass_at_4"):
+        assert latest["metrics"][key] == val[key][-1][1]  # step 2's validation, reproduced exactly
+    other = evaluate(placed, seed=7)["metrics"]  # another sampling seed, same checkpoint
+    assert 0 <= other["val/acc"] <= other["val/pass_at_4"] <= 1
     step_dir, models, step = resolve_checkpoint(placed.plan.spec, latest["checkpoint"])
     assert models == {"policy": str(step_dir / "models" / "policy")} and step == 2
     again = evaluate(placed, which=latest["checkpoint"], n=4, temperature=1.0)  # a path: same model
