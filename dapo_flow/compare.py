@@ -164,12 +164,13 @@ def columns(rows: Sequence[Row]) -> tuple[str, ...]:
     extra = ()
     if ks:
         extra = (f"final pass@{ks.pop()}" if len(ks) == 1 else "final pass@k",)
-    if any(r.is_baseline for r in rows):
-        extra += (DELTA_COLUMN,)
+    base = next((r.variant for r in rows if r.is_baseline), None)
+    if base is not None:
+        extra += (f"{DELTA_PREFIX}{base} [95% CI]",)
     return COLUMNS[:4] + extra + COLUMNS[4:]
 
 
-DELTA_COLUMN = "Δ final val acc vs baseline (95% CI)"
+DELTA_PREFIX = "Δ val acc vs "  # + the baseline variant's name
 
 
 def _order(records: Sequence[RunRecord], order: Iterable[str]) -> list[str]:
@@ -241,7 +242,7 @@ def _cells(row: Row, cols: tuple[str, ...]) -> list[str]:
     extra = []
     if any(c.startswith("final pass@") for c in cols):
         extra.append(row.final_pass.fmt() + (f" (@{row.pass_k})" if mixed and row.pass_k else ""))
-    if DELTA_COLUMN in cols:
+    if any(c.startswith(DELTA_PREFIX) for c in cols):
         extra.append(row.delta.fmt() if row.delta is not None else "(baseline)" if row.is_baseline else "-")
     return [row.variant, seeds, row.final_val.fmt(), row.best_val.fmt(), *extra,
             row.final_reward.fmt("+.3f"), row.samples.fmt(".0f"), row.wall.fmt(".1f")]
