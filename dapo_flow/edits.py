@@ -100,10 +100,13 @@ class InsertEdit:
     params: Mapping[str, Any] = field(default_factory=dict)
     model: str | None = None
     origin: Origin | None = field(default=None, compare=False)
+    impl: str | None = None  # op: custom
 
     def cli(self) -> str:
         """The equivalent flags: --insert NEW:OP:after=NODE, then one --set per param."""
         text = self.label() + (f":model={self.model}" if self.model else "")
+        if self.impl:
+            text += " --set " + shlex.quote(f"{self.new_id}.impl={self.impl}")
         for key, value in self.params.items():
             param = f"params.{key}" if key in NODE_FIELDS or key == "id" else key
             text += " --set " + shlex.quote(f"{self.new_id}.{param}={flow(value)}")
@@ -443,6 +446,8 @@ def _apply_insert(raw: dict[str, Any], lines: dict[PathKey, int], edit: InsertEd
     model = _default_model(raw, edit.model, anchor.get("model")) if needs else edit.model
     if model is not None:
         new["model"] = model
+    if edit.impl is not None:
+        new["impl"] = edit.impl
     new["params"] = copy.deepcopy(dict(edit.params))
     for j, node in enumerate(nodes):
         inputs = node.get("inputs")

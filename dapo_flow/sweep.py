@@ -81,6 +81,7 @@ class InsertSpec(_Frozen):
     op: str = Field(min_length=1)
     after: str = Field(min_length=1)
     model: str | None = None
+    impl: str | None = Field(None, min_length=1)  # op: custom -> "file.py:Class" or "module:Class"
     params: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -294,7 +295,8 @@ def _entry_insert(found: Found, doc: GraphDoc, body: Any, path: PathKey) -> list
     except ValidationError as err:
         pydantic_problems(found, err, path, InsertSpec)
         return []
-    return [InsertEdit(spec.id, spec.op, spec.after, spec.params, spec.model, Origin(doc.file, doc.line_of(path)))]
+    return [InsertEdit(spec.id, spec.op, spec.after, spec.params, spec.model, Origin(doc.file, doc.line_of(path)),
+                       impl=spec.impl)]
 
 
 _ENTRY = {"set": _entry_set, "drop": _entry_drop, "swap": _entry_swap, "insert": _entry_insert}
