@@ -57,6 +57,7 @@ class Runner:
         self.nodes = {n.id: n for n in self.plan.nodes}
         self.stage_of = dict(placed.node_stage)
         self.chunk = self.run.chunk_prompts
+        self._separate: dict[str, bool] = {}  # stage -> has a rollout engine apart from its policy
         self.consumers: dict[str, list[str]] = {n.id: [] for n in self.plan.nodes}
         for n in self.plan.nodes:
             for i in n.inputs:
@@ -217,11 +218,17 @@ class Runner:
             src = self.stage_of[update_id]
             for dst in self._generator_stages(model):
                 if dst == src:
-                    seconds += self.ex.get(self.ex.call(src, "sync_generators"))
+                    if self._separate_generators(src):  # else a round trip to do nothing
+                        seconds += self.ex.get(self.ex.call(src, "sync_generators"))
                 else:
                     weights = self.ex.call(src, "export_weights", model)
                     seconds += self.ex.get(self.ex.call(dst, "import_weights", model, weights))
         return {"time/weight_sync": seconds}
+
+    def _separate_generators(self, stage: str) -> bool:
+        if stage not in self._separate:  # fixed once the stage is built: asked once
+            self._separate[stage] = bool(self.ex.get(self.ex.call(stage, "has_separate_generators")))
+        return self._separate[stage]
 
     def _generator_stages(self, model: str) -> list[str]:
         return sorted({self.stage_of[n.id] for n in self.plan.nodes

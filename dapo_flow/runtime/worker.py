@@ -138,6 +138,12 @@ class StageWorker:
         """Colocated: push each trained policy into its own rollout engine (vllm)."""
         return sum(self.resources[m].sync_generator() for m in self.setup.trainable)
 
+    def has_separate_generators(self) -> bool:
+        """Whether any trained policy here rolls out through an engine of its own (vllm), i.e.
+        whether ``sync_generators`` has anything to do (HF rollout uses the policy itself)."""
+        return any(self.resources[m].generator is not self.resources[m].policy
+                   and self.resources[m].policy is not None for m in self.setup.trainable)
+
     def export_weights(self, model: str) -> dict:
         return self.resources[model].policy.named_weights()
 

@@ -263,3 +263,14 @@ def test_a_checkpoint_that_cannot_be_written_is_a_clear_error_and_resumable(work
     assert [p.name for p in root.iterdir()] == ["step_000001"]  # no half-written folder left
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     assert _run(path, resume=True)["steps"] == 3
+
+
+def test_colocated_hf_rollout_skips_the_weight_sync_call(workdir, small_graph, monkeypatch):
+    """HF rollout samples from the trained policy itself: no sync call per step (a Ray round
+    trip for nothing); a separate engine (vLLM, tests/runtime/test_vllm_run.py) still syncs."""
+    from dapo_flow.runtime.worker import StageWorker
+
+    calls = []
+    monkeypatch.setattr(StageWorker, "sync_generators", lambda self: calls.append(1) or 0.0)
+    summary = _run(small_graph(workdir, steps=2, ckpt=0))
+    assert summary["steps"] == 2 and calls == []
