@@ -63,6 +63,10 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     quiet_libraries()
     spec = placed.plan.spec
     console = console or Console()
+    ops = {n.op for n in placed.plan.nodes}
+    if not {"generate", "score"} <= ops:
+        raise RunError(f"graph '{spec.name}' has no {' and no '.join(sorted({'generate', 'score'} - ops))} "
+                       "node: eval samples with the graph's generate node and grades with its score node")
     step_dir, models, step = resolve_checkpoint(spec, which)
     data = spec.data.val or spec.data.train
     if spec.data.val is None and source is None and split is None:
