@@ -109,6 +109,9 @@ def _nothing_to_resume(spec, ckpt_root: Path) -> str:
                 "the change (or pass the same --set edits) to resume it, or run without --resume")
     ignored = ("run.steps", "run.keep_checkpoints")  # not part of a graph's identity
     changes = [c for c in diff_graphs(old_graph, spec.model_dump(mode="json")) if c.key not in ignored]
+    if not changes:  # same graph, other hash: written by a dapo-flow that hashed graphs differently
+        return (f"{head}\n    the same graph has a checkpoint under another hash: {newest} (written by "
+                "another dapo-flow version?)\n    fix: resume with that version, or run without --resume")
     listed = "".join(f"\n      {c.render()}" for c in changes[:12])
     more = f"\n      ... and {len(changes) - 12} more" if len(changes) > 12 else ""
     return (f"{head}\n    graph '{spec.name}' changed since its checkpoint {newest}:{listed}{more}\n"
