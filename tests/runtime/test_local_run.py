@@ -274,3 +274,14 @@ def test_colocated_hf_rollout_skips_the_weight_sync_call(workdir, small_graph, m
     monkeypatch.setattr(StageWorker, "sync_generators", lambda self: calls.append(1) or 0.0)
     summary = _run(small_graph(workdir, steps=2, ckpt=0))
     assert summary["steps"] == 2 and calls == []
+
+
+def test_resume_finds_the_same_graph_under_another_hash(workdir, small_graph):
+    from dapo_flow.tracking import runs_dir
+
+    path = small_graph(workdir, steps=2, ckpt=2)
+    _run(path)
+    [root] = (runs_dir() / "checkpoints").iterdir()
+    root.rename(root.with_name("small-0123456789"))  # as an older dapo-flow's hash would name it
+    with pytest.raises(RunError, match=r"same graph has a checkpoint under another hash: .*small-0123456789"):
+        _run(path, resume=True)
