@@ -89,8 +89,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="override run.steps")
     _edit_flags(p)
     p = command("eval", "Evaluate a checkpoint (or the base model): avg@n, pass@k, response length; "
-                "logged to MLflow.", _eval)
-    p.add_argument("graph", help="graph YAML file (with the --set edits it was trained with)")
+                "logged to MLflow. With --sweep: every variant x seed of a sweep.", _eval)
+    p.add_argument("graph", help="graph YAML file (with the --set edits it was trained with), or with "
+                   "--sweep a patch file")
+    p.add_argument("--sweep", action="store_true",
+                   help="GRAPH is a sweep patch file: evaluate each variant x seed's newest checkpoint "
+                        "and compare them (mean ± std over seeds)")
+    p.add_argument("--seeds", help="with --sweep: the seeds it was run with, e.g. 0,1,2")
+    p.add_argument("--only", help="with --sweep: comma-separated variant names (default: all)")
     p.add_argument("--checkpoint", default="latest", metavar="latest|base|PATH",
                    help="latest: the graph's newest checkpoint (default); base: the untrained models; "
                         "or a step_* checkpoint folder")
@@ -228,12 +234,28 @@ def _eval(args: argparse.Namespace) -> int:
             raise DapoFlowError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.temperature is not None and args.temperature < 0:
         raise DapoFlowError(f"--temperature must be >= 0, got {args.temperature}")
+    options = dict(which=args.checkpoint, n=args.n, temperature=args.temperature, source=args.source,
+                   split=args.split, size=args.size, seed=args.seed, executor=args.executor, address=args.address)
+    console = Console(highlight=False)
+    if args.sweep:
+        from dapo_flow import sweep
+        from dapo_flow.registry import load_plugins
+        from dapo_flow.runtime.evaluate import evaluate_sweep
+
+        if args.edits or args.checkpoint != "latest":
+            raise DapoFlowError("--sweep evaluates each run's newest checkpoint of the patch's own graphs: "
+                                "drop --set/--drop/--swap/--insert and --checkpoint")
+        load_plugins()
+        patch = sweep.load_patch(args.graph)
+        jobs = sweep.plan_jobs(patch, only=args.only, seeds=args.seeds)
+        evaluate_sweep(patch, sweep.validate_jobs(patch, jobs), console=console, **options)
+        return 0
+    if args.seeds or args.only:
+        raise DapoFlowError("--seeds and --only go with --sweep (GRAPH a patch file)")
     placed = _edited(args).compile()
     from dapo_flow.runtime.evaluate import evaluate
 
-    evaluate(placed, which=args.checkpoint, n=args.n, temperature=args.temperature, source=args.source,
-             split=args.split, size=args.size, seed=args.seed, executor=args.executor, address=args.address,
-             console=Console(highlight=False))
+    evaluate(placed, console=console, **options)
     return 0
 
 

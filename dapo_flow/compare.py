@@ -159,7 +159,8 @@ COLUMNS = ("variant", "seeds", "final val acc", "best val acc", "final reward", 
 
 def columns(rows: Sequence[Row]) -> tuple[str, ...]:
     """COLUMNS, plus "final pass@k" after the val acc columns when the runs logged pass@k, plus
-    the difference to the baseline when there is one."""
+    the difference to the baseline when there is one; only the val columns when no run trained
+    (an eval sweep: one validation per run)."""
     ks = {r.pass_k for r in rows if r.pass_k is not None}
     extra = ()
     if ks:
@@ -167,7 +168,8 @@ def columns(rows: Sequence[Row]) -> tuple[str, ...]:
     base = next((r.variant for r in rows if r.is_baseline), None)
     if base is not None:
         extra += (f"{DELTA_PREFIX}{base} [95% CI]",)
-    return COLUMNS[:4] + extra + COLUMNS[4:]
+    trained = any(r.final_reward.n or r.samples.n for r in rows)
+    return COLUMNS[:4] + extra + COLUMNS[4:] if trained else COLUMNS[:3] + extra
 
 
 DELTA_PREFIX = "Δ val acc vs "  # + the baseline variant's name
@@ -237,15 +239,22 @@ def sample_curves(records: Sequence[RunRecord],
 
 
 def _cells(row: Row, cols: tuple[str, ...]) -> list[str]:
-    seeds = str(row.runs) + (f" (+{row.failed} failed)" if row.failed else "")
+    """The row's cells for ``cols`` (from :func:`columns`)."""
     mixed = "final pass@k" in cols  # variants logged different k: each cell says its own
-    extra = []
-    if any(c.startswith("final pass@") for c in cols):
-        extra.append(row.final_pass.fmt() + (f" (@{row.pass_k})" if mixed and row.pass_k else ""))
-    if any(c.startswith(DELTA_PREFIX) for c in cols):
-        extra.append(row.delta.fmt() if row.delta is not None else "(baseline)" if row.is_baseline else "-")
-    return [row.variant, seeds, row.final_val.fmt(), row.best_val.fmt(), *extra,
-            row.final_reward.fmt("+.3f"), row.samples.fmt(".0f"), row.wall.fmt(".1f")]
+    cells = {
+        "variant": row.variant,
+        "seeds": str(row.runs) + (f" (+{row.failed} failed)" if row.failed else ""),
+        "final val acc": row.final_val.fmt(), "best val acc": row.best_val.fmt(),
+        "final reward": row.final_reward.fmt("+.3f"), "samples": row.samples.fmt(".0f"),
+        "wall (s)": row.wall.fmt(".1f"),
+    }
+    for col in cols:
+        if col.startswith("final pass@"):
+            cells[col] = row.final_pass.fmt() + (f" (@{row.pass_k})" if mixed and row.pass_k else "")
+        elif col.startswith(DELTA_PREFIX):
+            cells[col] = (row.delta.fmt() if row.delta is not None
+                          else "(baseline)" if row.is_baseline else "-")
+    return [cells[col] for col in cols]
 
 
 def table(rows: Sequence[Row], title: str = "") -> Table:

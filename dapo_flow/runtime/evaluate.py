@@ -57,7 +57,8 @@ def resolve_checkpoint(spec, which: str) -> tuple[Path | None, dict[str, str], i
 def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature: float | None = None,
              source: str | None = None, split: str | None = None, size: int | None = None,
              seed: int | None = None, executor: str = "local", address: str | None = None,
-             console: Console | None = None) -> dict:
+             console: Console | None = None, run_name: str | None = None, parent_run_id: str | None = None,
+             extra_params: dict[str, str] | None = None) -> dict:
     """Evaluate and log; returns {"metrics", "run_id", "tracking_uri", "checkpoint", "step", ...}.
     ``seed`` seeds the sampling (default the graph's; it is not part of the checkpoint lookup)."""
     quiet_libraries()
@@ -96,11 +97,12 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     metrics.update({"eval/prompts": float(prompts.num_rows), "eval/skipped_rows": float(skipped)})
 
     tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
-                      run_name=f"eval {spec.name} " + ("base" if step is None else f"step {step}"),
-                      tags={EVAL_TAG: "1", "graph": spec.name})
+                      run_name=run_name or f"eval {spec.name} " + ("base" if step is None else f"step {step}"),
+                      tags={EVAL_TAG: "1", "graph": spec.name}, parent_run_id=parent_run_id)
     tracker.log_params({"eval.checkpoint": str(step_dir) if step_dir else "base", "eval.step": str(step),
                         "eval.n": str(n), "eval.temperature": str(temperature), "eval.source": data.source,
-                        "eval.split": data.split, "eval.size": str(data.size), "seed": str(seed)})
+                        "eval.split": data.split, "eval.size": str(data.size), "seed": str(seed),
+                        **(extra_params or {})})
     tracker.log_metrics(step or 0, metrics)
     if samples:
         tracker.log_table(samples, "samples/eval.json")
@@ -121,3 +123,43 @@ def _print(console: Console, label: str, metrics: dict, seconds: float, tracker:
     table.add_row("seconds", f"{seconds:.2f}")
     table.add_row("MLflow run", tracker.run_id)
     console.print(table)
+
+
+def evaluate_sweep(patch, ready: list, *, out: str | None = None, console: Console | None = None,
+                   **options) -> str:
+    """Evaluate every variant x seed of a sweep (``ready``: its compiled jobs) at its newest
+    checkpoint, each as an MLflow child run of one eval parent run, then print the comparison
+    (mean ± std over seeds, pass@k, Δ vs the first variant); returns the parent run id. A job
+    without a checkpoint is reported and skipped. ``options``: those of :func:`evaluate`."""
+    from dapo_flow.compare import PARENT_TAG, report
+    from dapo_flow.tracking import default_tracking_uri
+
+    console = console or Console()
+    if not ready:
+        raise RunError("nothing to evaluate: no variants selected")
+    uri = ready[0].placed.plan.spec.tracking.uri or default_tracking_uri()
+    names = list(dict.fromkeys(r.job.variant for r in ready))
+    parent = Tracker(uri, patch.experiment, run_name=f"eval {Path(patch.file).stem}",
+                     tags={PARENT_TAG: "parent", EVAL_TAG: "1", "dapo_flow.patch": patch.file})
+    parent.log_params({"sweep.patch": patch.file, "sweep.variants": ",".join(names),
+                       **{f"eval.{k}": str(v) for k, v in options.items() if v is not None}})
+    missing = []
+    for i, r in enumerate(ready, 1):
+        console.rule(f"[{i}/{len(ready)}] eval {r.run_name}")
+        try:
+            evaluate(r.placed, console=console, run_name=f"eval {r.run_name}", parent_run_id=parent.run_id,
+                     extra_params={"sweep.variant": r.job.variant, "sweep.seed": str(r.seed)}, **options)
+        except RunError as exc:
+            if "no checkpoint" not in str(exc):
+                parent.finish("FAILED")
+                raise
+            missing.append(r.run_name)
+            console.print(f"{r.run_name}: no checkpoint, skipped (train it with `dapo-flow sweep`)",
+                          style="yellow", markup=False, highlight=False)
+    if len(missing) == len(ready):
+        parent.finish("FAILED")
+        raise RunError(f"no checkpoint for any of the {len(ready)} run(s) of {patch.file}: run "
+                       "`dapo-flow sweep` first (with the same --seeds)")
+    parent.finish()
+    report(uri, parent.run_id, out, console)
+    return parent.run_id

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dapo_flow.compiler import compile_graph
@@ -12,6 +14,7 @@ from dapo_flow.runtime.evaluate import EVAL_TAG, evaluate, resolve_checkpoint
 from dapo_flow.tracking import read_run
 
 CLUSTER = Cluster(cpus=2)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_eval_base_then_latest_checkpoint(workdir, small_graph):
@@ -56,3 +59,28 @@ def test_eval_errors_are_exit_2(workdir, small_graph, capsys):
     assert "--n must be >= 1" in capsys.readouterr().err
     assert cli.main(["eval", path]) == 2  # nothing trained yet
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_eval_sweep_compares_every_variant_checkpoint(tmp_path, monkeypatch, capsys, tiny_adder_path):
+    import cli
+    from dapo_flow.compare import PARENT_TAG
+    from dapo_flow.tracking import child_runs, default_tracking_uri, latest_run
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    patch = str(ROOT / "graphs" / "ablations" / "length-penalty.yaml")
+    args = ["--only", "dapo,kimi-length-0.5", "--seeds", "0"]
+    assert cli.main(["eval", patch, "--sweep", *args]) == 2  # nothing trained yet
+    assert "no checkpoint for any" in capsys.readouterr().err
+    assert cli.main(["sweep", patch, *args, "--steps", "2", "--executor", "local"]) == 0
+    capsys.readouterr()
+    assert cli.main(["eval", patch, "--sweep", *args, "--n", "4", "--temperature", "1.0"]) == 0
+    out = capsys.readouterr().out
+    assert "final pass@4" in out and "Δ val acc vs dapo" in out and "samples" not in out.split("eval length-penalty")[-1]
+    uri = default_tracking_uri()
+    parent = latest_run(uri, "length-penalty", f"tags.`{PARENT_TAG}` = 'parent' and tags.`{EVAL_TAG}` = '1'")
+    children = child_runs(uri, parent["run_id"], ["val/acc"])
+    assert sorted(c["params"]["sweep.variant"] for c in children) == ["dapo", "kimi-length-0.5"]
+    assert all(c["params"]["eval.step"] == "2" and c["params"]["eval.n"] == "4" for c in children)
+    assert cli.main(["eval", patch, "--sweep", "--checkpoint", "base"]) == 2
+    assert cli.main(["eval", patch, "--seeds", "0"]) == 2  # --seeds without --sweep
