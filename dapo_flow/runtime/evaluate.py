@@ -18,7 +18,7 @@ from dapo_flow.errors import RunError
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.loop import DRIVER, Runner
 from dapo_flow.runtime.sampler import PromptSampler
-from dapo_flow.runtime.session import _tokenizer, checkpoint_root, load_source, start_executor
+from dapo_flow.runtime.session import checkpoint_root, generator_tokenizer, load_source, start_executor
 from dapo_flow.runtime.setup import stage_setups
 from dapo_flow.runtime.worker import StageSetup, StageWorker, quiet_libraries
 from dapo_flow.tracking import Tracker
@@ -64,7 +64,7 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     quiet_libraries()
     spec = placed.plan.spec
     console = console or Console()
-    ops = {n.op for n in placed.plan.nodes}
+    ops = {node.op for node in placed.plan.nodes}
     if not {"generate", "score"} <= ops:
         raise RunError(f"graph '{spec.name}' has no {' and no '.join(sorted({'generate', 'score'} - ops))} "
                        "node: eval samples with the graph's generate node and grades with its score node")
@@ -80,7 +80,7 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     console.print(f"evaluating {label} on {data.source} [{data.split}], {n} sample(s) per prompt at "
                   f"temperature {temperature}", highlight=False, markup=False)
 
-    tokenizer = _tokenizer(spec)
+    tokenizer = generator_tokenizer(spec)
     setups = stage_setups(placed, models)
     seed = spec.seed if seed is None else seed
     driver = StageWorker(spec, setups.pop(DRIVER, StageSetup(DRIVER, (), ())), seed)

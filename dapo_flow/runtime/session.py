@@ -40,7 +40,7 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _tokenizer(spec):
+def generator_tokenizer(spec):
     """The generator's tokenizer; resolving the model first builds a builtin one, with its
     progress bar here in the driver, before any actor asks for it."""
     from transformers import AutoTokenizer
@@ -172,7 +172,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
         model_paths = {m: str(last / "models" / m) for m in driver_state["trained_models"]}
         console.print(f"resuming from {last} (step {driver_state['step']})")
 
-    tokenizer = _tokenizer(spec)
+    tokenizer = generator_tokenizer(spec)
     setups = stage_setups(placed, model_paths)
     driver = StageWorker(spec, setups.pop(DRIVER, StageSetup(DRIVER, (), ())), spec.seed)
     start = time.perf_counter()
