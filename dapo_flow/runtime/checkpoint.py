@@ -57,16 +57,20 @@ def save(root: Path, step: int, *, driver: dict[str, Any], op_states: dict[str, 
 def prune(root: Path, keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints under ``root``; returns what went.
     Oldest first, so a crash part-way leaves the newest ones."""
-    done = sorted(p for p in root.glob("step_*") if (p / DRIVER_FILE).is_file())
-    gone = done[:-keep] if keep > 0 else []
+    gone = _complete(root)[:-keep] if keep > 0 else []
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
     return gone
 
 
 def latest(root: Path) -> Path | None:
-    done = sorted(p for p in root.glob("step_*") if (p / DRIVER_FILE).is_file())
+    done = _complete(root)
     return done[-1] if done else None
+
+
+def _complete(root: Path) -> list[Path]:
+    """The complete checkpoints under ``root`` (driver file written last), oldest first."""
+    return sorted(p for p in root.glob("step_*") if (p / DRIVER_FILE).is_file())
 
 
 def load_driver(path: Path) -> dict[str, Any]:

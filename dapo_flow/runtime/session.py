@@ -99,10 +99,11 @@ def _nothing_to_resume(spec, ckpt_root: Path) -> str:
     from dapo_flow.graphdiff import diff_graphs
 
     head = f"nothing to resume: no checkpoint of graph '{spec.name}' (hash {graph_hash(spec)[:10]}) under {ckpt_root}"
-    others = [d for d in ckpt_root.parent.glob(f"{spec.name}-*") if d != ckpt_root and checkpoint.latest(d)]
+    others = [last for d in ckpt_root.parent.glob(f"{spec.name}-*")
+              if d != ckpt_root and (last := checkpoint.latest(d)) is not None]
     if not others:
         return f"{head}; run without --resume"
-    newest = checkpoint.latest(max(others, key=lambda d: checkpoint.latest(d).stat().st_mtime))
+    newest = max(others, key=lambda last: last.stat().st_mtime)
     old_graph = checkpoint.load_driver(newest).get("graph")
     if old_graph is None:
         return (f"{head}\n    graph '{spec.name}' was changed since its checkpoint {newest}\n    fix: undo "
