@@ -23,7 +23,7 @@ from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.executors import LocalExecutor, RayExecutor
 from dapo_flow.runtime.loop import DRIVER, LoopState, Runner
 from dapo_flow.runtime.sampler import PromptSampler
-from dapo_flow.runtime.setup import graph_hash, stage_setups
+from dapo_flow.runtime.setup import NOT_IDENTITY, graph_hash, stage_setups
 from dapo_flow.runtime.worker import StageSetup, StageWorker, quiet_libraries
 from dapo_flow.tracking import Tracker, flatten, read_run, runs_dir
 
@@ -108,7 +108,7 @@ def _nothing_to_resume(spec, ckpt_root: Path) -> str:
     if old_graph is None:
         return (f"{head}\n    graph '{spec.name}' was changed since its checkpoint {newest}\n    fix: undo "
                 "the change (or pass the same --set edits) to resume it, or run without --resume")
-    ignored = ("run.steps", "run.keep_checkpoints")  # not part of a graph's identity
+    ignored = {f"run.{key}" for key in NOT_IDENTITY}
     changes = [c for c in diff_graphs(old_graph, spec.model_dump(mode="json")) if c.key not in ignored]
     if not changes:  # same graph, other hash: written by a dapo-flow that hashed graphs differently
         return (f"{head}\n    the same graph has a checkpoint under another hash: {newest} (written by "

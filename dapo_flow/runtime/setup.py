@@ -11,11 +11,15 @@ from dapo_flow.runtime.worker import NodeSetup, StageSetup
 DRIVER = "driver"
 
 
+#: ``run`` settings outside a graph's identity: neither changes what a step computes, so a run
+#: resumes across a change of them.
+NOT_IDENTITY = ("steps", "keep_checkpoints")
+
+
 def graph_hash(spec) -> str:
-    """Identity of a graph for checkpoints/resume: everything but the step count and the
-    checkpoint retention (neither changes what a step computes)."""
+    """Identity of a graph for checkpoints/resume: everything but :data:`NOT_IDENTITY`."""
     data = spec.model_dump(mode="json")
-    for key in ("steps", "keep_checkpoints"):
+    for key in NOT_IDENTITY:
         data["run"].pop(key, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
