@@ -26,6 +26,10 @@ from dapo_flow.tracking import Tracker
 EVAL_TAG = "dapo_flow.eval"
 
 
+class NoCheckpoint(RunError):
+    """The graph has no checkpoint to evaluate (an eval sweep skips such runs)."""
+
+
 def resolve_checkpoint(spec, which: str) -> tuple[Path | None, dict[str, str], int | None]:
     """``which``: "latest" (the graph's newest checkpoint), "base" (the models as the graph
     names them) or a path (a ``step_*`` folder, or a folder of them: its newest). Returns the
@@ -36,7 +40,7 @@ def resolve_checkpoint(spec, which: str) -> tuple[Path | None, dict[str, str], i
         root = checkpoint_root(spec)
         step_dir = checkpoint.latest(root)
         if step_dir is None:
-            raise RunError(f"no checkpoint of graph '{spec.name}' under {root}: train it first "
+            raise NoCheckpoint(f"no checkpoint of graph '{spec.name}' under {root}: train it first "
                            "(`dapo-flow run GRAPH`, with the same --set edits), or pass "
                            "--checkpoint base / --checkpoint PATH")
     else:
@@ -149,13 +153,13 @@ def evaluate_sweep(patch, ready: list, *, out: str | None = None, console: Conso
         try:
             evaluate(r.placed, console=console, run_name=f"eval {r.run_name}", parent_run_id=parent.run_id,
                      extra_params={"sweep.variant": r.job.variant, "sweep.seed": str(r.seed)}, **options)
-        except RunError as exc:
-            if "no checkpoint" not in str(exc):
-                parent.finish("FAILED")
-                raise
+        except NoCheckpoint:
             missing.append(r.run_name)
             console.print(f"{r.run_name}: no checkpoint, skipped (train it with `dapo-flow sweep`)",
                           style="yellow", markup=False, highlight=False)
+        except RunError:
+            parent.finish("FAILED")
+            raise
     if len(missing) == len(ready):
         parent.finish("FAILED")
         raise RunError(f"no checkpoint for any of the {len(ready)} run(s) of {patch.file}: run "

@@ -235,8 +235,7 @@ def _mark_ended(tracker: Tracker, status: str, console: Console) -> None:
 
 def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_root: Path,
           console: Console, startup: float, skipped: int, ghash: str, val_prompts,
-          ctrl_c: CtrlC | None = None) -> dict:
-    ctrl_c = ctrl_c or CtrlC()  # not entered: no handler, nothing ever pressed
+          ctrl_c: CtrlC) -> dict:
     run = runner.run
     spec = runner.plan.spec
     pending: list[tuple[int, dict]] = []
