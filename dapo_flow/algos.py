@@ -502,7 +502,7 @@ def pass_at_k(group_ids: GroupIds, correct: np.ndarray | Sequence[float] | Tenso
     ok = _as_numpy(correct, "correct")
     g = _groups_for(group_ids, ok.shape[0])
     n = np.bincount(g.codes, minlength=g.n_groups)
-    c = np.bincount(g.codes, weights=(ok > 0).astype(np.float64), minlength=g.n_groups).astype(np.int64)
+    c = np.bincount(g.codes[ok > 0], minlength=g.n_groups)
     n, c = n[n >= k], c[n >= k]
     if not n.size:
         raise AlgoError(f"pass@{k} needs a prompt with at least {k} samples")
