@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dapo_flow import threads
+
 _OUT_DTYPES = (torch.float32, torch.float64)
 #: Smallest output (elements) the kernels take. Below it torch's slower loop still costs less
 #: than numba's per-call overhead (~0.1-0.2 ms) and first-use import (~0.5 s), so training-sized
@@ -56,6 +58,7 @@ def new_output(like: Tensor) -> tuple[Tensor, bool]:
 
 @functools.cache
 def _kernels() -> ModuleType | None:
+    threads.prefer_numba_layer()  # before numba's first launch fixes its layer
     try:
         from dapo_flow import _kernels_numba
     except ImportError:  # pragma: no cover - numba is a dependency; keep the torch path anyway
@@ -126,17 +129,21 @@ def _takes(mask: Tensor, out: Tensor) -> bool:
 
 @contextlib.contextmanager
 def _torch_thread_budget() -> Iterator[None]:
-    """Run kernels on as many threads as torch has (the runtime's CPU budget for this process).
+    """Run kernels on as many threads as torch has (the process's budget, :mod:`dapo_flow.threads`).
 
-    numba's OpenMP layer shares libgomp with torch and resets its thread count when it launches
-    a parallel region (a process at 1 torch thread came back at 2), so torch's is restored after.
+    numba's workqueue layer (:func:`threads.prefer_numba_layer`) leaves libgomp alone. If another
+    library launched numba's OpenMP layer first, that layer shares libgomp with torch: it resets
+    the thread count (a process at 1 torch thread came back at 2) and turns nesting on, so both
+    are put back after.
     """
     import numba
 
-    threads = torch.get_num_threads()
-    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    count = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(count, numba.config.NUMBA_NUM_THREADS)))
     try:
         yield
     finally:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        if torch.get_num_threads() != count:
+            threads.set_torch_threads(count)
+        if threads.numba_on_openmp():
+            threads.openmp_nesting_off()

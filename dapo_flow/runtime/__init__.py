@@ -8,17 +8,25 @@ loop (the RL phases), session (tracking, checkpoints, progress around the loop),
 from __future__ import annotations
 
 
-def execute(placed, *, executor: str = "ray", address: str | None = None, resume: bool = False,
+def execute(placed, *, executor: str = "ray", address: str | None = None, resume: bool | str = False,
             steps: int | None = None, console=None, run_name: str | None = None,
             parent_run_id: str | None = None, extra_params: dict | None = None,
             extra_artifacts: dict | None = None) -> dict:
     """Run the graph; returns a summary dict (run id, metrics, wall time).
 
+    ``resume``: True continues the graph's newest unfinished run from its last intact
+    checkpoint, a run id that run (see :mod:`dapo_flow.runtime.resume`).
+
     ``run_name`` / ``parent_run_id`` / ``extra_params`` (str -> str) let a sweep make
     each variant an MLflow child run; ``extra_artifacts`` maps artifact names to text.
     """
+    from dapo_flow import threads
     from dapo_flow.runtime.session import run_session
+    from dapo_flow.runtime.setup import driver_threads
 
+    # the driver's own budget, before any worker starts (Ray workers inherit its environment);
+    # an in-process stage worker then sets its stage's (StageWorker)
+    threads.configure(driver_threads(placed))
     return run_session(placed, executor=executor, address=address, resume=resume,
                        steps=steps, console=console, run_name=run_name,
                        parent_run_id=parent_run_id, extra_params=extra_params or {},

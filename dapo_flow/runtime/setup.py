@@ -62,3 +62,9 @@ def _threads(stage) -> int:
     if stage.kind != "actor" or stage.num_gpus > 0:
         return 0
     return max(1, int(stage.num_cpus))
+
+
+def driver_threads(placed) -> int:
+    """Threads for the driver process: its stage's CPUs, at least 1 (it scores, filters and
+    glues tables while the model actors compute)."""
+    return max(1, int(sum(s.num_cpus for s in placed.stages if s.kind == "driver")))

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
+from dapo_flow import threads
 from dapo_flow.contract import OpContext
 from dapo_flow.spec import GraphSpec
 
@@ -39,7 +40,7 @@ class StageSetup:
     generates: tuple[str, ...] = ()  # models some node of this stage generates with
     scores: tuple[str, ...] = ()  # models used by logprob/update nodes here
     model_paths: Mapping[str, str] = field(default_factory=dict)  # overrides (resume)
-    num_threads: int = 0  # torch threads; 0 = leave torch's default
+    num_threads: int = 0  # threads.configure(num_threads) in the worker; 0 = the process's as they are
 
 
 def quiet_libraries() -> None:
@@ -76,9 +77,7 @@ class StageWorker:
     def __init__(self, graph: GraphSpec, setup: StageSetup, seed: int):
         quiet_libraries()
         if setup.num_threads:
-            import torch
-
-            torch.set_num_threads(setup.num_threads)
+            threads.configure(setup.num_threads)
         if setup.models:
             import torch
 

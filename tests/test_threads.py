@@ -1,0 +1,133 @@
+"""dapo_flow.threads: one thread budget per process, nested OpenMP off (issue 10).
+
+The process-wide pieces (numba's threading layer is fixed at its first launch; libgomp's
+state is per process) are checked in fresh subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dapo_flow import threads
+
+
+def run_python(code: str, env: dict | None = None, unset: tuple[str, ...] = ()) -> dict:
+    """Run ``code`` in a fresh interpreter; it prints one JSON line, returned parsed."""
+    import os
+
+    child_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, env=child_env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(120)
+def test_configure_turns_off_the_nesting_numbas_openmp_layer_turns_on():
+    # the suite's 27-minute test: numba's OpenMP layer calls omp_set_nested(1) on torch's libgomp,
+    # then SDPA -> MKL sgemm opened a second level of threads
+    out = run_python("""
+        import json, numba, numpy as np, torch
+        from dapo_flow import threads
+
+        @numba.njit(parallel=True)
+        def bump(a):
+            for i in numba.prange(a.shape[0]):
+                a[i] += 1
+
+        bump(np.zeros(1000))
+        before = threads.openmp_nested()
+        threads.configure(1)
+        bump(np.zeros(1000))  # numba turns nesting on once, at its first launch
+        print(json.dumps({"layer": numba.threading_layer(), "before": before,
+                          "after": threads.openmp_nested(), "torch": torch.get_num_threads()}))
+    """, env={"NUMBA_THREADING_LAYER": "omp"}, unset=("OMP_MAX_ACTIVE_LEVELS",))
+    assert out == {"layer": "omp", "before": True, "after": False, "torch": 1}
+
+
+@pytest.mark.timeout(120)
+def test_kernels_run_on_numbas_own_pool_and_leave_torchs_openmp_alone():
+    out = run_python("""
+        import json, torch
+        from dapo_flow import kernels, threads
+
+        import os
+        assert "NUMBA_THREADING_LAYER" not in os.environ  # kernels choose the layer themselves
+        torch.set_num_threads(2)
+        torch.set_num_threads = lambda n: None  # what vLLM's CPU worker leaves behind
+        values, mask = torch.rand(1024), torch.rand(1024, 512) > 0.5
+        out = torch.empty(1024, 512)
+        assert kernels.masked_broadcast(values, mask, out) is not None
+        import numba
+        print(json.dumps({"layer": numba.threading_layer(), "nested": threads.openmp_nested(),
+                          "torch": torch.get_num_threads(), "numba": numba.get_num_threads()}))
+    """, unset=("NUMBA_THREADING_LAYER", "OMP_NUM_THREADS"))
+    assert out == {"layer": threads.NUMBA_LAYER, "nested": False, "torch": 2, "numba": 2}
+
+
+def test_configure_sets_torch_threads_even_where_vllm_made_the_setter_a_no_op(monkeypatch):
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # vLLM's CPU worker does this
+    before = torch.get_num_threads()
+    try:
+        assert threads.configure(1) == 1
+        assert torch.get_num_threads() == 1
+        assert threads.openmp_nested() is False
+    finally:
+        torch._C.set_num_threads(before)
+
+
+def test_configure_exports_the_budget_to_child_processes(monkeypatch):
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_MAX_ACTIVE_LEVELS"):
+        monkeypatch.delenv(var, raising=False)
+    before = torch.get_num_threads()
+    try:
+        threads.configure(0)  # at least one thread
+        assert torch.get_num_threads() == 1
+    finally:
+        torch._C.set_num_threads(before)
+    import os
+
+    assert [os.environ[v] for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")] == ["1"] * 3
+    assert os.environ["OMP_MAX_ACTIVE_LEVELS"] == "1"
+
+
+def test_numpy_blas_follows_the_budget():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    before = torch.get_num_threads()
+    try:
+        threads.configure(1)
+        blas = threadpoolctl.threadpool_info()
+        assert all(p["num_threads"] == 1 for p in blas if p["user_api"] == "blas")
+    finally:
+        threads.configure(before)
+
+
+def test_a_stage_worker_applies_its_stages_budget():
+    from dapo_flow.runtime.worker import StageSetup, StageWorker
+    from dapo_flow.spec import GraphSpec
+
+    before = torch.get_num_threads()
+    graph = GraphSpec.model_construct(models={})
+    try:
+        StageWorker(graph, StageSetup("model:policy", (), (), num_threads=1), seed=0)
+        assert torch.get_num_threads() == 1
+        assert threads.openmp_nested() is False
+    finally:
+        threads.configure(before)
+
+
+def test_the_driver_gets_its_stages_cpus():
+    from pathlib import Path
+
+    from dapo_flow.compiler import compile_graph
+    from dapo_flow.plan import Cluster
+    from dapo_flow.runtime.setup import driver_threads
+
+    placed = compile_graph(Path(__file__).resolve().parents[1] / "graphs" / "dapo.yaml", Cluster(cpus=2))
+    assert driver_threads(placed) == 1
