@@ -82,21 +82,35 @@ def resolve_model(path: str, *, progress: bool = True) -> Path:
         cached = builtin_dir(name)
         return cached if cached.is_dir() else build_builtin(name, progress=progress)
     model_dir = Path(path).expanduser()
+    fix = _fix_for(model_dir)
     if not model_dir.exists():
-        raise ModelError(f"model path '{path}' does not exist; {FIX}, or use one of {_builtin_names()}")
+        raise ModelError(f"model path '{path}' does not exist; {fix}, or use one of {_builtin_names()}")
     if not model_dir.is_dir():
-        raise ModelError(f"model path '{path}' is a file, not a directory; {FIX}")
+        raise ModelError(f"model path '{path}' is a file, not a directory; {fix}")
     config_file = model_dir / "config.json"
     if not config_file.is_file():
-        raise ModelError(f"model path '{path}' has no config.json; {FIX}")
+        raise ModelError(f"model path '{path}' has no config.json; {fix}")
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"{config_file} is not valid JSON ({exc}); {FIX}") from None
+        raise ModelError(f"{config_file} is not valid JSON ({exc}); {fix}") from None
     problem = _not_causal_lm(config)
     if problem:
-        raise ModelError(f"model path '{path}': {problem}; {FIX} of a causal (decoder-only) LM")
+        lm = " of a causal (decoder-only) LM" if fix == FIX else ""
+        raise ModelError(f"model path '{path}': {problem}; {fix}{lm}")
     return model_dir.resolve()
+
+
+def _fix_for(model_dir: Path) -> str:
+    """The fix for a model directory that does not load: a checkpoint's model (written by a
+    run: ``step_*/models/NAME``, beside the checkpoint's driver.json) is damaged, and the user
+    never wrote a `path:` for it; any other is the graph's `path:`."""
+    step = model_dir.parent.parent
+    if model_dir.parent.name == "models" and (step / "driver.json").is_file():
+        return (f"checkpoint {step} is damaged: `dapo-flow run GRAPH --resume` falls back to the "
+                "run's previous intact checkpoint (eval: pass an older --checkpoint), or run "
+                "without --resume to start a new run")
+    return FIX
 
 
 def _not_causal_lm(config: dict) -> str | None:

@@ -1,12 +1,21 @@
 """Checkpoints: model weights, optimizer/scheduler/op states, data cursor, RNG, MLflow run id,
 and the kept groups carried to the next step (run.carry_surplus) as an Arrow IPC file.
 
-Written to a temporary folder and renamed into place, so a crash mid-write never leaves a
-checkpoint that looks complete. `latest()` finds the newest complete one.
+Layout: ``{graph folder}/{MLflow run id}/step_NNNNNN/`` — one folder per run, so runs of the
+same graph never overwrite each other. Checkpoints of dapo-flow versions before that sit
+directly in the graph folder (``{graph folder}/step_NNNNNN/``); :func:`runs` reads them as
+the runs their ``driver.json`` names and :func:`adopt_legacy` moves them into run folders.
+
+A checkpoint is written to a temporary folder and renamed into place, so a crash mid-write
+never leaves a checkpoint that looks complete. Its last file is a manifest of every other
+file's size and SHA-256: :func:`verify` finds a checkpoint damaged afterwards (a truncated
+file, a disk error) before anything loads it. ``latest()`` finds the newest complete one.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -20,18 +29,29 @@ from dapo_flow.errors import RunError
 DRIVER_FILE = "driver.json"
 OPS_FILE = "ops.pt"
 CARRY_FILE = "carry.arrow"
+MANIFEST_FILE = "manifest.json"  # written last: sizes and checksums of the other files
+STEP_PREFIX = "step_"
+DAMAGED_PREFIX = "damaged_"  # a damaged checkpoint moved aside by a resume (never listed again)
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+_NO_WRITE = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:06d}"
+    return root / f"{STEP_PREFIX}{step:06d}"
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix(STEP_PREFIX))
 
 
 def save(root: Path, step: int, *, driver: dict[str, Any], op_states: dict[str, Any],
          save_models, carry: pa.Table | None = None) -> Path:
     """``save_models(dir)`` writes the trained models' HF directories into ``dir``;
-    ``carry`` is the table of groups carried over to the next step, if any."""
+    ``carry`` is the table of groups carried over to the next step, if any. ``root`` is the
+    run's folder."""
     final = step_dir(root, step)
-    tmp = root / f".tmp_step_{step:06d}"
+    tmp = root / f".tmp_{final.name}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "models").mkdir(parents=True)
@@ -41,17 +61,76 @@ def save(root: Path, step: int, *, driver: dict[str, Any], op_states: dict[str, 
             with pa.OSFile(str(tmp / CARRY_FILE), "wb") as sink, pa.ipc.new_file(sink, carry.schema) as out:
                 out.write_table(carry)
         (tmp / DRIVER_FILE).write_text(json.dumps(driver, indent=2))
+        _write_manifest(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
     except OSError as exc:  # disk full, quota, permissions: the previous checkpoint stays whole
         shutil.rmtree(tmp, ignore_errors=True)
         before = latest(root)
         raise RunError(
             f"could not write checkpoint {final}: {exc.strerror or exc}\n    the previous checkpoint "
-            f"{'is ' + str(before) if before else 'does not exist'} (intact)\n    fix: free space "
-            f"under {root} (run.keep_checkpoints bounds it), then `dapo-flow run GRAPH --resume`"
+            f"{'is ' + str(before) if before else 'does not exist'} (intact)\n    fix: "
+            f"{_write_fix(exc, root)}, then `dapo-flow run GRAPH --resume`"
         ) from exc
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
     return final
+
+
+def _write_fix(exc: OSError, root: Path) -> str:
+    """What to do about a failed checkpoint write, by its cause (errno)."""
+    if exc.errno in _NO_SPACE:
+        return f"free space under {root} (run.keep_checkpoints bounds it)"
+    if exc.errno in _NO_WRITE:
+        return (f"make {root} writable (its permissions, or a read-only filesystem), or run "
+                "from a folder you can write (checkpoints go under ./dapo-flow-runs)")
+    return f"check that {root} can be written"
+
+
+# --- integrity: a manifest of sizes and checksums, written last -------------------------------
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in _files(folder)}
+    (folder / MANIFEST_FILE).write_text(json.dumps({"version": 1, "files": files}, indent=1))
+
+
+def verify(path: Path) -> str | None:
+    """Why checkpoint ``path`` is damaged (a file missing, truncated or changed since it was
+    written), or None when it is intact. Checkpoints without a manifest (older dapo-flow
+    versions) can only be checked for a readable driver.json."""
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
+        try:
+            load_driver(path)
+        except (OSError, ValueError) as exc:
+            return f"{DRIVER_FILE} is unreadable ({exc})"
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST_FILE} is unreadable ({exc})"
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != expected["size"]:
+            return f"{name} is {size} bytes, {expected['size']} when written (truncated?)"
+        if _sha256(file) != expected["sha256"]:
+            return f"{name} differs from what was written (checksum mismatch)"
+    return None
+
+
+# --- listing -------------------------------------------------------------------------------
 
 
 def prune(root: Path, keep: int) -> list[Path]:
@@ -69,8 +148,63 @@ def latest(root: Path) -> Path | None:
 
 
 def _complete(root: Path) -> list[Path]:
-    """The complete checkpoints under ``root`` (driver file written last), oldest first."""
-    return sorted(p for p in root.glob("step_*") if (p / DRIVER_FILE).is_file())
+    """The complete checkpoints directly under ``root`` (renamed into place with their driver
+    file), oldest first."""
+    return sorted(p for p in root.glob(f"{STEP_PREFIX}*") if (p / DRIVER_FILE).is_file())
+
+
+def written_at(path: Path) -> float:
+    """When a checkpoint was completed (its last file's modification time)."""
+    last = path / MANIFEST_FILE
+    return (last if last.is_file() else path / DRIVER_FILE).stat().st_mtime
+
+
+def runs(graph_root: Path) -> dict[str, list[Path]]:
+    """MLflow run id -> its complete checkpoints (oldest first) under a graph's folder: the run
+    folders, and checkpoints of the older layout (directly in ``graph_root``) by the run id
+    their driver.json names (one with an unreadable driver.json cannot be placed: skipped)."""
+    out: dict[str, list[Path]] = {}
+    if not graph_root.is_dir():
+        return out
+    for legacy in _complete(graph_root):
+        try:
+            out.setdefault(str(load_driver(legacy)["mlflow_run_id"]), []).append(legacy)
+        except (OSError, ValueError, KeyError):
+            continue
+    for folder in sorted(graph_root.iterdir()):
+        if folder.is_dir() and not folder.name.startswith((".", STEP_PREFIX, DAMAGED_PREFIX)):
+            steps = _complete(folder)
+            if steps:
+                out[folder.name] = sorted(out.get(folder.name, []) + steps, key=step_of)
+    return out
+
+
+def all_checkpoints(folder: Path) -> list[Path]:
+    """Every complete checkpoint under a graph's folder (or a run's), oldest written first."""
+    found = [p for steps in runs(folder).values() for p in steps] or _complete(folder)
+    return sorted(set(found), key=written_at)
+
+
+def adopt_legacy(graph_root: Path, run_id: str) -> None:
+    """Move a run's checkpoints of the older layout into its run folder, where it writes the
+    next ones (and prunes), so that the run has one folder again."""
+    target = graph_root / run_id
+    for path in runs(graph_root).get(run_id, []):
+        if path.parent == graph_root:
+            target.mkdir(exist_ok=True)
+            if not step_dir(target, step_of(path)).exists():
+                path.rename(target / path.name)
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint so that nothing lists it again (its files are kept)."""
+    aside = path.with_name(DAMAGED_PREFIX + path.name)
+    shutil.rmtree(aside, ignore_errors=True)
+    path.rename(aside)
+    return aside
+
+
+# --- loading -------------------------------------------------------------------------------
 
 
 def load_driver(path: Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -18,7 +19,8 @@ from dapo_flow.errors import RunError
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.loop import DRIVER, Runner
 from dapo_flow.runtime.sampler import PromptSampler
-from dapo_flow.runtime.session import checkpoint_root, generator_tokenizer, load_source, start_executor
+from dapo_flow.runtime.resume import checkpoint_root
+from dapo_flow.runtime.session import generator_tokenizer, load_source, start_executor
 from dapo_flow.runtime.setup import stage_setups
 from dapo_flow.runtime.worker import StageSetup, StageWorker, quiet_libraries
 from dapo_flow.tracking import Tracker
@@ -30,25 +32,32 @@ class NoCheckpoint(RunError):
     """The graph has no checkpoint to evaluate (an eval sweep skips such runs)."""
 
 
-def resolve_checkpoint(spec, which: str) -> tuple[Path | None, dict[str, str], int | None]:
-    """``which``: "latest" (the graph's newest checkpoint), "base" (the models as the graph
-    names them) or a path (a ``step_*`` folder, or a folder of them: its newest). Returns the
-    step folder, model name -> trained weights, and the step."""
+def resolve_checkpoint(spec, which: str, warn: Callable[[str], None] | None = None
+                       ) -> tuple[Path | None, dict[str, str], int | None]:
+    """``which``: "latest" (the graph's newest intact checkpoint, across its runs; a damaged
+    newer one is reported through ``warn`` and skipped), "base" (the models as the graph names
+    them) or a path (a ``step_*`` folder, or a run's or graph's folder of them: the newest).
+    Returns the step folder, model name -> trained weights, and the step."""
     if which == "base":
         return None, {}, None
     if which == "latest":
         root = checkpoint_root(spec)
-        step_dir = checkpoint.latest(root)
+        step_dir = _newest_intact(checkpoint.all_checkpoints(root), warn or (lambda text: None))
         if step_dir is None:
             raise NoCheckpoint(f"no checkpoint of graph '{spec.name}' under {root}: train it first "
                            "(`dapo-flow run GRAPH`, with the same --set edits), or pass "
                            "--checkpoint base / --checkpoint PATH")
     else:
         path = Path(which).expanduser()
-        step_dir = path if (path / checkpoint.DRIVER_FILE).is_file() else checkpoint.latest(path)
+        found = checkpoint.all_checkpoints(path) if path.is_dir() else []
+        step_dir = path if (path / checkpoint.DRIVER_FILE).is_file() else (found[-1] if found else None)
         if step_dir is None:
             raise RunError(f"--checkpoint {which}: not a checkpoint (no {checkpoint.DRIVER_FILE} in it "
                            "or in a step_* folder below it); pass latest, base or a step_* folder")
+        problem = checkpoint.verify(step_dir)
+        if problem is not None:
+            raise RunError(f"--checkpoint {which}: checkpoint {step_dir} is damaged ({problem}); "
+                           "pass an older step_* folder, or latest (the newest intact one)")
     driver = checkpoint.load_driver(step_dir)
     unknown = sorted(set(driver["trained_models"]) - set(spec.models))
     if unknown:
@@ -56,6 +65,17 @@ def resolve_checkpoint(spec, which: str) -> tuple[Path | None, dict[str, str], i
                        f"'{spec.name}' ({sorted(spec.models)}): evaluate it with the graph it was trained with")
     models = {m: str(step_dir / "models" / m) for m in driver["trained_models"]}
     return step_dir, models, int(driver["step"])
+
+
+def _newest_intact(found: list[Path], warn: Callable[[str], None]) -> Path | None:
+    """The newest of ``found`` (oldest first) that verifies; damaged ones are reported (and
+    left where they are: eval only reads)."""
+    for path in reversed(found):
+        problem = checkpoint.verify(path)
+        if problem is None:
+            return path
+        warn(f"checkpoint {path} is damaged ({problem}); evaluating the one before it")
+    return None
 
 
 def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature: float | None = None,
@@ -72,7 +92,8 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     if not {"generate", "score"} <= ops:
         raise RunError(f"graph '{spec.name}' has no {' and no '.join(sorted({'generate', 'score'} - ops))} "
                        "node: eval samples with the graph's generate node and grades with its score node")
-    step_dir, models, step = resolve_checkpoint(spec, which)
+    step_dir, models, step = resolve_checkpoint(
+        spec, which, lambda text: console.print(f"[yellow]warning:[/] {text}", highlight=False))
     data = spec.data.val or spec.data.train
     if spec.data.val is None and source is None and split is None:
         raise RunError(f"graph '{spec.name}' has no data.val: pass --source / --split for the prompts")

@@ -4,11 +4,14 @@ Metrics reach MLflow exactly once: they are buffered and written when a checkpoi
 written (and at the end), so a resume from the last checkpoint never duplicates or loses
 a step. The checkpoint holds the buffered metrics too, and a resume writes those MLflow
 lacks (the run died between writing the checkpoint and flushing). Without checkpoints
-(checkpoint_every: 0) they are written every step.
+(checkpoint_every: 0) they are written every step. A resume that falls back past a damaged
+checkpoint recomputes steps MLflow already has: those are not logged again (see
+:func:`_flush`). Which checkpoint a resume starts from: :mod:`dapo_flow.runtime.resume`.
 """
 
 from __future__ import annotations
 
+import math
 import platform
 import time
 from pathlib import Path
@@ -22,10 +25,11 @@ from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.executors import LocalExecutor, RayExecutor
 from dapo_flow.runtime.loop import DRIVER, LoopState, Runner
+from dapo_flow.runtime.resume import checkpoint_root, resume_point
 from dapo_flow.runtime.sampler import PromptSampler
-from dapo_flow.runtime.setup import NOT_IDENTITY, graph_hash, stage_setups
+from dapo_flow.runtime.setup import graph_hash, stage_setups
 from dapo_flow.runtime.worker import StageSetup, StageWorker, quiet_libraries
-from dapo_flow.tracking import Tracker, flatten, read_run, runs_dir
+from dapo_flow.tracking import Tracker, flatten, read_run
 
 
 def _versions() -> dict[str, str]:
@@ -73,11 +77,6 @@ def _load_data(spec, tokenizer, read_parquet=None):
     return train, val, skipped + val_skipped
 
 
-def checkpoint_root(spec) -> Path:
-    """Where a graph's checkpoints live: one folder per graph name and hash."""
-    return runs_dir() / "checkpoints" / f"{spec.name}-{graph_hash(spec)[:10]}"
-
-
 def start_executor(placed, setups: dict, executor: str, address: str | None, console: Console,
                    seed: int | None = None):
     """The model actors (Ray) or in-process workers (local) of a placed plan's stages, their
@@ -91,33 +90,6 @@ def start_executor(placed, setups: dict, executor: str, address: str | None, con
         if executor == "local":
             return LocalExecutor(spec, setups, seed)
         raise RunError(f"unknown executor '{executor}': use ray or local")
-
-
-def _nothing_to_resume(spec, ckpt_root: Path) -> str:
-    """Why --resume found no checkpoint; if the same graph name has checkpoints under another
-    hash, what changed since the newest of them (checkpoints record their graph)."""
-    from dapo_flow.graphdiff import diff_graphs
-
-    head = f"nothing to resume: no checkpoint of graph '{spec.name}' (hash {graph_hash(spec)[:10]}) under {ckpt_root}"
-    others = [last for d in ckpt_root.parent.glob(f"{spec.name}-*")
-              if d != ckpt_root and (last := checkpoint.latest(d)) is not None]
-    if not others:
-        return f"{head}; run without --resume"
-    newest = max(others, key=lambda last: last.stat().st_mtime)
-    old_graph = checkpoint.load_driver(newest).get("graph")
-    if old_graph is None:
-        return (f"{head}\n    graph '{spec.name}' was changed since its checkpoint {newest}\n    fix: undo "
-                "the change (or pass the same --set edits) to resume it, or run without --resume")
-    ignored = {f"run.{key}" for key in NOT_IDENTITY}
-    changes = [c for c in diff_graphs(old_graph, spec.model_dump(mode="json")) if c.key not in ignored]
-    if not changes:  # same graph, other hash: written by a dapo-flow that hashed graphs differently
-        return (f"{head}\n    the same graph has a checkpoint under another hash: {newest} (written by "
-                "another dapo-flow version?)\n    fix: resume with that version, or run without --resume")
-    listed = "".join(f"\n      {c.render()}" for c in changes[:12])
-    more = f"\n      ... and {len(changes) - 12} more" if len(changes) > 12 else ""
-    return (f"{head}\n    graph '{spec.name}' changed since its checkpoint {newest}:{listed}{more}\n"
-            "    fix: undo these changes (or pass the same --set edits) to resume that run, or run "
-            "without --resume to start a new one")
 
 
 def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
@@ -150,28 +122,28 @@ def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
         pass
 
 
-def run_session(placed, *, executor: str, address: str | None, resume: bool, steps: int | None,
+def run_session(placed, *, executor: str, address: str | None, resume: bool | str, steps: int | None,
                 console: Console | None = None, run_name: str | None = None,
                 parent_run_id: str | None = None, extra_params: dict | None = None,
                 extra_artifacts: dict | None = None) -> dict:
+    """``resume``: False (a new run), True (the graph's newest unfinished run) or a run id."""
     quiet_libraries()
     spec = placed.plan.spec
     console = console or Console()
     total = steps or spec.run.steps
     ghash = graph_hash(spec)
-    ckpt_root = checkpoint_root(spec)
     driver_state: dict = {}
     op_states: dict = {}
     carry = None
     model_paths: dict[str, str] = {}
     if resume:
-        last = checkpoint.latest(ckpt_root)
-        if last is None:
-            raise RunError(_nothing_to_resume(spec, ckpt_root))
+        last = resume_point(spec, resume, total, lambda text: console.print(
+            f"[yellow]warning:[/] {text}", highlight=False))
         driver_state, op_states = checkpoint.load(last)
         carry = checkpoint.load_carry(last)
         model_paths = {m: str(last / "models" / m) for m in driver_state["trained_models"]}
-        console.print(f"resuming from {last} (step {driver_state['step']})")
+        console.print(f"resuming from {last} (step {driver_state['step']} of run "
+                      f"{driver_state['mlflow_run_id']})", highlight=False)
 
     tokenizer = generator_tokenizer(spec)
     setups = stage_setups(placed, model_paths)
@@ -180,6 +152,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
     ex = start_executor(placed, setups, executor, address, console)
     startup = time.perf_counter() - start
     tracker = None
+    run_root = checkpoint_root(spec)  # + the run id, once the MLflow run exists
     try:
         with CtrlC() as ctrl_c:
             train_prompts, val_prompts, skipped = _load_data(spec, tokenizer, ex.read_parquet)
@@ -187,6 +160,8 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
                 tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
                                   run_id=driver_state.get("mlflow_run_id"),
                                   run_name=run_name or spec.name, parent_run_id=parent_run_id)
+                run_root = checkpoint_root(spec) / tracker.run_id
+                logged: dict[int, set[str]] = {}
                 if not resume:
                     _log_start(tracker, placed, ghash, executor)
                     if extra_params:
@@ -194,7 +169,8 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
                     for name, text in (extra_artifacts or {}).items():
                         tracker.log_text(text, name)
                 else:
-                    _log_unlogged(tracker, driver_state.get("unlogged_metrics", []))
+                    logged = _logged_metrics(tracker)
+                    _flush(tracker, driver_state.get("unlogged_metrics", []), logged)
             for stage, states in op_states.items():
                 if stage == DRIVER:
                     driver.load_op_states(states)
@@ -208,14 +184,15 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool, ste
                               wall_seconds=float(driver_state.get("wall_seconds", 0.0)),
                               keep_rate=driver_state.get("keep_rate"))
             runner = Runner(placed, ex, driver, sampler)
-            return _loop(runner, state, tracker, total, ckpt_root, console, startup, skipped,
-                         ghash, val_prompts, ctrl_c)
+            return _loop(runner, state, tracker, total, run_root, console, startup, skipped,
+                         ghash, val_prompts, ctrl_c, logged)
     except KeyboardInterrupt:
         if tracker is not None:
             with CtrlC() as again, again.held(then_raise=False):  # a 2nd Ctrl-C waits for it
                 _mark_ended(tracker, "KILLED", console)
-        raise RunError("interrupted; `dapo-flow run GRAPH --resume` continues from the last "
-                       f"checkpoint under {ckpt_root}") from None
+        which = f" run {tracker.run_id}" if tracker is not None else ""
+        raise RunError(f"interrupted; `dapo-flow run GRAPH --resume` continues{which} from its last "
+                       f"checkpoint under {run_root}") from None
     except BaseException:
         if tracker is not None:
             _mark_ended(tracker, "FAILED", console)
@@ -233,9 +210,9 @@ def _mark_ended(tracker: Tracker, status: str, console: Console) -> None:
         console.print(f"[yellow]warning:[/] could not mark MLflow run {tracker.run_id} {status}: {e}")
 
 
-def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_root: Path,
+def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_root: Path,
           console: Console, startup: float, skipped: int, ghash: str, val_prompts,
-          ctrl_c: CtrlC) -> dict:
+          ctrl_c: CtrlC, logged: dict[int, set[str]]) -> dict:
     run = runner.run
     spec = runner.plan.spec
     pending: list[tuple[int, dict]] = []
@@ -285,18 +262,13 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, ckpt_r
             ckpt_due = run.checkpoint_every and (step % run.checkpoint_every == 0 or step == total)
             with ctrl_c.held():  # a checkpoint and its metrics are written whole
                 if ckpt_due:
-                    _checkpoint(runner, state, tracker, ckpt_root, trained, pending)
+                    _checkpoint(runner, state, tracker, run_root, trained, pending)
                 if ckpt_due or not run.checkpoint_every:
-                    for s, m in pending:
-                        tracker.log_metrics(s, m)
+                    _flush(tracker, pending, logged)
                     pending.clear()
-            info = f"reward {metrics.get('batch/reward_mean', metrics.get('batch/score_mean', float('nan'))):+.3f}"
-            if last_val is not None:
-                info += f"  val acc {last_val:.3f}"
-            progress.update(task, completed=step, info=info)
+            progress.update(task, completed=step, info=_progress_info(metrics, last_val))
     with ctrl_c.held(then_raise=False):  # the run is done: a late Ctrl-C changes nothing
-        for s, m in pending:
-            tracker.log_metrics(s, m)
+        _flush(tracker, pending, logged)
         tracker.finish("FINISHED")
     summary = {
         "run_id": tracker.run_id, "tracking_uri": tracker.uri, "steps": state.step,
@@ -333,15 +305,40 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
         checkpoint.prune(root, keep)
 
 
-def _log_unlogged(tracker: Tracker, entries: list) -> None:
-    """Log the checkpoint's buffered (step, metrics) that MLflow does not have yet."""
-    if not entries:
-        return
-    history = read_run(tracker.uri, tracker.run_id)["history"]
+def _logged_metrics(tracker: Tracker) -> dict[int, set[str]]:
+    """Step -> names of the metrics MLflow already has for the run (read once, on resume)."""
+    logged: dict[int, set[str]] = {}
+    for key, points in read_run(tracker.uri, tracker.run_id)["history"].items():
+        for step, _ in points:
+            logged.setdefault(step, set()).add(key)
+    return logged
+
+
+def _flush(tracker: Tracker, entries, logged: dict[int, set[str]]) -> None:
+    """Log buffered (step, metrics), leaving out each metric MLflow already has at that step:
+    a resume writes the checkpoint's unflushed steps, and one that fell back past a damaged
+    checkpoint recomputes steps already logged. The values logged first win: those of the
+    first pass (a resumed run replays them exactly, but for wall-clock time/* and perf/*)."""
     for step, metrics in entries:
-        key = next(iter(metrics), None)  # one log_batch per step: one key tells
-        if key is not None and step not in {s for s, _ in history.get(key, [])}:
-            tracker.log_metrics(step, metrics)
+        have = logged.get(step, ())
+        new = {k: v for k, v in metrics.items() if k not in have} if have else metrics
+        if new:
+            tracker.log_metrics(step, new)
+
+
+#: what the progress bar shows as the step's reward: the first of these metrics the step has
+#: (the trained batch's reward, else its score, else the score operator's mean over all it scored)
+PROGRESS_REWARD = (("batch/reward_mean", "reward"), ("batch/score_mean", "score"), ("score/mean", "score"))
+
+
+def _progress_info(metrics: dict, last_val: float | None) -> str:
+    """The progress bar's text: the step's reward (none on a step without one, e.g. a skipped
+    step) and the last validation accuracy."""
+    parts = [f"{label} {metrics[key]:+.3f}" for key, label in PROGRESS_REWARD
+             if math.isfinite(metrics.get(key, math.nan))][:1]
+    if last_val is not None:
+        parts.append(f"val acc {last_val:.3f}")
+    return "  ".join(parts)
 
 
 def _print_summary(console: Console, summary: dict) -> None:

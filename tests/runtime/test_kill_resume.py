@@ -60,14 +60,14 @@ def _start(path: Path, executor: str, log: Path, *flags: str) -> subprocess.Pope
 
 def _wait_for_checkpoint(proc: subprocess.Popen, root: Path, step: int, log: Path) -> Path:
     deadline = time.monotonic() + WAIT_S
-    while not list(root.glob(f"checkpoints/*/step_{step:06d}/{checkpoint.DRIVER_FILE}")):
+    while not list(root.glob(f"checkpoints/*/*/step_{step:06d}/{checkpoint.MANIFEST_FILE}")):
         if proc.poll() is not None:
             pytest.fail(f"the run ended (rc {proc.returncode}) before checkpoint {step}:\n"
                         f"{log.read_text()[-3000:]}")
         if time.monotonic() > deadline:
             pytest.fail(f"no checkpoint {step} after {WAIT_S} s:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
-    return next(root.glob(f"checkpoints/*/step_{step:06d}")).parent
+    return next(root.glob(f"checkpoints/*/*/step_{step:06d}")).parent
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -183,7 +183,7 @@ def test_crash_between_checkpoint_and_metric_flush_resumes_carry_and_metrics(
     the op states, and ends with the numbers of the uninterrupted run."""
     path = _graph(small_graph, workdir)
     _crash_when_flushing(path, 1, monkeypatch)
-    [ckpt] = runs_dir().glob("checkpoints/crash-*/step_000002")
+    [ckpt] = runs_dir().glob("checkpoints/crash-*/*/step_000002")
     carry = checkpoint.load_carry(ckpt)
     assert carry is not None and len(set(carry.column("prompt_id").to_pylist())) == 4
     assert checkpoint.latest(ckpt.parent) == ckpt

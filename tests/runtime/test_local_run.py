@@ -60,7 +60,7 @@ def test_same_seed_same_metrics(workdir, small_graph):
 def test_resume_continues_the_same_run(workdir, small_graph):
     path = small_graph(workdir, steps=4, ckpt=2)
     first = _run(path, steps=2)
-    resumed = _run(path, resume=True, steps=4)
+    resumed = _run(path, resume=first["run_id"], steps=4)  # a FINISHED run, trained further by id
     assert resumed["run_id"] == first["run_id"]
     history = read_run(resumed["tracking_uri"], resumed["run_id"])["history"]
     assert [s for s, _ in history["batch/reward_mean"]] == [1, 2, 3, 4]
@@ -73,8 +73,9 @@ def test_keep_checkpoints_prunes_the_oldest_and_resume_still_works(workdir, smal
     path = small_graph(workdir, steps=4, ckpt=1, keep=2)
     first = _run(path)
     [root] = (runs_dir() / "checkpoints").iterdir()
+    root = root / first["run_id"]  # the run's own folder
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000003", "step_000004"]
-    resumed = _run(path, resume=True, steps=5)
+    resumed = _run(path, resume=first["run_id"], steps=5)
     assert resumed["run_id"] == first["run_id"]
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000004", "step_000005"]
     # retention (like the step count) is not part of the graph's identity: resume finds it
@@ -92,7 +93,7 @@ def test_resume_without_checkpoint_is_a_clear_error(workdir, small_graph):
 
 def test_resume_of_a_changed_graph_says_what_changed(workdir, small_graph):
     path = small_graph(workdir, steps=2, ckpt=2)
-    _run(path)
+    first = _run(path)
     path.write_text(path.read_text().replace("lr: 1.0e-4", "lr: 5.0e-5").replace("steps: 2", "steps: 4"))
     with pytest.raises(RunError) as err:
         _run(path, resume=True)
@@ -101,7 +102,7 @@ def test_resume_of_a_changed_graph_says_what_changed(workdir, small_graph):
     assert "train.lr: 0.0001 -> 5e-05" in text and "run.steps" not in text  # steps may change
     assert "undo these changes" in text
     path.write_text(path.read_text().replace("lr: 5.0e-5", "lr: 1.0e-4"))
-    assert _run(path, resume=True)["steps"] == 4  # undone: the checkpoint is found again
+    assert _run(path, resume=first["run_id"])["steps"] == 4  # undone: the checkpoint is found again
 
 
 def _constant_metric_graph(small_graph, workdir, on_cap):
@@ -132,7 +133,7 @@ def test_reference_model_kl_in_reward_and_overlong_filter(workdir, small_graph):
              ("set", "kl.horizon=10"), ("insert", "filt:overlong-filter:after=kl"), ("set", "train.kl_coef=0.01")]
     placed = edit_file(small_graph(workdir, steps=3, ckpt=2), parse_cli_edits(flags)).compile(CLUSTER)
     first = execute(placed, executor="local", steps=2)
-    resumed = execute(placed, executor="local", resume=True, steps=3)
+    resumed = execute(placed, executor="local", resume=first["run_id"], steps=3)
     run = read_run(resumed["tracking_uri"], resumed["run_id"])
     coef = [v for _, v in run["history"]["kl/coef"]]
     assert resumed["run_id"] == first["run_id"] and len(coef) == 3
@@ -154,8 +155,8 @@ def test_auto_generation_batches_resume_exactly(workdir, small_graph):
 
     straight = execute(placed("straight"), executor="local")
     p = placed("resumed")
-    execute(p, executor="local", steps=2)
-    resumed = execute(p, executor="local", resume=True)
+    first = execute(p, executor="local", steps=2)
+    resumed = execute(p, executor="local", resume=first["run_id"])
     a = read_run(straight["tracking_uri"], straight["run_id"])["history"]
     b = read_run(resumed["tracking_uri"], resumed["run_id"])["history"]
     for key in ("sampling/keep_rate", "sampling/samples_generated", "batch/reward_mean", "actor/pg_loss"):
@@ -259,7 +260,7 @@ def test_a_checkpoint_that_cannot_be_written_is_a_clear_error_and_resumable(work
     path = small_graph(workdir, steps=3, ckpt=1)
     with pytest.raises(RunError, match=r"could not write checkpoint .*step_000002: No space left on device"):
         _run(path)
-    [root] = (runs_dir() / "checkpoints").iterdir()
+    [root] = (runs_dir() / "checkpoints").glob("*/*")  # the graph's folder / the run's
     assert [p.name for p in root.iterdir()] == ["step_000001"]  # no half-written folder left
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     assert _run(path, resume=True)["steps"] == 3
