@@ -30,6 +30,7 @@ import polars as pl
 import torch
 from torch import Tensor
 
+from dapo_flow.errors import DapoFlowError
 from dapo_flow.kernels import grpo_token_advantages, masked_broadcast, new_output
 
 __all__ = [
@@ -57,8 +58,11 @@ __all__ = [
 ]
 
 
-class AlgoError(ValueError):
-    """Bad input to an algorithm function (unknown mode, all-masked batch, shape mismatch, ...)."""
+class AlgoError(DapoFlowError, ValueError):
+    """Bad input to an algorithm function (unknown mode, all-masked batch, shape mismatch, ...).
+
+    A DapoFlowError, so a run that reaches one (e.g. an update fed an empty batch) ends with
+    the message and exit 2, not a traceback; still a ValueError for callers of the math."""
 
 
 LOSS_AGG_MODES: tuple[str, ...] = (

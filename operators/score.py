@@ -5,10 +5,18 @@ Reward functions: ``builtin:addition``, ``builtin:math`` (boxed / final answer, 
 ``(response_text, ground_truth, extra_info)`` and returning a float or a dict with
 ``score`` (and optionally ``acc`` plus the declared ``extra_columns``).
 ``acc`` is 1.0 when the answer is correct, taken before any overlong penalty.
+
+A reward function's value is checked, never trusted: anything but a finite real number (None,
+NaN, inf, a string, a list, a dict without ``score``, a value beyond float32) or an exception
+raised by the function stops the run with a RunError naming the function, the sample (prompt id
+and sample index) and the value. Not skipped: a silently dropped sample would bias the group's
+advantages, and a bad value is a bug in the function that the user has to see.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Callable
 
 import numpy as np
@@ -18,6 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import with_columns
 from dapo_flow.contract import OpContext
+from dapo_flow.errors import RunError
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class Params(BaseModel):
@@ -43,7 +54,28 @@ def _resolve(params: Params) -> Callable[..., Any]:
         return lambda text, truth, _extra: verify(
             text, truth, correct=params.correct, wrong=params.wrong
         )
-    return load_object(params.reward)
+    fn = load_object(params.reward)
+    if not callable(fn):
+        raise RunError(f"reward '{params.reward}' is a {type(fn).__name__}, not a function: name a "
+                       "function taking (response_text, ground_truth, extra_info)")
+    return fn
+
+
+def as_number(value: Any) -> float | None:
+    """``value`` as a finite float32-representable number, or None when it is not one (numpy
+    scalars, 0-d arrays and one-element tensors count as their element; strings never do)."""
+    if isinstance(value, (np.ndarray, np.generic)) or type(value).__module__.startswith("torch"):
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):  # more than one element
+            return None
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond float range
+        return None
+    return x if math.isfinite(x) and abs(x) <= FLOAT32_MAX else None
 
 
 class Score:
@@ -60,6 +92,7 @@ class Score:
 
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params
+        self.ctx = ctx
         self.fn = _resolve(params)
         self.builtin = params.reward.startswith("builtin:")
         self._metrics: dict[str, float] = {}
@@ -71,17 +104,56 @@ class Score:
         score = np.zeros(len(texts), np.float32)
         acc = np.zeros(len(texts), np.float32)
         for i, (text, truth) in enumerate(zip(texts, truths)):
-            result = self.fn(text, truth, {})
+            try:
+                result = self.fn(text, truth, {})
+            except Exception as exc:  # user code: report which sample, not a traceback
+                raise RunError(self._bad(batch, i, f"raised {exc!r}")) from exc
             if isinstance(result, dict):
-                score[i] = float(result["score"])
-                acc[i] = float(result.get("acc", score[i] > 0))
+                if "score" not in result:
+                    raise RunError(self._bad(batch, i, f"returned a dict without 'score': {_short(result)}"))
+                score[i] = self._number(batch, i, result["score"], "score")
+                acc[i] = self._number(batch, i, result.get("acc", float(score[i] > 0)), "acc")
                 for name in extras:
-                    extras[name][i] = float(result.get(name, 0.0))
+                    extras[name][i] = self._number(batch, i, result.get(name, 0.0), name)
             else:
-                score[i] = float(result)
+                score[i] = self._number(batch, i, result, "score")
                 acc[i] = float(score[i] == self.params.correct if self.builtin else score[i] > 0)
         self._metrics = {"score/mean": float(score.mean()), "acc/mean": float(acc.mean())}
         return with_columns(batch, {C.SCORE: score, C.ACC: acc, **extras})
 
     def last_metrics(self) -> dict[str, float]:
         return dict(self._metrics)
+
+    def _number(self, batch: pa.Table, row: int, value: Any, what: str) -> float:
+        number = as_number(value)
+        if number is None:
+            raise RunError(self._bad(batch, row, f"returned {_short(value)} as '{what}'"))
+        return number
+
+    def _bad(self, batch: pa.Table, row: int, what: str) -> str:
+        """The error text for a bad reward: which function, node and sample, what it did."""
+        sample = _sample_name(batch, row)
+        response = _short(batch.column(C.RESPONSE_TEXT)[row].as_py())
+        return (
+            f"reward function '{self.params.reward}' (node '{self.ctx.node_id}') {what} for "
+            f"{sample} (response {response})\n"
+            "    a reward must be a finite number, or a dict with a finite number under 'score' "
+            "(and optionally 'acc' and the declared extra_columns)\n"
+            "    fix: make the function return one for every response (e.g. the wrong-answer "
+            "score when it cannot parse the response); `dapo-flow run GRAPH --resume` then "
+            "continues from the last checkpoint"
+        )
+
+
+def _sample_name(batch: pa.Table, row: int) -> str:
+    parts = []
+    if C.PROMPT_ID in batch.column_names:
+        parts.append(f"prompt id {batch.column(C.PROMPT_ID)[row].as_py()!r}")
+    if C.SAMPLE_IDX in batch.column_names:
+        parts.append(f"sample {batch.column(C.SAMPLE_IDX)[row].as_py()}")
+    return ", ".join(parts) or f"row {row}"
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -6,6 +6,10 @@ loss (verl's token-count semantics: token-mean divides by the mini-batch token c
 AdamW with linear warm-up, weight decay and grad-norm clipping; optional KL loss against
 ref logprobs, entropy bonus, and overlong filtering (mask truncated responses).
 Returns a one-row table of metrics.
+
+An optimizer step whose gradient norm is nan or inf is skipped (counted in
+``actor/skipped_steps``); `max_nonfinite_steps` of them in a row stop the run with a RunError,
+since from then on training would silently do nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dapo_flow import algos
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import ragged_to_padded, token_lists
 from dapo_flow.contract import OpContext
+from dapo_flow.errors import RunError
 
 LossAgg = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
@@ -70,6 +75,9 @@ class Params(BaseModel):
     get no loss), `ignore` it, or `auto`: use it when an upstream node produces it."""
     temperature: float = Field(1.0, gt=0.0, le=10.0)
     """Divide logits by this (set it to generate's temperature)."""
+    max_nonfinite_steps: int = Field(3, ge=0, le=1_000_000)
+    """Stop the run after this many optimizer steps in a row with a nan/inf gradient norm (each
+    is skipped, so the run would train nothing); 0 never stops (they are only counted)."""
 
     @model_validator(mode="after")
     def _norm_len_for_drgrpo(self) -> "Params":
@@ -81,7 +89,10 @@ class Params(BaseModel):
 METRICS = (
     "actor/pg_loss", "actor/clipfrac", "actor/clipfrac_lower", "actor/ppo_kl", "actor/grad_norm",
     "actor/entropy", "actor/lr", "actor/kl_loss", "actor/skipped_minibatches",
+    "actor/skipped_steps", "actor/skipped_steps_total",
 )
+# per-step counts, reported as sums over the step's mini-batches, not as means
+COUNTS = ("actor/skipped_minibatches", "actor/skipped_steps")
 
 
 class Update:
@@ -115,6 +126,8 @@ class Update:
             self.policy.model.parameters(), lr=params.lr, weight_decay=params.weight_decay
         )
         self.steps_done = 0
+        self.nonfinite_in_a_row = 0  # optimizer steps skipped for a nan/inf grad norm, in a row
+        self.skipped_total = 0  # all optimizer steps skipped so far, for actor/skipped_steps_total
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
 
     def _lr_factor(self, step: int) -> float:
@@ -126,17 +139,24 @@ class Update:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "steps_done": self.steps_done,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "skipped_total": self.skipped_total,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps_done = int(state["steps_done"])
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))  # older checkpoints lack it
+        self.skipped_total = int(state.get("skipped_total", 0))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         p = self.params
         if batch.num_rows == 0:
-            raise algos.AlgoError("update got an empty batch: every group was filtered out")
+            raise algos.AlgoError(
+                f"update '{self.ctx.node_id}' got an empty batch: a node between the group-filter "
+                "(or generate) and this update dropped every row. Fix: let that node keep rows, or "
+                "move it before the group-filter so dynamic sampling refills the batch")
         prompts = token_lists(batch.column(C.PROMPT_IDS))
         responses = token_lists(batch.column(C.RESPONSE_IDS))
         old_logp, lengths = ragged_to_padded(batch.column(C.OLD_LOGP), dtype=np.float32)
@@ -162,10 +182,12 @@ class Update:
                 for key, value in stats.items():
                     sums[key] += value
                 n_opt_steps += 1
+                self._count_nonfinite(stats)
         self.scheduler.step()
         self.steps_done += 1
         out = {k: v / max(n_opt_steps, 1) for k, v in sums.items()}
-        out["actor/skipped_minibatches"] = sums["actor/skipped_minibatches"]
+        out.update({k: sums[k] for k in COUNTS})
+        out["actor/skipped_steps_total"] = float(self.skipped_total)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         return pa.table({k: pa.array([out[k]], pa.float32()) for k in METRICS})
 
@@ -210,8 +232,36 @@ class Update:
             for key in ("clipfrac", "clipfrac_lower", "ppo_kl"):
                 stats[f"actor/{key}"] += pg_stats[key] * share
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), p.grad_clip)
-        if torch.isfinite(grad_norm):
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:  # a nan/inf step would poison the weights and Adam's moments for good
             self.optimizer.step()
+        stats["actor/skipped_steps"] = float(not finite)
         stats["actor/grad_norm"] = float(grad_norm)
         stats["actor/lr"] = lr
         return stats
+
+    def _count_nonfinite(self, stats: dict[str, float]) -> None:
+        """Track skipped (non-finite) optimizer steps; stop after max_nonfinite_steps in a row."""
+        if not stats["actor/skipped_steps"]:
+            self.nonfinite_in_a_row = 0
+            return
+        self.skipped_total += 1
+        self.nonfinite_in_a_row += 1
+        limit = self.params.max_nonfinite_steps
+        if limit and self.nonfinite_in_a_row >= limit:
+            raise RunError(_nonfinite_message(self.ctx.node_id, stats["actor/grad_norm"], limit,
+                                              self.steps_done + 1))
+
+
+def _nonfinite_message(node_id: str, grad_norm: float, limit: int, update_step: int) -> str:
+    return (
+        f"update '{node_id}': the gradient norm was {grad_norm} (not finite) in {limit} optimizer "
+        f"steps in a row, the last in update step {update_step}; each such step is skipped, so the "
+        "run was training nothing.\n"
+        "    likely causes: lr, entropy_coef or kl_coef too large; clip settings (clip_high, clip_c, "
+        "grad_clip); non-finite rewards or advantages upstream; a float16 model overflowing\n"
+        "    the last checkpoint is intact: after a fix outside the graph (reward code, data, "
+        "environment) `dapo-flow run GRAPH --resume` continues from it; a changed param is a new "
+        "graph, run it without --resume (max_nonfinite_steps: 0 only counts such steps, in "
+        "actor/skipped_steps)"
+    )

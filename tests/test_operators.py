@@ -135,3 +135,140 @@ def test_update_uses_loss_mask_when_upstream_makes_it():
     assert resolve(cls, cls.Params(), {}).loss_mask == "ignore"
     assert C.LOSS_MASK in requires(cls, cls.Params(loss_mask="use"))
     assert C.LOSS_MASK not in requires(cls, cls.Params(loss_mask="ignore"))
+
+
+# --- score: a reward function's value is checked, never trusted -------------------------
+
+REWARDS = '''
+import math
+def none(text, truth, extra): return None
+def nan(text, truth, extra): return math.nan
+def inf(text, truth, extra): return -math.inf
+def text(text, truth, extra): return "1.0"
+def pair(text, truth, extra): return [1.0, 0.0]
+def huge(text, truth, extra): return 1e300
+def no_score(text, truth, extra): return {"acc": 1.0}
+def nan_acc(text, truth, extra): return {"score": 1.0, "acc": math.nan}
+def boom(text, truth, extra): raise ZeroDivisionError("cannot parse")
+def fine(text, truth, extra): return {"score": 0.5, "acc": True}
+'''
+
+
+def _rollouts(n: int = 3) -> pa.Table:
+    return pa.table({
+        C.PROMPT_ID: pa.array([f"train-{i // 2}" for i in range(n)]),
+        C.SAMPLE_IDX: pa.array([i % 2 for i in range(n)], pa.int32()),
+        C.RESPONSE_TEXT: pa.array(["12", "7", "x"][:n]),
+        C.GROUND_TRUTH: pa.array(["12"] * n),
+    })
+
+
+@pytest.mark.parametrize("fn, shown", [
+    ("none", "returned None as 'score'"), ("nan", "returned nan as 'score'"),
+    ("inf", "returned -inf as 'score'"), ("text", "returned '1.0' as 'score'"),
+    ("pair", "returned [1.0, 0.0] as 'score'"), ("huge", "returned 1e+300 as 'score'"),
+    ("no_score", "returned a dict without 'score': {'acc': 1.0}"),
+    ("nan_acc", "returned nan as 'acc'"), ("boom", "raised ZeroDivisionError('cannot parse')"),
+])
+def test_score_rejects_a_bad_reward_value_naming_function_and_sample(tmp_path, fn, shown):
+    from dapo_flow.errors import RunError
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS)
+    op = _op("score", reward=f"{rewards}:{fn}")
+    with pytest.raises(RunError) as err:
+        op(_rollouts())
+    text = str(err.value)
+    assert f"reward function '{rewards}:{fn}' (node 'score') {shown} for prompt id 'train-0', sample 0" in text
+    assert "response '12'" in text and "fix:" in text
+
+
+def test_score_accepts_numpy_and_bool_values(tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS)
+    out = _op("score", reward=f"{rewards}:fine")(_rollouts())
+    assert out.column(C.SCORE).to_pylist() == [0.5] * 3 and out.column(C.ACC).to_pylist() == [1.0] * 3
+    from operators.score import as_number
+
+    assert as_number(np.float64(2.5)) == 2.5 and as_number(np.bool_(True)) == 1.0
+    assert as_number(np.array(3)) == 3.0 and as_number(np.array([1, 2])) is None
+    assert as_number(10**400) is None and as_number("2") is None
+
+
+def test_score_rejects_a_reward_that_is_not_a_function(tmp_path):
+    from dapo_flow.errors import RunError
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("SCORE = 1.0\n")
+    with pytest.raises(RunError, match=r"is a float, not a function"):
+        _op("score", reward=f"{rewards}:SCORE")
+
+
+# --- update: non-finite optimizer steps are skipped, counted, and stop the run -----------
+
+
+def _train_batch(policy, rows: int = 4) -> pa.Table:
+    prompts = [policy.tokenizer.encode(f"{i}+{i}=") for i in range(rows)]
+    responses = [policy.tokenizer.encode(str(2 * i)) + [policy.eos_id] for i in range(rows)]
+    return pa.table({
+        C.PROMPT_IDS: pa.array(prompts, C.TOKENS),
+        C.RESPONSE_IDS: pa.array(responses, C.TOKENS),
+        C.OLD_LOGP: pa.array([[-1.0] * len(r) for r in responses], C.TOKEN_FLOATS),
+        C.ADVANTAGE: pa.array(np.linspace(-1, 1, rows, dtype=np.float32)),
+    })
+
+
+@pytest.fixture()
+def policy(tiny_adder_path):
+    from dapo_flow.models.hf import HFPolicy
+
+    return HFPolicy(tiny_adder_path, trainable=True)
+
+
+def _update(policy, **params):
+    from types import SimpleNamespace
+
+    cls = OPERATORS["update"]
+    return cls(cls.Params(lr=1e-3, **params), OpContext("train", model=SimpleNamespace(policy=policy)))
+
+
+def test_update_counts_nonfinite_steps_and_stops_after_k_in_a_row(policy):
+    from dapo_flow.errors import RunError
+
+    batch = _train_batch(policy)
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    op = _update(policy, entropy_coef=1e38, max_nonfinite_steps=3)  # the loss overflows: grad nan
+    for total in (1.0, 2.0):
+        row = op(batch).to_pylist()[0]
+        assert row["actor/skipped_steps"] == 1.0 and row["actor/skipped_steps_total"] == total
+        assert np.isnan(row["actor/grad_norm"])
+    assert all(bool((a == b).all()) for a, b in zip(before, policy.model.parameters()))  # nothing trained
+    resumed = _update(policy, entropy_coef=1e38, max_nonfinite_steps=3)
+    resumed.load_state_dict(op.state_dict())  # the count in a row survives a checkpoint
+    with pytest.raises(RunError) as err:
+        resumed(batch)
+    text = str(err.value)
+    assert "update 'train': the gradient norm was nan (not finite) in 3 optimizer steps in a row" in text
+    assert "entropy_coef" in text and "--resume" in text and "last checkpoint is intact" in text
+
+
+def test_update_finite_step_resets_the_count_and_zero_never_stops(policy):
+    batch = _train_batch(policy)
+    op = _update(policy, entropy_coef=1e38, max_nonfinite_steps=2)
+    op(batch)
+    assert op.nonfinite_in_a_row == 1
+    op.params = op.params.model_copy(update={"entropy_coef": 0.0})
+    row = op(batch).to_pylist()[0]
+    assert row["actor/skipped_steps"] == 0.0 and row["actor/skipped_steps_total"] == 1.0
+    assert op.nonfinite_in_a_row == 0 and np.isfinite(row["actor/grad_norm"])
+    never = _update(policy, entropy_coef=1e38, max_nonfinite_steps=0, mini_batches=2)
+    for _ in range(4):
+        row = never(batch).to_pylist()[0]
+    assert row["actor/skipped_steps"] == 2.0 and row["actor/skipped_steps_total"] == 8.0
+
+
+def test_update_empty_batch_is_a_user_facing_error(policy):
+    from dapo_flow.errors import DapoFlowError
+
+    with pytest.raises(DapoFlowError, match=r"update 'train' got an empty batch"):
+        _update(policy)(_train_batch(policy).slice(0, 0))
