@@ -362,7 +362,8 @@ def _param_variants(cls: type) -> Iterable[tuple[str, BaseModel]]:
 def _check_group_filter(found: Found, nodes: list[_Node], graph: nx.DiGraph,
                         rows: dict[str, _Rows]) -> None:
     """A group-filter must see whole prompt groups: straight from a generate, no row
-    filter in between; and only one per graph (dynamic sampling repeats its upstream)."""
+    filter in between, sampled with some randomness; and only one per graph (dynamic sampling
+    repeats its upstream)."""
     gfs = [n for n in nodes if n.cardinality == "group-filter"]
     for extra in gfs[1:]:
         found.add(extra.path + ("op",), f"a second group-filter (the first is '{gfs[0].id}')",
@@ -383,6 +384,23 @@ def _check_group_filter(found: Found, nodes: list[_Node], graph: nx.DiGraph,
             found.add(gf.path + ("inputs",), f"row filter '{origin}' sits between the generate "
                       "and this group-filter, so it sees partial prompt groups",
                       f"move '{origin}' after '{gf.id}'")
+        elif src is not None and src.spec.op == "generate":
+            _check_greedy_groups(found, src, gf)
+
+
+def _check_greedy_groups(found: Found, gen: _Node, gf: _Node) -> None:
+    """Greedy sampling (temperature 0 or top_k 1) gives all n samples of a prompt the same
+    response, so every group has zero spread and the group-filter can keep none: no step trains."""
+    p = gen.params
+    if p is None or p.n < 2 or not (p.temperature == 0 or p.top_k == 1):
+        return
+    field = "temperature" if p.temperature == 0 else "top_k"
+    what = "temperature 0" if field == "temperature" else "top_k 1"
+    found.add(gen.path + ("params", field), f"{what} samples greedily, so all n={p.n} responses to "
+              f"a prompt are the same and group-filter '{gf.id}' (line "
+              f"{found.doc.line_of(gf.path)}) drops every group: no step would train anything",
+              "sample with temperature > 0 (DAPO: 1.0) and top_k -1, or use n: 1 without the "
+              "group-filter")
 
 
 def _check_consistency(found: Found, nodes: list[_Node], graph: nx.DiGraph,
