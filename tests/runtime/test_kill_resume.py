@@ -58,16 +58,24 @@ def _start(path: Path, executor: str, log: Path, *flags: str) -> subprocess.Pope
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _wait_for_checkpoint(proc: subprocess.Popen, root: Path, step: int, log: Path) -> Path:
+def _wait_for_checkpoint(proc: subprocess.Popen, root: Path, step: int, log: Path,
+                         other_runs: tuple[Path, ...] = ()) -> Path:
+    """The run folder of ``proc``'s run once it has checkpoint ``step`` (``other_runs``: the
+    folders of runs before it)."""
     deadline = time.monotonic() + WAIT_S
-    while not list(root.glob(f"checkpoints/*/*/step_{step:06d}/{checkpoint.MANIFEST_FILE}")):
+
+    def found() -> list[Path]:
+        return [p.parent for p in root.glob(f"checkpoints/*/*/step_{step:06d}")
+                if p.parent not in other_runs and (p / checkpoint.MANIFEST_FILE).is_file()]
+
+    while not found():
         if proc.poll() is not None:
             pytest.fail(f"the run ended (rc {proc.returncode}) before checkpoint {step}:\n"
                         f"{log.read_text()[-3000:]}")
         if time.monotonic() > deadline:
             pytest.fail(f"no checkpoint {step} after {WAIT_S} s:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
-    return next(root.glob(f"checkpoints/*/*/step_{step:06d}")).parent
+    return found()[0]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -103,11 +111,12 @@ def _resume_cli(path: Path, executor: str) -> subprocess.CompletedProcess:
     return r
 
 
-def _sigkill_after(proc: subprocess.Popen, root: Path, step: int, log: Path) -> Path:
+def _sigkill_after(proc: subprocess.Popen, root: Path, step: int, log: Path,
+                   other_runs: tuple[Path, ...] = ()) -> Path:
     """SIGKILL (a crash: no handler runs, nothing is flushed) once checkpoint ``step`` is
     on disk; returns the latest checkpoint then, checked to be before the last step."""
     try:
-        ckpt_root = _wait_for_checkpoint(proc, root, step, log)
+        ckpt_root = _wait_for_checkpoint(proc, root, step, log, other_runs)
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(30) == -signal.SIGKILL
     finally:
@@ -170,6 +179,44 @@ def test_sigkill_then_resume_on_ray(workdir, small_graph, reference):
     assert latest.name in r.stdout.replace("\n", "")  # "resuming from .../step_N"
     # the same numbers as the uninterrupted local run: Ray and local agree, resumed or not
     _assert_same_finished_run(workdir, run_id, reference)
+
+
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.timeout(3 * WAIT_S)
+def test_resume_continues_the_killed_run_not_the_finished_one(workdir, small_graph, capsys):
+    """Run A finishes; run B of the same graph is SIGKILLed after its first checkpoint:
+    `--resume` continues B into B's MLflow run (every step once, A's numbers: same graph, same
+    seed) and leaves A's checkpoints alone; once both finished, `--resume` is a clear exit 2."""
+    import cli
+
+    path = _graph(small_graph, workdir)
+    a = execute(compile_graph(path, CLUSTER), executor="local")
+    [a_folder] = workdir.glob(f"dapo-flow-runs/checkpoints/*/{a['run_id']}")
+    a_files = _files(a_folder)
+    reference = _deterministic(read_run(_uri(workdir), a["run_id"])["history"])
+
+    log = workdir / "b.log"
+    latest = _sigkill_after(_start(path, "local", log), workdir / "dapo-flow-runs", 2, log, (a_folder,))
+    b_id = latest.parent.name
+    assert b_id != a["run_id"] and checkpoint.load_driver(latest)["mlflow_run_id"] == b_id
+    r = _resume_cli(path, "local")
+    assert f"of run {b_id}" in r.stdout.replace("\n", "")
+    runs = {run["run_id"]: run["status"] for run in search_runs(_uri(workdir), EXPERIMENT)}
+    assert runs == {a["run_id"]: "FINISHED", b_id: "FINISHED"}  # B resumed into, no third run
+    b = read_run(_uri(workdir), b_id)
+    _assert_each_step_once(b["history"])
+    assert _deterministic(b["history"]) == reference
+    assert _files(a_folder) == a_files  # A's checkpoints untouched
+    assert _deterministic(read_run(_uri(workdir), a["run_id"])["history"]) == reference
+
+    assert cli.main(["run", str(path), "--executor", "local", "--resume"]) == 2
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "nothing to resume: no unfinished run of graph 'crash'" in err and "Traceback" not in err
+    assert a["run_id"] in err and b_id in err and "run without --resume" in err
 
 
 class _Crash(BaseException):
