@@ -62,12 +62,11 @@ def step_history(summary: dict) -> dict[str, dict[int, float]]:
 
 
 def final_checkpoint(summary: dict, placed, model: str = "policy") -> Path:
-    """HF directory of ``model`` in the run's last checkpoint."""
+    """HF directory of ``model`` in the run's last checkpoint (one folder per run id)."""
     from dapo_flow.runtime.checkpoint import step_dir
-    from dapo_flow.tracking import runs_dir
+    from dapo_flow.runtime.resume import checkpoint_root
 
-    spec = placed.plan.spec
-    root = runs_dir() / "checkpoints" / f"{spec.name}-{summary['graph_hash'][:10]}"
+    root = checkpoint_root(placed.plan.spec) / summary["run_id"]
     path = step_dir(root, summary["steps"]) / "models" / model
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpointed model at {path} (checkpoint_every must hit the last step)")
