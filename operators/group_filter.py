@@ -3,7 +3,7 @@
 A group is kept unless all its values are exactly equal (singletons are kept); kept rows
 keep their order. The runtime repeats the rollout segment upstream of this node until
 `run.prompts_per_step` groups are kept, at most `max_gen_batches` times, then follows
-`on_cap`.
+`on_cap`; `max_skipped_steps` steps in a row that train nothing stop the run.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ class Params(BaseModel):
     """Generation batches allowed per step before `on_cap` applies (0 = unlimited)."""
     on_cap: Literal["error", "train-on-what-we-have", "skip-step"] = "error"
     """What to do when the cap is reached with too few kept groups."""
+    max_skipped_steps: int = Field(5, ge=0, le=1_000_000)
+    """Stop the run after this many steps in a row that train nothing (skipped under `on_cap`, or
+    no group kept at all); with max_gen_batches 0, after this many generation batches in a row
+    that keep no group. 0 never stops."""
 
 
 class GroupFilter:

@@ -14,6 +14,7 @@ since from then on training would silently do nothing.
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import numpy as np
@@ -183,7 +184,9 @@ class Update:
                     sums[key] += value
                 n_opt_steps += 1
                 self._count_nonfinite(stats)
-        self.scheduler.step()
+        with warnings.catch_warnings():  # warm-up follows RL steps, also when no optimizer step ran
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`", UserWarning)
+            self.scheduler.step()
         self.steps_done += 1
         out = {k: v / max(n_opt_steps, 1) for k, v in sums.items()}
         out.update({k: sums[k] for k in COUNTS})

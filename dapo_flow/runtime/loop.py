@@ -36,6 +36,7 @@ class LoopState:
     samples_generated: int = 0
     wall_seconds: float = 0.0
     keep_rate: float | None = None  # gen_prompts_per_batch auto: EMA of kept groups per prompt
+    skipped_in_a_row: int = 0  # steps in a row that trained nothing (the group filter kept too little)
 
 
 @dataclass
@@ -151,7 +152,7 @@ class Runner:
         auto = self.run.gen_prompts_per_batch == "auto"
         kept = [state.carry] if state.carry is not None else []
         state.carry = None
-        groups, batches, generated = _n_groups(concat(kept)), 0, 0
+        groups, batches, generated, empty_in_a_row = _n_groups(concat(kept)), 0, 0, 0
         while groups < need:
             if fparams.max_gen_batches and batches >= fparams.max_gen_batches:
                 if fparams.on_cap == "error":
@@ -162,7 +163,10 @@ class Runner:
                         "run.prompts_per_step, or set on_cap: train-on-what-we-have / skip-step"
                     )
                 if fparams.on_cap == "skip-step" or groups == 0:
+                    state.samples_generated += generated  # generated, though none is trained on
+                    self._count_skipped(state, fparams, groups, batches)
                     return Rollout(None, {**acc.result(), "sampling/gen_batches": batches,
+                                          "sampling/samples_generated": float(generated),
                                           "sampling/capped": 1.0, "sampling/skipped": 1.0})
                 break
             size = (auto_batch_size(need - groups, state.keep_rate, need) if auto
@@ -177,6 +181,14 @@ class Runner:
             groups += got
             if auto:
                 state.keep_rate = _ema(state.keep_rate, got / max(prompts.num_rows, 1))
+            empty_in_a_row = 0 if got else empty_in_a_row + 1
+            limit = fparams.max_skipped_steps
+            if not fparams.max_gen_batches and limit and empty_in_a_row >= limit:  # else: a hang
+                raise RunError(_nothing_kept(
+                    fparams, f"{empty_in_a_row} generation batches in a row kept no prompt group at "
+                    f"group-filter '{self.plan.group_filter}' (with max_gen_batches: 0 the step "
+                    f"would never end; max_skipped_steps={limit})"))
+        state.skipped_in_a_row = 0
         batch = concat(kept)
         batch, surplus = _cut_groups(batch, need)
         if self.run.carry_surplus and surplus is not None and surplus.num_rows:
@@ -193,6 +205,17 @@ class Runner:
         if state.keep_rate is not None:
             metrics["sampling/keep_rate"] = state.keep_rate
         return Rollout(batch, metrics)
+
+    def _count_skipped(self, state: LoopState, fparams, groups: int, batches: int) -> None:
+        """One more step that trains nothing; max_skipped_steps of them in a row stop the run."""
+        state.skipped_in_a_row += 1
+        limit = fparams.max_skipped_steps
+        if limit and state.skipped_in_a_row >= limit:
+            raise RunError(_nothing_kept(
+                fparams, f"{state.skipped_in_a_row} steps in a row were skipped: group-filter "
+                f"'{self.plan.group_filter}' kept too few prompt groups (the last step "
+                f"{groups}/{self.run.prompts_per_step} in {batches} generation batches; "
+                f"max_skipped_steps={limit})"))
 
     # --- phase 2: train segment -------------------------------------------------
     def train(self, rollout: Rollout) -> dict[str, float]:
@@ -267,6 +290,19 @@ class Runner:
         cols = [c for c in (C.PROMPT_TEXT, C.RESPONSE_TEXT, C.GROUND_TRUTH, C.SCORE, C.ACC) if c in scored.column_names]
         samples = scored.select(cols).slice(0, log_samples).to_pylist()
         return metrics, samples
+
+
+def _nothing_kept(fparams, what: str) -> str:
+    """The RunError text when dynamic sampling keeps (almost) nothing, step after step."""
+    return (
+        f"training is doing nothing: {what}.\n"
+        f"    a group is dropped when its '{fparams.metric}' is the same for every sample; likely "
+        "causes: greedy sampling (generate temperature 0 or top_k 1), a constant reward (a reward "
+        "function that always returns the same value, or correct == wrong), a task the model "
+        "always or never solves\n"
+        "    fix: remove the cause and start a new run; if groups are kept, just too few, raise "
+        "max_gen_batches or run.gen_prompts_per_batch (max_skipped_steps: 0 never stops the run)"
+    )
 
 
 def _widest(outs: dict[str, pa.Table], ids) -> pa.Table | None:
