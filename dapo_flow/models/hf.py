@@ -22,6 +22,14 @@ from dapo_flow.models.sampling import Rollouts, SamplingConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+NONFINITE_LOGITS = (
+    "sampling failed: the model's next-token logits are nan/inf (its weights hold nan/inf, or "
+    "float16/bfloat16 activations overflow)\n"
+    "    fix: load it with dtype: float32, or check its weights for nan/inf (e.g. a checkpoint "
+    "saved after training diverged)"
+)
+
+
 def left_pad(seqs: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Shape: ragged -> ids (B, width) long, mask (B, width) long; tokens flush right."""
     width = max(map(len, seqs), default=0) if width is None else width
@@ -217,7 +225,12 @@ class HFPolicy:
             return tok, token_logprobs(logits, tok)
         scaled = logits / cfg.temperature
         probs = filter_top_k_top_p(scaled, cfg.top_k, cfg.top_p).softmax(-1)
-        tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+        try:
+            tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+        except RuntimeError as exc:  # checked only on failure: no cost per token
+            if bool(torch.isfinite(probs).all()):
+                raise
+            raise ModelError(NONFINITE_LOGITS) from None
         return tok, token_logprobs(scaled, tok)
 
     # --- logprob recomputation --------------------------------------------------------------------
