@@ -263,8 +263,8 @@ def _nonfinite_message(node_id: str, grad_norm: float, limit: int, update_step: 
         "run was training nothing.\n"
         "    likely causes: lr, entropy_coef or kl_coef too large; clip settings (clip_high, clip_c, "
         "grad_clip); non-finite rewards or advantages upstream; a float16 model overflowing\n"
-        "    the last checkpoint is intact: after a fix outside the graph (reward code, data, "
-        "environment) `dapo-flow run GRAPH --resume` continues from it; a changed param is a new "
-        "graph, run it without --resume (max_nonfinite_steps: 0 only counts such steps, in "
-        "actor/skipped_steps)"
+        "    the checkpoints written so far are intact: after a fix outside the graph (reward "
+        "code, data, environment) `dapo-flow run GRAPH --resume` continues from the newest; a "
+        "changed param is a new graph, run it without --resume (max_nonfinite_steps: 0 only "
+        "counts such steps, in actor/skipped_steps)"
     )
