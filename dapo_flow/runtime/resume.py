@@ -63,7 +63,12 @@ def resume_point(spec, resume: bool | str, total: int, warn: Callable[[str], Non
         run = _named_run(spec, root, found, resume.strip(), total, uri)
     else:
         run = _newest_unfinished(spec, root, found)
-    checkpoint.adopt_legacy(root, run.run_id)  # its next checkpoints go to its run folder
+    try:
+        checkpoint.adopt_legacy(root, run.run_id)  # its next checkpoints go to its run folder
+    except OSError as exc:
+        raise RunError(f"cannot resume run {run.run_id}: moving its checkpoints of the older layout "
+                       f"into {root / run.run_id} failed ({exc.strerror or exc})\n    fix: make {root} "
+                       "writable, then resume again") from None
     return _newest_intact(spec, root, run, warn)
 
 
@@ -121,7 +126,7 @@ def _not_a_run_of_the_graph(spec, root: Path, run_id: str, found: dict[str, RunC
         newest = steps[-1]
         if other.name.rsplit("-", 1)[0] == spec.name:
             return head + _changed_since(spec, newest) + these
-        graph = checkpoint.load_driver(newest).get("graph", {}).get("name", other.name)
+        graph = (_recorded_graph(newest) or {}).get("name", other.name)
         return (f"{head}: it is a run of graph '{graph}' (checkpoints under {other / run_id})\n    fix: "
                 f"resume it with that graph (`dapo-flow run GRAPH --resume {run_id}`), or {NEW_RUN}{these}")
     record = find_run(uri, run_id)
@@ -139,15 +144,17 @@ def _newest_intact(spec, root: Path, run: RunCheckpoints, warn: Callable[[str], 
         problem = checkpoint.verify(path)
         if problem is None:
             return path
-        aside = checkpoint.move_aside(path)
         damaged.append(f"{path}: {problem}")
-        warn(f"checkpoint {path} is damaged ({problem}); moved aside to {aside.name}, "
-             "falling back to the checkpoint before it")
+        try:
+            moved = f"moved aside to {checkpoint.move_aside(path).name}"
+        except OSError as exc:  # a read-only folder: the resume can still read the older ones
+            moved = f"left in place ({exc.strerror or exc})"
+        warn(f"checkpoint {path} is damaged ({problem}); {moved}, falling back to the checkpoint "
+             "before it")
     listed = "".join(f"\n      {d}" for d in damaged)
     raise RunError(
         f"cannot resume run {run.run_id} of graph '{spec.name}': every checkpoint under {run_folder} "
-        f"is damaged:{listed}\n    fix: {NEW_RUN} (the damaged files were kept, renamed "
-        f"{checkpoint.DAMAGED_PREFIX}step_*)")
+        f"is damaged:{listed}\n    fix: {NEW_RUN} (the damaged files are kept, for a look)")
 
 
 def _nothing_to_resume(spec, ckpt_root: Path) -> str:
@@ -170,7 +177,7 @@ def _changed_since(spec, newest: Path) -> str:
     """What changed in the graph since checkpoint ``newest`` of the same graph name, and the fix."""
     from dapo_flow.graphdiff import diff_graphs
 
-    old_graph = checkpoint.load_driver(newest).get("graph")
+    old_graph = _recorded_graph(newest)
     if old_graph is None:
         return (f"\n    graph '{spec.name}' was changed since its checkpoint {newest}\n    fix: undo "
                 "the change (or pass the same --set edits) to resume it, or run without --resume")
@@ -184,3 +191,11 @@ def _changed_since(spec, newest: Path) -> str:
     return (f"\n    graph '{spec.name}' changed since its checkpoint {newest}:{listed}{more}\n"
             "    fix: undo these changes (or pass the same --set edits) to resume that run, or run "
             "without --resume to start a new one")
+
+
+def _recorded_graph(path: Path) -> dict | None:
+    """The graph a checkpoint recorded (None: older checkpoints did not, or it is unreadable)."""
+    try:
+        return checkpoint.load_driver(path).get("graph")
+    except (OSError, ValueError):
+        return None
