@@ -117,3 +117,15 @@ def test_an_empty_batch_reaching_update_is_exit_2_with_a_message(workdir, small_
     assert code == 2, err
     assert "update 'train' got an empty batch" in err and "Traceback" not in err
     assert _only_run()["status"] == "FAILED"
+
+
+def test_a_reward_function_returning_none_is_exit_2_naming_it_and_the_sample(workdir, small_graph, capsys):
+    (workdir / "my_reward.py").write_text("def reward(text, truth, extra):\n    return None\n")
+    path = small_graph(workdir, steps=2, ckpt=0)
+    ref = f"{workdir / 'my_reward.py'}:reward"
+    path.write_text(path.read_text().replace("params: {correct: 1.0,", f"params: {{reward: '{ref}', correct: 1.0,"))
+    assert _cli_run(path) == 2
+    err = capsys.readouterr().err
+    assert f"reward function '{ref}' (node 'verify') returned None as 'score' for prompt id" in err
+    assert "Traceback" not in err
+    assert _only_run()["status"] == "FAILED"
