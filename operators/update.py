@@ -9,7 +9,8 @@ Returns a one-row table of metrics.
 
 An optimizer step whose gradient norm is nan or inf is skipped (counted in
 ``actor/skipped_steps``); `max_nonfinite_steps` of them in a row stop the run with a RunError,
-since from then on training would silently do nothing.
+since from then on training would silently do nothing. So do `max_empty_steps` steps in a row
+whose every response is masked out (``actor/skipped_minibatches`` counts such mini-batches).
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ class Params(BaseModel):
     max_nonfinite_steps: int = Field(3, ge=0, le=1_000_000)
     """Stop the run after this many optimizer steps in a row with a nan/inf gradient norm (each
     is skipped, so the run would train nothing); 0 never stops (they are only counted)."""
+    max_empty_steps: int = Field(3, ge=0, le=1_000_000)
+    """Stop the run after this many steps in a row with no token left to train on (every response
+    masked: truncated under mask_truncated, or loss_mask false); 0 never stops."""
 
     @model_validator(mode="after")
     def _norm_len_for_drgrpo(self) -> "Params":
@@ -129,6 +133,7 @@ class Update:
         self.steps_done = 0
         self.nonfinite_in_a_row = 0  # optimizer steps skipped for a nan/inf grad norm, in a row
         self.skipped_total = 0  # all optimizer steps skipped so far, for actor/skipped_steps_total
+        self.empty_in_a_row = 0  # steps in a row with every response masked out
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
 
     def _lr_factor(self, step: int) -> float:
@@ -142,6 +147,7 @@ class Update:
             "steps_done": self.steps_done,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "skipped_total": self.skipped_total,
+            "empty_in_a_row": self.empty_in_a_row,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -150,6 +156,7 @@ class Update:
         self.steps_done = int(state["steps_done"])
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))  # older checkpoints lack it
         self.skipped_total = int(state.get("skipped_total", 0))
+        self.empty_in_a_row = int(state.get("empty_in_a_row", 0))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         p = self.params
@@ -184,6 +191,7 @@ class Update:
                     sums[key] += value
                 n_opt_steps += 1
                 self._count_nonfinite(stats)
+        self._count_empty(trained_tokens=n_opt_steps > 0)
         with warnings.catch_warnings():  # warm-up follows RL steps, also when no optimizer step ran
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`", UserWarning)
             self.scheduler.step()
@@ -254,6 +262,18 @@ class Update:
         if limit and self.nonfinite_in_a_row >= limit:
             raise RunError(_nonfinite_message(self.ctx.node_id, stats["actor/grad_norm"], limit,
                                               self.steps_done + 1))
+
+    def _count_empty(self, trained_tokens: bool) -> None:
+        """Track steps with every response masked out; stop after max_empty_steps in a row."""
+        self.empty_in_a_row = 0 if trained_tokens else self.empty_in_a_row + 1
+        limit = self.params.max_empty_steps
+        if limit and self.empty_in_a_row >= limit:
+            raise RunError(
+                f"update '{self.ctx.node_id}': no token was left to train on in {limit} steps in "
+                "a row: every response was masked out (truncated under mask_truncated, or "
+                "loss_mask false from an overlong-filter node), so the run was training nothing.\n"
+                "    fix: raise generate's max_tokens so responses can finish, or stop masking "
+                "truncated responses (max_empty_steps: 0 never stops)")
 
 
 def _nonfinite_message(node_id: str, grad_norm: float, limit: int, update_step: int) -> str:

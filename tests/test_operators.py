@@ -267,6 +267,23 @@ def test_update_finite_step_resets_the_count_and_zero_never_stops(policy):
     assert row["actor/skipped_steps"] == 2.0 and row["actor/skipped_steps_total"] == 8.0
 
 
+def test_update_stops_after_k_steps_with_every_response_masked(policy):
+    from dapo_flow.errors import RunError
+
+    batch = _train_batch(policy)
+    truncated = batch.append_column(C.TRUNCATED, pa.array([True] * batch.num_rows))
+    op = _update(policy, mask_truncated=True, max_empty_steps=2, mini_batches=2)
+    row = op(truncated).to_pylist()[0]
+    assert row["actor/skipped_minibatches"] == 2.0 and op.empty_in_a_row == 1
+    op(batch.append_column(C.TRUNCATED, pa.array([False] * batch.num_rows)))  # trains: resets
+    assert op.empty_in_a_row == 0
+    op(truncated)
+    resumed = _update(policy, mask_truncated=True, max_empty_steps=2, mini_batches=2)
+    resumed.load_state_dict(op.state_dict())
+    with pytest.raises(RunError, match=r"update 'train': no token was left to train on in 2 steps in a row"):
+        resumed(truncated)
+
+
 def test_update_empty_batch_is_a_user_facing_error(policy):
     from dapo_flow.errors import DapoFlowError
 
