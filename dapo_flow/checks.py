@@ -81,6 +81,7 @@ def validate(doc: GraphDoc) -> ValidGraph:
         _check_training(found, nodes)
         schemas = _propagate(found, nodes, order)
         _check_group_filter(found, nodes, graph, schemas)
+        _check_greedy_groups(found, nodes, graph)
         _check_consistency(found, nodes, graph, order)
     found.raise_if_any()
     assert spec is not None
@@ -362,8 +363,7 @@ def _param_variants(cls: type) -> Iterable[tuple[str, BaseModel]]:
 def _check_group_filter(found: Found, nodes: list[_Node], graph: nx.DiGraph,
                         rows: dict[str, _Rows]) -> None:
     """A group-filter must see whole prompt groups: straight from a generate, no row
-    filter in between, sampled with some randomness; and only one per graph (dynamic sampling
-    repeats its upstream)."""
+    filter in between; and only one per graph (dynamic sampling repeats its upstream)."""
     gfs = [n for n in nodes if n.cardinality == "group-filter"]
     for extra in gfs[1:]:
         found.add(extra.path + ("op",), f"a second group-filter (the first is '{gfs[0].id}')",
@@ -384,23 +384,31 @@ def _check_group_filter(found: Found, nodes: list[_Node], graph: nx.DiGraph,
             found.add(gf.path + ("inputs",), f"row filter '{origin}' sits between the generate "
                       "and this group-filter, so it sees partial prompt groups",
                       f"move '{origin}' after '{gf.id}'")
-        elif src is not None and src.spec.op == "generate":
-            _check_greedy_groups(found, src, gf)
 
 
-def _check_greedy_groups(found: Found, gen: _Node, gf: _Node) -> None:
+def _check_greedy_groups(found: Found, nodes: list[_Node], graph: nx.DiGraph) -> None:
     """Greedy sampling (temperature 0 or top_k 1) gives all n samples of a prompt the same
-    response, so every group has zero spread and the group-filter can keep none: no step trains."""
-    p = gen.params
-    if p is None or p.n < 2 or not (p.temperature == 0 or p.top_k == 1):
-        return
-    field = "temperature" if p.temperature == 0 else "top_k"
-    what = "temperature 0" if field == "temperature" else "top_k 1"
-    found.add(gen.path + ("params", field), f"{what} samples greedily, so all n={p.n} responses to "
-              f"a prompt are the same and group-filter '{gf.id}' (line "
-              f"{found.doc.line_of(gf.path)}) drops every group: no step would train anything",
-              "sample with temperature > 0 (DAPO: 1.0) and top_k -1, or use n: 1 without the "
-              "group-filter")
+    response, so every group has zero spread: a group-filter keeps none of them and a
+    group-relative advantage is 0 for every sample. Either way no step trains anything."""
+    by_id = {n.id: n for n in reversed(nodes)}
+    for gen in nodes:
+        p = gen.params
+        if gen.spec.op != "generate" or p is None or p.n < 2 or not (p.temperature == 0 or p.top_k == 1):
+            continue
+        after = [by_id[d] for d in nx.descendants(graph, gen.id) if d in by_id]
+        gf = next((n for n in after if n.cardinality == "group-filter"), None)
+        adv = min((n for n in after if n.spec.op == "advantage"), key=lambda n: n.index, default=None)
+        if gf is not None:
+            effect = f"group-filter '{gf.id}' (line {found.doc.line_of(gf.path)}) drops every group"
+        elif adv is not None:
+            effect = f"advantage '{adv.id}' (line {found.doc.line_of(adv.path)}) is 0 for every sample"
+        else:
+            continue
+        field = "temperature" if p.temperature == 0 else "top_k"
+        what = "temperature 0" if field == "temperature" else "top_k 1"
+        found.add(gen.path + ("params", field), f"{what} samples greedily, so all n={p.n} responses "
+                  f"to a prompt are the same and {effect}: no step would train anything",
+                  "sample with temperature > 0 (DAPO: 1.0) and top_k -1")
 
 
 def _check_consistency(found: Found, nodes: list[_Node], graph: nx.DiGraph,
