@@ -213,8 +213,8 @@ class Runner:
         if limit and state.skipped_in_a_row >= limit:
             raise RunError(_nothing_kept(
                 fparams, f"{state.skipped_in_a_row} steps in a row were skipped: group-filter "
-                f"'{self.plan.group_filter}' kept too few prompt groups (the last step "
-                f"{groups}/{self.run.prompts_per_step} in {batches} generation batches; "
+                f"'{self.plan.group_filter}' kept too few prompt groups (the last step kept "
+                f"{groups}/{self.run.prompts_per_step} after {batches} generation batches; "
                 f"max_skipped_steps={limit})"))
 
     # --- phase 2: train segment -------------------------------------------------

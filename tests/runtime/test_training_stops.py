@@ -67,7 +67,7 @@ def test_k_skipped_steps_in_a_row_stop_the_run(workdir, small_graph, policy, cap
     assert _cli_run(path) == 2
     err = capsys.readouterr().err
     assert "training is doing nothing: 3 steps in a row were skipped: group-filter 'filter' kept" in err
-    assert "0/4 in 1 generation batches" in err and "greedy sampling" in err
+    assert "the last step kept 0/4 after 1 generation batches" in err and "greedy sampling" in err
     run = _only_run()
     assert run["status"] == "FAILED"
     assert read_run(default_tracking_uri(), run["run_id"])["history"]["sampling/skipped"] == [(1, 1.0), (2, 1.0)]
