@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     _edit_flags(p)
     p.add_argument("--cpus", type=float, help="place on this many CPUs (default: this machine)")
     p.add_argument("--gpus", type=float, help="place on this many GPUs (default: this machine)")
-    p.add_argument("--nodes", type=int, default=1, help="cluster machines (default 1)")
+    p.add_argument("--nodes", type=_positive_int, default=1, help="cluster machines (default 1)")
     p = command("graph", "Draw the graph's DAG to a .png, .svg or .mmd (mermaid) file.", _graph)
     p.add_argument("graph", help="graph YAML file")
     p.add_argument("-o", "--out", required=True, help="output file: .png, .svg or .mmd")
@@ -85,8 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("graph", help="graph YAML file")
     p.add_argument("--executor", choices=["ray", "local"], default="ray", help="default: ray")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    p.add_argument("--steps", type=int, help="override run.steps")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_ID",
+                   help="continue the newest unfinished run of this graph, or RUN_ID")
+    p.add_argument("--steps", type=_positive_int, help="override run.steps (>= 1)")
     _edit_flags(p)
     p = command("eval", "Evaluate a checkpoint (or the base model): avg@n, pass@k, response length; "
                 "logged to MLflow. With --sweep: every variant x seed of a sweep.", _eval)
@@ -114,11 +115,12 @@ def _parser() -> argparse.ArgumentParser:
                 _sweep)
     p.add_argument("patch", help="patch YAML file, e.g. graphs/ablations/dapo-ladder.yaml")
     p.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (each applied as --set seed=S)")
-    p.add_argument("--steps", type=int, help="run.steps for every variant (applied as --set run.steps=N)")
+    p.add_argument("--steps", type=_positive_int,
+                   help="run.steps for every variant (applied as --set run.steps=N)")
     p.add_argument("--executor", choices=["ray", "local"], default="ray", help="default: ray")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     p.add_argument("--only", help="comma-separated variant names to run (default: all)")
-    p.add_argument("--parallel", type=int, default=1, metavar="N",
+    p.add_argument("--parallel", type=_positive_int, default=1, metavar="N",
                    help="run N variants at once in separate processes (default 1: one after another)")
     p.add_argument("--dry-run", action="store_true", help="validate every variant, print the edits, train nothing")
     p = command("compare", "Table (mean ± std over seeds) and val-acc / reward plot of a sweep's variants.",
@@ -142,8 +144,30 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help="rebuild even when cached")
     b.set_defaults(func=_models_build)
     p = command("ui", "Open the MLflow UI on the runs' tracking store.", _ui)
-    p.add_argument("--port", type=int, default=5000, help="default 5000")
+    p.add_argument("--port", type=_port, default=5000, help="default 5000")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse prints the message and exits 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 1..65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 1-65535, got {value}")
+    return value
 
 
 class _EditAction(argparse.Action):
@@ -214,6 +238,9 @@ def _graph(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     edited = _edited(args)
     placed = edited.compile()
+    from dapo_flow.tracking import require_writable
+
+    require_writable(placed.plan.spec.tracking.uri)  # before minutes of model loading
     try:
         from dapo_flow.runtime import execute
     except ModuleNotFoundError as exc:
@@ -303,16 +330,87 @@ def _models_build(args: argparse.Namespace) -> int:
 
 def _ui(args: argparse.Namespace) -> int:
     try:
-        from dapo_flow.tracking import default_tracking_uri
+        from dapo_flow.tracking import default_tracking_uri, open_store
     except ImportError as exc:
         raise DapoFlowError(f"tracking is not available: {exc}") from None
+    _require_free_port(args.port)
     uri = default_tracking_uri()
+    open_store(uri)  # create or migrate it under the store's lock, not racing a starting run
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
            "--host", "127.0.0.1", "--port", str(args.port), "--workers", "1"]
     Console(stderr=True).print(f"MLflow UI on http://127.0.0.1:{args.port}  (store: {uri})",
                                highlight=False)
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    return subprocess.call(cmd, env=env)
+    return _run_owned(cmd, env)
+
+
+def _require_free_port(port: int) -> None:
+    """Bind the port the UI will serve on, so a busy one is an error now, not a server that
+    starts, fails to listen and leaves the user at a dead URL."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise DapoFlowError(f"cannot serve on 127.0.0.1:{port}: {exc.strerror or exc} (another "
+                                f"`dapo-flow ui` or server may be listening there)\n"
+                                f"    fix: pick a free port, e.g. --port {port + 1 if port < 65535 else 5000}"
+                                f", or stop what uses {port}") from None
+
+
+def _run_owned(cmd: list[str], env: dict[str, str]) -> int:
+    """Run ``cmd`` as a child in its own process group and wait for it. SIGTERM, SIGINT and
+    SIGHUP sent to us go to the whole group (mlflow and its uvicorn server), so stopping
+    `dapo-flow ui` stops the server; a group member still alive at the end is stopped too."""
+    import signal
+
+    proc: subprocess.Popen | None = None
+    early: list[int] = []  # a signal before the child exists is sent once it does
+
+    def forward(signum, _frame):
+        if proc is None:
+            early.append(signum)
+        else:
+            _signal_group(proc.pid, signum)
+
+    caught = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, forward) for sig in caught}
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        for signum in early:
+            _signal_group(proc.pid, signum)
+        return proc.wait()
+    finally:
+        if proc is not None:
+            _stop_group(proc.pid)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _signal_group(pgid: int, signum: int) -> bool:
+    """Send ``signum`` to a process group; False when nothing in it is left."""
+    try:
+        os.killpg(pgid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _stop_group(pgid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM what is left of the group, SIGKILL it after ``grace_s``."""
+    import signal
+    import time
+
+    if not _signal_group(pgid, signal.SIGTERM):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not _signal_group(pgid, 0):
+            return
+        time.sleep(0.1)
+    _signal_group(pgid, signal.SIGKILL)
 
 
 # --- ops ------------------------------------------------------------------------------

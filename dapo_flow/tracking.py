@@ -3,6 +3,10 @@
 Default store: a sqlite database plus an artifact folder under ./dapo-flow-runs in the
 working directory (embedded, no server). Metrics are logged in one `log_batch` per step:
 200 single-metric calls cost ~1.5 s on sqlite, one batch of 1200 ~0.13 s.
+
+Every client is made by `_client`: opening a sqlite store creates or migrates its tables, which
+MLflow does without any lock, so two processes starting at once in a fresh folder corrupt each
+other's migration. `_client` holds a file lock beside the database while the store opens.
 """
 
 from __future__ import annotations
@@ -12,8 +16,19 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from dapo_flow.errors import DapoFlowError
+
 RUNS_DIR = "dapo-flow-runs"
 MAX_PARAM_LEN = 6000  # mlflow's param value limit is 6000 chars
+# The MLflow UI opens an experiment without this tag in its GenAI view ("Evaluation runs");
+# training runs belong in its model-training view.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+STORE_LOCK_TIMEOUT_S = 300  # a fresh store migrates in seconds; a holder that long is stuck
+
+
+class StoreError(DapoFlowError):
+    """The MLflow tracking store cannot be opened or written."""
 
 
 def runs_dir() -> Path:
@@ -59,28 +74,13 @@ class Tracker:
     def __init__(self, uri: str | None, experiment: str, *, run_id: str | None = None,
                  run_name: str | None = None, tags: Mapping[str, str] | None = None,
                  parent_run_id: str | None = None):
-        _quiet_env()
-        import mlflow
-        from mlflow import MlflowClient
-
-        _quiet_env()  # again: importing mlflow installs its own logger configuration
         self.uri = uri or default_tracking_uri()
-        if self.uri.startswith("sqlite:///"):
-            Path(self.uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=self.uri)
-        self._mlflow = mlflow
+        self.client = _client(self.uri, write=True)
         if run_id is not None:  # resume: same run, mark it running again
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
             return
-        exp = self.client.get_experiment_by_name(experiment)
-        if exp is None:
-            artifacts = None
-            if self.uri.startswith("sqlite:///"):  # keep artifacts beside the db, not in cwd
-                artifacts = (Path(self.uri.removeprefix("sqlite:///")).parent / "artifacts").as_uri()
-            exp_id = self.client.create_experiment(experiment, artifact_location=artifacts)
-        else:
-            exp_id = exp.experiment_id
+        exp_id = _experiment_id(self.client, self.uri, experiment)
         all_tags = dict(tags or {})
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
@@ -123,10 +123,7 @@ class Tracker:
 
 def read_run(uri: str, run_id: str) -> dict[str, Any]:
     """Params, tags, latest metrics and metric histories of a run (for tests and compare)."""
-    from mlflow import MlflowClient
-
-    _quiet_env()
-    client = MlflowClient(tracking_uri=uri)
+    client = _client(uri)
     run = client.get_run(run_id)
     history = {k: [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in run.data.metrics}
     artifacts = [a.path for a in client.list_artifacts(run_id)]
@@ -143,10 +140,7 @@ def read_run(uri: str, run_id: str) -> dict[str, Any]:
 
 def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[dict[str, Any]]:
     """Runs of an experiment as dicts (id, name, params, metrics, tags)."""
-    from mlflow import MlflowClient
-
-    _quiet_env()
-    client = MlflowClient(tracking_uri=uri)
+    client = _client(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return []
@@ -158,14 +152,114 @@ def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[dict
     ]
 
 
-# --- sweeps and comparisons: parent/child runs, artifacts of finished runs ----------------
+# --- opening the store: one lock around creation and migration ---------------------------
 
 
-def _client(uri: str):
+def _client(uri: str, *, write: bool = False):
+    """An MlflowClient on ``uri``. Constructing it opens the store, which on sqlite creates or
+    migrates the tables; a file lock beside the database makes that one process at a time.
+    ``write``: the caller will write, so a read-only store is refused here, up front."""
+    _quiet_env()
     from mlflow import MlflowClient
 
-    _quiet_env()
-    return MlflowClient(tracking_uri=uri)
+    _quiet_env()  # again: importing mlflow installs its own logger configuration
+    db = _sqlite_file(uri)
+    if db is None:  # a server or another database: its own concurrency control
+        return MlflowClient(tracking_uri=uri)
+    if write or not db.exists():
+        require_writable(uri)
+    elif _unwritable(db):  # read-only and complete: nothing to create or migrate, no lock needed
+        return _open(MlflowClient, uri, db)
+    from filelock import FileLock, Timeout
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with FileLock(f"{db}.lock", timeout=STORE_LOCK_TIMEOUT_S):
+            return _open(MlflowClient, uri, db)
+    except Timeout:
+        raise StoreError(f"{db}: another process has held the store's lock ({db}.lock) for "
+                         f"{STORE_LOCK_TIMEOUT_S} s while opening it\n"
+                         f"    fix: stop that process, or wait for it and retry") from None
+
+
+def open_store(uri: str) -> None:
+    """Open the store once (creating or migrating it under the lock); a StoreError if it cannot
+    be opened. For a process that then hands the store to another program (`mlflow ui`)."""
+    _client(uri)
+
+
+def require_writable(uri: str | None) -> None:
+    """Raise StoreError when runs cannot be recorded in ``uri``'s sqlite store (read-only file or
+    folder). Cheap (no mlflow import): a run checks before it loads models."""
+    db = _sqlite_file(uri or default_tracking_uri())
+    problem = db and _unwritable(db)
+    if problem:
+        raise StoreError(f"{db}: the MLflow store {problem}, so runs cannot be recorded there\n"
+                         f"    fix: make it writable (chmod u+w), run from another folder, or set "
+                         f"MLFLOW_TRACKING_URI to a writable store")
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (None for other stores)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri.removeprefix("sqlite:///").split("?", 1)[0]
+    return None if path in ("", ":memory:") else Path(path).absolute()
+
+
+def _unwritable(db: Path) -> str | None:
+    """Why sqlite could not write ``db`` (it also writes a journal beside it), or None."""
+    if db.exists():
+        if not os.access(db.parent, os.W_OK | os.X_OK):
+            return "folder is read-only (sqlite writes its journal beside the database)"
+        if not os.access(db, os.W_OK):
+            return "database file is read-only"
+        return None
+    folder = db.parent
+    while not folder.exists():  # the first folder that exists is where we would create one
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot be created: {folder} is read-only"
+    return None
+
+
+def _open(client_cls, uri: str, db: Path):
+    """Construct the client, turning a store MLflow cannot open into a StoreError."""
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        return client_cls(tracking_uri=uri)
+    except (MlflowException, SQLAlchemyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StoreError(f"{db}: MLflow cannot open this store: {first}\n"
+                         f"    fix: if a run was killed while creating it, move the folder aside "
+                         f"and run again (a new store is created); `mlflow db upgrade "
+                         f"sqlite:///{db}` migrates an old one") from None
+
+
+def _experiment_id(client, uri: str, name: str) -> str:
+    """The id of experiment ``name``, created when missing (another process creating it at the
+    same moment is fine: we use theirs) and tagged as a training experiment."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        db = _sqlite_file(uri)  # keep artifacts beside the db, not in the working directory
+        artifacts = (db.parent / "artifacts").as_uri() if db else None
+        try:
+            return client.create_experiment(name, artifact_location=artifacts,
+                                            tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        exp = client.get_experiment_by_name(name)
+    if EXPERIMENT_KIND_TAG not in exp.tags:  # created by an older dapo-flow
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return exp.experiment_id
+
+
+# --- sweeps and comparisons: parent/child runs, artifacts of finished runs ----------------
 
 
 def _record(client, run, history_keys: Iterable[str] = ()) -> dict[str, Any]:
@@ -224,7 +318,7 @@ def add_to_run(uri: str, run_id: str, *, texts: Mapping[str, str] | None = None,
     run without touching its status (a Tracker with ``run_id`` would mark it RUNNING)."""
     from mlflow.entities import RunTag
 
-    client = _client(uri)
+    client = _client(uri, write=True)
     for name, text in (texts or {}).items():
         client.log_text(run_id, text, name)
     for path, subdir in (files or {}).items():
@@ -234,7 +328,7 @@ def add_to_run(uri: str, run_id: str, *, texts: Mapping[str, str] | None = None,
 
 
 def set_run_status(uri: str, run_id: str, status: str) -> None:
-    _client(uri).set_terminated(run_id, status=status)
+    _client(uri, write=True).set_terminated(run_id, status=status)
 
 
 def read_artifact_text(uri: str, run_id: str, path: str) -> str | None:

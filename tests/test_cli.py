@@ -97,6 +97,27 @@ def test_run_calls_execute(monkeypatch):
     monkeypatch.setitem(sys.modules, "dapo_flow.runtime", fake)
     assert cli.main(["run", DAPO, "--executor", "local", "--steps", "3", "--resume"]) == 0
     assert seen == {"executor": "local", "address": None, "resume": True, "steps": 3, "graph": "dapo"}
+    assert cli.main(["run", DAPO, "--executor", "local", "--resume", "0123abcd"]) == 0
+    assert seen["resume"] == "0123abcd" and seen["steps"] is None
+    assert cli.main(["run", DAPO, "--executor", "local"]) == 0
+    assert seen["resume"] is False
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", DAPO, "--steps", "0"],  # used to run the graph's 120 steps
+    ["run", DAPO, "--steps", "-5"],  # used to exit 0 after no training
+    ["run", DAPO, "--steps", "two"],
+    ["sweep", "patch.yaml", "--parallel", "0"],
+    ["sweep", "patch.yaml", "--parallel", "-2"],
+    ["sweep", "patch.yaml", "--steps", "0"],
+    ["explain", DAPO, "--nodes", "0"],
+])
+def test_counts_below_one_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argv[2]}:" in err and ">= 1" in err
 
 
 def test_usage_errors_exit_2():

@@ -1,4 +1,5 @@
-"""`dapo-flow ui` serves the default store on 127.0.0.1 and answers the MLflow REST API."""
+"""`dapo-flow ui` serves the default store on 127.0.0.1 and answers the MLflow REST API; it owns
+the MLflow server (stopping it stops the server) and refuses busy or invalid ports."""
 
 from __future__ import annotations
 
@@ -23,6 +24,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _mlflow_pids(port: int) -> list[int]:
+    """Processes serving MLflow on ``port`` (mlflow ui and its uvicorn child)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone, or not a process folder
+            continue
+        if any(b"mlflow" in a for a in argv) and str(port).encode() in argv:
+            pids.append(int(proc.name))
+    return pids
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _search_runs(port: int, deadline_s: float = 90) -> list | None:
+    """The UI's answer to a runs search of experiment 1, or None if it never answers."""
+    body = json.dumps({"experiment_ids": ["1"], "max_results": 5}).encode()
+    deadline = time.time() + deadline_s
+    while time.time() < deadline:
+        try:
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/search",
+                                         data=body, headers={"Content-Type": "application/json"})
+            return json.loads(urllib.request.urlopen(req, timeout=5).read())["runs"]
+        except OSError:
+            time.sleep(0.5)
+    return None
+
+
 @pytest.mark.slow
 def test_ui_serves_the_default_store(tmp_path, monkeypatch):
     from dapo_flow.tracking import Tracker, default_tracking_uri
@@ -34,19 +67,48 @@ def test_ui_serves_the_default_store(tmp_path, monkeypatch):
     assert default_tracking_uri().startswith("sqlite:///")
     port = _free_port()
     proc = subprocess.Popen([str(CLI), "ui", "--port", str(port)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        body = json.dumps({"experiment_ids": ["1"], "max_results": 5}).encode()
-        deadline, runs = time.time() + 60, None
-        while time.time() < deadline and runs is None:
-            try:
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/search",
-                                             data=body, headers={"Content-Type": "application/json"})
-                runs = json.loads(urllib.request.urlopen(req, timeout=5).read())["runs"]
-            except OSError:
-                time.sleep(0.5)
+        runs = _search_runs(port)
         assert runs is not None, "the UI never answered"
         assert [r["info"]["run_id"] for r in runs] == [tracker.run_id]
+        assert _mlflow_pids(port), "expected mlflow processes while the UI runs"
+        # SIGTERM to dapo-flow alone (not its group) stops the server it started
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        deadline = time.time() + 10
+        while time.time() < deadline and (_listening(port) or _mlflow_pids(port)):
+            time.sleep(0.2)
+        assert not _listening(port), f"port {port} still served after SIGTERM"
+        assert _mlflow_pids(port) == [], "mlflow processes outlived `dapo-flow ui`"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        for pid in [proc.pid, *_mlflow_pids(port)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait(timeout=20)
+
+
+@pytest.mark.timeout(120)
+def test_ui_refuses_a_busy_port(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([str(CLI), "ui", "--port", str(port)], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=100)
+    assert r.returncode == 2, r.stderr
+    assert f"cannot serve on 127.0.0.1:{port}" in r.stderr and "fix: pick a free port" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "dapo-flow-runs").exists()  # refused before touching the store
+
+
+@pytest.mark.parametrize("port", ["70000", "0", "-1", "http"])
+def test_ui_refuses_an_invalid_port(port, capsys):
+    import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["ui", "--port", port])
+    assert info.value.code == 2
+    assert "argument --port:" in capsys.readouterr().err

@@ -1,0 +1,131 @@
+"""The MLflow store: concurrent first starts, experiment creation races, read-only stores, the
+experiment kind tag."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dapo_flow import tracking
+from dapo_flow.tracking import StoreError, Tracker, search_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _start_run(folder: str, i: int) -> str:
+    """In a fresh process: open the store under ``folder`` and record one run."""
+    os.chdir(folder)
+    try:
+        tracker = Tracker(None, "race", run_name=f"r{i}")
+        tracker.log_metrics(1, {"x": float(i)})
+        tracker.finish()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - the test reports what each process hit
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_concurrent_first_starts_share_one_store(tmp_path):
+    """Four processes open a store that does not exist yet and create runs in the same new
+    experiment at once: MLflow's migrations and experiment creation race without the lock."""
+    n = 4
+    with multiprocessing.get_context("spawn").Pool(n) as pool:
+        results = pool.starmap(_start_run, [(str(tmp_path), i) for i in range(n)])
+    assert results == ["ok"] * n
+    runs = search_runs(f"sqlite:///{tmp_path / tracking.RUNS_DIR / 'mlflow.db'}", "race")
+    assert sorted(r["name"] for r in runs) == [f"r{i}" for i in range(n)]
+    assert all(r["status"] == "FINISHED" and r["metrics"] == {"x": float(r["name"][1:])} for r in runs)
+
+
+def test_experiment_created_by_another_process_is_used(tmp_path, monkeypatch):
+    """create_experiment losing the race (RESOURCE_ALREADY_EXISTS) fetches the winner's."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    winner = Tracker(uri, "shared", run_name="first")
+    client = tracking._client(uri)
+    real_get = type(client).get_experiment_by_name
+    calls = []
+
+    def stale_then_real(self, name):  # the first lookup happens before the other process commits
+        calls.append(name)
+        return None if len(calls) == 1 else real_get(self, name)
+
+    monkeypatch.setattr(type(client), "get_experiment_by_name", stale_then_real)
+    second = Tracker(uri, "shared", run_name="second")
+    assert len(calls) == 2
+    assert (tracking.read_run(uri, second.run_id)["experiment_id"]
+            == tracking.read_run(uri, winner.run_id)["experiment_id"])
+
+
+def test_experiments_are_tagged_as_model_training(tmp_path):
+    """The MLflow UI opens untagged experiments in its GenAI view; ours are training runs."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    Tracker(uri, "fresh")
+    client = tracking._client(uri)
+    assert client.get_experiment_by_name("fresh").tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    # an experiment made before the tag existed gets it when its next run starts
+    old = client.create_experiment("old")
+    assert tracking.EXPERIMENT_KIND_TAG not in client.get_experiment(old).tags
+    Tracker(uri, "old")
+    assert client.get_experiment(old).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    # a kind the user chose is kept
+    client.set_experiment_tag(old, tracking.EXPERIMENT_KIND_TAG, "finetuning")
+    Tracker(uri, "old")
+    assert client.get_experiment(old).tags[tracking.EXPERIMENT_KIND_TAG] == "finetuning"
+
+
+def test_half_migrated_store_is_a_clear_error(tmp_path):
+    """A store whose migration was interrupted: StoreError naming the file and the fix."""
+    import sqlite3
+
+    db = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    # created in another process: this one caches every store it has opened
+    subprocess.run([sys.executable, "-c", f"from dapo_flow.tracking import Tracker; Tracker({uri!r}, 'e')"],
+                   cwd=ROOT, check=True, timeout=120)
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE alembic_version SET version_num = '451aebb31d03'")
+    with pytest.raises(StoreError, match=r"mlflow\.db: MLflow cannot open this store.*\n.*fix: "):
+        tracking._client(uri)
+
+
+def _read_only(path: Path, argv: list[str]) -> list[str]:
+    """``argv`` run where ``path`` (a file or folder) cannot be written. Root writes through file
+    modes, so as root ``path`` is bind-mounted read-only in a private mount namespace."""
+    if os.geteuid() != 0:
+        for p in ([path, *path.rglob("*")] if path.is_dir() else [path]):
+            p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+        return argv
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("running as root without mount namespaces: nothing is read-only to root")
+    script = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"'
+    return ["unshare", "-m", "sh", "-c", script, "sh", str(path), *argv]
+
+
+@pytest.mark.parametrize("read_only", ["file", "folder"])
+def test_read_only_store_exits_2_with_the_fix(tmp_path, read_only):
+    """`dapo-flow run` on a read-only mlflow.db (or folder): exit 2 before loading anything, with
+    what/where/fix and no traceback; reading the store (what compare does) still works."""
+    store = tmp_path / tracking.RUNS_DIR
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    Tracker(uri, "ro", run_name="kept").finish()
+    code = ("import sys, cli; from dapo_flow.tracking import search_runs; "
+            f"print('read:', [r['name'] for r in search_runs({uri!r}, 'ro')]); "
+            "sys.exit(cli.main(['run', sys.argv[1], '--executor', 'local', '--steps', '1']))")
+    argv = _read_only(store / "mlflow.db" if read_only == "file" else store,
+                      [sys.executable, "-c", code, str(ROOT / "graphs" / "grpo.yaml")])
+    r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    assert "read: ['kept']" in r.stdout, r.stderr
+    assert r.returncode == 2, r.stderr
+    what = "database file is read-only" if read_only == "file" else "folder is read-only"
+    assert f"{store / 'mlflow.db'}: the MLflow store {what}" in r.stderr
+    assert "fix: make it writable" in r.stderr
