@@ -182,7 +182,8 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
             state = LoopState(step=int(driver_state.get("step", 0)), carry=carry,
                               samples_generated=int(driver_state.get("samples_generated", 0)),
                               wall_seconds=float(driver_state.get("wall_seconds", 0.0)),
-                              keep_rate=driver_state.get("keep_rate"))
+                              keep_rate=driver_state.get("keep_rate"),
+                              skipped_in_a_row=int(driver_state.get("skipped_in_a_row", 0)))
             runner = Runner(placed, ex, driver, sampler)
             return _loop(runner, state, tracker, total, run_root, console, startup, skipped,
                          ghash, val_prompts, ctrl_c, logged)
@@ -289,7 +290,8 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
     driver = {
         "step": state.step, "sampler": runner.sampler.state(), "mlflow_run_id": tracker.run_id,
         "samples_generated": state.samples_generated, "wall_seconds": state.wall_seconds,
-        "keep_rate": state.keep_rate, "trained_models": trained,
+        "keep_rate": state.keep_rate, "skipped_in_a_row": state.skipped_in_a_row,
+        "trained_models": trained,
         "unlogged_metrics": [[s, m] for s, m in unlogged],
         "graph": runner.plan.spec.model_dump(mode="json"),  # what --resume diffs a changed graph with
     }

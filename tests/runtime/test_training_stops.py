@@ -129,3 +129,15 @@ def test_a_reward_function_returning_none_is_exit_2_naming_it_and_the_sample(wor
     assert f"reward function '{ref}' (node 'verify') returned None as 'score' for prompt id" in err
     assert "Traceback" not in err
     assert _only_run()["status"] == "FAILED"
+
+
+def test_the_skipped_steps_in_a_row_survive_a_resume(workdir, small_graph, capsys):
+    # 2 skipped steps, checkpointed; the resumed run stops at its 1st skipped step (3 in a row),
+    # not after 3 more
+    path = _constant_metric_graph(small_graph, workdir, on_cap="skip-step", cap=1, steps=2, max_skipped=3)
+    path.write_text(path.read_text().replace("checkpoint_every: 0", "checkpoint_every: 1"))
+    run_id = _run(path)["run_id"]
+    assert _cli_run(path, "--resume", run_id, "--steps", "10") == 2
+    assert "3 steps in a row were skipped" in capsys.readouterr().err
+    history = read_run(default_tracking_uri(), run_id)["history"]
+    assert [s for s, _ in history["sampling/skipped"]] == [1, 2]
