@@ -296,7 +296,7 @@ def _sweep(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     if args.dry_run:
         ready = sweep.validate_jobs(patch, jobs)
-        console.print(sweep.dry_run_table(patch, ready))
+        console.print(sweep.dry_run_report(patch, ready), crop=False)
         console.print(f"[green]ok[/]: every variant compiles ({len(ready)} run(s)); nothing trained (--dry-run)")
         return 0
     result = sweep.run_sweep(patch, jobs, executor=args.executor, address=args.address,

@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from rich.console import Console
+from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from dapo_flow.compare import ERROR_TAG, PARENT_TAG
 from dapo_flow.compiler import Found, did_you_mean, pydantic_problems
@@ -378,27 +380,37 @@ def _in_variants(p: Problem, names: list[str], every: set[str]) -> Problem:
     return Problem(p.file, p.line, p.node, p.field, f"{p.message} (in {which})", p.hint)
 
 
-def dry_run_table(patch: Patch, ready: list[Ready]) -> Table:
-    seeds = sorted({r.seed for r in ready})
-    table = Table(title=f"sweep {patch.file}: base {patch.base}, experiment '{patch.experiment}'",
-                  caption=f"seeds {', '.join(map(str, seeds))}; {len(ready)} run(s)"
-                  + ("; every variant first applies: " + escape("  ".join(e.cli() for e in patch.settings))
-                     if patch.settings else ""),
-                  show_lines=True)
-    table.add_column("variant", style="bold", no_wrap=True)
-    table.add_column("extends", no_wrap=True)
-    table.add_column("its own edits", overflow="fold")
-    table.add_column("nodes", justify="right")
+def dry_run_report(patch: Patch, ready: list[Ready]) -> Group:
+    """What a sweep would run: each variant, what it extends and its own edits, one flag a line.
+    Lines never wrap (a flag cut mid-token cannot be copied back into a command): print it with
+    ``crop=False`` and the terminal folds what is wider than itself."""
+    def line(*parts: str | tuple[str, str]) -> Text:
+        return Text.assemble(*parts, no_wrap=True, overflow="ignore")
+
+    seeds = ", ".join(map(str, sorted({r.seed for r in ready})))
+    lines = [line(("sweep ", "bold"), patch.file),
+             line(f"  base {patch.base}, experiment '{patch.experiment}', seeds {seeds}, "
+                  f"{len(ready)} run(s)")]
+    if patch.settings:
+        lines.append(line("  every variant first applies:"))
+        lines += [line(f"      {flag}") for e in patch.settings for flag in _flags(e)]
     seen = set()
     for r in ready:
         if r.job.variant in seen:
             continue
         seen.add(r.job.variant)
         variant = next(v for v in patch.variants if v.name == r.job.variant)
-        own = escape("\n".join(e.cli() for e in variant.own)) or "[dim](none)[/]"
-        table.add_row(escape(variant.name), escape(variant.extends or "-"), own,
-                      str(len(r.placed.plan.nodes)))
-    return table
+        extends = f"extends {variant.extends}, " if variant.extends else ""
+        lines.append(line(("  " + variant.name, "bold"), ("  " + extends + f"{len(r.placed.plan.nodes)} nodes", "dim")))
+        lines += ([line(f"      {flag}") for e in variant.own for flag in _flags(e)]
+                  or [line(("      (no edits of its own)", "dim"))])
+    return Group(*lines)
+
+
+def _flags(edit) -> list[str]:
+    """An edit's command-line flags, one "--flag VALUE" each (an insert is several)."""
+    tokens = shlex.split(edit.cli())
+    return [f"{flag} {shlex.quote(value)}" for flag, value in zip(tokens[::2], tokens[1::2])]
 
 
 # --- running ------------------------------------------------------------------------------
@@ -409,11 +421,14 @@ def run_sweep(patch: Patch, jobs: list[Job] | list[Ready], *, executor: str = "r
     """Validate (unless given compiled jobs), then run every job under one parent run."""
     from dapo_flow.tracking import Tracker, default_tracking_uri
 
+    if parallel < 1:
+        raise DapoFlowError(f"parallel must be >= 1 (runs at once), got {parallel}")
     console = console or Console()
     compiled = bool(jobs) and all(isinstance(j, Ready) for j in jobs)
     ready = list(jobs) if compiled else validate_jobs(patch, jobs)
     if not ready:
         raise DapoFlowError("nothing to run: no variants selected")
+    parallel = min(parallel, len(ready))  # more processes than runs would only split the threads
     uri = ready[0].placed.plan.spec.tracking.uri or default_tracking_uri()
     names = list(dict.fromkeys(r.job.variant for r in ready))
     parent = Tracker(uri, patch.experiment, run_name=f"sweep {Path(patch.file).stem}",

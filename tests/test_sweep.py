@@ -146,13 +146,47 @@ def test_bad_variant_names_the_patch_line(tmp_path, text, where):
 
 
 def test_cli_dry_run_ladder():
+    import os
+
     r = subprocess.run([sys.executable, "-m", "cli", "sweep", str(LADDER), "--dry-run", "--seeds", "0,1"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
     assert r.returncode == 0, r.stderr
     for name in [*RUNGS, "dr-grpo", "rloo", "dapo-verl"]:
         assert name in r.stdout
-    assert "--set train.clip_high=0.28" in r.stdout
     assert "every variant compiles (18 run(s)); nothing trained" in r.stdout
+    # at 80 columns every flag is whole on a line of its own (it used to fold mid-token)
+    lines = {line.strip() for line in r.stdout.splitlines()}
+    for flag in ("--set train.clip_high=0.28", "--insert dynamic_sampling:group-filter:after=overlong",
+                 "--set dynamic_sampling.on_cap=train-on-what-we-have",
+                 "--set train.loss_agg_mode=seq-mean-token-sum-norm", "--set run.gen_prompts_per_batch=48"):
+        assert flag in lines, r.stdout
+
+
+def test_dry_run_report_lists_every_flag_whole_at_80_columns():
+    import io
+
+    from rich.console import Console
+
+    from dapo_flow.sweep import _flags, dry_run_report
+
+    patch = load_patch(LADDER)
+    ready = validate_jobs(patch, plan_jobs(patch, seeds="0"))
+    out = io.StringIO()
+    Console(file=out, width=80).print(dry_run_report(patch, ready), crop=False)
+    lines = [line.strip() for line in out.getvalue().splitlines()]
+    flags = [f for v in patch.variants for e in v.own for f in _flags(e)]
+    assert len(flags) > 15 and all(flag in lines for flag in flags), out.getvalue()
+
+
+def test_run_sweep_refuses_parallel_below_one(tmp_path, monkeypatch):
+    from dapo_flow.errors import DapoFlowError
+    from dapo_flow.sweep import run_sweep
+
+    monkeypatch.chdir(tmp_path)
+    patch = load_patch(LADDER)
+    with pytest.raises(DapoFlowError, match="parallel must be >= 1"):
+        run_sweep(patch, plan_jobs(patch, seeds="0"), executor="local", parallel=0)
+    assert not (tmp_path / "dapo-flow-runs").exists()
 
 
 def test_cli_sweep_errors_exit_2(tmp_path, monkeypatch, capsys):
