@@ -435,7 +435,7 @@ def _ops(args: argparse.Namespace) -> int:
         if dynamic:
             out.print(f"  [dim](columns shown for default params; {' and '.join(dynamic)} depend on params)[/]")
         docs = _field_docs(cls.Params)
-        out.print("  [bold]params[/]")
+        out.print("  [bold]params[/]" + ("" if cls.Params.model_fields else " (none)"))
         for field, info in cls.Params.model_fields.items():
             default = "required" if info.is_required() else f"= {info.get_default(call_default_factory=True)!r}"
             bounds = ", ".join(_bounds(info))

@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from rich.console import Console
+from rich import box
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from dapo_flow.errors import DapoFlowError
@@ -257,19 +260,57 @@ def _cells(row: Row, cols: tuple[str, ...]) -> list[str]:
     return [cells[col] for col in cols]
 
 
-def table(rows: Sequence[Row], title: str = "") -> Table:
-    t = Table(title=title or None, caption="mean ± std over seeds; reward = mean verifier score of all "
-              "rollouts in the last step (before shaping and filtering)")
-    width = max([len(r.variant) for r in rows] + [7])
+def table(rows: Sequence[Row], title: str = "") -> "FittedTable":
+    """The terminal table. At 80 columns it narrows by breaking headers between words and cells
+    between a mean and its std (``0.370`` over ``±0.020``), never inside a number."""
     cols = columns(rows)
-    for col in cols:
-        if col == "variant":
-            t.add_column(col, no_wrap=True, min_width=width)
-        else:
-            t.add_column(col, justify="right")
-    for row in rows:
-        t.add_row(*(escape(c) for c in _cells(row, cols)))
-    return t
+    headers = ["Δ val acc [95% CI]" if c.startswith(DELTA_PREFIX) else c for c in cols]  # the
+    # baseline is the row marked (baseline); its name in the header would widen the column
+    body = [[c.replace("± ", "±") for c in _cells(row, cols)] for row in rows]
+    return FittedTable(headers, body, title, caption="mean ±std over seeds; reward = mean verifier "
+                       "score of all rollouts in the last step (before shaping and filtering)")
+
+
+@dataclass(frozen=True)
+class FittedTable:
+    """A rich table whose columns, when the terminal is too narrow for one line per row, keep
+    at least their longest word: rich alone shrinks the widest columns level with each other and
+    then cuts every column alike, so "0.370 ± 0.020" read "0.3…". The first column never wraps."""
+
+    headers: Sequence[str]
+    body: Sequence[Sequence[str]]
+    title: str = ""
+    caption: str = ""
+
+    def _table(self, widths: Sequence[int] | None = None) -> Table:
+        """At natural width; with ``widths``, fixed columns one space apart and no outer edge."""
+        t = Table(title=self.title or None, caption=self.caption, box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True, show_edge=widths is None,
+                  padding=(0, 1) if widths is None else 0)
+        for i, header in enumerate(self.headers):
+            t.add_column(header, justify="left" if i == 0 else "right", no_wrap=i == 0,
+                         width=None if widths is None else widths[i])
+        for row in self.body:
+            t.add_row(*(escape(c) for c in row))
+        return t
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions):
+        unbounded = options.update_width(1_000_000)  # a measurement is capped at the width
+        natural = self._table()
+        if Measurement.get(console, unbounded, natural).maximum <= options.max_width:
+            yield natural
+            return
+        texts = list(zip(self.headers, *self.body))  # per column: header, then its cells
+        longest = [max(cell_len(t) for t in col) for col in texts]
+        least = [longest[0], *(max(cell_len(w) for t in col for w in t.split()) for col in texts[1:])]
+        frame = Measurement.get(console, unbounded, self._table(longest)).maximum - sum(longest)
+        spare = options.max_width - frame - sum(least)
+        if spare < 0:  # not even one word per line fits: rich's own cutting is all there is
+            yield natural
+            return
+        want = [hi - lo for hi, lo in zip(longest, least)]  # what each column lacks for one line
+        give = [spare * w // max(sum(want), 1) for w in want]
+        yield self._table([lo + g for lo, g in zip(least, give)])
 
 
 def markdown(rows: Sequence[Row], title: str = "") -> str:
@@ -389,25 +430,30 @@ def report(uri: str, parent_run_id: str, out: str | Path | None = "compare.png",
     return rows
 
 
+NEEDS = ("compare shows a sweep: pass the experiment name of a `dapo-flow sweep` (or `eval --sweep`; its "
+         "latest sweep) or the parent run id it printed")
+
+
 def resolve(target: str, uri: str) -> str:
     """The parent run id for ``target``: a parent run id, a child run id (its parent), or an
     experiment name (its latest sweep)."""
     from dapo_flow.compiler import did_you_mean
-    from dapo_flow.tracking import experiment_names, find_run, latest_run
+    from dapo_flow.tracking import experiment_names, experiments_with, find_run, latest_run
 
     run = find_run(uri, target)
     if run is not None:
         parent = run["tags"].get("mlflow.parentRunId")
         return parent if parent and run["tags"].get(PARENT_TAG) != "parent" else target
-    names = experiment_names(uri)
-    if target not in names:
-        raise DapoFlowError(f"'{target}' is neither a run id nor an experiment in {uri}\n    fix: "
-                            + did_you_mean(target, [n for n in names if n != "Default"] or ["(none yet)"]))
-    parent = latest_run(uri, target, f"tags.`{PARENT_TAG}` = 'parent'")
-    if parent is None:
-        raise DapoFlowError(f"experiment '{target}' has no sweep parent run: run `dapo-flow sweep PATCH` "
-                            "first, or pass a parent run id")
-    return parent["run_id"]
+    is_parent = f"tags.`{PARENT_TAG}` = 'parent'"
+    parent = latest_run(uri, target, is_parent)
+    if parent is not None:
+        return parent["run_id"]
+    sweeps = experiments_with(uri, is_parent)  # only names compare can show: never a dead end
+    fix = (did_you_mean(target, sweeps) if sweeps
+           else "no sweeps in this store yet: run `dapo-flow sweep PATCH` first")
+    what = ("an experiment without a sweep" if target in experiment_names(uri)
+            else "neither a run id nor an experiment")
+    raise DapoFlowError(f"'{target}' is {what} in {uri}\n    {NEEDS}\n    fix: {fix}")
 
 
 def compare(target: str, out: str | Path | None = "compare.png", console: Console | None = None,

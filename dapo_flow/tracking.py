@@ -304,6 +304,13 @@ def latest_run(uri: str, experiment: str, filter_string: str = "") -> dict[str, 
     return _record(client, runs[0]) if runs else None
 
 
+def experiments_with(uri: str, filter_string: str) -> list[str]:
+    """Names of the experiments holding at least one run that matches ``filter_string``."""
+    client = _client(uri)
+    return [e.name for e in client.search_experiments()
+            if client.search_runs([e.experiment_id], filter_string=filter_string, max_results=1)]
+
+
 def experiment_names(uri: str) -> list[str]:
     return [e.name for e in _client(uri).search_experiments()]
 

@@ -72,6 +72,9 @@ def test_ops():
     assert "Upper ratio clip (DAPO clip-higher: 0.28)." in r.stdout  # the field's docstring
     assert "response_ids: list<int32>" in r.stdout
     assert ">= 1, <= 1024" in r.stdout
+    # an op without params says so instead of an empty heading
+    block = r.stdout.split("overlong-filter", 1)[1].split("\n\n", 1)[0]
+    assert "  params (none)" in block and "  params\n" not in block
 
 
 def test_help():

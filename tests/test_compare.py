@@ -169,8 +169,59 @@ def test_compare_reads_mlflow_and_logs_to_the_parent(tmp_path, monkeypatch, caps
     assert C.resolve(parent_id, uri) == parent_id
     with pytest.raises(DapoFlowError, match="did you mean 'fake-sweep'"):
         C.resolve("fake-swep", uri)
+    # an experiment of plain runs is no sweep: never suggested, and the error says what compare needs
+    from dapo_flow.tracking import Tracker
+
+    Tracker(uri, "fake-sweeps-runs", run_name="plain").finish()
+    with pytest.raises(DapoFlowError) as info:
+        C.resolve("fake-sweeps", uri)
+    assert "neither a run id nor an experiment" in str(info.value)
+    assert "fix: did you mean 'fake-sweep'?" in str(info.value)  # not 'fake-sweeps-runs'
+    with pytest.raises(DapoFlowError) as info:
+        C.resolve("fake-sweeps-runs", uri)
+    assert "an experiment without a sweep" in str(info.value) and C.NEEDS in str(info.value)
     with pytest.raises(DapoFlowError, match="has no child runs"):
         C.report(uri, child_id, out=None)
+
+
+def test_no_sweep_yet_suggests_no_dead_end(tmp_path):
+    """Only plain runs in the store (the README's first run): `compare dapo` used to suggest
+    'dapo-flow', an experiment compare cannot show."""
+    from dapo_flow.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    Tracker(uri, "dapo-flow", run_name="dapo").finish()
+    with pytest.raises(DapoFlowError) as info:
+        C.resolve("dapo", uri)
+    text = str(info.value)
+    assert "'dapo-flow'" not in text and C.NEEDS in text
+    assert "fix: no sweeps in this store yet: run `dapo-flow sweep PATCH` first" in text
+
+
+def test_table_keeps_every_number_whole_at_80_columns():
+    import io
+    import re
+
+    from rich.console import Console
+
+    recs = []
+    for variant in ("grpo", "+overlong-filter", "+clip-higher", "+dynamic-sampling", "dr-grpo"):
+        for seed in range(3):
+            run = fake_child_run(variant, seed, [0.1, 0.3 + 0.01 * seed, 0.35 + 0.02 * seed],
+                                 [-0.5, 0.123 * seed], samples=1234.0 + seed)
+            run["metrics"] = {"val/pass_at_16": 0.9 + 0.01 * seed}
+            recs.append(run)
+    rows = C.aggregate(records(*recs), baseline="grpo")
+    numbers = {n for row in rows for cell in C._cells(row, C.columns(rows))
+               for n in re.findall(r"[-+]?\d+(?:\.\d+)?", cell)}
+    assert len(numbers) > 8
+    for width in (80, 200):
+        out = io.StringIO()
+        Console(file=out, width=width).print(C.table(rows, "sweep dapo-ladder (abcdef12)"))
+        text = out.getvalue()
+        assert "…" not in text and max(len(line) for line in text.splitlines()) <= width
+        shown = set(re.findall(r"[-+]?\d+(?:\.\d+)?", text))
+        assert numbers <= shown, (numbers - shown, text)  # a cut number is another token
 
 
 def test_cli_compare_errors_exit_2(tmp_path, monkeypatch, capsys):
