@@ -347,6 +347,7 @@ def _ui(args: argparse.Namespace) -> int:
 def _require_free_port(port: int) -> None:
     """Bind the port the UI will serve on, so a busy one is an error now, not a server that
     starts, fails to listen and leaves the user at a dead URL."""
+    import errno
     import socket
 
     with socket.socket() as probe:
@@ -354,10 +355,11 @@ def _require_free_port(port: int) -> None:
         try:
             probe.bind(("127.0.0.1", port))
         except OSError as exc:
-            raise DapoFlowError(f"cannot serve on 127.0.0.1:{port}: {exc.strerror or exc} (another "
-                                f"`dapo-flow ui` or server may be listening there)\n"
+            busy = exc.errno == errno.EADDRINUSE
+            why = " (another `dapo-flow ui` or server is listening there)" if busy else ""
+            raise DapoFlowError(f"cannot serve on 127.0.0.1:{port}: {exc.strerror or exc}{why}\n"
                                 f"    fix: pick a free port, e.g. --port {port + 1 if port < 65535 else 5000}"
-                                f", or stop what uses {port}") from None
+                                + (f", or stop what uses {port}" if busy else "")) from None
 
 
 def _run_owned(cmd: list[str], env: dict[str, str]) -> int:
