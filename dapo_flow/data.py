@@ -9,6 +9,7 @@ flattened column), ``data_source``, ``extra_info.index``.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -52,7 +53,7 @@ def load_prompts(
     max_prompt_tokens: int | None = None,
     on_bad_row: Literal["error", "skip"] = "error",
     options: dict[str, Any] | None = None,
-    read_parquet: Callable[[Path], pa.Table] | None = None,
+    read_parquet: "ParquetReader | None" = None,
 ) -> tuple[pa.Table, int]:
     """Read, template and tokenize prompts; returns (table, number of skipped bad rows).
 
@@ -62,7 +63,9 @@ def load_prompts(
     Bad rows (no ground truth, empty prompt, more than ``max_prompt_tokens`` tokens) raise
     :class:`DataError` with ``on_bad_row="error"`` and are counted and dropped with ``"skip"``.
     ``read_parquet`` replaces pyarrow's reader for .parquet files (the Ray executor passes
-    Ray Data's, which reads a directory or object-store path of many files in parallel).
+    Ray Data's); it is given one file or the name-ordered list of a folder's ``*.parquet`` shards.
+    A source that leaves no usable row (empty, or every row bad and skipped) is a DataError:
+    training could never draw a prompt from it.
     """
     if on_bad_row not in ("error", "skip"):
         raise DataError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
@@ -75,28 +78,34 @@ def load_prompts(
         records, default_source = _file_records(Path(source), read_parquet), Path(source).stem
     records = records[:size] if size is not None else records
 
-    rows, bad = [], 0
+    rows: list[_Row] = []
+    skipped: Counter[str] = Counter()  # why -> how many rows were dropped for it
 
-    def reject(rec: _Record, field: str, problem: str, fix: str) -> None:
-        nonlocal bad
+    def reject(rec: _Record, field: str, problem: str, fix: str, why: str) -> None:
         if on_bad_row == "error":
             raise DataError(
                 f"{source}: {rec.where}: field '{field}' {problem}\n    fix: {fix}, "
                 "or set on_bad_row: skip to drop such rows"
             )
-        bad += 1
+        skipped[why] += 1
 
     answer_keys = (answer_key,) if answer_key else ANSWER_KEYS
     for rec in records:
         prompt = _get(rec.fields, prompt_key)
+        wrong_type = _prompt_type_problem(prompt)
+        if wrong_type:
+            reject(rec, prompt_key, wrong_type, f"make every `{prompt_key}` a string or a list of "
+                   "chat messages [{role, content}]", f"`{prompt_key}` of the wrong type")
+            continue
         text = _render(prompt, tokenizer) if prompt else ""
         if not text.strip():
-            reject(rec, prompt_key, "is missing or empty", f"give every row a non-empty `{prompt_key}`")
+            reject(rec, prompt_key, "is missing or empty", f"give every row a non-empty `{prompt_key}`",
+                   f"missing or empty `{prompt_key}`")
             continue
         answer = next((a for k in answer_keys if (a := _get(rec.fields, k)) not in (None, "")), None)
         if answer is None:
             reject(rec, " | ".join(answer_keys), "is missing (no ground truth)",
-                   "add the answer there or name its column with answer_key")
+                   "add the answer there or name its column with answer_key", "no ground truth")
             continue
         rows.append(_Row(rec, text, answer, raw=isinstance(prompt, str)))
 
@@ -105,8 +114,10 @@ def load_prompts(
     if max_prompt_tokens is not None:
         for row in [r for r in rows if len(r.ids) > max_prompt_tokens]:
             reject(row.record, prompt_key, f"has {len(row.ids)} tokens > max_prompt_tokens={max_prompt_tokens}",
-                   "raise max_prompt_tokens or shorten the prompt")
+                   "raise max_prompt_tokens or shorten the prompt", f"over max_prompt_tokens={max_prompt_tokens}")
         rows = [r for r in rows if len(r.ids) <= max_prompt_tokens]
+    if not rows:
+        raise DataError(_no_rows_message(source, len(records), skipped))
 
     table = pa.table(
         {
@@ -118,7 +129,33 @@ def load_prompts(
         },
         schema=C.prompt_schema(),
     )
-    return table, bad
+    return table, sum(skipped.values())
+
+
+def _prompt_type_problem(prompt: Any) -> str:
+    """Why a present prompt value cannot be a prompt ("" when it can, or is just missing)."""
+    if prompt is None or isinstance(prompt, str):
+        return ""
+    if isinstance(prompt, list):
+        if all(isinstance(m, dict) and "content" in m for m in prompt):
+            return ""
+        return "is a list but not of chat messages (each a mapping with `role` and `content`)"
+    return f"is {type(prompt).__name__} {_clip(repr(prompt))}, expected a string or a list of chat messages"
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _no_rows_message(source: str, read: int, skipped: Counter[str]) -> str:
+    if read == 0:
+        what = "it has no rows"
+        fix = "point the source at a file with at least one prompt row"
+    else:
+        reasons = ", ".join(f"{n} {why}" for why, n in skipped.most_common())
+        what = f"all {read} rows read were skipped as bad rows ({reasons})"
+        fix = "fix those rows (set on_bad_row: error to see the first one named) or use another file"
+    return f"{source}: no usable prompts: {what}; a run needs at least one\n    fix: {fix}"
 
 
 def _builtin_records(source: str, split: str, seed: int, options: dict[str, Any]) -> list[_Record]:
@@ -135,28 +172,74 @@ def _builtin_records(source: str, split: str, seed: int, options: dict[str, Any]
     ]
 
 
-def _file_records(path: Path, read_parquet: Callable[[Path], pa.Table] | None = None) -> list[_Record]:
+ParquetReader = Callable[["Path | list[Path]"], pa.Table]
+
+
+def _file_records(path: Path, read_parquet: ParquetReader | None = None) -> list[_Record]:
+    if path.is_dir():
+        return _parquet_records(path, _parquet_shards(path), read_parquet)
     if not path.is_file():
         raise DataError(f"prompt file {path} does not exist (resolved: {path.resolve()})")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = (read_parquet or pq.read_table)(path)
-        return [_Record(i, f"row {i}", r) for i, r in enumerate(table.to_pylist())]
+        return _parquet_records(path, path, read_parquet)
     if suffix == ".json":
-        data = _parse_json(path, path.read_text(encoding="utf-8"), "file")
+        data = _parse_json(path, _read_text(path), "file")
         if not isinstance(data, list):
             raise DataError(f"{path}: a .json prompt file must hold a list of records")
         return [_Record(i, f"record {i}", _as_record(path, r, f"record {i}")) for i, r in enumerate(data)]
     if suffix == ".jsonl":
         out = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for n, line in enumerate(_read_text(path).splitlines(), start=1):
             if line.strip():
                 record = _as_record(path, _parse_json(path, line, f"line {n}"), f"line {n}")
                 out.append(_Record(n, f"line {n}", record))
         return out
     raise DataError(f"{path}: unsupported prompt file type '{suffix}'; use one of {FILE_SUFFIXES}")
+
+
+def _parquet_shards(folder: Path) -> list[Path]:
+    """A folder source: its ``*.parquet`` files, read in name order (shard-00000, ...)."""
+    shards = sorted(p for p in folder.glob("*.parquet") if p.is_file())
+    if not shards:
+        raise DataError(f"prompt folder {folder} holds no .parquet files; give a folder of parquet "
+                        "shards or a .parquet / .jsonl / .json file")
+    return shards
+
+
+def _parquet_records(path: Path, files: "Path | list[Path]", read_parquet: ParquetReader | None) -> list[_Record]:
+    try:
+        table = (read_parquet or _read_parquet_files)(files)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any reader failure on user data is a bad file
+        raise DataError(f"{path}: cannot read as parquet: {_first_line(exc)}\n    fix: rewrite the "
+                        "file (is it truncated, or not parquet?); shards in a folder need the same columns") from None
+    return [_Record(i, f"row {i}", r) for i, r in enumerate(table.to_pylist())]
+
+
+def _read_parquet_files(files: "Path | list[Path]") -> pa.Table:
+    import pyarrow.parquet as pq
+
+    if isinstance(files, Path):
+        return pq.read_table(files)
+    return pa.concat_tables([pq.read_table(f) for f in files])
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text; other encodings are a DataError naming the line and byte."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{path}: line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+                        f"{exc.start})\n    fix: save the file as UTF-8") from None
 
 
 def _parse_json(path: Path, text: str, where: str) -> Any:

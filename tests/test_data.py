@@ -180,3 +180,92 @@ def test_file_format_errors(tmp_path, tok):
     arr.write_text(json.dumps([{"prompt": "1+1=", "answer": "2"}]))
     table, _ = load_prompts(str(arr), tokenizer=tok)
     assert table.num_rows == 1
+
+
+# --- sources that leave nothing to train on, and unreadable files: clear errors -----------
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".json"])
+def test_empty_source_is_an_error(tmp_path, tok, suffix):
+    path = tmp_path / f"empty{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), path)
+    else:
+        path.write_text("[]" if suffix == ".json" else "")
+    with pytest.raises(DataError, match=rf"empty{suffix}: no usable prompts: it has no rows"):
+        load_prompts(str(path), tokenizer=tok)
+
+
+@pytest.mark.timeout(20)
+def test_every_row_skipped_is_an_error_saying_why(tmp_path, tok):
+    path = write_jsonl(tmp_path / "p.jsonl", BAD_ROWS[1:4])
+    with pytest.raises(DataError) as err:
+        load_prompts(str(path), tokenizer=tok, max_prompt_tokens=8, on_bad_row="skip")
+    message = str(err.value)
+    assert "p.jsonl: no usable prompts: all 3 rows read were skipped as bad rows" in message
+    for why in ("1 no ground truth", "1 missing or empty `prompt`", "1 over max_prompt_tokens=8"):
+        assert why in message
+    assert "fix:" in message
+
+
+@pytest.mark.timeout(20)
+def test_sampler_refuses_an_empty_table():
+    from dapo_flow.runtime.sampler import PromptSampler
+
+    with pytest.raises(DataError, match="0 rows"):
+        PromptSampler(C.prompt_schema().empty_table(), seed=0)
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        (7, r"line 1: field 'prompt' is int 7, expected a string or a list of chat messages"),
+        ({"text": "1+1="}, r"field 'prompt' is dict \{'text': '1\+1='\}, expected a string"),
+        (["1+1="], r"field 'prompt' is a list but not of chat messages"),
+    ],
+)
+def test_prompt_of_the_wrong_type_says_its_type(tmp_path, tok, prompt, match):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": prompt, "answer": "2"}])
+    with pytest.raises(DataError, match=match):
+        load_prompts(str(path), tokenizer=tok)
+
+
+def test_corrupt_parquet_is_a_data_error(tmp_path, tok):
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist(verl_rows()), good)
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(good.read_bytes()[:-20])
+    not_parquet = tmp_path / "text.parquet"
+    not_parquet.write_text("prompt,answer\n1+1=,2\n")
+    for path in (truncated, not_parquet):
+        with pytest.raises(DataError, match=rf"{path.name}: cannot read as parquet: \w+"):
+            load_prompts(str(path), tokenizer=tok)
+
+
+def test_non_utf8_jsonl_names_the_line(tmp_path, tok):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "x"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl: line 2: not UTF-8 text \(byte 0xe9"):
+        load_prompts(str(path), tokenizer=tok)
+
+
+def test_folder_of_parquet_shards_reads_every_shard_in_name_order(tmp_path, tok):
+    rows = verl_rows()
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    # written out of order: the name decides the order, not the creation time
+    pq.write_table(pa.Table.from_pylist(rows[2:]), folder / "part-00001.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:2]), folder / "part-00000.parquet")
+    (folder / "_SUCCESS").write_text("")  # markers written by Spark & co. are not shards
+    table, _ = load_prompts(str(folder), tokenizer=tok)
+    assert table.column(C.PROMPT_ID).to_pylist() == ["train-100", "train-101", "train-102", "train-103"]
+    seen = []
+    load_prompts(str(folder), tokenizer=tok, read_parquet=lambda files: seen.append(files) or pq.read_table(files[0]))
+    assert seen == [[folder / "part-00000.parquet", folder / "part-00001.parquet"]]
+
+
+def test_folder_without_parquet_shards(tmp_path, tok):
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(DataError, match=r"holds no .parquet files"):
+        load_prompts(str(tmp_path), tokenizer=tok)

@@ -85,12 +85,13 @@ class RayExecutor:
     def call(self, stage: str, method: str, *args: Any) -> Any:
         return getattr(self.actors[stage], method).remote(*args)
 
-    def read_parquet(self, path) -> pa.Table:
-        """Prompts read with Ray Data (parallel reads of a file, a folder, or remote storage),
-        rows kept in file order so Ray and local runs see the same prompts."""
+    def read_parquet(self, files) -> pa.Table:
+        """Prompts read with Ray Data (parallel reads of one file, or of a folder's shards given
+        as a name-ordered list), rows kept in that order so Ray and local runs see the same prompts."""
         ctx = self._ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True
-        ds = self._ray.data.read_parquet(str(path))
+        paths = [str(f) for f in files] if isinstance(files, list) else str(files)
+        ds = self._ray.data.read_parquet(paths)
         tables = [t for t in self._ray.get(ds.to_arrow_refs()) if t.num_rows]
         return pa.concat_tables(tables) if tables else ds.schema().base_schema.empty_table()
 

@@ -9,6 +9,7 @@ import pyarrow as pa
 
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import with_columns
+from dapo_flow.errors import DataError
 
 
 @dataclass
@@ -17,6 +18,12 @@ class PromptSampler:
     seed: int
     epoch: int = 0
     cursor: int = 0
+
+    def __post_init__(self) -> None:
+        # An empty table would make next() loop forever on empty permutations (the loader
+        # already refuses empty sources; this guards every other way a table gets here).
+        if self.table.num_rows == 0:
+            raise DataError("no prompts to sample from: the prompt table has 0 rows")
 
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.table.num_rows)
