@@ -3,10 +3,16 @@
 ``load(path)`` returns a :class:`GraphDoc`: the file name, the document as plain Python
 (dicts, lists, scalars) and ``line_of(("nodes", 3, "params", "clip_high"))`` for the
 1-based line where that key (or the nearest enclosing one that exists) is written.
+
+What a graph file may be is bounded, so no file can hang a command or exhaust memory: at most
+``MAX_GRAPH_BYTES`` on disk, and at most ``MAX_GRAPH_VALUES`` values once YAML aliases are
+expanded (``*name`` repeats what ``&name`` holds; nested aliases multiply, so a few KB could
+otherwise expand to billions of values).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -17,6 +23,13 @@ from ruamel.yaml.error import MarkedYAMLError, YAMLError
 from dapo_flow.errors import GraphError, Problem
 
 PathKey = tuple[str | int, ...]
+
+MAX_GRAPH_BYTES = 1 << 20  # graphs are a few KB; sweeps write theirs out too
+MAX_GRAPH_VALUES = 100_000  # mappings, lists and scalars after alias expansion (a graph: ~300)
+# ruamel's round-trip scanner joins a block of comment lines by repeated string concatenation
+# (quadratic: 200k comment lines took minutes). Past this many, comment lines are blanked first.
+MANY_COMMENT_LINES = 1_000
+_COMMENT_LINE = re.compile(r"^[ \t]*#.*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -47,18 +60,48 @@ class GraphDoc:
 
 
 def load(path: str | Path) -> GraphDoc:
-    """Parse ``path`` (round-trip, so positions are kept); raise GraphError on bad YAML."""
+    """Parse ``path`` (round-trip, so positions are kept); raise GraphError on bad YAML,
+    a file over ``MAX_GRAPH_BYTES`` or aliases expanding past ``MAX_GRAPH_VALUES`` values."""
     file = str(path)
     p = Path(path)
     if not p.is_file():
         why = "is a directory, not a graph file" if p.is_dir() else "no such file"
         raise GraphError([Problem(file, 0, "", "", why, "give the path of a graph .yaml file")])
+    size = p.stat().st_size
+    if size > MAX_GRAPH_BYTES:
+        raise GraphError([Problem(file, 0, "", "", f"the file is {size:,} bytes, over the "
+                                  f"{MAX_GRAPH_BYTES:,}-byte limit for a graph file",
+                                  "is this the graph? a graph is a few KB of YAML")])
     try:
-        data = YAML(typ="rt").load(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
+        data, blanked = _parse_rt(text)
+        raw, lines = _plain_document(file, data)
+        if blanked and raw != YAML(typ="safe", pure=True).load(text):
+            # a '#' line was text inside a block or quoted string: parse the file as written
+            raw, lines = _plain_document(file, YAML(typ="rt").load(text))
     except MarkedYAMLError as exc:
         raise GraphError([_syntax_problem(file, exc)]) from None
     except (YAMLError, UnicodeDecodeError) as exc:
         raise GraphError([Problem(file, 0, "", "", f"cannot read YAML: {exc}")]) from None
+    return GraphDoc(file=file, raw=raw, lines=lines)
+
+
+def _parse_rt(text: str) -> tuple[Any, bool]:
+    """The round-trip document of ``text``, and whether comment lines were blanked for speed:
+    past MANY_COMMENT_LINES they are (line numbers kept). Blanking could change a value whose
+    text holds a line starting with '#' (block and quoted strings); the caller checks for that,
+    and a blanked text that no longer parses (a quote closed on such a line) is parsed as written."""
+    if len(_COMMENT_LINE.findall(text)) > MANY_COMMENT_LINES:
+        try:
+            return YAML(typ="rt").load(_COMMENT_LINE.sub("", text)), True
+        except YAMLError:
+            pass  # errors are reported from the file as written
+    return YAML(typ="rt").load(text), False
+
+
+def _plain_document(file: str, data: Any) -> tuple[dict[str, Any], dict[PathKey, int]]:
+    """The document as plain Python and the line of every key; GraphError for a document that
+    is not a mapping or that expands past MAX_GRAPH_VALUES values."""
     if not isinstance(data, dict):
         kind = "empty" if data is None else "a list" if isinstance(data, list) else "a scalar"
         raise GraphError(
@@ -75,8 +118,14 @@ def load(path: str | Path) -> GraphDoc:
             ]
         )
     lines: dict[PathKey, int] = {(): 1}
-    raw = _walk(data, (), lines)
-    return GraphDoc(file=file, raw=raw, lines=lines)
+    walker = _Walker(lines)
+    try:
+        raw = walker.walk(data, ())
+    except _TooLarge as exc:
+        # the top-level entry it is under (a node, a section key): lines deeper inside expanded
+        # aliases are those of the anchor's own values, which would point away from the culprit
+        raise GraphError([Problem(file, walker.line_near(exc.path[:2]), "", "", exc.message, exc.hint)]) from None
+    return raw, lines
 
 
 def _syntax_problem(file: str, exc: MarkedYAMLError) -> Problem:
@@ -91,32 +140,70 @@ def _syntax_problem(file: str, exc: MarkedYAMLError) -> Problem:
     return Problem(file, line, "", "", message, hint)
 
 
-def _walk(node: Any, path: PathKey, lines: dict[PathKey, int]) -> Any:
-    """Plain Python copy of a ruamel round-trip node, recording 1-based lines."""
-    if isinstance(node, dict):
+class _TooLarge(Exception):
+    def __init__(self, path: PathKey, message: str, hint: str):
+        super().__init__(message)
+        self.path, self.message, self.hint = path, message, hint
+
+
+class _Walker:
+    """Plain Python copy of a ruamel round-trip document, recording 1-based lines and counting
+    the values it makes: aliases are shared objects in ruamel, expanded here, so the count is
+    what the document expands to; past MAX_GRAPH_VALUES the walk stops (in well under a second)."""
+
+    def __init__(self, lines: dict[PathKey, int]):
+        self.lines = lines
+        self.values = 0
+        # ids of the containers being copied: an alias to one is a cycle (ruamel gives None for
+        # a self-alias today; should it build the cycle, the walk must not recurse forever)
+        self.open: set[int] = set()
+
+    def line_near(self, path: PathKey) -> int:
+        while path and path not in self.lines:
+            path = path[:-1]
+        return self.lines.get(path, 1)
+
+    def walk(self, node: Any, path: PathKey) -> Any:
+        self.values += 1
+        if self.values > MAX_GRAPH_VALUES:
+            raise _TooLarge(path, f"the document expands to more than {MAX_GRAPH_VALUES:,} values "
+                            "(YAML aliases *name repeat what &name holds, and nested ones multiply)",
+                            "write the values out, or use fewer nested aliases; a graph has a few hundred")
+        if not isinstance(node, (dict, list)):
+            return _plain(node)
+        if id(node) in self.open:
+            raise _TooLarge(path, "a YAML alias refers to a mapping or list that contains it "
+                            "(an endless document)", "remove the alias from inside its own anchor")
+        self.open.add(id(node))
+        try:
+            return self._walk_dict(node, path) if isinstance(node, dict) else self._walk_list(node, path)
+        finally:
+            self.open.discard(id(node))
+
+    def _walk_dict(self, node: dict, path: PathKey) -> dict:
         out: dict[Any, Any] = {}
         lc = getattr(node, "lc", None)
         for key, value in node.items():
             key = _plain(key)
             if lc is not None:
                 try:
-                    lines[path + (key,)] = lc.key(key)[0] + 1
+                    self.lines[path + (key,)] = lc.key(key)[0] + 1
                 except (KeyError, TypeError):
                     pass
-            out[key] = _walk(value, path + (key,), lines)
+            out[key] = self.walk(value, path + (key,))
         return out
-    if isinstance(node, list):
+
+    def _walk_list(self, node: list, path: PathKey) -> list:
         lc = getattr(node, "lc", None)
         items = []
         for i, value in enumerate(node):
             if lc is not None:
                 try:
-                    lines[path + (i,)] = lc.item(i)[0] + 1
+                    self.lines[path + (i,)] = lc.item(i)[0] + 1
                 except (KeyError, TypeError, IndexError):
                     pass
-            items.append(_walk(value, path + (i,), lines))
+            items.append(self.walk(value, path + (i,)))
         return items
-    return _plain(node)
 
 
 def _plain(value: Any) -> Any:

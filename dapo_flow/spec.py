@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 PROMPTS_SOURCE = "prompts"  # the implicit source node fed by `data.train`
+# torch takes 64-bit seeds, numpy's legacy seeding and some backends' samplers 32-bit ones:
+# the common range, checked by validate rather than failing inside a worker mid-start
+MAX_SEED = 2**32 - 1
 
 
 class _Frozen(BaseModel):
@@ -131,7 +134,8 @@ class NodeSpec(_Frozen):
 class GraphSpec(_Frozen):
     name: str = Field(pattern=ID_PATTERN)
     description: str = ""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED,
+                      description="Seeds prompt order, model init and sampling; 0 to 2**32-1.")
     models: dict[str, ModelSpec]
     data: DataSpec
     run: RunSpec = Field(default_factory=RunSpec)

@@ -65,6 +65,65 @@ def test_missing_file(tmp_path):
         load(tmp_path / "nope.yaml")
 
 
+@pytest.mark.timeout(10)
+def test_alias_bomb_is_refused_fast():
+    # 9 aliases per level, 10 levels: ~1 KB that expands to 9^10 values (validate grew past 11 GB)
+    import time
+
+    start = time.process_time()
+    with pytest.raises(GraphError, match=r"bad_alias_bomb.yaml:17: the document expands to more than 100,000"):
+        load(ROOT / "tests/graphs_bad/bad_alias_bomb.yaml")
+    assert time.process_time() - start < 5  # ~0.25 s of CPU here; the bound is for a busy box
+
+
+def test_aliases_within_the_limit_still_work(tmp_path):
+    path = tmp_path / "g.yaml"
+    path.write_text("name: g\nshared: &p {lr: 1.0e-4, clip_low: 0.2}\nnodes:\n  - {id: a, params: *p}\n"
+                    "  - {id: b, params: {<<: *p, lr: 2.0e-4}}\n")
+    raw = load(path).raw
+    assert raw["nodes"][0]["params"] == {"lr": 1.0e-4, "clip_low": 0.2}
+    assert raw["nodes"][1]["params"] == {"lr": 2.0e-4, "clip_low": 0.2}
+
+
+def test_graph_file_over_the_size_limit_is_refused(tmp_path):
+    from dapo_flow.loader import MAX_GRAPH_BYTES
+
+    path = tmp_path / "big.yaml"
+    path.write_text(DAPO.read_text() + "#" * MAX_GRAPH_BYTES)
+    with pytest.raises(GraphError, match=r"big.yaml: the file is [\d,]+ bytes, over the 1,048,576-byte limit"):
+        load(path)
+
+
+@pytest.mark.timeout(30)
+def test_many_comment_lines_load_fast_with_lines_kept(tmp_path):
+    # ruamel's round-trip scanner is quadratic in a block of comment lines (1 MiB of them took
+    # 2.8 s of CPU here, and 200k lines minutes on a busy box): they are blanked before parsing
+    import time
+
+    lines = DAPO.read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if line.startswith("nodes:"))
+    path = tmp_path / "commented.yaml"
+    path.write_text("".join(lines[:at]) + "# note\n" * 20_000 + "".join(lines[at:]) + "      # tail\n" * 20_000)
+    start = time.process_time()
+    doc = load(path)
+    assert time.process_time() - start < 5
+    assert doc.raw == load(DAPO).raw
+    text = path.read_text().splitlines()
+    assert text[doc.line_of(("nodes", 6, "params", "clip_high")) - 1].strip() == "clip_high: 0.28"
+
+
+def test_comment_like_lines_inside_strings_survive_the_fast_path(tmp_path):
+    notes = "# note\n" * 2_000  # enough comment lines for the fast path
+    block = tmp_path / "block.yaml"  # blanked, it still parses, to another value: parsed as written
+    block.write_text("name: g\ndescription: |\n  first\n  # text of the block\n" + notes + "nodes: []\n")
+    doc = load(block)
+    assert doc.raw["description"] == "first\n# text of the block\n"
+    assert doc.line_of(("nodes",)) == 2_005
+    quoted = tmp_path / "quoted.yaml"  # blanked, the quote never closes: parsed as written
+    quoted.write_text('name: g\nquoted: "a\n  # also text"\n' + notes + "nodes: []\n")
+    assert load(quoted).raw["quoted"] == "a # also text"
+
+
 # --- validate ---------------------------------------------------------------------------
 
 
