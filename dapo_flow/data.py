@@ -247,6 +247,9 @@ def _parse_json(path: Path, text: str, where: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: {where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:  # json recurses once per level of nesting
+        raise DataError(f"{path}: {where}: JSON nested too deeply to read (lists or objects inside "
+                        "each other, thousands of levels)") from None
 
 
 def _as_record(path: Path, value: Any, where: str) -> dict[str, Any]:

@@ -5,8 +5,8 @@
 1-based line where that key (or the nearest enclosing one that exists) is written.
 
 What a graph file may be is bounded, so no file can hang a command or exhaust memory: at most
-``MAX_GRAPH_BYTES`` on disk, and at most ``MAX_GRAPH_VALUES`` values once YAML aliases are
-expanded (``*name`` repeats what ``&name`` holds; nested aliases multiply, so a few KB could
+``MAX_GRAPH_BYTES`` on disk, ``MAX_GRAPH_DEPTH`` levels of nesting, and at most
+``MAX_GRAPH_VALUES`` values once YAML aliases are expanded (``*name`` repeats what ``&name`` holds; nested aliases multiply, so a few KB could
 otherwise expand to billions of values).
 """
 
@@ -26,6 +26,7 @@ PathKey = tuple[str | int, ...]
 
 MAX_GRAPH_BYTES = 1 << 20  # graphs are a few KB; sweeps write theirs out too
 MAX_GRAPH_VALUES = 100_000  # mappings, lists and scalars after alias expansion (a graph: ~300)
+MAX_GRAPH_DEPTH = 100  # levels of nesting (a graph: ~5); deeper ones end in the parser's recursion
 # ruamel's round-trip scanner joins a block of comment lines by repeated string concatenation
 # (quadratic: 200k comment lines took minutes). Past this many, comment lines are blanked first.
 MANY_COMMENT_LINES = 1_000
@@ -83,6 +84,10 @@ def load(path: str | Path) -> GraphDoc:
         raise GraphError([_syntax_problem(file, exc)]) from None
     except (YAMLError, UnicodeDecodeError) as exc:
         raise GraphError([Problem(file, 0, "", "", f"cannot read YAML: {exc}")]) from None
+    except RecursionError:  # ruamel's parser recurses once per level of nesting
+        raise GraphError([Problem(file, 0, "", "", f"the document nests more than {MAX_GRAPH_DEPTH} levels "
+                                  "deep (lists or mappings inside each other)",
+                                  "a graph nests a few levels; check for unbalanced [ or {")]) from None
     return GraphDoc(file=file, raw=raw, lines=lines)
 
 
@@ -171,6 +176,9 @@ class _Walker:
                             "write the values out, or use fewer nested aliases; a graph has a few hundred")
         if not isinstance(node, (dict, list)):
             return _plain(node)
+        if len(path) >= MAX_GRAPH_DEPTH:
+            raise _TooLarge(path, f"the document nests more than {MAX_GRAPH_DEPTH} levels deep (lists or "
+                            "mappings inside each other)", "a graph nests a few levels; check for unbalanced [ or {")
         if id(node) in self.open:
             raise _TooLarge(path, "a YAML alias refers to a mapping or list that contains it "
                             "(an endless document)", "remove the alias from inside its own anchor")

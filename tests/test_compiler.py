@@ -85,6 +85,14 @@ def test_aliases_within_the_limit_still_work(tmp_path):
     assert raw["nodes"][1]["params"] == {"lr": 2.0e-4, "clip_low": 0.2}
 
 
+@pytest.mark.timeout(30)
+def test_nesting_deeper_than_the_parser_recurses_is_a_graph_error(tmp_path):
+    path = tmp_path / "deep.yaml"
+    path.write_text("name: g\nnodes: " + "[" * 5000 + "]" * 5000 + "\n")  # a RecursionError traceback
+    with pytest.raises(GraphError, match=r"deep.yaml: the document nests more than 100 levels deep"):
+        load(path)
+
+
 def test_graph_file_over_the_size_limit_is_refused(tmp_path):
     from dapo_flow.loader import MAX_GRAPH_BYTES
 

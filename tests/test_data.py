@@ -269,3 +269,10 @@ def test_folder_without_parquet_shards(tmp_path, tok):
     (tmp_path / "notes.txt").write_text("")
     with pytest.raises(DataError, match=r"holds no .parquet files"):
         load_prompts(str(tmp_path), tokenizer=tok)
+
+
+def test_json_nested_past_the_recursion_limit_is_a_data_error(tmp_path, tok):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + ', "answer": "1"}\n')
+    with pytest.raises(DataError, match=r"deep.jsonl: line 1: JSON nested too deeply to read"):
+        load_prompts(str(path), tokenizer=tok)
