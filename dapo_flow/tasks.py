@@ -17,6 +17,10 @@ from dapo_flow.errors import DataError
 
 ADDITION = "builtin:addition"
 SPLITS = ("train", "val")
+# every split is cut from one permutation of all pairs (8 bytes each): bounded so a wide range
+# (high: 100000 is 10^10 pairs, 80 GB) is refused instead of exhausting memory; a million
+# pairs are ~0.2 GB of prompts, each tokenized at start
+MAX_ADDITION_PAIRS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -39,9 +43,22 @@ class AdditionTask:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("low", "high", "val_size", "train_size", "seed"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool)) and not (
+                name == "train_size" and value is None
+            ):
+                raise DataError(f"{ADDITION}: option {name} must be a whole number, got "
+                                f"{type(value).__name__} {value!r}")
         if not 0 <= self.low <= self.high:
             raise DataError(f"{ADDITION}: need 0 <= low <= high, got low={self.low} high={self.high}")
         total, train = self.num_pairs, self.train_size
+        if total > MAX_ADDITION_PAIRS:
+            raise DataError(
+                f"{ADDITION}: [{self.low}, {self.high}] gives {total:,} pairs, over the "
+                f"{MAX_ADDITION_PAIRS:,} the task can draw splits from; narrow the range "
+                f"(high - low <= {int(MAX_ADDITION_PAIRS ** 0.5) - 1})"
+            )
         if self.val_size < 0 or (train is not None and train < 0):
             raise DataError(f"{ADDITION}: train_size and val_size must be >= 0")
         if self.val_size + (train or 0) > total:

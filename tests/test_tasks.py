@@ -152,3 +152,17 @@ def test_verify_math(response, truth, expected):
 
 def test_verify_math_custom_rewards():
     assert verify_math("no", "1", correct=1.0, wrong=0.0) == 0.0
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("options, match", [
+    ({"high": 100_000}, r"\[0, 100000\] gives 10,000,200,001 pairs, over the 1,000,000 .* \(high - low <= 999\)"),
+    ({"high": "99"}, r"option high must be a whole number, got str '99'"),
+    ({"low": 1.5}, r"option low must be a whole number, got float 1.5"),
+    ({"val_size": None}, r"option val_size must be a whole number, got NoneType None"),
+])
+def test_addition_options_are_bounded_and_typed(options, match):
+    # a wide range allocated a permutation of every pair (80 GB for high: 100000); a string or
+    # None ended in a TypeError traceback
+    with pytest.raises(DataError, match=match):
+        AdditionTask(**options)
