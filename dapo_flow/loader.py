@@ -5,9 +5,9 @@
 1-based line where that key (or the nearest enclosing one that exists) is written.
 
 What a graph file may be is bounded, so no file can hang a command or exhaust memory: at most
-``MAX_GRAPH_BYTES`` on disk, ``MAX_GRAPH_DEPTH`` levels of nesting, and at most
-``MAX_GRAPH_VALUES`` values once YAML aliases are expanded (``*name`` repeats what ``&name`` holds; nested aliases multiply, so a few KB could
-otherwise expand to billions of values).
+``MAX_GRAPH_BYTES`` (1 MiB) on disk, ``MAX_GRAPH_DEPTH`` (100) levels of nesting, and at most
+``MAX_GRAPH_VALUES`` (100,000) values once YAML aliases are expanded: ``*name`` repeats what
+``&name`` holds, and nested aliases multiply, so a few KB could otherwise expand to billions.
 """
 
 from __future__ import annotations
