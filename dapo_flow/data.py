@@ -97,7 +97,13 @@ def load_prompts(
             reject(rec, prompt_key, wrong_type, f"make every `{prompt_key}` a string or a list of "
                    "chat messages [{role, content}]", f"`{prompt_key}` of the wrong type")
             continue
-        text = _render(prompt, tokenizer) if prompt else ""
+        try:
+            text = _render(prompt, tokenizer) if prompt else ""
+        except Exception as exc:  # noqa: BLE001 - the model's chat template rejects this row
+            reject(rec, prompt_key, f"cannot be rendered by the chat template: {_first_line(exc)}",
+                   "give the messages the roles and fields the model's chat template accepts",
+                   "rejected by the chat template")
+            continue
         if not text.strip():
             reject(rec, prompt_key, "is missing or empty", f"give every row a non-empty `{prompt_key}`",
                    f"missing or empty `{prompt_key}`")

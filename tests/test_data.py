@@ -276,3 +276,17 @@ def test_json_nested_past_the_recursion_limit_is_a_data_error(tmp_path, tok):
     path.write_text('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + ', "answer": "1"}\n')
     with pytest.raises(DataError, match=r"deep.jsonl: line 1: JSON nested too deeply to read"):
         load_prompts(str(path), tokenizer=tok)
+
+
+def test_a_row_the_chat_template_rejects_is_a_bad_row(tmp_path):
+    strict = build_char_tokenizer("0123456789+= -[]>abcdefghijklmnopqrstuvwxyz")
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] != 'user' %}"
+                            "{{ raise_exception('only user messages') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    rows = [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"},
+            {"prompt": [{"role": "system", "content": "be brief"}], "answer": "0"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    with pytest.raises(DataError, match=r"line 2: field 'prompt' cannot be rendered by the chat template: "
+                                        r"TemplateError: only user messages"):
+        load_prompts(str(path), tokenizer=strict)
+    table, skipped = load_prompts(str(path), tokenizer=strict, on_bad_row="skip")
+    assert (table.num_rows, skipped) == (1, 1)
