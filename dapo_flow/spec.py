@@ -40,7 +40,8 @@ class ModelSpec(_Frozen):
 
 class DataSourceSpec(_Frozen):
     source: str = Field(
-        description="`builtin:addition`, or a .parquet / .jsonl file (verl format accepted)."
+        description="`builtin:addition`, a .parquet / .jsonl / .json file, or a folder of .parquet "
+        "shards read in name order (verl format accepted). It must yield at least one usable row."
     )
     split: str = Field("train", description="Split name for built-in tasks.")
     size: int | None = Field(None, ge=1, description="Use at most this many prompts.")
