@@ -93,7 +93,10 @@ class RayExecutor:
         paths = [str(f) for f in files] if isinstance(files, list) else str(files)
         ds = self._ray.data.read_parquet(paths)
         tables = [t for t in self._ray.get(ds.to_arrow_refs()) if t.num_rows]
-        return pa.concat_tables(tables) if tables else ds.schema().base_schema.empty_table()
+        if tables:
+            return pa.concat_tables(tables)
+        schema = ds.schema()  # None when no file holds a row group
+        return schema.base_schema.empty_table() if schema is not None else pa.table({})
 
     def get(self, handle: Any, timeout: float | None = None) -> Any:
         ray = self._ray

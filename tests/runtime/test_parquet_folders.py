@@ -1,6 +1,6 @@
 """A folder of parquet shards is a data source on both executors, read in shard-name order, so
 a Ray run and a local run see the same prompts (it was "does not exist" before); a corrupt
-file read by Ray Data is a DataError too."""
+or empty file read by Ray Data is a DataError too."""
 
 from __future__ import annotations
 
@@ -35,11 +35,15 @@ def test_ray_data_reads_a_folder_of_shards_in_name_order(tmp_path, small_graph):
     tok = build_char_tokenizer()
     broken = tmp_path / "broken.parquet"
     broken.write_bytes((tmp_path / "shards" / "part-00000.parquet").read_bytes()[:-20])
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), empty)
     ex = RayExecutor(spec, {}, 0, {})
     try:
         on_ray, _ = load_prompts(str(tmp_path / "shards"), tokenizer=tok, read_parquet=ex.read_parquet)
         with pytest.raises(DataError, match=r"broken.parquet: cannot read as parquet: \w+"):
             load_prompts(str(broken), tokenizer=tok, read_parquet=ex.read_parquet)
+        with pytest.raises(DataError, match=r"empty.parquet: no usable prompts: it has no rows"):
+            load_prompts(str(empty), tokenizer=tok, read_parquet=ex.read_parquet)
     finally:
         ex.shutdown()
     local, _ = load_prompts(str(tmp_path / "shards"), tokenizer=tok)
