@@ -77,7 +77,7 @@ def load(path: str | Path) -> GraphDoc:
         text = p.read_text(encoding="utf-8")
         data, blanked = _parse_rt(text)
         raw, lines = _plain_document(file, data)
-        if blanked and raw != YAML(typ="safe", pure=True).load(text):
+        if blanked and not _same_as_written(raw, text):
             # a '#' line was text inside a block or quoted string: parse the file as written
             raw, lines = _plain_document(file, YAML(typ="rt").load(text))
     except MarkedYAMLError as exc:
@@ -102,6 +102,16 @@ def _parse_rt(text: str) -> tuple[Any, bool]:
         except YAMLError:
             pass  # errors are reported from the file as written
     return YAML(typ="rt").load(text), False
+
+
+def _same_as_written(raw: dict[str, Any], text: str) -> bool:
+    """Whether ``raw`` (parsed with comment lines blanked) is what ``text`` holds, by a plain
+    parse (linear in comments); anything that parser refuses (a tag it does not know) counts
+    as a difference, so the caller parses the text as written."""
+    try:
+        return raw == YAML(typ="safe", pure=True).load(text)
+    except YAMLError:
+        return False
 
 
 def _plain_document(file: str, data: Any) -> tuple[dict[str, Any], dict[PathKey, int]]:

@@ -130,6 +130,9 @@ def test_comment_like_lines_inside_strings_survive_the_fast_path(tmp_path):
     quoted = tmp_path / "quoted.yaml"  # blanked, the quote never closes: parsed as written
     quoted.write_text('name: g\nquoted: "a\n  # also text"\n' + notes + "nodes: []\n")
     assert load(quoted).raw["quoted"] == "a # also text"
+    tagged = tmp_path / "tagged.yaml"  # a tag the plain parser does not know: parsed as written
+    tagged.write_text("name: g\nx: !custom 3\n" + notes + "nodes: []\n")
+    assert load(tagged).raw["nodes"] == [] and load(tagged).line_of(("nodes",)) == 2_003
 
 
 # --- validate ---------------------------------------------------------------------------
