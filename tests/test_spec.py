@@ -78,3 +78,14 @@ def test_gen_prompts_per_batch_accepts_auto(value, ok):
     else:
         with pytest.raises(ValidationError):
             RunSpec(gen_prompts_per_batch=value)
+
+
+def test_seed_is_bounded_to_what_every_library_accepts():
+    # a 65-bit seed passed validate, then failed inside torch.manual_seed in a worker
+    from dapo_flow.spec import MAX_SEED
+
+    assert MAX_SEED == 2**32 - 1
+    assert GraphSpec.model_validate({**MINIMAL, "seed": MAX_SEED}).seed == MAX_SEED
+    for seed in (MAX_SEED + 1, 2**64, -1):
+        with pytest.raises(pydantic.ValidationError, match="seed"):
+            GraphSpec.model_validate({**MINIMAL, "seed": seed})
