@@ -76,7 +76,7 @@ def test_eval_sweep_compares_every_variant_checkpoint(tmp_path, monkeypatch, cap
     capsys.readouterr()
     assert cli.main(["eval", patch, "--sweep", *args, "--n", "4", "--temperature", "1.0"]) == 0
     out = capsys.readouterr().out
-    assert "final pass@4" in out and "Δ val acc vs dapo" in out and "samples" not in out.split("eval length-penalty")[-1]
+    assert "final pass@4" in out and "Δ val acc" in out and "(baseline)" in out and "samples" not in out.split("eval length-penalty")[-1]
     uri = default_tracking_uri()
     parent = latest_run(uri, "length-penalty", f"tags.`{PARENT_TAG}` = 'parent' and tags.`{EVAL_TAG}` = '1'")
     children = child_runs(uri, parent["run_id"], ["val/acc"])
