@@ -56,9 +56,11 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str,
 
 
 def _threads(stage) -> int:
-    """Torch threads for an actor: its whole CPUs, at least 1. Oversubscribing (2 threads on
-    a 2-core box that also runs the driver) made steps 6-17x slower under load (measured in
-    benchmarks/step_overhead.py), because the threads spin waiting on each other."""
+    """Threads for an actor (its worker passes them to :func:`dapo_flow.threads.configure`):
+    its whole CPUs, at least 1. Oversubscribing (2 threads on a 2-core box that also runs the
+    driver) made steps 6-17x slower under load (benchmarks/step_overhead.py), because the
+    threads wait at each other's barriers; on a quiet box it gained the tiny model 1.1-1.3x a
+    step at most (benchmarks/README.md, "Threads")."""
     if stage.kind != "actor" or stage.num_gpus > 0:
         return 0
     return max(1, int(stage.num_cpus))
