@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--source", help="prompts: builtin:addition, or a .parquet / .jsonl file (default data.val)")
     p.add_argument("--split", help="split of a built-in task (default data.val's)")
     p.add_argument("--size", type=int, help="use at most this many prompts")
-    p.add_argument("--seed", type=int, help="sampling seed (default the graph's; does not change which "
+    p.add_argument("--seed", type=_seed, help="sampling seed (default the graph's; does not change which "
                    "checkpoint is found)")
     p.add_argument("--executor", choices=["ray", "local"], default="local", help="default: local")
     p.add_argument("--address", help="Ray cluster address (with --executor ray)")
@@ -148,26 +148,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse prints the message and exits 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_in(low: int, high: int | None = None, what: str = "a whole number"):
+    """argparse type: an integer in [low, high] (argparse prints the message and exits 2)."""
+    bounds = f">= {low}" if high is None else f"{low}-{high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} {bounds}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {what} {bounds}, got {value}")
+        return value
+
+    return parse
 
 
-def _port(text: str) -> int:
-    """argparse type: a TCP port, 1..65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number 1-65535, got {value}")
-    return value
+_positive_int = _int_in(1)
+_port = _int_in(1, 65535, "a port number")
+
+
+def _seed(text: str) -> int:
+    from dapo_flow.spec import MAX_SEED
+
+    return _int_in(0, MAX_SEED, "a seed")(text)
 
 
 class _EditAction(argparse.Action):

@@ -123,6 +123,15 @@ def test_counts_below_one_are_usage_errors(argv, capsys):
     assert f"argument {argv[2]}:" in err and ">= 1" in err
 
 
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**65)])
+def test_eval_seed_out_of_range_is_a_usage_error(seed, capsys):
+    # 2**65 used to pass argparse and end in torch's "Overflow when unpacking long long"
+    with pytest.raises(SystemExit) as info:
+        cli.main(["eval", DAPO, "--seed", seed])
+    assert info.value.code == 2
+    assert "argument --seed: must be a seed 0-4294967295" in capsys.readouterr().err
+
+
 def test_usage_errors_exit_2():
     with pytest.raises(SystemExit) as info:
         cli.main(["models"])
