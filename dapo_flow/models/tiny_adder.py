@@ -180,16 +180,17 @@ def _deterministic_torch(seed: int) -> Iterator[None]:
     import torch
 
     from dapo_flow.models.hf import hf_progress_bars_off
+    from dapo_flow.threads import set_torch_threads  # torch's own setter, even after vLLM's no-op
 
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     rng = torch.get_rng_state()
-    torch.set_num_threads(1)
+    set_torch_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(seed)
     try:
         with hf_progress_bars_off():  # our rich bar is the only one shown
             yield
     finally:
-        torch.set_num_threads(threads)
+        set_torch_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
         torch.set_rng_state(rng)
