@@ -7,13 +7,9 @@ imported by the commands that need them (plus whatever importing the operators c
 from __future__ import annotations
 
 import argparse
-import ast
-import inspect
 import os
 import subprocess
 import sys
-import textwrap
-import typing
 
 from rich.console import Console
 
@@ -245,12 +241,8 @@ def _run(args: argparse.Namespace) -> int:
     from dapo_flow.tracking import require_writable
 
     require_writable(placed.plan.spec.tracking.uri)  # before minutes of model loading
-    try:
-        from dapo_flow.runtime import execute
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("dapo_flow.runtime",):
-            raise
-        raise DapoFlowError("the runtime is not built yet (dapo_flow.runtime is missing)") from None
+    from dapo_flow.runtime import execute
+
     logged = {}  # with edits: log them as params and the effective graph beside the file
     if edited.edits:
         logged = {"extra_params": edited.params(), "extra_artifacts": {"graph/effective.yaml": edited.yaml()}}
@@ -419,73 +411,12 @@ def _stop_group(pgid: int, grace_s: float = 10.0) -> None:
     _signal_group(pgid, signal.SIGKILL)
 
 
-# --- ops ------------------------------------------------------------------------------
-
-
 def _ops(args: argparse.Namespace) -> int:
-    from dapo_flow.compiler import type_name
-    from dapo_flow.contract import produces, requires
+    from dapo_flow.catalog import print_catalog
     from dapo_flow.registry import CUSTOM_OP, load_plugins
 
-    out = Console(highlight=False, soft_wrap=True)
-    for name, cls in load_plugins().items():
-        doc = inspect.getdoc(sys.modules[cls.__module__]) or inspect.getdoc(cls) or ""
-        model = "runs a model (needs `model:`)" if cls.NEEDS_MODEL else "CPU, in the driver"
-        out.print(f"[bold cyan]{name}[/]  [dim]{cls.CARDINALITY}, {model}[/]")
-        out.print(textwrap.indent(doc.split("\n\n")[0], "  "), markup=False)
-        defaults = cls.Params()
-        for label, cols in (("in ", requires(cls, defaults)), ("out", produces(cls, defaults))):
-            text = ", ".join(f"{c}: {type_name(t)}" for c, t in cols.items()) or "-"
-            out.print(f"  [bold]{label}[/] {text}", markup=True)
-        dynamic = [w for w in ("requires", "produces") if callable(getattr(cls, w, None))]
-        if dynamic:
-            out.print(f"  [dim](columns shown for default params; {' and '.join(dynamic)} depend on params)[/]")
-        docs = _field_docs(cls.Params)
-        out.print("  [bold]params[/]" + ("" if cls.Params.model_fields else " (none)"))
-        for field, info in cls.Params.model_fields.items():
-            default = "required" if info.is_required() else f"= {info.get_default(call_default_factory=True)!r}"
-            bounds = ", ".join(_bounds(info))
-            out.print(f"    {field}: {_type_str(info.annotation)} {default}"
-                      + (f"  [{bounds}]" if bounds else ""), markup=False)
-            if docs.get(field):
-                out.print(textwrap.indent(docs[field], "        "), markup=False, style="dim")
-        out.print()
-    out.print(f"[bold cyan]{CUSTOM_OP}[/]  your own class: `op: custom` with `impl: module:Class` "
-              "or `impl: file.py:Class` (see dapo_flow/contract.py)")
+    print_catalog(load_plugins(), CUSTOM_OP, Console(highlight=False, soft_wrap=True))
     return 0
-
-
-def _field_docs(params: type) -> dict[str, str]:
-    """Attribute docstrings of a Params class (pydantic's description when set)."""
-    docs = {k: f.description for k, f in params.model_fields.items() if f.description}
-    try:
-        body = ast.parse(textwrap.dedent(inspect.getsource(params))).body[0].body
-    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
-        return docs
-    for stmt, nxt in zip(body, body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs.setdefault(stmt.target.id, inspect.cleandoc(nxt.value.value))
-    return docs
-
-
-def _bounds(info) -> list[str]:
-    ops = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "min_length": "min length",
-           "max_length": "max length"}
-    return [f"{sym} {getattr(m, key)}" for m in info.metadata for key, sym in ops.items()
-            if hasattr(m, key)]
-
-
-def _type_str(ann) -> str:
-    origin = typing.get_origin(ann)
-    if origin is typing.Literal:
-        return " | ".join(repr(v) for v in typing.get_args(ann))
-    if origin is not None and origin.__name__ in ("Union", "UnionType"):
-        return " | ".join(_type_str(a) for a in typing.get_args(ann))
-    if ann is type(None):
-        return "None"
-    return ann.__name__ if isinstance(ann, type) and origin is None else str(ann).replace("typing.", "")
 
 
 if __name__ == "__main__":

@@ -24,11 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Protocol, runtime_checkable
 
 import pyarrow as pa
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 Cardinality = Literal["map", "filter", "group-filter", "expand", "sink"]
 CARDINALITIES: tuple[str, ...] = ("map", "filter", "group-filter", "expand", "sink")
 
+
+#: The config of every built-in operator's ``Params``: frozen (a plan never changes under a
+#: running graph), no unknown keys (a typo is an error), and each field's docstring as its
+#: description (what `dapo-flow ops` prints). Custom operators may use it too.
+PARAMS_CONFIG = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 @dataclass
 class OpContext:

@@ -13,16 +13,16 @@ from __future__ import annotations
 from typing import Literal
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from dapo_flow import algos
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import float_column, group_codes, with_columns
-from dapo_flow.contract import OpContext
+from dapo_flow.contract import OpContext, PARAMS_CONFIG
 
 
 class Params(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = PARAMS_CONFIG
 
     estimator: Literal["grpo", "rloo", "reinforce_pp_baseline", "grpo_passk", "opo"] = "grpo"
     """Outcome advantage estimator (`grpo_passk`: only each group's best gets the gap to the

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import token_lists, with_columns
-from dapo_flow.contract import OpContext
+from dapo_flow.contract import OpContext, PARAMS_CONFIG
 
 
 class Params(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = PARAMS_CONFIG
 
     n: int = Field(8, ge=1, le=1024)
     """Samples per prompt (the group size)."""

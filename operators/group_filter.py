@@ -12,12 +12,12 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from dapo_flow import algos
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import group_codes
-from dapo_flow.contract import OpContext
+from dapo_flow.contract import OpContext, PARAMS_CONFIG
 
 # verl's metric names map onto our columns
 METRIC_COLUMNS = {
@@ -30,7 +30,7 @@ METRIC_COLUMNS = {
 
 
 class Params(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = PARAMS_CONFIG
 
     metric: Literal["acc", "score", "seq_reward", "reward", "seq_final_reward"] = "acc"
     """Per-sequence value whose spread decides (verl recipe default: acc)."""

@@ -15,18 +15,18 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from dapo_flow import algos
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import float_column, ragged_to_padded, with_columns
-from dapo_flow.contract import OpContext
+from dapo_flow.contract import OpContext, PARAMS_CONFIG
 
 KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
 
 
 class Params(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = PARAMS_CONFIG
 
     kind: KLType = "kl"
     """Per-token KL estimator (verl's `kl_penalty`; its in-reward default is `kl` = logp - ref)."""

@@ -11,15 +11,15 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import padded_to_ragged, token_lists, with_columns
-from dapo_flow.contract import OpContext
+from dapo_flow.contract import OpContext, PARAMS_CONFIG
 
 
 class Params(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = PARAMS_CONFIG
 
     role: Literal["actor", "ref"] = "actor"
     """`actor` writes old_logp (+ entropy); `ref` writes ref_logp for KL."""

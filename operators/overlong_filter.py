@@ -9,15 +9,15 @@ upstream node produces it. Same effect as `update`'s `mask_truncated: true` (and
 from __future__ import annotations
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import with_columns
-from dapo_flow.contract import OpContext
+from dapo_flow.contract import OpContext, PARAMS_CONFIG
 
 
 class Params(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = PARAMS_CONFIG
 
 
 class OverlongFilter:

@@ -8,16 +8,16 @@ one value per sequence; `update` places it on the last valid token as verl does.
 from __future__ import annotations
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from dapo_flow import algos
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import float_column, with_columns
-from dapo_flow.contract import OpContext
+from dapo_flow.contract import OpContext, PARAMS_CONFIG
 
 
 class Params(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = PARAMS_CONFIG
 
     max_len: int = Field(16, ge=1)
     """Maximum response length (set it to generate's max_tokens)."""

@@ -21,18 +21,18 @@ from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import with_columns
-from dapo_flow.contract import OpContext
+from dapo_flow.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.errors import RunError
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class Params(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = PARAMS_CONFIG
 
     reward: str = Field("builtin:addition", min_length=1)
     """`builtin:addition`, `builtin:math`, `module:fn` or `file.py:fn`."""

@@ -21,12 +21,12 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from dapo_flow import algos
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import ragged_to_padded, token_lists
-from dapo_flow.contract import OpContext
+from dapo_flow.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.errors import RunError
 
 LossAgg = Literal[
@@ -36,7 +36,7 @@ KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+
 
 
 class Params(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = PARAMS_CONFIG
 
     lr: float = Field(1e-6, gt=0.0, le=1.0)
     """AdamW learning rate (DAPO: 1e-6 on 32B; the tiny default model wants ~1e-3)."""

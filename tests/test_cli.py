@@ -85,12 +85,6 @@ def test_help():
     assert dapo_flow("run", "--help").stdout.count("--executor") >= 1
 
 
-def test_run_without_runtime(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "dapo_flow.runtime", None)  # import fails as if missing
-    assert cli.main(["run", DAPO, "--executor", "local"]) == 2
-    assert "the runtime is not built yet" in capsys.readouterr().err
-
-
 def test_run_calls_execute(monkeypatch):
     import types
 

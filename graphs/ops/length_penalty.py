@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import polars as pl
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from dapo_flow import columns as C
+from dapo_flow.contract import PARAMS_CONFIG
 
 
 class Params(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = PARAMS_CONFIG
 
     weight: float = Field(0.1, ge=0.0, le=10.0)
     """Scale of the length reward added to `reward` (Kimi k1.5 adds it with weight 1 to a 0/1

@@ -1,0 +1,66 @@
+"""`dapo-flow ops`: every registered operator, as its class declares it.
+
+For each operator: the first paragraph of its module docstring, cardinality and whether it runs
+a model, the columns it needs and adds (Arrow types, for default params), and each param with
+its type, default, bounds and docstring (pydantic's ``use_attribute_docstrings``: see
+:data:`dapo_flow.contract.PARAMS_CONFIG`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import textwrap
+import typing
+
+from rich.console import Console
+
+from dapo_flow.contract import produces, requires
+from dapo_flow.problems import type_name
+
+_BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "min_length": "min length",
+           "max_length": "max length"}
+
+
+def print_catalog(operators: typing.Mapping[str, type], custom_op: str, out: Console) -> None:
+    for name, cls in operators.items():
+        _print_op(name, cls, out)
+    out.print(f"[bold cyan]{custom_op}[/]  your own class: `op: custom` with `impl: module:Class` "
+              "or `impl: file.py:Class` (see dapo_flow/contract.py)")
+
+
+def _print_op(name: str, cls: type, out: Console) -> None:
+    doc = inspect.getdoc(sys.modules[cls.__module__]) or inspect.getdoc(cls) or ""
+    model = "runs a model (needs `model:`)" if cls.NEEDS_MODEL else "CPU, in the driver"
+    out.print(f"[bold cyan]{name}[/]  [dim]{cls.CARDINALITY}, {model}[/]")
+    out.print(textwrap.indent(doc.split("\n\n")[0], "  "), markup=False)
+    defaults = cls.Params()
+    for label, cols in (("in ", requires(cls, defaults)), ("out", produces(cls, defaults))):
+        text = ", ".join(f"{c}: {type_name(t)}" for c, t in cols.items()) or "-"
+        out.print(f"  [bold]{label}[/] {text}", markup=True)
+    dynamic = [w for w in ("requires", "produces") if callable(getattr(cls, w, None))]
+    if dynamic:
+        out.print(f"  [dim](columns shown for default params; {' and '.join(dynamic)} depend on params)[/]")
+    fields = cls.Params.model_fields
+    out.print("  [bold]params[/]" + ("" if fields else " (none)"))
+    for field, info in fields.items():
+        default = "required" if info.is_required() else f"= {info.get_default(call_default_factory=True)!r}"
+        bounds = ", ".join(f"{sym} {getattr(m, key)}" for m in info.metadata
+                           for key, sym in _BOUNDS.items() if hasattr(m, key))
+        out.print(f"    {field}: {type_str(info.annotation)} {default}" + (f"  [{bounds}]" if bounds else ""),
+                  markup=False)
+        if info.description:
+            out.print(textwrap.indent(info.description, "        "), markup=False, style="dim")
+    out.print()
+
+
+def type_str(ann) -> str:
+    """A param's annotation as a reader writes it: 'a' | 'b', float | None, int."""
+    origin = typing.get_origin(ann)
+    if origin is typing.Literal:
+        return " | ".join(repr(v) for v in typing.get_args(ann))
+    if origin is not None and origin.__name__ in ("Union", "UnionType"):
+        return " | ".join(type_str(a) for a in typing.get_args(ann))
+    if ann is type(None):
+        return "None"
+    return ann.__name__ if isinstance(ann, type) and origin is None else str(ann).replace("typing.", "")
