@@ -511,11 +511,13 @@ def _run_parallel(patch: Patch, ready: list[Ready], parent_id: str, uri: str, ex
 
     logs = runs_dir() / "sweeps" / parent_id
     logs.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // parallel)
+    from dapo_flow.threads import cpu_count
+
+    per_process = max(1, cpu_count() // parallel)
     out: dict[int, JobResult] = {}
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=parallel, mp_context=ctx, initializer=_init_worker,
-                             initargs=(threads,)) as pool:
+                             initargs=(per_process,)) as pool:
         futures = {}
         for i, r in enumerate(ready):
             log = logs / f"{r.job.variant}_seed{r.seed}.log"
@@ -541,18 +543,18 @@ def _run_parallel(patch: Patch, ready: list[Ready], parent_id: str, uri: str, ex
     return [out[i] for i in sorted(out)]
 
 
-def _init_worker(threads: int) -> None:
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(threads)
+def _init_worker(count: int) -> None:
+    """A sweep process's share of the CPUs, set before torch loads (libgomp reads the
+    environment once); ``execute`` then gives the driver and each stage worker theirs."""
+    from dapo_flow import threads
+
+    threads.configure(count)
 
 
 def _job_in_process(payload: tuple) -> tuple[str, Any, str]:
     """Runs in a worker process: compile the job's graph again, execute, report as plain data."""
     base, edits, executor, address, run_name, parent_id, params, yaml_text, log = payload
     try:
-        import torch
-
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         from dapo_flow.edits import edit_file
         from dapo_flow.registry import load_plugins
         from dapo_flow.runtime import execute

@@ -317,3 +317,22 @@ def test_sweep_records_failures_and_stops_on_ctrl_c(tmp_path, monkeypatch):
 
     parent = latest_run(default_tracking_uri(), "dapo-ladder", "tags.`dapo_flow.sweep` = 'parent'")
     assert parent["status"] == "KILLED"
+
+
+@pytest.mark.slow
+def test_parallel_sweep_runs_each_variant_in_its_own_process(tmp_path, monkeypatch, capsys, tiny_adder_path):
+    """--parallel 2: spawned processes, each given its share of the CPUs by threads.configure;
+    the same runs as one after another."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from dapo_flow.tracking import child_runs, default_tracking_uri, latest_run
+
+    patch = write(tmp_path, TINY, "tiny.yaml")
+    args = ["sweep", str(patch), "--steps", "1", "--executor", "local", "--only", "grpo,rloo"]
+    assert cli.main([*args, "--parallel", "2"]) == 0, capsys.readouterr().out
+    uri = default_tracking_uri()
+    parent = latest_run(uri, "tiny", "tags.`dapo_flow.sweep` = 'parent'")
+    children = {c["name"]: c for c in child_runs(uri, parent["run_id"], ["val/acc"])}
+    assert {n: c["status"] for n, c in children.items()} == {"grpo/seed0": "FINISHED", "rloo/seed0": "FINISHED"}
+    assert all((tmp_path / "dapo-flow-runs" / "sweeps" / parent["run_id"] / f"{v}_seed0.log").is_file()
+               for v in ("grpo", "rloo"))

@@ -15,13 +15,14 @@ from typing import Callable
 from rich.console import Console
 from rich.table import Table
 
+from dapo_flow import threads
 from dapo_flow.errors import RunError
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.loop import DRIVER, Runner
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.resume import checkpoint_root
 from dapo_flow.runtime.session import generator_tokenizer, load_source, start_executor
-from dapo_flow.runtime.setup import stage_setups
+from dapo_flow.runtime.setup import driver_threads, stage_setups
 from dapo_flow.runtime.worker import StageSetup, StageWorker, quiet_libraries
 from dapo_flow.tracking import Tracker
 
@@ -86,6 +87,7 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     """Evaluate and log; returns {"metrics", "run_id", "tracking_uri", "checkpoint", "step", ...}.
     ``seed`` seeds the sampling (default the graph's; it is not part of the checkpoint lookup)."""
     quiet_libraries()
+    threads.configure(driver_threads(placed))  # as `execute` does for a training run
     spec = placed.plan.spec
     console = console or Console()
     ops = {node.op for node in placed.plan.nodes}
