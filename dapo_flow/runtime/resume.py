@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from filelock import FileLock, Timeout
+
 from dapo_flow.errors import RunError
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.setup import NOT_IDENTITY, graph_hash
@@ -24,6 +26,12 @@ from dapo_flow.tracking import default_tracking_uri, find_run, runs_dir
 
 FINISHED = "FINISHED"
 NEW_RUN = "run without --resume to start a new run"
+
+
+def owner_lock(run_dir: Path) -> Path:
+    """The lock the process training a run holds, for a run folder ``{graph}-{hash}/{run id}``:
+    under dapo-flow-runs/locks/, so checkpoint folders hold only checkpoints."""
+    return runs_dir() / "locks" / f"{run_dir.parent.name}.{run_dir.name}.lock"
 
 
 def checkpoint_root(spec) -> Path:
@@ -199,3 +207,19 @@ def _recorded_graph(path: Path) -> dict | None:
         return checkpoint.load_driver(path).get("graph")
     except (OSError, ValueError):
         return None
+
+
+def claim(run_dir: Path) -> FileLock:
+    """Hold ``run_dir`` for this process while it trains that run: a second process resuming
+    the same run at once would interleave checkpoints and metrics of the two. An OS file lock,
+    so a killed process releases it; the caller releases it when the run ends."""
+    path = owner_lock(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RunError(f"run {run_dir.name} is being trained by another dapo-flow process right now "
+                       f"(it holds {path})\n    fix: wait for it to end (or stop it), "
+                       "or resume another run with --resume RUN_ID") from None
+    return lock

@@ -25,7 +25,7 @@ from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.executors import LocalExecutor, RayExecutor
 from dapo_flow.runtime.loop import DRIVER, LoopState, Runner
-from dapo_flow.runtime.resume import checkpoint_root, resume_point
+from dapo_flow.runtime.resume import checkpoint_root, claim, resume_point
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.setup import graph_hash, stage_setups
 from dapo_flow.runtime.worker import StageSetup, StageWorker, quiet_libraries
@@ -136,9 +136,11 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
     op_states: dict = {}
     carry = None
     model_paths: dict[str, str] = {}
+    owner = None  # the run folder's lock, held while this process trains the run
     if resume:
         last = resume_point(spec, resume, total, lambda text: console.print(
             f"[yellow]warning:[/] {text}", highlight=False))
+        owner = claim(last.parent)  # before anything marks the run RUNNING again
         driver_state, op_states = checkpoint.load(last)
         carry = checkpoint.load_carry(last)
         model_paths = {m: str(last / "models" / m) for m in driver_state["trained_models"]}
@@ -161,6 +163,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
                                   run_id=driver_state.get("mlflow_run_id"),
                                   run_name=run_name or spec.name, parent_run_id=parent_run_id)
                 run_root = checkpoint_root(spec) / tracker.run_id
+                owner = owner or claim(run_root)
                 logged: dict[int, set[str]] = {}
                 if not resume:
                     _log_start(tracker, placed, ghash, executor)
@@ -200,6 +203,8 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
         raise
     finally:
         ex.shutdown()
+        if owner is not None:
+            owner.release()
 
 
 def _mark_ended(tracker: Tracker, status: str, console: Console) -> None:

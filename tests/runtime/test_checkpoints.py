@@ -17,7 +17,7 @@ from dapo_flow.plan import Cluster
 from dapo_flow.runtime import checkpoint, execute
 from dapo_flow.runtime.loop import Runner
 from dapo_flow.runtime.resume import checkpoint_root
-from dapo_flow.tracking import read_run
+from dapo_flow.tracking import default_tracking_uri, read_run
 
 CLUSTER = Cluster(cpus=2)
 STEPS = 6
@@ -212,3 +212,30 @@ def test_the_progress_bar_shows_the_reward_the_step_has():
     assert _progress_info({"score/mean": -0.5}, None) == "score -0.500"  # GRPO: no group filter
     assert _progress_info({"sampling/skipped": 1.0}, None) == ""  # nothing to show, no +nan
     assert _progress_info({"batch/reward_mean": float("nan")}, 0.25) == "val acc 0.250"
+
+
+def test_a_run_another_process_is_training_is_not_resumed_twice(workdir, small_graph):
+    """Two processes resuming one run would interleave its checkpoints and metrics: the second
+    is refused (exit 2 message) and leaves the run's MLflow status alone."""
+    import subprocess
+    import sys
+
+    from dapo_flow.runtime.resume import owner_lock
+
+    small = compile_graph(small_graph(workdir, steps=2, ckpt=2), CLUSTER)
+    run_id = execute(small, executor="local", console=_quiet())["run_id"]
+    lock = owner_lock(checkpoint_root(small.plan.spec) / run_id)
+    assert lock.is_file()  # the first run held it; it ended, so it is free now
+    holder = subprocess.Popen(  # another process training the run, as far as the lock says
+        [sys.executable, "-c", f"import filelock, sys; held = filelock.FileLock({str(lock)!r}); held.acquire(); "
+                               "print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunError, match=rf"run {run_id} is being trained by another dapo-flow process"):
+            execute(small, executor="local", resume=run_id, steps=3, console=_quiet())
+        assert read_run(default_tracking_uri(), run_id)["status"] == "FINISHED"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert execute(small, executor="local", resume=run_id, steps=3, console=_quiet())["steps"] == 3
