@@ -17,7 +17,7 @@ from dapo_flow.checks import validate
 from dapo_flow.contract import produces, requires
 from dapo_flow.errors import GraphError, Problem
 from dapo_flow.loader import load
-from dapo_flow.plan import Cluster, PlacedPlan, Plan, PlanNode, Stage, ValidGraph
+from dapo_flow.plan import DRIVER, Cluster, PlacedPlan, Plan, PlanNode, Stage, ValidGraph
 from dapo_flow.problems import Found, did_you_mean, pydantic_problems, type_name
 from dapo_flow.rewrites import REWRITES
 
@@ -56,7 +56,7 @@ def plan(valid: ValidGraph) -> Plan:
 
 def _stage_name(node: PlanNode, mode: str) -> str:
     if not getattr(node.op_cls, "NEEDS_MODEL", False):
-        return "driver"
+        return DRIVER
     if mode == "disaggregated" and node.op == "generate":
         return f"rollout:{node.model}"
     return f"model:{node.model}"
@@ -72,10 +72,10 @@ def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
             consumers.setdefault(i, []).append(n.id)
     out = dict(stage_of)
     for n in plan.nodes:  # topological order, so chains of CPU maps move one by one
-        if out[n.id] != "driver" or n.cardinality != "map" or not n.inputs or not consumers[n.id]:
+        if out[n.id] != DRIVER or n.cardinality != "map" or not n.inputs or not consumers[n.id]:
             continue
-        around = {out.get(i, "driver") for i in (*n.inputs, *consumers[n.id])}
-        if len(around) == 1 and next(iter(around)) != "driver":
+        around = {out.get(i, DRIVER) for i in (*n.inputs, *consumers[n.id])}
+        if len(around) == 1 and next(iter(around)) != DRIVER:
             out[n.id] = next(iter(around))
     return out
 
@@ -85,10 +85,10 @@ def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
     `placement.models` resources or a default that fits the cluster."""
     stage_of = {n.id: _stage_name(n, plan.spec.placement.mode) for n in plan.nodes}
     stage_of = _pull_into_actors(plan, stage_of)
-    members: dict[str, list[str]] = {"driver": []}
+    members: dict[str, list[str]] = {DRIVER: []}
     for node in plan.nodes:
         members.setdefault(stage_of[node.id], []).append(node.id)
-    actors = [name for name in members if name != "driver"]
+    actors = [name for name in members if name != DRIVER]
     model_of = {name: name.split(":", 1)[1] for name in actors}
     explicit = plan.spec.placement.models
     problems = []
@@ -118,7 +118,7 @@ def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
         stages.append(Stage(name=name, kind="actor", nodes=tuple(members[name]), models=(m,),
                             num_cpus=cpus, num_gpus=gpus))
     driver_cpus = max(cluster.cpus - sum(s.num_cpus for s in stages), 0.0)
-    driver = Stage("driver", "driver", tuple(members["driver"]), (), driver_cpus, 0.0)
+    driver = Stage(DRIVER, DRIVER, tuple(members[DRIVER]), (), driver_cpus, 0.0)
     node_stage = {nid: name for name, ids in members.items() for nid in ids}
     return PlacedPlan(plan=plan, cluster=cluster, stages=(driver, *stages),
                       node_stage=MappingProxyType(node_stage))

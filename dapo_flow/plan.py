@@ -95,6 +95,10 @@ class Plan:
         raise KeyError(node_id)
 
 
+#: The stage (and stage kind) that runs in the driver process: CPU operators no actor hosts.
+DRIVER = "driver"
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str  # "driver", "model:policy", "rollout:policy"

@@ -17,8 +17,9 @@ from rich.table import Table
 
 from dapo_flow import threads
 from dapo_flow.errors import RunError
+from dapo_flow.plan import DRIVER
 from dapo_flow.runtime import checkpoint
-from dapo_flow.runtime.loop import DRIVER, Runner
+from dapo_flow.runtime.loop import Runner
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.resume import checkpoint_root
 from dapo_flow.runtime.session import generator_tokenizer, load_source, start_executor

@@ -21,13 +21,11 @@ from dapo_flow import algos
 from dapo_flow import columns as C
 from dapo_flow.arrow_utils import group_codes
 from dapo_flow.errors import RunError
+from dapo_flow.plan import DRIVER
 from dapo_flow.runtime.metrics import MetricAccumulator, batch_stats, concat, first_row
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.worker import StageWorker
 from dapo_flow.spec import PROMPTS_SOURCE
-
-DRIVER = "driver"
-
 
 @dataclass
 class LoopState:

@@ -21,10 +21,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dapo_flow.errors import RunError
+from dapo_flow.plan import DRIVER
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.executors import LocalExecutor, RayExecutor
-from dapo_flow.runtime.loop import DRIVER, LoopState, Runner
+from dapo_flow.runtime.loop import LoopState, Runner
 from dapo_flow.runtime.resume import checkpoint_root, claim, resume_point
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.setup import graph_hash, stage_setups

@@ -6,9 +6,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from dapo_flow.plan import DRIVER
 from dapo_flow.runtime.worker import NodeSetup, StageSetup
 
-DRIVER = "driver"
 
 
 #: ``run`` settings outside a graph's identity: neither changes what a step computes, so a run
@@ -69,4 +69,4 @@ def _threads(stage) -> int:
 def driver_threads(placed) -> int:
     """Threads for the driver process: its stage's CPUs, at least 1 (it scores, filters and
     glues tables while the model actors compute)."""
-    return max(1, int(sum(s.num_cpus for s in placed.stages if s.kind == "driver")))
+    return max(1, int(sum(s.num_cpus for s in placed.stages if s.kind == DRIVER)))
