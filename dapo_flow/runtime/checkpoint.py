@@ -130,6 +130,18 @@ def verify(path: Path) -> str | None:
     return None
 
 
+def newest_intact(found: list[Path]) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest of ``found`` (oldest first) that :func:`verify` accepts (None if none does),
+    and the newer damaged ones passed on the way, newest first, each with its problem."""
+    damaged = []
+    for path in reversed(found):
+        problem = verify(path)
+        if problem is None:
+            return path, damaged
+        damaged.append((path, problem))
+    return None, damaged
+
+
 # --- listing -------------------------------------------------------------------------------
 
 

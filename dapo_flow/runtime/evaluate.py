@@ -70,14 +70,12 @@ def resolve_checkpoint(spec, which: str, warn: Callable[[str], None] | None = No
 
 
 def _newest_intact(found: list[Path], warn: Callable[[str], None]) -> Path | None:
-    """The newest of ``found`` (oldest first) that verifies; damaged ones are reported (and
-    left where they are: eval only reads)."""
-    for path in reversed(found):
-        problem = checkpoint.verify(path)
-        if problem is None:
-            return path
-        warn(f"checkpoint {path} is damaged ({problem}); evaluating the one before it")
-    return None
+    """The newest of ``found`` that verifies; damaged ones are reported (and left where they
+    are: eval only reads)."""
+    path, damaged = checkpoint.newest_intact(found)
+    for bad, problem in damaged:
+        warn(f"checkpoint {bad} is damaged ({problem}); evaluating the one before it")
+    return path
 
 
 def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature: float | None = None,

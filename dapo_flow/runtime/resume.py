@@ -146,23 +146,21 @@ def _not_a_run_of_the_graph(spec, root: Path, run_id: str, found: dict[str, RunC
 
 def _newest_intact(spec, root: Path, run: RunCheckpoints, warn: Callable[[str], None]) -> Path:
     """The run's newest checkpoint that verifies; damaged ones are reported and moved aside."""
-    run_folder = root / run.run_id
-    damaged = []
-    for path in reversed(checkpoint.runs(root).get(run.run_id, [])):
-        problem = checkpoint.verify(path)
-        if problem is None:
-            return path
-        damaged.append(f"{path}: {problem}")
+    path, damaged = checkpoint.newest_intact(checkpoint.runs(root).get(run.run_id, []))
+    for bad, problem in damaged:
         try:
-            moved = f"moved aside to {checkpoint.move_aside(path).name}"
+            moved = f"moved aside to {checkpoint.move_aside(bad).name}"
         except OSError as exc:  # a read-only folder: the resume can still read the older ones
             moved = f"left in place ({exc.strerror or exc})"
-        warn(f"checkpoint {path} is damaged ({problem}); {moved}, falling back to the checkpoint "
+        warn(f"checkpoint {bad} is damaged ({problem}); {moved}, falling back to the checkpoint "
              "before it")
-    listed = "".join(f"\n      {d}" for d in damaged)
+    if path is not None:
+        return path
+    listed = "".join(f"\n      {bad}: {problem}" for bad, problem in damaged)
     raise RunError(
-        f"cannot resume run {run.run_id} of graph '{spec.name}': every checkpoint under {run_folder} "
-        f"is damaged:{listed}\n    fix: {NEW_RUN} (the damaged files are kept, for a look)")
+        f"cannot resume run {run.run_id} of graph '{spec.name}': every checkpoint under "
+        f"{root / run.run_id} is damaged:{listed}\n    fix: {NEW_RUN} (the damaged files are kept, "
+        "for a look)")
 
 
 def _nothing_to_resume(spec, ckpt_root: Path) -> str:
