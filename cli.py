@@ -165,7 +165,7 @@ _port = _int_in(1, 65535, "a port number")
 
 
 def _seed(text: str) -> int:
-    from dapo_flow.spec import MAX_SEED
+    from dapo_flow.graph.spec import MAX_SEED
 
     return _int_in(0, MAX_SEED, "a seed")(text)
 
@@ -191,8 +191,8 @@ def _edit_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _edited(args: argparse.Namespace):
-    from dapo_flow.edits import edit_file, parse_cli_edits
-    from dapo_flow.registry import load_plugins
+    from dapo_flow.graph.edits import edit_file, parse_cli_edits
+    from dapo_flow.graph.registry import load_plugins
 
     load_plugins()
     return edit_file(args.graph, parse_cli_edits(getattr(args, "edits", None) or []))
@@ -215,8 +215,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from dapo_flow.compiler import explain
-    from dapo_flow.plan import Cluster
+    from dapo_flow.graph.compiler import explain
+    from dapo_flow.graph.plan import Cluster
 
     cluster = None
     if args.cpus is not None or args.gpus is not None:
@@ -228,7 +228,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _graph(args: argparse.Namespace) -> int:
-    from dapo_flow.drawing import draw
+    from dapo_flow.graph.drawing import draw
 
     out = draw(_compile(args), args.out)
     Console().print(f"wrote {out}", highlight=False)
@@ -261,9 +261,9 @@ def _eval(args: argparse.Namespace) -> int:
                    split=args.split, size=args.size, seed=args.seed, executor=args.executor, address=args.address)
     console = Console(highlight=False)
     if args.sweep:
-        from dapo_flow import sweep
-        from dapo_flow.registry import load_plugins
-        from dapo_flow.runtime.evaluate import evaluate_sweep
+        from dapo_flow.experiments import sweep
+        from dapo_flow.graph.registry import load_plugins
+        from dapo_flow.experiments.evaluate import evaluate_sweep
 
         if args.edits or args.checkpoint != "latest":
             raise DapoFlowError("--sweep evaluates each run's newest checkpoint of the patch's own graphs: "
@@ -276,15 +276,15 @@ def _eval(args: argparse.Namespace) -> int:
     if args.seeds or args.only:
         raise DapoFlowError("--seeds and --only go with --sweep (GRAPH a patch file)")
     placed = _edited(args).compile()
-    from dapo_flow.runtime.evaluate import evaluate
+    from dapo_flow.experiments.evaluate import evaluate
 
     evaluate(placed, console=console, **options)
     return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from dapo_flow import sweep
-    from dapo_flow.registry import load_plugins
+    from dapo_flow.experiments import sweep
+    from dapo_flow.graph.registry import load_plugins
 
     load_plugins()
     patch = sweep.load_patch(args.patch)
@@ -301,14 +301,14 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from dapo_flow import compare
+    from dapo_flow.experiments import compare
 
     compare.compare(args.target, out=args.out, console=Console(highlight=False), baseline=args.baseline)
     return 0
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from dapo_flow import graphdiff
+    from dapo_flow.experiments import graphdiff
 
     graphdiff.print_diff(args.a, args.b, Console(highlight=False))
     return 0
@@ -412,8 +412,8 @@ def _stop_group(pgid: int, grace_s: float = 10.0) -> None:
 
 
 def _ops(args: argparse.Namespace) -> int:
-    from dapo_flow.catalog import print_catalog
-    from dapo_flow.registry import CUSTOM_OP, load_plugins
+    from dapo_flow.graph.catalog import print_catalog
+    from dapo_flow.graph.registry import CUSTOM_OP, load_plugins
 
     print_catalog(load_plugins(), CUSTOM_OP, Console(highlight=False, soft_wrap=True))
     return 0

@@ -41,8 +41,8 @@ def scratch_dir(keep: str | None, console: Console) -> Iterator[Path]:
 def run_graph(graph: Path, sets: Sequence[str], *, executor: str, steps: int,
               console: Console) -> tuple[dict, Any]:
     """Compile ``graph`` with ``--set`` edits and run it; returns (summary, placed plan)."""
-    from dapo_flow.edits import edit_file, parse_cli_edits
-    from dapo_flow.registry import load_plugins
+    from dapo_flow.graph.edits import edit_file, parse_cli_edits
+    from dapo_flow.graph.registry import load_plugins
     from dapo_flow.runtime import execute
 
     load_plugins()

@@ -9,7 +9,7 @@ What it times, at 512x16 rows (response length 1024) and 4096x16 rows (response 
     GRPO advantages (outcome_advantages) and the keep mask: with the Arrow uid column and a
     bool mask (into a new tensor, as the API returns by default, or into an `out=` buffer), and
     with int ids; with group members scattered over the batch, and adjacent (verl's layout from
-    `repeat(interleave=True)`, where the kernel makes one sweep). On CPU this runs dapo_flow.kernels (numba): row sums, group statistics and the
+    `repeat(interleave=True)`, where the kernel makes one sweep). On CPU this runs dapo_flow.algos.kernels (numba): row sums, group statistics and the
     masked write; the parts line compares that write with the torch.where it replaced.
 
 Baseline: a per-row Python loop with verl's structure on verl's object array of uids (dict of
@@ -38,8 +38,8 @@ import pyarrow as pa
 import torch
 
 from dapo_flow.algos import Groups, factorize, keep_groups, outcome_advantages, sequence_advantages
-from dapo_flow.arrow_utils import group_codes
-from dapo_flow.kernels import masked_broadcast, new_output
+from dapo_flow.data.arrow_utils import group_codes
+from dapo_flow.algos.kernels import masked_broadcast, new_output
 
 SHAPES = [(512, 16, 1024), (4096, 16, 256)]  # prompts, samples per prompt, response length
 

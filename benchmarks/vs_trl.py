@@ -124,7 +124,7 @@ def differences(s: dict) -> list[str]:
 def load_split(model_dir: str, split: str, size: int | None, seed: int):
     from transformers import AutoTokenizer
 
-    from dapo_flow.data import load_prompts
+    from dapo_flow.data.prompts import load_prompts
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     table, _ = load_prompts("builtin:addition", tokenizer=tok, split=split, size=size, seed=seed)
@@ -133,10 +133,10 @@ def load_split(model_dir: str, split: str, size: int | None, seed: int):
 
 def val_accuracy(model_dir: str | Path, val, max_tokens: int) -> float:
     """Sampled avg@4 at temperature 1: mean correctness over val prompts x 4 samples."""
-    from dapo_flow import columns as C
+    from dapo_flow.graph import columns as C
     from dapo_flow.models.hf import HFPolicy
     from dapo_flow.models.sampling import SamplingConfig
-    from dapo_flow.tasks import verify_addition
+    from dapo_flow.data.tasks import verify_addition
 
     policy = HFPolicy(model_dir, dtype="float32", device="cpu", seed=VAL_SEED)
     prompt_ids = val.column(C.PROMPT_IDS).to_pylist()
@@ -185,7 +185,7 @@ def trl_python() -> str | None:
 
 
 def run_trl(settings: dict, train, val, workdir: Path, console: Console) -> dict:
-    from dapo_flow import columns as C
+    from dapo_flow.graph import columns as C
 
     python = trl_python()
     if python is None:
@@ -231,7 +231,7 @@ def trl_worker(config_path: str) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from dapo_flow.algos import overlong_penalty
-    from dapo_flow.tasks import verify_addition
+    from dapo_flow.data.tasks import verify_addition
 
     hf_logging.set_verbosity_error()
     datasets.disable_progress_bars()
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         return setup(console)
     steps = 3 if args.quick else args.steps
     sets = SETTINGS[args.setting]
-    from dapo_flow.edits import edit_file, parse_cli_edits
+    from dapo_flow.graph.edits import edit_file, parse_cli_edits
 
     placed = edit_file(args.graph, parse_cli_edits([("set", e) for e in sets])).compile()
     settings = {**comparable_settings(placed, steps), "torch_threads": args.torch_threads}

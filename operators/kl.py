@@ -18,9 +18,9 @@ import torch
 from pydantic import BaseModel, Field
 
 from dapo_flow import algos
-from dapo_flow import columns as C
-from dapo_flow.arrow_utils import float_column, ragged_to_padded, with_columns
-from dapo_flow.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.graph import columns as C
+from dapo_flow.data.arrow_utils import float_column, ragged_to_padded, with_columns
+from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
 
 KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
 

@@ -23,9 +23,9 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, Field
 
-from dapo_flow import columns as C
-from dapo_flow.arrow_utils import with_columns
-from dapo_flow.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.graph import columns as C
+from dapo_flow.data.arrow_utils import with_columns
+from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.errors import RunError
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -45,8 +45,8 @@ class Params(BaseModel):
 
 
 def _resolve(params: Params) -> Callable[..., Any]:
-    from dapo_flow import tasks
-    from dapo_flow.imports import load_object
+    from dapo_flow.data import tasks
+    from dapo_flow.graph.imports import load_object
 
     builtins = {"builtin:addition": tasks.verify_addition, "builtin:math": tasks.verify_math}
     if params.reward in builtins:

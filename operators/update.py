@@ -24,9 +24,9 @@ import torch
 from pydantic import BaseModel, Field, model_validator
 
 from dapo_flow import algos
-from dapo_flow import columns as C
-from dapo_flow.arrow_utils import ragged_to_padded, token_lists
-from dapo_flow.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.graph import columns as C
+from dapo_flow.data.arrow_utils import ragged_to_padded, token_lists
+from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.errors import RunError
 
 LossAgg = Literal[

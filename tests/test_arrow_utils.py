@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 
 from dapo_flow.algos import AlgoError, factorize
-from dapo_flow.arrow_utils import group_codes
+from dapo_flow.data.arrow_utils import group_codes
 
 
 def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:

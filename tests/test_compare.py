@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dapo_flow import compare as C
+from dapo_flow.experiments import compare as C
 from dapo_flow.errors import DapoFlowError
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from dapo_flow import rewrites
-from dapo_flow.contract import produces
-from dapo_flow.compiler import compile_graph, explain, load, place, plan, validate
+from dapo_flow.graph import rewrites
+from dapo_flow.graph.contract import produces
+from dapo_flow.graph.compiler import compile_graph, explain, load, place, plan, validate
 from dapo_flow.errors import GraphError, SchemaError, UnknownOperatorError
-from dapo_flow.plan import Cluster
+from dapo_flow.graph.plan import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 DAPO = ROOT / "graphs" / "dapo.yaml"
@@ -94,7 +94,7 @@ def test_nesting_deeper_than_the_parser_recurses_is_a_graph_error(tmp_path):
 
 
 def test_graph_file_over_the_size_limit_is_refused(tmp_path):
-    from dapo_flow.loader import MAX_GRAPH_BYTES
+    from dapo_flow.graph.loader import MAX_GRAPH_BYTES
 
     path = tmp_path / "big.yaml"
     path.write_text(DAPO.read_text() + "#" * MAX_GRAPH_BYTES)
@@ -285,7 +285,7 @@ def test_plan_pickles():
 
 
 def test_explain_names_auto_generation_batches():
-    from dapo_flow.edits import edit_file, parse_cli_edits
+    from dapo_flow.graph.edits import edit_file, parse_cli_edits
 
     placed = edit_file(ROOT / "graphs" / "dapo.yaml",
                        parse_cli_edits([("set", "run.gen_prompts_per_batch=auto")])).compile(Cluster(cpus=2))

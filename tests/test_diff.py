@@ -6,10 +6,10 @@ import copy
 from pathlib import Path
 
 import cli
-from dapo_flow.edits import apply_edits
-from dapo_flow.graphdiff import Change, diff_graphs, flatten_graph
-from dapo_flow.loader import load
-from dapo_flow.sweep import load_patch
+from dapo_flow.graph.edits import apply_edits
+from dapo_flow.experiments.graphdiff import Change, diff_graphs, flatten_graph
+from dapo_flow.graph.loader import load
+from dapo_flow.experiments.sweep import load_patch
 
 ROOT = Path(__file__).resolve().parents[1]
 DAPO, GRPO = ROOT / "graphs" / "dapo.yaml", ROOT / "graphs" / "grpo.yaml"

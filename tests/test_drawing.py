@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from dapo_flow.compiler import compile_graph
-from dapo_flow.drawing import draw, edge_label, mermaid, to_networkx
+from dapo_flow.graph.compiler import compile_graph
+from dapo_flow.graph.drawing import draw, edge_label, mermaid, to_networkx
 from dapo_flow.errors import DapoFlowError
-from dapo_flow.plan import Cluster
+from dapo_flow.graph.plan import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 

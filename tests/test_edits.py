@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import cli
-from dapo_flow.compiler import explain
-from dapo_flow.edits import (
+from dapo_flow.graph.compiler import explain
+from dapo_flow.graph.edits import (
     DropEdit,
     InsertEdit,
     Origin,
@@ -25,8 +25,8 @@ from dapo_flow.edits import (
     parse_edit_string,
 )
 from dapo_flow.errors import GraphError, SchemaError
-from dapo_flow.loader import GraphDoc, load
-from dapo_flow.plan import Cluster
+from dapo_flow.graph.loader import GraphDoc, load
+from dapo_flow.graph.plan import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 DAPO = str(ROOT / "graphs" / "dapo.yaml")

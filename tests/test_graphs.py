@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dapo_flow.compiler import explain, load, place, plan, validate
-from dapo_flow.plan import Cluster
+from dapo_flow.graph.compiler import explain, load, place, plan, validate
+from dapo_flow.graph.plan import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 # graphs/ablations/ holds patch files (variants of a graph), checked by tests/test_sweep.py

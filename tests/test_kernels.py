@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from dapo_flow import algos, kernels
+from dapo_flow import algos
+
+from dapo_flow.algos import kernels
 from dapo_flow.algos import AlgoError, factorize, outcome_advantages, sequence_advantages
 
 

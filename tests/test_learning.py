@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dapo_flow.compiler import compile_graph
-from dapo_flow.plan import Cluster
+from dapo_flow.graph.compiler import compile_graph
+from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
-from dapo_flow.runtime.evaluate import evaluate
+from dapo_flow.experiments.evaluate import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH = ROOT / "graphs" / "dapo.yaml"

@@ -7,9 +7,9 @@ import pyarrow as pa
 import pytest
 
 from dapo_flow import algos
-from dapo_flow import columns as C
-from dapo_flow.contract import OpContext, requires, resolve
-from dapo_flow.registry import OPERATORS
+from dapo_flow.graph import columns as C
+from dapo_flow.graph.contract import OpContext, requires, resolve
+from dapo_flow.graph.registry import OPERATORS
 
 
 def _table(scores, prompt_ids, lengths, acc=None) -> pa.Table:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from dapo_flow.loader import load
-from dapo_flow.spec import GraphSpec, ModelSpec, NodeSpec, RunSpec
+from dapo_flow.graph.loader import load
+from dapo_flow.graph.spec import GraphSpec, ModelSpec, NodeSpec, RunSpec
 
 MINIMAL = {
     "name": "tiny",
@@ -71,7 +71,7 @@ def test_auto_batch_size_from_keep_rate():
 def test_gen_prompts_per_batch_accepts_auto(value, ok):
     from pydantic import ValidationError
 
-    from dapo_flow.spec import RunSpec
+    from dapo_flow.graph.spec import RunSpec
 
     if ok:
         assert RunSpec(gen_prompts_per_batch=value).gen_prompts_per_batch == value
@@ -82,7 +82,7 @@ def test_gen_prompts_per_batch_accepts_auto(value, ok):
 
 def test_seed_is_bounded_to_what_every_library_accepts():
     # a 65-bit seed passed validate, then failed inside torch.manual_seed in a worker
-    from dapo_flow.spec import MAX_SEED
+    from dapo_flow.graph.spec import MAX_SEED
 
     assert MAX_SEED == 2**32 - 1
     assert GraphSpec.model_validate({**MINIMAL, "seed": MAX_SEED}).seed == MAX_SEED

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dapo_flow.errors import DataError
-from dapo_flow.tasks import (
+from dapo_flow.data.tasks import (
     AdditionTask,
     extract_math_answer,
     last_boxed,

@@ -55,7 +55,8 @@ def test_configure_turns_off_the_nesting_numbas_openmp_layer_turns_on():
 def test_kernels_run_on_numbas_own_pool_and_leave_torchs_openmp_alone():
     out = run_python("""
         import json, torch
-        from dapo_flow import kernels, threads
+        from dapo_flow.algos import kernels
+        from dapo_flow import threads
 
         import os
         assert "NUMBA_THREADING_LAYER" not in os.environ  # kernels choose the layer themselves
@@ -110,7 +111,7 @@ def test_numpy_blas_follows_the_budget():
 
 def test_a_stage_worker_applies_its_stages_budget():
     from dapo_flow.runtime.worker import StageSetup, StageWorker
-    from dapo_flow.spec import GraphSpec
+    from dapo_flow.graph.spec import GraphSpec
 
     before = torch.get_num_threads()
     graph = GraphSpec.model_construct(models={})
@@ -125,8 +126,8 @@ def test_a_stage_worker_applies_its_stages_budget():
 def test_the_driver_gets_its_stages_cpus():
     from pathlib import Path
 
-    from dapo_flow.compiler import compile_graph
-    from dapo_flow.plan import Cluster
+    from dapo_flow.graph.compiler import compile_graph
+    from dapo_flow.graph.plan import Cluster
     from dapo_flow.runtime.setup import driver_threads
 
     placed = compile_graph(Path(__file__).resolve().parents[1] / "graphs" / "dapo.yaml", Cluster(cpus=2))

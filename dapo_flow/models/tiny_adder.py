@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from dapo_flow.tasks import AdditionTask, verify_addition
+from dapo_flow.data.tasks import AdditionTask, verify_addition
 
 RECIPE_VERSION = 4  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
 BUILD_INFO = "dapo_flow_build.json"

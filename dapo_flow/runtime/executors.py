@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from dapo_flow.errors import RunError
 from dapo_flow.runtime.worker import StageSetup, StageWorker
-from dapo_flow.spec import GraphSpec
+from dapo_flow.graph.spec import GraphSpec
 
 RESUME_HINT = "`dapo-flow run GRAPH --resume` continues from the last checkpoint"
 DEFAULT_CALL_TIMEOUT_S = 900.0

@@ -18,14 +18,14 @@ import numpy as np
 import pyarrow as pa
 
 from dapo_flow import algos
-from dapo_flow import columns as C
-from dapo_flow.arrow_utils import group_codes
+from dapo_flow.graph import columns as C
+from dapo_flow.data.arrow_utils import group_codes
 from dapo_flow.errors import RunError
-from dapo_flow.plan import DRIVER
+from dapo_flow.graph.plan import DRIVER
 from dapo_flow.runtime.metrics import MetricAccumulator, batch_stats, concat, first_row
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.worker import StageWorker
-from dapo_flow.spec import PROMPTS_SOURCE
+from dapo_flow.graph.spec import PROMPTS_SOURCE
 
 @dataclass
 class LoopState:

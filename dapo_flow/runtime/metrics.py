@@ -8,7 +8,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import pyarrow as pa
 
-from dapo_flow import columns as C
+from dapo_flow.graph import columns as C
 
 # counters and times add up over a step's calls (generation batches, chunks); the rest is averaged
 _SUMMED_SUFFIXES = ("_groups", "/tokens", "/seconds", "/samples", "/skipped_minibatches")

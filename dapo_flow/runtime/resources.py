@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dapo_flow.spec import ModelSpec
+from dapo_flow.graph.spec import ModelSpec
 
 
 @dataclass

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dapo_flow.errors import RunError
-from dapo_flow.plan import DRIVER
+from dapo_flow.graph.plan import DRIVER
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.executors import LocalExecutor, RayExecutor
@@ -61,7 +61,7 @@ def generator_tokenizer(spec):
 
 def load_source(spec, src, tokenizer, read_parquet=None):
     """One data source's prompts as an Arrow table, plus the count of skipped bad rows."""
-    from dapo_flow.data import load_prompts
+    from dapo_flow.data.prompts import load_prompts
 
     return load_prompts(
         src.source, tokenizer=tokenizer, split=src.split, size=src.size, seed=spec.seed,
@@ -105,7 +105,7 @@ def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
                       "graph_file": str(plan.file)})
     tracker.log_artifact(plan.file, "graph")
     try:
-        from dapo_flow.compiler import explain
+        from dapo_flow.graph.compiler import explain
 
         tracker.log_text(explain(placed), "graph/plan.txt")
     except ImportError:
@@ -113,7 +113,7 @@ def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
     try:
         import tempfile
 
-        from dapo_flow.drawing import draw
+        from dapo_flow.graph.drawing import draw
 
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "dag.png"

@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from dapo_flow.plan import DRIVER
+from dapo_flow.graph.plan import DRIVER
 from dapo_flow.runtime.worker import NodeSetup, StageSetup
 
 

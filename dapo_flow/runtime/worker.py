@@ -15,8 +15,8 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from dapo_flow import threads
-from dapo_flow.contract import OpContext
-from dapo_flow.spec import GraphSpec
+from dapo_flow.graph.contract import OpContext
+from dapo_flow.graph.spec import GraphSpec
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,8 @@ def quiet_libraries() -> None:
 
 
 def resolve_op(node: NodeSetup) -> type:
-    from dapo_flow.imports import load_object
-    from dapo_flow.registry import CUSTOM_OP, OPERATORS
+    from dapo_flow.graph.imports import load_object
+    from dapo_flow.graph.registry import CUSTOM_OP, OPERATORS
 
     if node.op == CUSTOM_OP:
         return load_object(node.impl or "", base_dir=Path(node.base_dir))

@@ -12,7 +12,7 @@ import torch
 from dapo_flow.errors import ModelError
 from dapo_flow.models.hf import HFPolicy
 from dapo_flow.models.sampling import Rollouts, SamplingConfig
-from dapo_flow.tasks import AdditionTask
+from dapo_flow.data.tasks import AdditionTask
 
 
 @pytest.fixture(scope="module")

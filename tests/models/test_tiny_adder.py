@@ -14,7 +14,7 @@ from dapo_flow.errors import ModelError
 from dapo_flow.home import dapo_flow_home
 from dapo_flow.models import build_builtin, resolve_model
 from dapo_flow.models.tiny_adder import BUILD_INFO, RECIPE_VERSION, build_tiny_adder
-from dapo_flow.tasks import AdditionTask, verify_addition
+from dapo_flow.data.tasks import AdditionTask, verify_addition
 
 BAND = (0.20, 0.50)  # RL needs groups with both right and wrong samples
 

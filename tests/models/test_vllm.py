@@ -14,7 +14,7 @@ import pytest
 from dapo_flow.errors import ModelError
 from dapo_flow.models.hf import HFPolicy
 from dapo_flow.models.sampling import SamplingConfig
-from dapo_flow.tasks import AdditionTask
+from dapo_flow.data.tasks import AdditionTask
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_missing_vllm_is_a_model_error(tiny_adder_path, monkeypatch):
 
 def test_kernel_scan_survives_numba_loaded_first():
     """vLLM's CPU worker scans every module's objects for Triton kernels; numba (loaded by
-    dapo_flow.kernels) brings llvmlite's ffi `lib`, which broke that scan before the shield."""
+    dapo_flow.algos.kernels) brings llvmlite's ffi `lib`, which broke that scan before the shield."""
     dispatcher = pytest.importorskip("vllm.triton_utils.dispatcher")
     import llvmlite.binding.ffi as ffi
 

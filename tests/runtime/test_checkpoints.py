@@ -11,9 +11,9 @@ import json
 import pytest
 from rich.console import Console
 
-from dapo_flow.compiler import compile_graph
+from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.errors import ModelError, RunError
-from dapo_flow.plan import Cluster
+from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import checkpoint, execute
 from dapo_flow.runtime.loop import Runner
 from dapo_flow.runtime.resume import checkpoint_root
@@ -138,7 +138,7 @@ def test_resume_by_run_id_and_its_errors(workdir, small_graph):
 def test_checkpoints_of_the_older_layout_are_read_as_their_runs(workdir, small_graph):
     """Before one folder per run, checkpoints sat in the graph's folder without a manifest:
     --resume continues the run they name (moving them into its folder) and eval finds them."""
-    from dapo_flow.runtime.evaluate import resolve_checkpoint
+    from dapo_flow.experiments.evaluate import resolve_checkpoint
 
     path = small_graph(workdir, steps=4, ckpt=2)
     placed = compile_graph(path, CLUSTER)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from dapo_flow.compiler import compile_graph
-from dapo_flow.plan import Cluster
+from dapo_flow.graph.compiler import compile_graph
+from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import checkpoint, execute
 from dapo_flow.tracking import Tracker, read_run, runs_dir, search_runs
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from dapo_flow.compiler import compile_graph
+from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.errors import RunError
-from dapo_flow.plan import Cluster
+from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
 from dapo_flow.tracking import read_run
 
@@ -126,7 +126,7 @@ def test_cap_skip_policies_log_skipped_steps(workdir, small_graph, policy):
 def test_reference_model_kl_in_reward_and_overlong_filter(workdir, small_graph):
     """A frozen reference in its own model, the `kl` node (adaptive) and `overlong-filter`,
     inserted as edits; the adaptive coefficient survives a resume."""
-    from dapo_flow.edits import edit_file, parse_cli_edits
+    from dapo_flow.graph.edits import edit_file, parse_cli_edits
 
     flags = [("set", "models.ref.path=builtin:tiny-adder"), ("insert", "ref:logprob:after=old_logp:model=ref"),
              ("set", "ref.role=ref"), ("insert", "kl:kl:after=ref"), ("set", "kl.target_kl=0.001"),
@@ -147,7 +147,7 @@ def test_reference_model_kl_in_reward_and_overlong_filter(workdir, small_graph):
 def test_auto_generation_batches_resume_exactly(workdir, small_graph):
     """gen_prompts_per_batch: auto sizes batches from the keep rate, which is checkpointed:
     2 steps + resume to 4 log the same numbers as 4 steps straight."""
-    from dapo_flow.edits import edit_file, parse_cli_edits
+    from dapo_flow.graph.edits import edit_file, parse_cli_edits
 
     def placed(name):
         path = small_graph(workdir, name=name, steps=4, ckpt=2)

@@ -8,12 +8,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dapo_flow import columns as C
-from dapo_flow.compiler import compile_graph
-from dapo_flow.data import load_prompts
+from dapo_flow.graph import columns as C
+from dapo_flow.graph.compiler import compile_graph
+from dapo_flow.data.prompts import load_prompts
 from dapo_flow.errors import DataError
 from dapo_flow.models.tokenizer import build_char_tokenizer
-from dapo_flow.plan import Cluster
+from dapo_flow.graph.plan import Cluster
 
 
 def _shards(folder, rows_per_shard: int = 40):

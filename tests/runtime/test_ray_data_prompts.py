@@ -7,11 +7,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dapo_flow.compiler import compile_graph
-from dapo_flow.plan import Cluster
+from dapo_flow.graph.compiler import compile_graph
+from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
 from dapo_flow.runtime.executors import RayExecutor
-from dapo_flow.tasks import AdditionTask
+from dapo_flow.data.tasks import AdditionTask
 from dapo_flow.tracking import read_run
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 import cli
-from dapo_flow.compiler import compile_graph
+from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.errors import RunError
-from dapo_flow.plan import Cluster
+from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
 from dapo_flow.tracking import default_tracking_uri, read_run, search_runs
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dapo_flow.compiler import compile_graph
-from dapo_flow.plan import Cluster
+from dapo_flow.graph.compiler import compile_graph
+from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
 from dapo_flow.runtime.worker import StageWorker
 from dapo_flow.tracking import read_run

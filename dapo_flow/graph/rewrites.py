@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from dapo_flow.plan import Plan, PlanNode
+from dapo_flow.graph.plan import Plan, PlanNode
 
 
 def ancestors(plan: Plan, node_id: str) -> set[str]:

@@ -15,7 +15,7 @@ integer codes (:func:`factorize`), then every per-group quantity is a segment re
 (``np.bincount``) on the small per-sequence vector, and token tensors are touched by at most one
 read (row sums) and one fused broadcast write.
 
-Only torch, numpy, polars and numba (:mod:`dapo_flow.kernels`) are used here: no Ray, Arrow
+Only torch, numpy, polars and numba (:mod:`dapo_flow.algos.kernels`) are used here: no Ray, Arrow
 or MLflow.
 """
 
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from dapo_flow.errors import DapoFlowError
-from dapo_flow.kernels import grpo_token_advantages, masked_broadcast, new_output
+from dapo_flow.algos.kernels import grpo_token_advantages, masked_broadcast, new_output
 
 __all__ = [
     "AlgoError",

@@ -2,7 +2,7 @@
 
 ``validate`` turns a loaded file into a :class:`ValidGraph` (every node's operator class,
 validated params and Arrow schemas known); ``plan`` orders it and applies the rewrites in
-``dapo_flow.rewrites``; ``place`` assigns nodes to the driver or to model actors given
+``dapo_flow.graph.rewrites``; ``place`` assigns nodes to the driver or to model actors given
 :class:`Cluster` facts. The runtime consumes :class:`PlacedPlan` only.
 """
 
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Mapping
 import pyarrow as pa
 from pydantic import BaseModel
 
-from dapo_flow.spec import GraphSpec
+from dapo_flow.graph.spec import GraphSpec
 
 if TYPE_CHECKING:
-    from dapo_flow.loader import GraphDoc
+    from dapo_flow.graph.loader import GraphDoc
 
 
 @dataclass(frozen=True)

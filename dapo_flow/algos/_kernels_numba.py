@@ -1,4 +1,4 @@
-"""numba kernels behind :mod:`dapo_flow.kernels` (imported on first use: numba costs ~0.4 s).
+"""numba kernels behind :mod:`dapo_flow.algos.kernels` (imported on first use: numba costs ~0.4 s).
 
 Arrays in, arrays out; no torch. Every kernel is compiled once per signature and cached on disk.
 Group statistics follow verl's GRPO: float32 row sums, float64 group mean and unbiased std,

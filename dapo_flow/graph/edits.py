@@ -1,7 +1,7 @@
 """Ablations as edits of a graph: ``--set``, ``--drop``, ``--swap``, ``--insert``.
 
 An edit is a frozen dataclass, parsed from a CLI flag (``parse_cli_edit("set", "train.lr=5e-4")``)
-or from a patch-file entry (``dapo_flow.sweep``). ``apply_edits(doc, edits)`` is pure: it
+or from a patch-file entry (``dapo_flow.experiments.sweep``). ``apply_edits(doc, edits)`` is pure: it
 deep-copies the document, applies the edits in order and keeps the line of every untouched
 key. Each key an edit writes gets the marker line ``-1 - k`` (k: the edit's index), so
 ``compile_edited`` can point any problem the compiler finds there at the edit itself::
@@ -30,12 +30,12 @@ from typing import Any, Iterable, Mapping, Union
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
-from dapo_flow.compiler import did_you_mean, place, plan, validate
+from dapo_flow.graph.compiler import did_you_mean, place, plan, validate
 from dapo_flow.errors import GraphError, Problem
-from dapo_flow.loader import GraphDoc, PathKey, load
-from dapo_flow.plan import Cluster, PlacedPlan
-from dapo_flow.registry import CUSTOM_OP, OPERATORS
-from dapo_flow.spec import ID_PATTERN, PROMPTS_SOURCE, GraphSpec
+from dapo_flow.graph.loader import GraphDoc, PathKey, load
+from dapo_flow.graph.plan import Cluster, PlacedPlan
+from dapo_flow.graph.registry import CUSTOM_OP, OPERATORS
+from dapo_flow.graph.spec import ID_PATTERN, PROMPTS_SOURCE, GraphSpec
 
 SECTIONS = tuple(f for f in GraphSpec.model_fields if f != "nodes")
 NODE_FIELDS = ("op", "inputs", "model", "impl", "params")  # `id` is not editable by --set
@@ -485,7 +485,7 @@ def compile_edited(doc: GraphDoc, edits: Iterable[Edit] = (), cluster: Cluster |
 
 def _made_by_edits(base: GraphDoc, edits: tuple[Edit, ...]) -> dict[str, tuple[int, str]]:
     """column -> (index of the drop/swap edit that removed its producer, that node's id)."""
-    from dapo_flow.contract import produces
+    from dapo_flow.graph.contract import produces
 
     out: dict[str, tuple[int, str]] = {}
     nodes = {n.get("id"): n for n in base.get(("nodes",), []) or [] if isinstance(n, dict)}
@@ -546,8 +546,8 @@ def _param_fix(doc: GraphDoc, node_id: str, column: str) -> str:
 
 def _columns_made(doc: GraphDoc) -> set[str]:
     """Every column some node of the graph (or the prompt source) produces."""
-    from dapo_flow import columns as C
-    from dapo_flow.contract import produces
+    from dapo_flow.graph import columns as C
+    from dapo_flow.graph.contract import produces
 
     made = set(C.prompt_schema().names)
     for n in doc.get(("nodes",), []) or []:

@@ -1,7 +1,7 @@
 """Compile a graph file: load -> validate -> plan -> place, pure functions between frozen
-objects (see ``dapo_flow.plan``); ``explain`` prints the result without starting Ray.
+objects (see ``dapo_flow.graph.plan``); ``explain`` prints the result without starting Ray.
 
-``validate`` (``dapo_flow.checks``) collects every problem it can find before raising once;
+``validate`` (``dapo_flow.graph.checks``) collects every problem it can find before raising once;
 ``plan`` applies the rewrites, ``place`` assigns stages to actors and the driver.
 """
 
@@ -12,14 +12,14 @@ from types import MappingProxyType
 
 import pyarrow as pa
 
-from dapo_flow import columns as C
-from dapo_flow.checks import validate
-from dapo_flow.contract import produces, requires
+from dapo_flow.graph import columns as C
+from dapo_flow.graph.checks import validate
+from dapo_flow.graph.contract import produces, requires
 from dapo_flow.errors import GraphError, Problem
-from dapo_flow.loader import load
-from dapo_flow.plan import DRIVER, Cluster, PlacedPlan, Plan, PlanNode, Stage, ValidGraph
-from dapo_flow.problems import Found, did_you_mean, pydantic_problems, type_name
-from dapo_flow.rewrites import REWRITES
+from dapo_flow.graph.loader import load
+from dapo_flow.graph.plan import DRIVER, Cluster, PlacedPlan, Plan, PlanNode, Stage, ValidGraph
+from dapo_flow.graph.problems import Found, did_you_mean, pydantic_problems, type_name
+from dapo_flow.graph.rewrites import REWRITES
 
 
 __all__ = ["Cluster", "Found", "compile_graph", "did_you_mean", "explain", "load", "place", "plan",

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import networkx as nx
 
-from dapo_flow import columns as C
+from dapo_flow.graph import columns as C
 from dapo_flow.errors import DapoFlowError
-from dapo_flow.plan import PlacedPlan, Plan
-from dapo_flow.spec import PROMPTS_SOURCE
+from dapo_flow.graph.plan import PlacedPlan, Plan
+from dapo_flow.graph.spec import PROMPTS_SOURCE
 
 FORMATS = (".mmd", ".png", ".svg")
 

@@ -20,9 +20,9 @@ from rich.console import Console
 from ruamel.yaml import YAML
 
 from dapo_flow.errors import DapoFlowError
-from dapo_flow.loader import load
-from dapo_flow.registry import OPERATORS
-from dapo_flow.spec import GraphSpec
+from dapo_flow.graph.loader import load
+from dapo_flow.graph.registry import OPERATORS
+from dapo_flow.graph.spec import GraphSpec
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 NODE_FIELDS = ("op", "inputs", "model", "impl")
@@ -36,7 +36,7 @@ class Change:
     new: Any = None
 
     def render(self) -> str:
-        from dapo_flow.edits import flow
+        from dapo_flow.graph.edits import flow
 
         if self.key.startswith("node "):
             body = self.new if self.kind == "added" else self.old

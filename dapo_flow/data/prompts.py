@@ -1,6 +1,6 @@
 """Prompt data sources -> an Arrow table with ``columns.prompt_schema()``.
 
-Sources: ``builtin:addition`` (see ``dapo_flow.tasks``), ``.parquet``, ``.jsonl`` and ``.json``
+Sources: ``builtin:addition`` (see ``dapo_flow.data.tasks``), ``.parquet``, ``.jsonl`` and ``.json``
 (a list of records). verl-format rows are understood: ``prompt`` as a chat message list
 ``[{role, content}]`` or a string, the answer at ``reward_model.ground_truth`` (a struct or a
 flattened column), ``data_source``, ``extra_info.index``.
@@ -16,9 +16,9 @@ from typing import Any, Callable, Literal
 
 import pyarrow as pa
 
-from dapo_flow import columns as C
+from dapo_flow.graph import columns as C
 from dapo_flow.errors import DataError
-from dapo_flow.tasks import ADDITION, AdditionTask
+from dapo_flow.data.tasks import ADDITION, AdditionTask
 
 ANSWER_KEYS = ("reward_model.ground_truth", "ground_truth", "answer")  # tried in order
 ADDITION_OPTIONS = ("low", "high", "train_size", "val_size")

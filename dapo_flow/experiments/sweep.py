@@ -1,6 +1,6 @@
 """Sweeps: every variant of a patch file (x seeds) as an MLflow child run of one parent run.
 
-A patch file names a base graph and variants of it, each a list of edits (``dapo_flow.edits``)::
+A patch file names a base graph and variants of it, each a list of edits (``dapo_flow.graph.edits``)::
 
     base: ../grpo.yaml          # the graph the variants edit, relative to this file
     experiment: dapo-ladder     # MLflow experiment of the parent and child runs (default: file stem)
@@ -38,9 +38,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from dapo_flow.compare import ERROR_TAG, PARENT_TAG
-from dapo_flow.compiler import Found, did_you_mean, pydantic_problems
-from dapo_flow.edits import (
+from dapo_flow.experiments.compare import ERROR_TAG, PARENT_TAG
+from dapo_flow.graph.compiler import Found, did_you_mean, pydantic_problems
+from dapo_flow.graph.edits import (
     FLAGS,
     Edit,
     Edited,
@@ -52,9 +52,9 @@ from dapo_flow.edits import (
     parse_edit_string,
 )
 from dapo_flow.errors import DapoFlowError, GraphError, Problem
-from dapo_flow.loader import GraphDoc, PathKey, load
-from dapo_flow.plan import PlacedPlan
-from dapo_flow.spec import ID_PATTERN
+from dapo_flow.graph.loader import GraphDoc, PathKey, load
+from dapo_flow.graph.plan import PlacedPlan
+from dapo_flow.graph.spec import ID_PATTERN
 
 VARIANT_PATTERN = r"^[A-Za-z0-9_+][A-Za-z0-9_+.\-]*$"  # no commas (--only) and no slashes (run names)
 
@@ -346,7 +346,7 @@ def _seeds(seeds: str | Iterable[int]) -> tuple[int, ...]:
 
 def validate_jobs(patch: Patch, jobs: Iterable[Job]) -> list[Ready]:
     """Compile every job; one GraphError with every problem, each naming its variants."""
-    from dapo_flow.edits import compile_edited
+    from dapo_flow.graph.edits import compile_edited
 
     base = load(patch.base)
     ready: list[Ready] = []
@@ -555,8 +555,8 @@ def _job_in_process(payload: tuple) -> tuple[str, Any, str]:
     """Runs in a worker process: compile the job's graph again, execute, report as plain data."""
     base, edits, executor, address, run_name, parent_id, params, yaml_text, log = payload
     try:
-        from dapo_flow.edits import edit_file
-        from dapo_flow.registry import load_plugins
+        from dapo_flow.graph.edits import edit_file
+        from dapo_flow.graph.registry import load_plugins
         from dapo_flow.runtime import execute
 
         load_plugins()
@@ -586,7 +586,7 @@ def results_table(result: SweepResult) -> Table:
 
 def _compare_at_end(result: SweepResult, console: Console) -> None:
     """The comparison table, and its plot logged to the parent run; never fails the sweep."""
-    from dapo_flow import compare
+    from dapo_flow.experiments import compare
 
     try:
         compare.report(result.tracking_uri, result.parent_run_id, out=None, console=console)

@@ -18,15 +18,15 @@ import networkx as nx
 import pyarrow as pa
 from pydantic import BaseModel, ValidationError
 
-from dapo_flow import columns as C
-from dapo_flow.contract import contract_problems, produces, requires, resolve
+from dapo_flow.graph import columns as C
+from dapo_flow.graph.contract import contract_problems, produces, requires, resolve
 from dapo_flow.errors import DapoFlowError, OperatorContractError, SchemaError, UnknownOperatorError
-from dapo_flow.imports import load_object
-from dapo_flow.loader import GraphDoc, PathKey
-from dapo_flow.plan import ValidGraph
-from dapo_flow.problems import Found, did_you_mean, pydantic_problems, type_name
-from dapo_flow.registry import CUSTOM_OP, OPERATORS
-from dapo_flow.spec import PROMPTS_SOURCE, GraphSpec, NodeSpec
+from dapo_flow.graph.imports import load_object
+from dapo_flow.graph.loader import GraphDoc, PathKey
+from dapo_flow.graph.plan import ValidGraph
+from dapo_flow.graph.problems import Found, did_you_mean, pydantic_problems, type_name
+from dapo_flow.graph.registry import CUSTOM_OP, OPERATORS
+from dapo_flow.graph.spec import PROMPTS_SOURCE, GraphSpec, NodeSpec
 
 
 # --- validate -------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def _check_op(found: Found, node: _Node) -> None:
         if bad:
             err = OperatorContractError(f"{s.impl} is not an operator: " + "; ".join(bad))
             found.add(node.path + ("impl",), f"{type(err).__name__}: {err}",
-                      "see dapo_flow/contract.py for what an operator class provides")
+                      "see dapo_flow/graph/contract.py for what an operator class provides")
             return
     elif s.op in OPERATORS:
         cls = OPERATORS[s.op]

@@ -15,7 +15,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ValidationError
 
 from dapo_flow.errors import GraphError, Problem
-from dapo_flow.loader import GraphDoc, PathKey
+from dapo_flow.graph.loader import GraphDoc, PathKey
 
 
 # --- problems -------------------------------------------------------------------------

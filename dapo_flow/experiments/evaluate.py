@@ -17,7 +17,7 @@ from rich.table import Table
 
 from dapo_flow import threads
 from dapo_flow.errors import RunError
-from dapo_flow.plan import DRIVER
+from dapo_flow.graph.plan import DRIVER
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.loop import Runner
 from dapo_flow.runtime.sampler import PromptSampler
@@ -157,7 +157,7 @@ def evaluate_sweep(patch, ready: list, *, out: str | None = None, console: Conso
     checkpoint, each as an MLflow child run of one eval parent run, then print the comparison
     (mean ± std over seeds, pass@k, Δ vs the first variant); returns the parent run id. A job
     without a checkpoint is reported and skipped. ``options``: those of :func:`evaluate`."""
-    from dapo_flow.compare import PARENT_TAG, report
+    from dapo_flow.experiments.compare import PARENT_TAG, report
     from dapo_flow.tracking import default_tracking_uri
 
     console = console or Console()
