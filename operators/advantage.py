@@ -41,6 +41,7 @@ class Advantage:
     PRODUCES = C.typed(C.ADVANTAGE)
     CARDINALITY = "map"
     NEEDS_MODEL = False
+    ROLE = "advantage"
 
     @classmethod
     def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:

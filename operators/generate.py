@@ -41,6 +41,7 @@ class Generate:
     )
     CARDINALITY = "expand"
     NEEDS_MODEL = True
+    ROLE = "generate"
 
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params

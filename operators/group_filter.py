@@ -50,6 +50,7 @@ class GroupFilter:
     Params = Params
     CARDINALITY = "group-filter"
     NEEDS_MODEL = False
+    ROLE = "transform"
     PRODUCES: dict[str, pa.DataType] = {}
 
     @classmethod

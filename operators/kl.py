@@ -48,6 +48,7 @@ class KL:
     PRODUCES = C.typed(C.REWARD, C.KL)
     CARDINALITY = "map"
     NEEDS_MODEL = False
+    ROLE = "transform"
 
     @classmethod
     def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:

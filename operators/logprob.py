@@ -38,6 +38,13 @@ class Logprob:
     REQUIRES = C.typed(C.PROMPT_IDS, C.RESPONSE_IDS)
     CARDINALITY = "map"
     NEEDS_MODEL = True
+    ROLE = "logprob"
+
+    @classmethod
+    def upstream_problems(cls, params: Params, generator_id: str, generator_params) -> list:
+        from dapo_flow.models.sampling import temperature_problems
+
+        return temperature_problems(params.temperature, generator_id, generator_params.temperature)
 
     @classmethod
     def produces(cls, params: Params) -> dict[str, pa.DataType]:

@@ -28,6 +28,7 @@ class OverlongFilter:
     PRODUCES = C.typed(C.LOSS_MASK)
     CARDINALITY = "map"
     NEEDS_MODEL = False
+    ROLE = "transform"
 
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params

@@ -41,6 +41,16 @@ class OverlongShape:
     PRODUCES = C.typed(C.OVERLONG_PENALTY, C.REWARD)
     CARDINALITY = "map"
     NEEDS_MODEL = False
+    ROLE = "transform"
+
+    @classmethod
+    def upstream_problems(cls, params: Params, generator_id: str, generator_params) -> list:
+        """The penalty interval must end where the generator cuts responses."""
+        limit = generator_params.max_tokens
+        if params.max_len == limit:
+            return []
+        return [("max_len", f"max_len {params.max_len} differs from max_tokens {limit} of generate "
+                 f"'{generator_id}'", f"set max_len: {limit} so the penalty interval ends at the response limit")]
 
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params

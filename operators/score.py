@@ -85,6 +85,7 @@ class Score:
     REQUIRES = C.typed(C.RESPONSE_TEXT, C.GROUND_TRUTH)
     CARDINALITY = "map"
     NEEDS_MODEL = False
+    ROLE = "reward"
 
     @classmethod
     def produces(cls, params: Params) -> dict[str, pa.DataType]:

@@ -106,7 +106,14 @@ class Update:
     Params = Params
     CARDINALITY = "sink"
     NEEDS_MODEL = True
+    ROLE = "train"
     PRODUCES = {name: pa.float32() for name in METRICS}
+
+    @classmethod
+    def upstream_problems(cls, params: Params, generator_id: str, generator_params) -> list:
+        from dapo_flow.models.sampling import temperature_problems
+
+        return temperature_problems(params.temperature, generator_id, generator_params.temperature)
 
     @classmethod
     def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:

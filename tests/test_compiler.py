@@ -14,7 +14,7 @@ from dapo_flow.graph import rewrites
 from dapo_flow.graph.contract import produces
 from dapo_flow.graph.compiler import compile_graph, explain, load, place, plan, validate
 from dapo_flow.errors import GraphError, SchemaError, UnknownOperatorError
-from dapo_flow.graph.plan import Cluster
+from dapo_flow.graph.plan import Call, Cluster, Sync
 
 ROOT = Path(__file__).resolve().parents[1]
 DAPO = ROOT / "graphs" / "dapo.yaml"
@@ -195,10 +195,24 @@ def test_group_barrier():
     assert g.train == tuple(n.id for n in g.nodes)
 
 
-def test_fuse_cpu_maps():
-    p = _plan()
-    assert p.fused == (("verify", "overlong"),)  # the group barrier stops the run
-    assert _plan(GRPO).fused == ()  # verify -> old_logp needs the model
+def test_calls_chain_each_stage_nodes_that_feed_only_the_next():
+    placed = place(_plan(), Cluster(cpus=2))
+    assert placed.calls["rollout"] == (Call("model:policy", ("rollout",)),
+                                       Call("driver", ("verify", "overlong", "dynamic_sampling")))
+    assert placed.calls["train"] == (Call("model:policy", ("old_logp", "adv", "train")),)
+    grpo = place(_plan(GRPO), Cluster(cpus=2))
+    assert list(grpo.calls) == ["step"]  # no group filter: one phase
+    assert [n for c in grpo.calls["step"] for n in c.nodes] == [n.id for n in grpo.plan.nodes]
+
+
+def test_syncs_are_placed_by_backend_and_placement(tmp_path):
+    hf = place(_plan(), Cluster(cpus=2))
+    assert hf.syncs == ()  # the hf engine is the trained policy: nothing to sync
+    vllm = place(plan(validate(load(ROOT / "graphs" / "dapo-vllm.yaml"))), Cluster(cpus=2))
+    assert vllm.syncs == (Sync("train", "policy", "model:policy", "model:policy", "in-actor"),)
+    path = _with_placement(tmp_path, "placement: {mode: disaggregated}\n")
+    apart = place(plan(validate(load(path))), Cluster(cpus=2))
+    assert apart.syncs == (Sync("train", "policy", "model:policy", "rollout:policy", "transfer"),)
 
 
 def test_weight_sync():
@@ -207,14 +221,13 @@ def test_weight_sync():
 
 def test_rewrites_are_pure():
     p = _plan()
-    bare = replace(p, rollout=(), group_filter=None, train=(), syncs=(), fused=())
+    bare = replace(p, rollout=(), group_filter=None, train=(), syncs=())
     for rule in rewrites.REWRITES:
         before = bare
         after = rule(bare)
         assert before == bare and after is not bare
     assert rewrites.add_weight_syncs(bare).syncs == p.syncs
     assert rewrites.mark_group_barrier(bare).rollout == p.rollout
-    assert rewrites.fuse_cpu_maps(bare).fused == (("verify", "overlong"),)
 
 
 # --- placement --------------------------------------------------------------------------

@@ -89,10 +89,11 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     threads.configure(driver_threads(placed))  # as `execute` does for a training run
     spec = placed.plan.spec
     console = console or Console()
-    ops = {node.op for node in placed.plan.nodes}
-    if not {"generate", "score"} <= ops:
-        raise RunError(f"graph '{spec.name}' has no {' and no '.join(sorted({'generate', 'score'} - ops))} "
-                       "node: eval samples with the graph's generate node and grades with its score node")
+    missing = [r for r in ("generate", "reward") if placed.plan.first(r) is None]
+    if missing:
+        raise RunError(f"graph '{spec.name}' has no {' and no '.join(f'{r}-role' for r in missing)} node "
+                       "(e.g. `generate`, `score`): eval samples with the graph's generator and grades "
+                       "with its reward node")
     step_dir, models, step = resolve_checkpoint(
         spec, which, lambda text: console.print(f"[yellow]warning:[/] {text}", highlight=False))
     data = spec.data.val or spec.data.train
@@ -106,7 +107,7 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     console.print(f"evaluating {label} on {data.source} [{data.split}], {n} sample(s) per prompt at "
                   f"temperature {temperature}", highlight=False, markup=False)
 
-    tokenizer = generator_tokenizer(spec)
+    tokenizer = generator_tokenizer(placed.plan)
     setups = stage_setups(placed, models)
     seed = spec.seed if seed is None else seed
     driver = StageWorker(spec, setups.pop(DRIVER, StageSetup(DRIVER, (), ())), seed)

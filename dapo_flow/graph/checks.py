@@ -19,7 +19,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ValidationError
 
 from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import contract_problems, produces, requires, resolve
+from dapo_flow.graph.contract import contract_problems, produces, requires, resolve, role, upstream_problems
 from dapo_flow.errors import DapoFlowError, OperatorContractError, SchemaError, UnknownOperatorError
 from dapo_flow.graph.imports import load_object
 from dapo_flow.graph.loader import GraphDoc, PathKey
@@ -224,12 +224,12 @@ def _check_cycles(found: Found, nodes: list[_Node], graph: nx.DiGraph) -> bool:
 
 
 def _check_training(found: Found, nodes: list[_Node]) -> None:
-    """One update per model; updated models feed a generator; refs stay frozen."""
+    """One trainer per model; trained models feed a generator; refs stay frozen."""
     if any(n.cls is None for n in nodes):
         return  # a typo'd op may be the update: don't guess
     updates: dict[str, _Node] = {}
     for node in nodes:
-        if node.spec.op != "update":
+        if role(node.cls) != "train":
             continue
         model = node.spec.model
         if model in updates:
@@ -239,17 +239,17 @@ def _check_training(found: Found, nodes: list[_Node]) -> None:
                       "one update per model and step: remove one, or train another model")
         elif model is not None:
             updates[model] = node
-    if not updates and not any(n.spec.op == "update" for n in nodes):
+    if not updates and not any(role(n.cls) == "train" for n in nodes):
         found.add(("nodes",), "a graph must train something: no node has op 'update'",
                   "add an `update` node fed by an `advantage` node", field_name="nodes")
-    generated = {n.spec.model for n in nodes if n.spec.op == "generate"}
+    generated = {n.spec.model for n in nodes if role(n.cls) == "generate"}
     for model, node in updates.items():
         if model not in generated:
             found.add(node.path + ("model",), f"model '{model}' is updated but no `generate` node "
                       "uses it, so the new weights never reach a rollout",
                       f"generate with `model: {model}`, or update the model you generate with")
     for node in nodes:
-        if node.spec.op == "logprob" and getattr(node.params, "role", None) == "ref":
+        if role(node.cls) == "logprob" and getattr(node.params, "role", None) == "ref":
             model = node.spec.model
             if model in updates:
                 found.add(node.path + ("model",), f"a reference model must stay frozen, but "
@@ -375,7 +375,7 @@ def _check_group_filter(found: Found, nodes: list[_Node], graph: nx.DiGraph,
         origin = rows[gf.id].input_rows_from
         src = by_id.get(origin)
         if origin == PROMPTS_SOURCE:
-            later = [d for d in nx.descendants(graph, gf.id) if by_id[d].spec.op == "generate"]
+            later = [d for d in nx.descendants(graph, gf.id) if role(by_id[d].cls) == "generate"]
             after = f" ('{later[0]}' comes after it)" if later else ""
             found.add(gf.path + ("inputs",), "a group-filter needs whole prompt groups, but no "
                       f"`generate` node is upstream{after}",
@@ -386,6 +386,12 @@ def _check_group_filter(found: Found, nodes: list[_Node], graph: nx.DiGraph,
                       f"move '{origin}' after '{gf.id}'")
 
 
+def _greedy_groups(p: BaseModel) -> bool:
+    """Whether generator params sample n >= 2 identical responses per prompt."""
+    n, temperature, top_k = (getattr(p, k, None) for k in ("n", "temperature", "top_k"))
+    return isinstance(n, int) and n >= 2 and (temperature == 0 or top_k == 1)
+
+
 def _check_greedy_groups(found: Found, nodes: list[_Node], graph: nx.DiGraph) -> None:
     """Greedy sampling (temperature 0 or top_k 1) gives all n samples of a prompt the same
     response, so every group has zero spread: a group-filter keeps none of them and a
@@ -393,11 +399,11 @@ def _check_greedy_groups(found: Found, nodes: list[_Node], graph: nx.DiGraph) ->
     by_id = {n.id: n for n in reversed(nodes)}
     for gen in nodes:
         p = gen.params
-        if gen.spec.op != "generate" or p is None or p.n < 2 or not (p.temperature == 0 or p.top_k == 1):
+        if role(gen.cls) != "generate" or p is None or not _greedy_groups(p):
             continue
         after = [by_id[d] for d in nx.descendants(graph, gen.id) if d in by_id]
         gf = next((n for n in after if n.cardinality == "group-filter"), None)
-        adv = min((n for n in after if n.spec.op == "advantage"), key=lambda n: n.index, default=None)
+        adv = min((n for n in after if role(n.cls) == "advantage"), key=lambda n: n.index, default=None)
         if gf is not None:
             effect = f"group-filter '{gf.id}' (line {found.doc.line_of(gf.path)}) drops every group"
         elif adv is not None:
@@ -413,27 +419,19 @@ def _check_greedy_groups(found: Found, nodes: list[_Node], graph: nx.DiGraph) ->
 
 def _check_consistency(found: Found, nodes: list[_Node], graph: nx.DiGraph,
                        order: tuple[str, ...]) -> None:
-    """Params that must agree with the generate node upstream."""
+    """Params that must agree with the nearest generator upstream (each operator says which:
+    ``upstream_problems``)."""
     by_id = {n.id: n for n in reversed(nodes)}
     position = {nid: k for k, nid in enumerate(order)}
     for node in nodes:
-        if node.params is None or node.spec.op not in ("overlong-shape", "logprob", "update"):
+        if node.params is None or not callable(getattr(node.cls, "upstream_problems", None)):
             continue
         gens = [a for a in nx.ancestors(graph, node.id)
-                if a in by_id and by_id[a].spec.op == "generate" and by_id[a].params is not None]
+                if a in by_id and role(by_id[a].cls) == "generate" and by_id[a].params is not None]
         if not gens:
             continue
         gen = by_id[max(gens, key=position.__getitem__)]
-        gp = gen.params
-        if node.spec.op == "overlong-shape" and node.params.max_len != gp.max_tokens:
-            found.add(node.path + ("params", "max_len"), f"max_len {node.params.max_len} differs "
-                      f"from max_tokens {gp.max_tokens} of generate '{gen.id}'",
-                      f"set max_len: {gp.max_tokens} so the penalty interval ends at the "
-                      "response limit")
-        temp = getattr(node.params, "temperature", None)
-        if node.spec.op != "overlong-shape" and gp.temperature > 0 and temp != gp.temperature:
-            found.add(node.path + ("params", "temperature"), f"temperature {temp} differs from "
-                      f"{gp.temperature} of generate '{gen.id}': logprobs would not match the "
-                      "sampling distribution", f"set temperature: {gp.temperature}")
+        for field_name, message, fix in upstream_problems(node.cls, node.params, gen.id, gen.params):
+            found.add(node.path + ("params", field_name), message, fix)
 
 

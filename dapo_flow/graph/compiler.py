@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import MappingProxyType
+from typing import Mapping
 
 import pyarrow as pa
 
 from dapo_flow.graph import columns as C
 from dapo_flow.graph.checks import validate
-from dapo_flow.graph.contract import produces, requires
+from dapo_flow.graph.contract import produces, requires, role
 from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import load
-from dapo_flow.graph.plan import DRIVER, Cluster, PlacedPlan, Plan, PlanNode, Stage, ValidGraph
+from dapo_flow.graph.plan import (DRIVER, IN_ACTOR, TRANSFER, Call, Cluster, PlacedPlan, Plan, PlanNode, Stage,
+                                  Sync, ValidGraph)
+from dapo_flow.models.engines import generates_with_trainer
 from dapo_flow.graph.problems import Found, did_you_mean, pydantic_problems, type_name
 from dapo_flow.graph.rewrites import REWRITES
 
@@ -45,7 +48,7 @@ def plan(valid: ValidGraph) -> Plan:
             id=nid, op=s.op, op_cls=cls, params=valid.params[nid], model=s.model,
             inputs=tuple(s.inputs), in_schema=valid.in_schema[nid],
             out_schema=valid.out_schema[nid], cardinality=cls.CARDINALITY,
-            line=valid.doc.line_of(("nodes", index[nid])),
+            line=valid.doc.line_of(("nodes", index[nid])), role=role(cls),
         ))
     result = Plan(spec=valid.spec, file=valid.file, nodes=tuple(nodes),
                   train=tuple(valid.order), doc=valid.doc)
@@ -57,7 +60,7 @@ def plan(valid: ValidGraph) -> Plan:
 def _stage_name(node: PlanNode, mode: str) -> str:
     if not getattr(node.op_cls, "NEEDS_MODEL", False):
         return DRIVER
-    if mode == "disaggregated" and node.op == "generate":
+    if mode == "disaggregated" and node.role == "generate":
         return f"rollout:{node.model}"
     return f"model:{node.model}"
 
@@ -66,10 +69,7 @@ def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
     """A cheap CPU map whose inputs and consumers all live in one actor runs in that actor
     (e.g. `advantage` between `logprob` and `update`): two fewer round trips and table
     copies per step, and the actor runs the whole chain in one call."""
-    consumers: dict[str, list[str]] = {n.id: [] for n in plan.nodes}
-    for n in plan.nodes:
-        for i in n.inputs:
-            consumers.setdefault(i, []).append(n.id)
+    consumers = plan.consumers()
     out = dict(stage_of)
     for n in plan.nodes:  # topological order, so chains of CPU maps move one by one
         if out[n.id] != DRIVER or n.cardinality != "map" or not n.inputs or not consumers[n.id]:
@@ -121,7 +121,46 @@ def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
     driver = Stage(DRIVER, DRIVER, tuple(members[DRIVER]), (), driver_cpus, 0.0)
     node_stage = {nid: name for name, ids in members.items() for nid in ids}
     return PlacedPlan(plan=plan, cluster=cluster, stages=(driver, *stages),
-                      node_stage=MappingProxyType(node_stage))
+                      node_stage=MappingProxyType(node_stage),
+                      calls=MappingProxyType(_calls(plan, node_stage)),
+                      syncs=_syncs(plan, node_stage))
+
+
+def _calls(plan: Plan, stage_of: Mapping[str, str]) -> dict[str, tuple[Call, ...]]:
+    """Per phase, its nodes cut into calls: consecutive nodes of one stage, each the only
+    consumer of the one before, run in one round trip (one table out and back, however long
+    the chain); e.g. logprob -> advantage -> update in the model actor, score -> shaping ->
+    group filter in the driver."""
+    consumers = plan.consumers()
+    out: dict[str, tuple[Call, ...]] = {}
+    for phase, ids in plan.phases:
+        chains: list[list[str]] = []
+        for nid in ids:
+            prev = chains[-1][-1] if chains else None
+            if (prev is not None and stage_of[nid] == stage_of[prev]
+                    and plan.node(nid).inputs == (prev,) and consumers[prev] == [nid]):
+                chains[-1].append(nid)
+            else:
+                chains.append([nid])
+        out[phase] = tuple(Call(stage_of[c[0]], tuple(c)) for c in chains)
+    return out
+
+
+def _syncs(plan: Plan, stage_of: Mapping[str, str]) -> tuple[Sync, ...]:
+    """Each train node's weight syncs, one per stage that generates with its model: none where
+    that stage rolls out with the very policy it trains (colocated, a backend whose rollout
+    engine is the trained model: hf), in-actor into the stage's own engine (colocated vLLM),
+    a transfer between actors otherwise (disaggregated)."""
+    out = []
+    for after, model in plan.syncs:
+        source = stage_of[after]
+        targets = sorted({stage_of[n.id] for n in plan.with_role("generate") if n.model == model})
+        for target in targets:
+            if target != source:
+                out.append(Sync(after, model, source, target, TRANSFER))
+            elif not generates_with_trainer(plan.spec.models[model].backend):
+                out.append(Sync(after, model, source, target, IN_ACTOR))
+    return tuple(out)
 
 
 # --- explain --------------------------------------------------------------------------
@@ -158,30 +197,50 @@ def explain(placed: PlacedPlan) -> str:
     out += ["", f"step ({run.steps} steps, {run.prompts_per_step} prompt groups each):",
             f"  prompts: {train.source} [{train.split}], {per_batch}",
             f"    emits {_columns(C.prompt_schema())}"]
-    fused_at = {run_[0]: run_ for run_ in p.fused}
-    phases = [("rollout", p.rollout), ("train", p.train)] if p.group_filter else [("step", p.train)]
-    for phase, ids in phases:
+    headers = {
+        "rollout": f"  rollout (repeated until {run.prompts_per_step} groups are kept; at most "
+                   f"{{cap}} generation batches, then {{on_cap}}):",
+        "train": "  train:",
+        "step": "  all nodes once (no group-filter, so no dynamic sampling):",
+    }
+    for phase, _ in p.phases:
+        header = headers[phase]
         if phase == "rollout":
             gf = p.node(p.group_filter)
-            cap = getattr(gf.params, "max_gen_batches", 0)
-            out.append(f"  rollout (repeated until {run.prompts_per_step} groups are kept; at most "
-                       f"{cap or 'unlimited'} generation batches, then "
-                       f"{getattr(gf.params, 'on_cap', 'error')}):")
-        elif phase == "train":
-            out.append("  train:")
-        else:
-            out.append("  all nodes once (no group-filter, so no dynamic sampling):")
-        for nid in ids:
-            node = p.node(nid)
-            if nid == p.group_filter:
-                out.append("    == group barrier: wait for whole prompt groups ==")
-            if nid in fused_at:
-                out.append(f"    fused in driver: {' -> '.join(fused_at[nid])}")
-            out += _explain_node(node, placed.node_stage[nid])
-            out += [f"    sync weights: {upd} -> generator of '{m}'"
-                    + (" (same actor)" if spec.placement.mode == "colocated" else "")
-                    for upd, m in p.syncs if upd == nid]
+            header = header.format(cap=getattr(gf.params, "max_gen_batches", 0) or "unlimited",
+                                   on_cap=getattr(gf.params, "on_cap", "error"))
+        out.append(header)
+        for call in placed.calls[phase]:
+            if len(call.nodes) > 1:
+                out.append(f"    one call @ {call.stage}: {' -> '.join(call.nodes)}")
+            for nid in call.nodes:
+                if nid == p.group_filter:
+                    out.append("    == group barrier: wait for whole prompt groups ==")
+                out += _explain_node(p.node(nid), call.stage)
+                out += _explain_syncs(placed, nid)
+    gen, grade = p.first("generate"), p.first("reward")
+    if gen is not None and grade is not None and (spec.data.val is not None):
+        every = f", every {run.val_every} steps" if run.val_every else ""
+        out += ["", f"validation (before the first step{every} and after the last): {gen.id} @ {placed.node_stage[gen.id]} "
+                f"with n={run.val_n} temperature={run.val_temperature}, graded by {grade.id} @ "
+                f"{placed.node_stage[grade.id]}, on {spec.data.val.source} [{spec.data.val.split}]"]
     return "\n".join(out) + "\n"
+
+
+def _explain_syncs(placed: PlacedPlan, after: str) -> list[str]:
+    """The weight syncs after train node ``after``; or why there is none."""
+    syncs = [s for s in placed.syncs if s.after == after]
+    lines = []
+    for s in syncs:
+        if s.kind == IN_ACTOR:
+            lines.append(f"    sync weights: {after} -> rollout engine of '{s.model}' in {s.source} (same actor)")
+        else:
+            lines.append(f"    sync weights: {after} @ {s.source} -> {s.target} (transfer between actors)")
+    model = placed.plan.node(after).model
+    if not syncs and any(a == after for a, _ in placed.plan.syncs):
+        lines.append(f"    no weight sync: '{model}' generates with the policy {after} trains "
+                     f"(same model in {placed.node_stage[after]})")
+    return lines
 
 
 def _explain_node(node: PlanNode, stage: str) -> list[str]:

@@ -14,6 +14,23 @@ An operator is a plain class (no base class to inherit from):
   to "whatever upstream provides" (e.g. advantage's ``reward_column: auto``). The resolved
   params are what explain shows, MLflow logs and the runtime runs.
 - ``NEEDS_MODEL``: whether the node must name a model (``model:``) and runs in its actor.
+- ``ROLE``: what the operator is to the compiler and the runtime, one of :data:`ROLES` (default
+  ``transform``). The compiler, checks and runtime read roles, never op names, so a custom
+  operator declaring ``ROLE = "generate"`` is placed, weight-synced and validated with like the
+  built-in ``generate``:
+
+  - ``generate``: samples responses with its model. Placed in the rollout actor when placement is
+    disaggregated, receives the weights after its model's ``train`` node, is what validation and
+    ``eval`` sample with; its ``n`` param is the group size.
+  - ``reward``: grades responses (produces ``score`` and ``acc``); what validation grades with.
+  - ``logprob``: reads its model's token logprobs (the actor needs the torch model).
+  - ``train``: trains its model (one per model): the model is trainable and checkpointed, and its
+    new weights are synced to the model's generators after every step.
+  - ``advantage``: turns rewards into advantages (a zero-spread group gives zero advantage).
+  - ``transform``: anything else (shaping, filters, KL, metrics).
+- optionally ``upstream_problems(params, generator_id, generator_params) -> [(field, message,
+  fix)]``: a classmethod validate calls with the nearest ``generate``-role node upstream, for
+  params that must agree with it (e.g. a logprob temperature equal to the sampling temperature).
 - ``__init__(params, ctx)``, ``__call__(batch: pa.Table) -> pa.Table``, and optionally
   ``last_metrics() -> dict[str, float]`` for what the last call measured.
 """
@@ -28,6 +45,23 @@ from pydantic import BaseModel, ConfigDict
 
 Cardinality = Literal["map", "filter", "group-filter", "expand", "sink"]
 CARDINALITIES: tuple[str, ...] = ("map", "filter", "group-filter", "expand", "sink")
+
+#: What an operator is to the compiler and runtime (see the module docstring).
+ROLES: tuple[str, ...] = ("generate", "reward", "logprob", "train", "advantage", "transform")
+DEFAULT_ROLE = "transform"
+
+
+def role(op_cls: Any) -> str:
+    """The operator class's declared role, ``transform`` when it declares none."""
+    return getattr(op_cls, "ROLE", DEFAULT_ROLE)
+
+
+def upstream_problems(op_cls: type, params: BaseModel, generator_id: str,
+                      generator_params: BaseModel) -> list[tuple[str, str, str]]:
+    """(field, message, fix) for each param of ``params`` that disagrees with the params of
+    generator node ``generator_id``."""
+    fn = getattr(op_cls, "upstream_problems", None)
+    return list(fn(params, generator_id, generator_params)) if callable(fn) else []
 
 
 #: The config of every built-in operator's ``Params``: frozen (a plan never changes under a
@@ -101,6 +135,10 @@ def contract_problems(op_cls: Any) -> list[str]:
             problems.append(f"`{name}` must map column names to pyarrow DataTypes")
     if not isinstance(getattr(op_cls, "NEEDS_MODEL", None), bool):
         problems.append("needs `NEEDS_MODEL = True/False`")
+    if role(op_cls) not in ROLES:
+        problems.append(f"`ROLE` must be one of {', '.join(ROLES)} (or left out: {DEFAULT_ROLE})")
+    elif role(op_cls) in ("generate", "logprob", "train") and getattr(op_cls, "NEEDS_MODEL", None) is False:
+        problems.append(f"`ROLE = {role(op_cls)!r}` works on a model: set `NEEDS_MODEL = True`")
     if not callable(getattr(op_cls, "__call__", None)):
         problems.append("needs `__call__(self, batch: pa.Table) -> pa.Table`")
     return problems

@@ -73,6 +73,7 @@ class PlanNode:
     out_schema: pa.Schema  # columns it emits (map ops: input + produced)
     cardinality: str
     line: int
+    role: str = "transform"  # what the operator is (contract.ROLES): read instead of op names
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,7 @@ class Plan:
     rollout: tuple[str, ...] = ()  # repeated by dynamic sampling: the group-filter + ancestors
     group_filter: str | None = None
     train: tuple[str, ...] = ()  # the remaining ids, topological
-    syncs: tuple[tuple[str, str], ...] = ()  # (update node id, model): sync after the update
-    fused: tuple[tuple[str, ...], ...] = ()  # runs of cheap CPU nodes executed together
+    syncs: tuple[tuple[str, str], ...] = ()  # (train node id, model): sync after the update
     # where each key sits in the file, for placement errors; not part of the plan's identity
     doc: "GraphDoc | None" = field(default=None, compare=False, repr=False)
 
@@ -93,6 +93,35 @@ class Plan:
             if n.id == node_id:
                 return n
         raise KeyError(node_id)
+
+    def with_role(self, role: str) -> tuple[PlanNode, ...]:
+        """Nodes whose operator declares ``role`` (contract.ROLES), in topological order."""
+        return tuple(n for n in self.nodes if n.role == role)
+
+    def first(self, role: str) -> PlanNode | None:
+        """The first node of ``role`` (the generator validation samples with, ...), or None."""
+        return next(iter(self.with_role(role)), None)
+
+    def consumers(self) -> dict[str, list[str]]:
+        """node id (or `prompts`) -> ids of the nodes that read it, in topological order."""
+        out: dict[str, list[str]] = {n.id: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out.setdefault(i, []).append(n.id)
+        return out
+
+    @property
+    def phases(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """(phase name, node ids) in the order a step runs them: "rollout" (repeated by dynamic
+        sampling) then "train" with a group filter; one "step" phase without."""
+        if self.group_filter is None:
+            return (("step", self.train),)
+        return (("rollout", self.rollout), ("train", self.train))
+
+    @property
+    def trained_models(self) -> tuple[str, ...]:
+        """Models some `train`-role node updates, sorted."""
+        return tuple(sorted({n.model for n in self.with_role("train") if n.model}))
 
 
 #: The stage (and stage kind) that runs in the driver process: CPU operators no actor hosts.
@@ -110,11 +139,41 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class Call:
+    """One round trip the runner makes: ``nodes`` run back to back in ``stage`` (an actor, or the
+    driver), each feeding the next, and only the last one's output comes back."""
+
+    stage: str
+    nodes: tuple[str, ...]
+
+
+#: Sync kinds: the actor pushes its trained policy into its own rollout engine (colocated vLLM),
+#: or the trainer's actor exports the weights and the rollout actor imports them (disaggregated).
+IN_ACTOR, TRANSFER = "in-actor", "transfer"
+
+
+@dataclass(frozen=True)
+class Sync:
+    """After train node ``after``, the new weights of ``model`` go from ``source`` to ``target``."""
+
+    after: str
+    model: str
+    source: str
+    target: str
+    kind: str  # IN_ACTOR | TRANSFER
+
+
+@dataclass(frozen=True)
 class PlacedPlan:
+    """What the runtime executes, and exactly what `explain` prints: per phase the calls in order,
+    and the weight syncs after each train node."""
+
     plan: Plan
     cluster: Cluster
     stages: tuple[Stage, ...]
     node_stage: Mapping[str, str]  # node id -> stage name (a MappingProxyType)
+    calls: Mapping[str, tuple[Call, ...]] = field(default_factory=dict)  # phase -> calls, in order
+    syncs: tuple[Sync, ...] = ()
 
     def stage(self, name: str) -> Stage:
         for s in self.stages:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from dapo_flow.graph.plan import Plan, PlanNode
+from dapo_flow.graph.plan import Plan
 
 
 def ancestors(plan: Plan, node_id: str) -> set[str]:
@@ -40,45 +40,13 @@ def mark_group_barrier(plan: Plan) -> Plan:
     )
 
 
-def _cheap(node: PlanNode) -> bool:
-    return node.cardinality == "map" and not getattr(node.op_cls, "NEEDS_MODEL", False)
-
-
-def fuse_cpu_maps(plan: Plan) -> Plan:
-    """Group chains of in-driver map nodes (a feeds only b, b reads only a) within one
-    phase into runs executed back to back without materialising in between."""
-    consumers: dict[str, int] = {}
-    for n in plan.nodes:
-        for i in n.inputs:
-            consumers[i] = consumers.get(i, 0) + 1
-    phase = {nid: "rollout" for nid in plan.rollout}
-    runs: list[list[str]] = []
-    prev: PlanNode | None = None
-    for node in plan.nodes:
-        chained = (
-            prev is not None
-            and _cheap(prev)
-            and _cheap(node)
-            and node.inputs == (prev.id,)
-            and consumers.get(prev.id, 0) == 1
-            and phase.get(prev.id) == phase.get(node.id)
-        )
-        if chained:
-            runs[-1].append(node.id)
-        else:
-            runs.append([node.id])
-        prev = node
-    return replace(plan, fused=tuple(tuple(r) for r in runs if len(r) > 1))
-
-
 def add_weight_syncs(plan: Plan) -> Plan:
-    """After each `update`, push the new weights to the generator of the same model."""
-    generated = {n.model for n in plan.nodes if n.op == "generate"}
+    """After each trainer (role `train`), push the new weights to the generators of its model."""
+    generated = {n.model for n in plan.nodes if n.role == "generate"}
     syncs = tuple(
-        (n.id, n.model) for n in plan.nodes if n.op == "update" and n.model in generated
+        (n.id, n.model) for n in plan.nodes if n.role == "train" and n.model in generated
     )
     return replace(plan, syncs=syncs)
 
 
-# order matters: fusion must not cross the group barrier
-REWRITES: tuple[Callable[[Plan], Plan], ...] = (mark_group_barrier, fuse_cpu_maps, add_weight_syncs)
+REWRITES: tuple[Callable[[Plan], Plan], ...] = (mark_group_barrier, add_weight_syncs)

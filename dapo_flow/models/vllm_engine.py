@@ -116,26 +116,30 @@ class VLLMGenerator:
         return Rollouts.contiguous(len(prompt_ids), cfg.n, responses, logprobs, truncated,
                                    time.perf_counter() - start)
 
-    def sync_weights(self, weights: dict[str, np.ndarray]) -> float:
-        """Load ``weights`` (HF names, as from ``HFPolicy.named_weights``) into the engine; returns seconds.
+    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Load ``weights`` (HF names, as from ``HFPolicy.named_weights``) into the engine.
 
         Tied-embedding models must include ``lm_head.weight`` (``named_weights`` does).
         """
         from safetensors.numpy import save_file
 
-        start = time.perf_counter()
         sync_dir = Path(self._sync_dir.name)
         staging = sync_dir / (WEIGHTS_FILE + ".tmp")
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(staging))
         os.replace(staging, sync_dir / WEIGHTS_FILE)  # the loader globs *.safetensors: never see a partial file
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(sync_dir)})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        return time.perf_counter() - start
 
     def close(self) -> None:
         """Drop the engine and the sync directory (also happens at garbage collection)."""
         self.llm = None
         self._sync_dir.cleanup()
+
+
+def rollout_engine(path: Path | str, *, dtype: str, device: str, seed: int, trainer=None) -> VLLMGenerator:
+    """The `vllm` backend's engine (:data:`dapo_flow.models.engines.BACKENDS`): its own copy of
+    the weights, synced from ``trainer`` after every update."""
+    return VLLMGenerator(path, dtype=dtype, seed=seed)
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from dapo_flow import algos
 from dapo_flow.graph import columns as C
 from dapo_flow.data.arrow_utils import group_codes
 from dapo_flow.errors import RunError
-from dapo_flow.graph.plan import DRIVER
+from dapo_flow.graph.plan import DRIVER, IN_ACTOR, Call
 from dapo_flow.runtime.metrics import MetricAccumulator, batch_stats, concat, first_row
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.worker import StageWorker
@@ -44,7 +44,9 @@ class Rollout:
 
 
 class Runner:
-    """Executes a placed plan's nodes on the driver worker and the executor's actors."""
+    """Executes a placed plan exactly: per phase its calls, in order, each in its stage (the
+    driver worker or an executor actor), then its weight syncs. ``call_log`` records every
+    call and sync made, as (phase, stage, node ids) and ("sync", source, target, kind)."""
 
     def __init__(self, placed, executor, driver: StageWorker, sampler: PromptSampler):
         self.placed = placed
@@ -56,24 +58,21 @@ class Runner:
         self.nodes = {n.id: n for n in self.plan.nodes}
         self.stage_of = dict(placed.node_stage)
         self.chunk = self.run.chunk_prompts
-        self._separate: dict[str, bool] = {}  # stage -> has a rollout engine apart from its policy
-        self.consumers: dict[str, list[str]] = {n.id: [] for n in self.plan.nodes}
-        for n in self.plan.nodes:
-            for i in n.inputs:
-                self.consumers.setdefault(i, []).append(n.id)
+        self.call_log: list[tuple[str, str, tuple[str, ...]]] = []
 
-    # --- node execution --------------------------------------------------------
-    def _submit(self, nid: str, table: pa.Table):
-        stage = self.stage_of[nid]
-        if stage == DRIVER:
-            return self.driver.run(nid, table)
-        return self.ex.call(stage, "run", nid, table)
+    # --- call execution --------------------------------------------------------
+    def _submit(self, phase: str, call: Call, table: pa.Table):
+        self.call_log.append((phase, call.stage, call.nodes))
+        if call.stage == DRIVER:
+            return self.driver.run_chain(list(call.nodes), table)
+        return self.ex.call(call.stage, "run_chain", list(call.nodes), table)
 
-    def _finish(self, handle, nid: str, acc: MetricAccumulator) -> pa.Table:
-        out, metrics, seconds = handle if self.stage_of[nid] == DRIVER else self.ex.get(handle)
-        acc.add(metrics)
-        acc.add({f"time/{nid}": seconds})
-        return out
+    def _finish(self, call: Call, handle, acc: MetricAccumulator) -> pa.Table:
+        table, report = handle if call.stage == DRIVER else self.ex.get(handle)
+        for nid, metrics, seconds in report:
+            acc.add(metrics)
+            acc.add({f"time/{nid}": seconds})
+        return table
 
     def _input(self, nid: str, outs: dict[str, pa.Table]) -> pa.Table:
         tables = [outs[i] for i in self.nodes[nid].inputs]
@@ -84,58 +83,31 @@ class Runner:
                     merged = merged.append_column(name, other.column(name))
         return merged
 
-    def _chains(self, ids) -> list[list[str]]:
-        """``ids`` cut into runs an actor can execute in one call: consecutive nodes of one
-        actor stage, each the only consumer of the one before."""
-        chains: list[list[str]] = []
-        for nid in ids:
-            prev = chains[-1][-1] if chains else None
-            if (prev is not None and self.stage_of[nid] != DRIVER
-                    and self.stage_of[nid] == self.stage_of[prev]
-                    and self.nodes[nid].inputs == (prev,) and self.consumers[prev] == [nid]):
-                chains[-1].append(nid)
-            else:
-                chains.append([nid])
-        return chains
-
-    def run_nodes(self, ids, feeds: dict[str, pa.Table], acc: MetricAccumulator,
-                  first_done: tuple[str, Any] | None = None) -> dict[str, pa.Table]:
-        """Outputs of ``ids`` (inner nodes of an actor chain are not returned)."""
+    def run_calls(self, phase: str, feeds: dict[str, pa.Table], acc: MetricAccumulator,
+                  first_done: Any = None) -> dict[str, pa.Table]:
+        """Run the phase's calls; returns each call's output under its last node's id (inner
+        nodes of a call are not returned). ``first_done``: the first call's handle, already
+        submitted (streaming)."""
         outs = dict(feeds)
-        for chain in self._chains(ids):
-            head, last = chain[0], chain[-1]
-            if first_done is not None and head == first_done[0]:
-                outs[head] = self._finish(first_done[1], head, acc)
-                chain = chain[1:]
-                if not chain:
-                    continue
-                head = chain[0]
-            if len(chain) == 1:
-                outs[head] = self._finish(self._submit(head, self._input(head, outs)), head, acc)
-                continue
-            table, report = self.ex.get(self.ex.call(self.stage_of[head], "run_chain", chain,
-                                                     self._input(head, outs)))
-            for nid, metrics, seconds in report:
-                acc.add(metrics)
-                acc.add({f"time/{nid}": seconds})
-            outs[last] = table
+        for k, call in enumerate(self.placed.calls[phase]):
+            handle = first_done if k == 0 and first_done is not None else (
+                self._submit(phase, call, self._input(call.nodes[0], outs)))
+            outs[call.nodes[-1]] = self._finish(call, handle, acc)
         return outs
 
     # --- phase 1: rollout with dynamic sampling ---------------------------------
     def rollout_batch(self, prompts: pa.Table, acc: MetricAccumulator) -> pa.Table:
-        """One generation batch through the rollout segment, streamed in chunks: every
-        chunk's generation is queued on its actor at once, and each finished chunk flows
+        """One generation batch through the rollout phase, streamed in chunks: every chunk's
+        first call (generation, in its actor) is queued at once, and each finished chunk flows
         on to scoring / shaping / filtering while later chunks still generate."""
-        ids = self.plan.rollout
+        head = self.placed.calls["rollout"][0]
         size = self.chunk or prompts.num_rows
         chunks = [prompts.slice(i, size) for i in range(0, prompts.num_rows, size)]
-        head = ids[0]
-        stream = self.stage_of[head] != DRIVER and self.nodes[head].inputs == (PROMPTS_SOURCE,)
-        handles = [self._submit(head, c) for c in chunks] if stream else [None] * len(chunks)
+        stream = head.stage != DRIVER and self.nodes[head.nodes[0]].inputs == (PROMPTS_SOURCE,)
+        handles = [self._submit("rollout", head, c) for c in chunks] if stream else [None] * len(chunks)
         kept = []
         for chunk, handle in zip(chunks, handles):
-            first = (head, handle) if stream else None
-            outs = self.run_nodes(ids, {PROMPTS_SOURCE: chunk}, acc, first_done=first)
+            outs = self.run_calls("rollout", {PROMPTS_SOURCE: chunk}, acc, first_done=handle)
             kept.append(outs[self.plan.group_filter])
         return concat(kept)
 
@@ -221,7 +193,7 @@ class Runner:
         feeds = {PROMPTS_SOURCE: rollout.batch}
         if self.plan.group_filter is not None:
             feeds = {self.plan.group_filter: rollout.batch}
-        outs = self.run_nodes(self.plan.train, feeds, acc)
+        outs = self.run_calls(self.plan.phases[-1][0], feeds, acc)
         metrics = acc.result()
         for nid in self.plan.train:
             if self.nodes[nid].cardinality == "sink":
@@ -234,34 +206,23 @@ class Runner:
 
     # --- phase 3: weight sync ---------------------------------------------------
     def sync(self) -> dict[str, float]:
+        """The plan's weight syncs (none where a stage generates with the policy it trains)."""
         seconds = 0.0
-        for update_id, model in self.plan.syncs:
-            src = self.stage_of[update_id]
-            for dst in self._generator_stages(model):
-                if dst == src:
-                    if self._separate_generators(src):  # else a round trip to do nothing
-                        seconds += self.ex.get(self.ex.call(src, "sync_generators"))
-                else:
-                    weights = self.ex.call(src, "export_weights", model)
-                    seconds += self.ex.get(self.ex.call(dst, "import_weights", model, weights))
+        for sync in self.placed.syncs:
+            self.call_log.append(("sync", sync.source, (sync.target, sync.kind)))
+            if sync.kind == IN_ACTOR:
+                seconds += self.ex.get(self.ex.call(sync.source, "sync_generators"))
+            else:
+                weights = self.ex.call(sync.source, "export_weights", sync.model)
+                seconds += self.ex.get(self.ex.call(sync.target, "import_weights", sync.model, weights))
         return {"time/weight_sync": seconds}
-
-    def _separate_generators(self, stage: str) -> bool:
-        if stage not in self._separate:  # fixed once the stage is built: asked once
-            self._separate[stage] = bool(self.ex.get(self.ex.call(stage, "has_separate_generators")))
-        return self._separate[stage]
-
-    def _generator_stages(self, model: str) -> list[str]:
-        return sorted({self.stage_of[n.id] for n in self.plan.nodes
-                       if n.op == "generate" and n.model == model})
 
     # --- phase 4: validation ------------------------------------------------------
     def validate(self, val_prompts: pa.Table | None, log_samples: int, *, n: int | None = None,
                  temperature: float | None = None) -> tuple[dict[str, float], list[dict]]:
         """avg@n accuracy (val/acc), score, response length and, for n > 1, unbiased pass@k of
         the generate node on ``val_prompts`` (n, temperature: default run.val_n / val_temperature)."""
-        gen = next((n for n in self.plan.nodes if n.op == "generate"), None)
-        score = next((n for n in self.plan.nodes if n.op == "score"), None)
+        gen, score = self.plan.first("generate"), self.plan.first("reward")
         if val_prompts is None or gen is None or score is None:
             return {}, []
         start = time.perf_counter()
@@ -269,11 +230,13 @@ class Runner:
         temperature = self.run.val_temperature if temperature is None else temperature
         overrides = {"temperature": temperature, "n": n}
         stage = self.stage_of[gen.id]
+        self.call_log.append(("validate", stage, (gen.id,)))
         if stage == DRIVER:
             rolled = self.driver.run_variant(gen.id, val_prompts, overrides)
         else:
             rolled = self.ex.get(self.ex.call(stage, "run_variant", gen.id, val_prompts, overrides))
-        scored = self._finish(self._submit(score.id, rolled), score.id, MetricAccumulator())
+        grade = Call(self.stage_of[score.id], (score.id,))
+        scored = self._finish(grade, self._submit("validate", grade, rolled), MetricAccumulator())
         metrics = {
             "val/acc": float(np.mean(scored.column(C.ACC).to_numpy())),
             "val/score": float(np.mean(scored.column(C.SCORE).to_numpy())),
@@ -346,7 +309,7 @@ def _cut_groups(batch: pa.Table, need: int) -> tuple[pa.Table, pa.Table | None]:
 
 
 def _group_size(plan) -> int:
-    gen = next((n for n in plan.nodes if n.op == "generate"), None)
+    gen = plan.first("generate")
     return int(getattr(gen.params, "n", 1)) if gen is not None else 1
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo_flow.graph.spec import ModelSpec
+from dapo_flow.models.engines import BACKENDS, RolloutEngine, Trainer
 
 
 @dataclass
@@ -20,27 +21,29 @@ class ModelResource:
     name: str
     spec: ModelSpec
     path: Path
-    policy: Any  # HFPolicy used for logprob / update (None in a rollout-only actor)
-    generator: Any  # HFPolicy or VLLMGenerator with .generate(prompt_ids, cfg)
+    policy: Trainer | None  # logprob / update run on it (None in a rollout-only actor)
+    generator: RolloutEngine | None  # None where nothing generates with the model
     tokenizer: Any
 
     def sync_generator(self) -> float:
-        """Push the policy's weights into a separate rollout engine; seconds taken."""
-        if self.generator is self.policy or self.policy is None:
+        """Push the policy's weights into this actor's own rollout engine; seconds taken."""
+        if self.policy is None or self.generator is None or self.generator is self.policy:
             return 0.0
         start = time.perf_counter()
-        self.generator.sync_weights(self.policy.named_weights())
+        self.generator.load_weights(self.policy.named_weights())
         return time.perf_counter() - start
 
     def load_weights(self, weights: dict) -> float:
         """Weights from another actor (disaggregated sync); seconds taken."""
         start = time.perf_counter()
         target = self.policy if self.policy is not None else self.generator
-        if hasattr(target, "sync_weights"):
-            target.sync_weights(weights)
-        else:
-            target.load_named_weights(weights)
+        target.load_weights(weights)
         return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Release the rollout engine when it is not the torch policy itself."""
+        if self.generator is not None and self.generator is not self.policy:
+            self.generator.close()
 
 
 def _device(spec: ModelSpec) -> str:
@@ -58,20 +61,20 @@ def load_resource(
     """Load what this actor needs of model ``name``.
 
     ``path`` overrides the spec's path (a checkpoint on resume). ``scores`` means the actor
-    runs logprob/update nodes for the model, so it needs the torch policy.
+    runs logprob/update nodes for the model, so it needs the torch policy; ``generates`` that it
+    rolls out with it, through the engine of the model's backend (:data:`BACKENDS`).
     """
     from dapo_flow.models import resolve_model
     from dapo_flow.models.hf import HFPolicy
 
     model_path = Path(path) if path is not None else resolve_model(spec.path)
     device = _device(spec)
+    backend = BACKENDS[spec.backend]
     policy = None
-    if scores or trainable or (generates and spec.backend == "hf"):
+    if scores or trainable or (generates and backend.generates_with_trainer):
         policy = HFPolicy(model_path, dtype=spec.dtype, device=device, seed=seed, trainable=trainable)
-    generator = policy
-    if generates and spec.backend == "vllm":
-        from dapo_flow.models.vllm_engine import VLLMGenerator
-
-        generator = VLLMGenerator(model_path, dtype=spec.dtype, seed=seed)
+    generator = None
+    if generates:
+        generator = backend.factory()(model_path, dtype=spec.dtype, device=device, seed=seed, trainer=policy)
     tokenizer = policy.tokenizer if policy is not None else generator.tokenizer
     return ModelResource(name, spec, model_path, policy, generator, tokenizer)

@@ -45,15 +45,17 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def generator_tokenizer(spec):
-    """The generator's tokenizer; resolving the model first builds a builtin one, with its
-    progress bar here in the driver, before any actor asks for it."""
+def generator_tokenizer(plan):
+    """The tokenizer of the model the plan generates with (else its first model); resolving
+    the models first builds a builtin one, with its progress bar here in the driver, before any
+    actor asks for it."""
     from transformers import AutoTokenizer
 
     from dapo_flow.models import resolve_model
 
-    gen_model = next((n.model for n in spec.nodes if n.op == "generate" and n.model), None)
-    model_name = gen_model or next(iter(spec.models))
+    spec = plan.spec
+    generator = plan.first("generate")
+    model_name = generator.model if generator is not None and generator.model else next(iter(spec.models))
     for model in spec.models.values():
         resolve_model(model.path)
     return AutoTokenizer.from_pretrained(str(resolve_model(spec.models[model_name].path)))
@@ -148,7 +150,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
         console.print(f"resuming from {last} (step {driver_state['step']} of run "
                       f"{driver_state['mlflow_run_id']})", highlight=False)
 
-    tokenizer = generator_tokenizer(spec)
+    tokenizer = generator_tokenizer(placed.plan)
     setups = stage_setups(placed, model_paths)
     driver = StageWorker(spec, setups.pop(DRIVER, StageSetup(DRIVER, (), ())), spec.seed)
     start = time.perf_counter()
@@ -223,7 +225,7 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
     run = runner.run
     spec = runner.plan.spec
     pending: list[tuple[int, dict]] = []
-    trained = sorted({n.model for n in runner.plan.nodes if n.op == "update"})
+    trained = list(runner.plan.trained_models)
     first_val = last_val = None
     if state.step == 0:
         val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
@@ -282,6 +284,7 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
         "wall_seconds": state.wall_seconds, "val_acc_start": first_val, "val_acc_end": last_val,
         "samples_generated": state.samples_generated, "graph_hash": ghash,
         "last_metrics": last_metrics,
+        "call_log": list(runner.call_log),  # every call and weight sync made, as planned (Runner)
     }
     _print_summary(console, summary)
     return summary

@@ -29,7 +29,7 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str,
     base_dir = str(Path(plan.file).resolve().parent)
     specs = {n.id: n for n in plan.spec.nodes}
     nodes = {n.id: n for n in plan.nodes}
-    trained = {n.model for n in plan.nodes if n.op == "update"}
+    trained = {n.model for n in plan.nodes if n.role == "train"}
     setups = {}
     for stage in placed.stages:
         members = [nodes[i] for i in stage.nodes]
@@ -44,11 +44,11 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str,
             ),
             models=tuple(stage.models),
             trainable=tuple(m for m in stage.models if m in trained and any(
-                n.model == m and n.op == "update" for n in members)),
+                n.model == m and n.role == "train" for n in members)),
             generates=tuple(m for m in stage.models if any(
-                n.model == m and n.op == "generate" for n in members)),
+                n.model == m and n.role == "generate" for n in members)),
             scores=tuple(m for m in stage.models if any(
-                n.model == m and n.op != "generate" for n in members)),
+                n.model == m and n.role != "generate" for n in members)),
             model_paths=dict(model_paths or {}),
             num_threads=_threads(stage),
         )

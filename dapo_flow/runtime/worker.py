@@ -134,14 +134,9 @@ class StageWorker:
 
     # --- weights ------------------------------------------------------------
     def sync_generators(self) -> float:
-        """Colocated: push each trained policy into its own rollout engine (vllm)."""
+        """Colocated: push each trained policy into its own rollout engine (the plan asks only
+        where the backend's engine is not the policy itself, e.g. vllm)."""
         return sum(self.resources[m].sync_generator() for m in self.setup.trainable)
-
-    def has_separate_generators(self) -> bool:
-        """Whether any trained policy here rolls out through an engine of its own (vllm), i.e.
-        whether ``sync_generators`` has anything to do (HF rollout uses the policy itself)."""
-        return any(self.resources[m].generator is not self.resources[m].policy
-                   and self.resources[m].policy is not None for m in self.setup.trainable)
 
     def export_weights(self, model: str) -> dict:
         return self.resources[model].policy.named_weights()
@@ -152,8 +147,7 @@ class StageWorker:
     def close(self) -> None:
         """Release rollout engines that are not the torch policy itself."""
         for res in self.resources.values():
-            if res.generator is not res.policy and hasattr(res.generator, "close"):
-                res.generator.close()
+            res.close()
 
     # --- checkpoints ----------------------------------------------------------
     def op_states(self) -> dict[str, dict]:

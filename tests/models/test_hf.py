@@ -148,16 +148,16 @@ def test_named_weights_round_trip(tiny_adder_path, prompts):
     before = policy.generate(prompts, greedy).response_ids
     rng = np.random.default_rng(0)
     noisy = {k: v + rng.normal(0, 0.05, v.shape).astype(np.float32) for k, v in weights.items()}
-    policy.load_named_weights(noisy)
+    policy.load_weights(noisy)
     assert all(np.array_equal(policy.named_weights()[k], noisy[k]) for k in noisy)
     assert policy.generate(prompts, greedy).response_ids != before
-    policy.load_named_weights(weights)
+    policy.load_weights(weights)
     assert policy.generate(prompts, greedy).response_ids == before
     weights["model.norm.weight"] = weights["model.norm.weight"][:3]  # named_weights gave copies
     with pytest.raises(ModelError, match="shape"):
-        policy.load_named_weights(weights)
+        policy.load_weights(weights)
     with pytest.raises(ModelError, match="missing"):
-        policy.load_named_weights({"lm_head.weight": weights["lm_head.weight"]})
+        policy.load_weights({"lm_head.weight": weights["lm_head.weight"]})
 
 
 def test_tied_embeddings_export_lm_head(tmp_path):
@@ -174,7 +174,7 @@ def test_tied_embeddings_export_lm_head(tmp_path):
     weights = policy.named_weights()
     np.testing.assert_array_equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
     weights = {k: v * 0.5 for k, v in weights.items()}
-    policy.load_named_weights(weights)
+    policy.load_weights(weights)
     assert np.array_equal(policy.named_weights()["lm_head.weight"], weights["model.embed_tokens.weight"])
 
 

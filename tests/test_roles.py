@@ -1,0 +1,75 @@
+"""Roles, not names: outside operators/ nothing compares an op name with a built-in operator's
+name (the compiler, checks and runtime read ``ROLE``), and every operator declares a known role."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from dapo_flow.graph.contract import ROLES, contract_problems, role
+from dapo_flow.graph.registry import OPERATORS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _is_op_name(node: ast.AST) -> bool:
+    """`x.op`, `op` or `x.op_name`-like expressions that hold a node's op name."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in ("op", "op_name")
+    return isinstance(node, ast.Name) and node.id in ("op", "op_name")
+
+
+def _builtin_names(node: ast.AST) -> set[str]:
+    """Built-in operator names in a string constant or a literal tuple/list/set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & set(OPERATORS)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return set().union(*(_builtin_names(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def _name_comparisons(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        if any(_is_op_name(s) for s in sides):
+            names = set().union(*(_builtin_names(s) for s in sides))
+            if names:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} compares an op name with {sorted(names)}")
+    return found
+
+
+def test_no_op_name_comparisons_outside_operators():
+    files = [ROOT / "cli.py", *sorted((ROOT / "dapo_flow").rglob("*.py"))]
+    found = [hit for f in files for hit in _name_comparisons(f)]
+    assert not found, "read the operator's ROLE instead:\n" + "\n".join(found)
+
+
+def test_the_scan_finds_a_name_comparison(tmp_path):
+    bad = ROOT / "tests" / "_scan_probe.py"
+    try:
+        bad.write_text('def f(node):\n    return node.op == "generate" or node.op in ("update", "x")\n')
+        assert len(_name_comparisons(bad)) == 2
+    finally:
+        bad.unlink()
+
+
+@pytest.mark.parametrize("name", sorted(OPERATORS))
+def test_every_builtin_declares_a_known_role(name):
+    cls = OPERATORS[name]
+    assert "ROLE" in vars(cls) and role(cls) in ROLES
+    assert contract_problems(cls) == []
+
+
+def test_an_unknown_or_modelless_role_is_a_contract_problem():
+    from operators.score import Score
+
+    odd = type("Odd", (Score,), {"ROLE": "judge"})
+    assert any("`ROLE` must be one of" in p for p in contract_problems(odd))
+    cpu_trainer = type("CpuTrainer", (Score,), {"ROLE": "train"})
+    assert any("set `NEEDS_MODEL = True`" in p for p in contract_problems(cpu_trainer))
+    assert role(type("Plain", (), {})) == "transform"
