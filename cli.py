@@ -14,6 +14,7 @@ import sys
 from rich.console import Console
 
 from dapo_flow.errors import DapoFlowError
+from dapo_flow.runtime.executors import EXECUTORS
 
 EXAMPLES = {
     "validate": "dapo-flow validate graphs/dapo.yaml",
@@ -79,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     command("ops", "List every operator: columns in/out with Arrow types, cardinality, params.", _ops)
     p = command("run", "Compile the graph and train (on Ray, or in-process with --executor local).", _run)
     p.add_argument("graph", help="graph YAML file")
-    p.add_argument("--executor", choices=["ray", "local"], default="ray", help="default: ray")
+    p.add_argument("--executor", choices=list(EXECUTORS), default="ray", help="default: ray")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_ID",
                    help="continue the newest unfinished run of this graph, or RUN_ID")
@@ -104,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, help="use at most this many prompts")
     p.add_argument("--seed", type=_seed, help="sampling seed (default the graph's; does not change which "
                    "checkpoint is found)")
-    p.add_argument("--executor", choices=["ray", "local"], default="local", help="default: local")
+    p.add_argument("--executor", choices=list(EXECUTORS), default="local", help="default: local")
     p.add_argument("--address", help="Ray cluster address (with --executor ray)")
     _edit_flags(p)
     p = command("sweep", "Run every variant of a patch file (x seeds) as MLflow child runs of one parent.",
@@ -113,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (each applied as --set seed=S)")
     p.add_argument("--steps", type=_positive_int,
                    help="run.steps for every variant (applied as --set run.steps=N)")
-    p.add_argument("--executor", choices=["ray", "local"], default="ray", help="default: ray")
+    p.add_argument("--executor", choices=list(EXECUTORS), default="ray", help="default: ray")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     p.add_argument("--only", help="comma-separated variant names to run (default: all)")
     p.add_argument("--parallel", type=_positive_int, default=1, metavar="N",
@@ -241,13 +242,16 @@ def _run(args: argparse.Namespace) -> int:
     from dapo_flow.tracking import require_writable
 
     require_writable(placed.plan.spec.tracking.uri)  # before minutes of model loading
+    from dapo_flow.graph.drawing import plan_artifacts
     from dapo_flow.runtime import execute
 
-    logged = {}  # with edits: log them as params and the effective graph beside the file
+    artifacts = plan_artifacts(placed)
+    params = {}  # with edits: log them as params and the effective graph beside the file
     if edited.edits:
-        logged = {"extra_params": edited.params(), "extra_artifacts": {"graph/effective.yaml": edited.yaml()}}
+        params = edited.params()
+        artifacts["graph/effective.yaml"] = edited.yaml()
     execute(placed, executor=args.executor, address=args.address, resume=args.resume, steps=args.steps,
-            **logged)
+            extra_params=params, artifacts=artifacts)
     return 0
 
 

@@ -24,6 +24,12 @@ MAX_PARAM_LEN = 6000  # mlflow's param value limit is 6000 chars
 # training runs belong in its model-training view.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
+# The tags dapo-flow sets on runs and reads back (compare, sweep, eval).
+PARENT_TAG = "dapo_flow.sweep"  # "parent" on a sweep's (or eval sweep's) parent run
+ERROR_TAG = "dapo_flow.error"  # the error text on a failed child run
+PATCH_TAG = "dapo_flow.patch"  # the patch file a sweep ran
+SWEEP_FAILED_TAG = "dapo_flow.sweep_failed"  # how many of a sweep's jobs failed
+EVAL_TAG = "dapo_flow.eval"  # "1" on an evaluation run
 STORE_LOCK_TIMEOUT_S = 300  # a fresh store migrates in seconds; a holder that long is stuck
 
 
@@ -111,6 +117,19 @@ class Tracker:
 
     def log_text(self, text: str, name: str) -> None:
         self.client.log_text(self.run_id, text, name)
+
+    def log_file(self, content: str | bytes, name: str) -> None:
+        """An artifact ``name`` (``dir/file.ext``) holding ``content``: text or bytes (a picture)."""
+        if isinstance(content, str):
+            self.log_text(content, name)
+            return
+        import tempfile
+
+        folder, _, filename = name.rpartition("/")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / filename
+            path.write_bytes(content)
+            self.client.log_artifact(self.run_id, str(path), folder or None)
 
     def log_table(self, rows: Iterable[Mapping[str, Any]], name: str) -> None:
         import pandas as pd

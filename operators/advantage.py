@@ -1,44 +1,52 @@
-"""advantage: outcome advantages per sequence (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline,
-GRPO pass@k, OPO).
+"""advantage: outcome advantages (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline, GRPO pass@k, OPO
+per sequence; REINFORCE++ per token).
 
 GRPO: (r - group mean) / (unbiased group std + 1e-6), or r - mean with
-`norm_by_std: false` (Dr.GRPO). Groups are prompt ids by value. The per-sequence value
-is broadcast over the response tokens by `update`, exactly as verl's token-level form.
-The reward read is `reward` (after overlong shaping) when an upstream node makes it, else the
-raw `score`, so dropping the shaping node is a one-flag ablation.
+`norm_by_std: false` (Dr.GRPO). Groups are prompt ids by value. A per-sequence value
+(`advantage`) is broadcast over the response tokens by `update`, exactly as verl's token-level
+form; a token-level estimator (`reinforce_pp`) emits `token_advantage` instead, which `update`
+trains on as it is. The choices are algos.ESTIMATORS (one table: adding an estimator there adds
+it here). The reward read is `reward` (after overlong shaping) when an upstream node makes it,
+else the raw `score`, so dropping the shaping node is a one-flag ablation.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel
+import torch
+from pydantic import BaseModel, Field, field_validator
 
 from dapo_flow import algos
+from dapo_flow.data.arrow_utils import float_column, group_codes, padded_to_ragged, with_columns
 from dapo_flow.graph import columns as C
-from dapo_flow.data.arrow_utils import float_column, group_codes, with_columns
-from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
-
+from dapo_flow.graph.contract import PARAMS_CONFIG, OpContext, registered
 
 class Params(BaseModel):
     model_config = PARAMS_CONFIG
 
-    estimator: Literal["grpo", "rloo", "reinforce_pp_baseline", "grpo_passk", "opo"] = "grpo"
-    """Outcome advantage estimator (`grpo_passk`: only each group's best gets the gap to the
-    runner-up, needs n >= 2; `opo`: length-weighted group baseline)."""
+    estimator: str = Field("grpo", description="Advantage estimator, a key of algos.ESTIMATORS: " + "; ".join(
+        f"`{name}`: {e.doc}" for name, e in algos.ESTIMATORS.items()) + ".")
     norm_by_std: bool = True
     """grpo / grpo_passk: divide by the group std (false = Dr.GRPO)."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """reinforce_pp: discount of the return-to-go per valid token (verl algorithm.gamma)."""
     reward_column: Literal["auto", "reward", "score"] = "auto"
     """Sequence reward to use: `reward` (after overlong shaping), the raw `score`, or `auto`:
     `reward` when an upstream node produces it, else `score` (resolved when the graph compiles)."""
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        return registered(value, algos.ESTIMATORS)  # the table, read at validation: plugins may add
 
 
 class Advantage:
     """Adds one advantage per sequence."""
 
     Params = Params
-    PRODUCES = C.typed(C.ADVANTAGE)
     CARDINALITY = "map"
     NEEDS_MODEL = False
     ROLE = "advantage"
@@ -51,19 +59,42 @@ class Advantage:
     def requires(cls, params: Params) -> dict[str, pa.DataType]:
         return C.typed(C.PROMPT_ID, C.RESPONSE_LEN, C.reward_source(params.reward_column))
 
+    @classmethod
+    def produces(cls, params: Params) -> dict[str, pa.DataType]:
+        token_level = algos.ESTIMATORS[params.estimator].sequence is None
+        return C.typed(C.TOKEN_ADVANTAGE if token_level else C.ADVANTAGE)
+
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params
         self._metrics: dict[str, float] = {}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         p = self.params
+        rewards = float_column(batch, C.reward_source(p.reward_column))
+        lengths = batch.column(C.RESPONSE_LEN).to_numpy()
+        if algos.ESTIMATORS[p.estimator].sequence is None:
+            return self._token_level(batch, rewards, lengths)
         adv = algos.sequence_advantages(
-            float_column(batch, C.reward_source(p.reward_column)),
-            group_codes(batch.column(C.PROMPT_ID)),
-            p.estimator,
-            norm_by_std=p.norm_by_std,
-            lengths=batch.column(C.RESPONSE_LEN).to_numpy(),
+            rewards, group_codes(batch.column(C.PROMPT_ID)), p.estimator, norm_by_std=p.norm_by_std,
+            lengths=lengths,
         )
+        self._record(adv)
+        return with_columns(batch, {C.ADVANTAGE: adv})
+
+    def _token_level(self, batch: pa.Table, rewards: np.ndarray, lengths: np.ndarray) -> pa.Table:
+        """A token-level estimator (REINFORCE++: returns-to-go whitened over every valid token of
+        the batch) on token rewards = each sequence's reward on its last response token.
+        Shape: rewards, lengths (batch,) -> (batch, ragged)."""
+        width = int(lengths.max()) if len(lengths) else 0
+        valid = torch.arange(width)[None, :] < torch.from_numpy(lengths.astype(np.int64))[:, None]
+        token_rewards = torch.zeros(len(lengths), width, dtype=torch.float32)
+        rows = np.flatnonzero(lengths > 0)
+        token_rewards[rows, lengths[rows] - 1] = torch.from_numpy(rewards[rows].astype(np.float32))
+        adv, _ = algos.ESTIMATORS[self.params.estimator].token(token_rewards, valid, self.params.gamma)
+        self._record(adv[valid].numpy())
+        return with_columns(batch, {C.TOKEN_ADVANTAGE: padded_to_ragged(adv.numpy(), lengths, C.TOKEN_FLOATS)})
+
+    def _record(self, adv: np.ndarray) -> None:
         if len(adv):
             self._metrics = {
                 "adv/mean": float(adv.mean()),
@@ -71,7 +102,6 @@ class Advantage:
                 "adv/max": float(adv.max()),
                 "adv/min": float(adv.min()),
             }
-        return with_columns(batch, {C.ADVANTAGE: adv})
 
     def last_metrics(self) -> dict[str, float]:
         return dict(self._metrics)

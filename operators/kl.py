@@ -22,7 +22,7 @@ from dapo_flow.graph import columns as C
 from dapo_flow.data.arrow_utils import float_column, ragged_to_padded, with_columns
 from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
 
-KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+KLType = Literal[algos.KL_BASE_KINDS]  # type: ignore[valid-type]
 
 
 class Params(BaseModel):

@@ -29,10 +29,8 @@ from dapo_flow.data.arrow_utils import ragged_to_padded, token_lists
 from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.errors import RunError
 
-LossAgg = Literal[
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-]
-KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+"]
+LossAgg = Literal[algos.LOSS_AGG_MODES]  # type: ignore[valid-type]
+KLType = Literal[algos.KL_KINDS]  # type: ignore[valid-type]
 
 
 class Params(BaseModel):
@@ -72,6 +70,10 @@ class Params(BaseModel):
     """Entropy bonus coefficient."""
     mask_truncated: bool = False
     """Overlong filtering: truncated responses get no loss (DAPO paper, TRL's mask_truncated_completions)."""
+    advantage_column: Literal["auto", "advantage", "token_advantage"] = "auto"
+    """Advantages to train on: per sequence (`advantage`, broadcast over the response tokens) or
+    per token (`token_advantage`, from a token-level estimator such as reinforce_pp); `auto`:
+    whichever reaches this node (resolved when the graph compiles)."""
     loss_mask: Literal["auto", "use", "ignore"] = "auto"
     """Per-sequence `loss_mask` column (e.g. from an `overlong-filter` node): `use` it (false rows
     get no loss), `ignore` it, or `auto`: use it when an upstream node produces it."""
@@ -117,13 +119,18 @@ class Update:
 
     @classmethod
     def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:
-        if params.loss_mask != "auto":
-            return params
-        return params.model_copy(update={"loss_mask": "use" if C.LOSS_MASK in available else "ignore"})
+        update = {}
+        if params.loss_mask == "auto":
+            update["loss_mask"] = "use" if C.LOSS_MASK in available else "ignore"
+        if params.advantage_column == "auto":
+            token_only = C.TOKEN_ADVANTAGE in available and C.ADVANTAGE not in available
+            update["advantage_column"] = C.TOKEN_ADVANTAGE if token_only else C.ADVANTAGE
+        return params.model_copy(update=update) if update else params
 
     @classmethod
     def requires(cls, params: Params) -> dict[str, pa.DataType]:
-        cols = [C.PROMPT_IDS, C.RESPONSE_IDS, C.OLD_LOGP, C.ADVANTAGE]
+        cols = [C.PROMPT_IDS, C.RESPONSE_IDS, C.OLD_LOGP,
+                C.TOKEN_ADVANTAGE if params.advantage_column == C.TOKEN_ADVANTAGE else C.ADVANTAGE]
         cols += [C.TRUNCATED] if params.mask_truncated else []
         cols += [C.LOSS_MASK] if params.loss_mask == "use" else []
         cols += [C.REF_LOGP] if params.kl_coef > 0 else []
@@ -181,7 +188,10 @@ class Update:
             mask &= ~batch.column(C.TRUNCATED).to_numpy(zero_copy_only=False)[:, None]
         if p.loss_mask == "use":
             mask &= batch.column(C.LOSS_MASK).to_numpy(zero_copy_only=False).astype(bool)[:, None]
-        adv = batch.column(C.ADVANTAGE).to_numpy().astype(np.float32)
+        if p.advantage_column == C.TOKEN_ADVANTAGE:  # (batch, width), 0 past each response
+            adv = ragged_to_padded(batch.column(C.TOKEN_ADVANTAGE), dtype=np.float32)[0]  # as old_logp: same lengths
+        else:  # (batch,): broadcast over the tokens per micro-batch
+            adv = batch.column(C.ADVANTAGE).to_numpy().astype(np.float32)
 
         rng = np.random.default_rng([self.ctx.seed, self.steps_done])
         sums: dict[str, float] = {name: 0.0 for name in METRICS}
@@ -227,7 +237,7 @@ class Update:
             width = logp.shape[1]
             m = torch.from_numpy(mask[rows, :width]) & resp_mask
             old = torch.from_numpy(old_logp[rows, :width])
-            a = torch.from_numpy(adv[rows])[:, None].expand(-1, width)
+            a = torch.from_numpy(adv[rows, :width]) if adv.ndim == 2 else torch.from_numpy(adv[rows])[:, None].expand(-1, width)
             agg = dict(num_tokens=n_tokens, num_seqs=len(mb))
             pg_loss, pg_stats = algos.policy_loss(
                 old, logp, a, m, clip_low=p.clip_low, clip_high=p.clip_high, clip_c=p.clip_c,

@@ -19,6 +19,7 @@ from hypothesis.extra import numpy as hnp
 from torch.testing import assert_close
 
 from dapo_flow import algos
+from dapo_flow.algos import logprobs as logprobs_module
 from dapo_flow.algos import (
     ESTIMATORS,
     KL_KINDS,
@@ -125,14 +126,16 @@ def _verl_reference_reinforce_pp_baseline(token_level_rewards, response_mask, in
 
 
 def _verl_reference_reinforce_pp(token_level_rewards, response_mask, gamma):
+    """verl's REINFORCE++ with the multi-turn rule: γ where the token is valid, 1 where it is a
+    tool/observation token or padding, so the running return is carried across them, not reset."""
     with torch.no_grad():
+        gamma_masked = torch.where(response_mask.bool(), gamma, 1.0)
         returns = torch.zeros_like(token_level_rewards)
-        running_return = 0
+        running_return = torch.zeros(token_level_rewards.shape[0])
         for t in reversed(range(token_level_rewards.shape[1])):
-            running_return = token_level_rewards[:, t] + gamma * running_return
+            running_return = token_level_rewards[:, t] + gamma_masked[:, t] * running_return
             returns[:, t] = running_return
-            running_return = running_return * response_mask[:, t]
-        return _verl_masked_whiten(returns, response_mask) * response_mask
+        return _verl_masked_whiten(returns, response_mask) * response_mask, returns * response_mask
 
 
 def _verl_reference_opo(token_level_rewards, response_mask, index):
@@ -375,20 +378,26 @@ def test_reinforce_pp_baseline_hand_worked_and_reference():
 
 def test_reinforce_pp_hand_worked_and_reference():
     # gamma 0.5, row [0, 0, 1] all valid: returns [0.25, 0.5, 1]; row [2, 0(masked), 4]: the
-    # masked position resets the running return: returns [2, x, 4] (t=0 does not see t=2).
-    # Valid tokens 0.25, 0.5, 1, 2, 4: mean 7.75/5 = 1.55; squared deviations
-    # 1.69 + 1.1025 + 0.3025 + 0.2025 + 6.0025 = 9.3 -> unbiased var 9.3/4 = 2.325.
+    # masked (tool) position carries the running return through undiscounted: returns [4, x, 4].
+    # Valid tokens 0.25, 0.5, 1, 4, 4: mean 9.75/5 = 1.95; squared deviations
+    # 2.89 + 2.1025 + 0.9025 + 4.2025 + 4.2025 = 14.3 -> unbiased var 14.3/4 = 3.575.
     rewards = torch.tensor([[0.0, 0.0, 1.0], [2.0, 0.0, 4.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 1]], dtype=torch.bool)
-    ret = torch.tensor([[0.25, 0.5, 1.0], [2.0, 0.0, 4.0]])
-    sd = math.sqrt(2.325 + 1e-8)
-    expected = torch.where(mask, (ret - 1.55) / sd, 0.0)
+    ret = torch.tensor([[0.25, 0.5, 1.0], [4.0, 0.0, 4.0]])
+    sd = math.sqrt(3.575 + 1e-8)
+    expected = torch.where(mask, (ret - 1.95) / sd, 0.0)
     ours = outcome_advantages(rewards, mask, ["x", "y"], "reinforce_pp", gamma=0.5)
     assert_close(ours, expected)
+    adv, returns = algos.reinforce_pp_advantages(rewards, mask, 0.5)
+    assert_close(adv, expected) and assert_close(returns, ret)
     for seed, gamma in [(0, 1.0), (1, 0.9), (2, 0.5)]:
-        rewards, mask, uids = _random_batch(seed)
-        ref = _verl_reference_reinforce_pp(rewards, mask.float(), gamma)
-        assert_close(outcome_advantages(rewards, mask, uids, "reinforce_pp", gamma=gamma), ref)
+        rewards, mask, uids = _random_batch(seed)  # holes in the middle of responses
+        rewards = rewards * mask  # rewards sit on valid tokens (a reward on a tool token is ignored)
+        ref_adv, ref_ret = _verl_reference_reinforce_pp(rewards, mask.float(), gamma)
+        assert_close(outcome_advantages(rewards, mask, uids, "reinforce_pp", gamma=gamma), ref_adv)
+        adv, returns = algos.reinforce_pp_advantages(rewards, mask, gamma)
+        assert_close(adv, ref_adv)
+        assert_close(returns, ref_ret)
 
 
 def test_grpo_passk_hand_worked_and_reference():
@@ -554,7 +563,7 @@ def test_logprobs_from_logits(monkeypatch):
     labels = torch.randint(0, 17, (3, 5), generator=g)
     ref = torch.log_softmax(z, -1).gather(-1, labels[..., None]).squeeze(-1)
     assert_close(logprobs_from_logits(z, labels), ref)
-    monkeypatch.setattr(algos, "_LOGSUMEXP_CHUNK", 40)  # 2 rows per chunk: chunked path
+    monkeypatch.setattr(logprobs_module, "_LOGSUMEXP_CHUNK", 40)  # 2 rows per chunk: chunked path
     assert_close(logprobs_from_logits(z, labels), ref)
     low = logprobs_from_logits(z.bfloat16(), labels)  # float32 logsumexp of bf16 logits
     assert low.dtype == torch.float32

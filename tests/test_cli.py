@@ -93,7 +93,9 @@ def test_run_calls_execute(monkeypatch):
     fake.execute = lambda placed, **kw: seen.update(kw, graph=placed.plan.spec.name)
     monkeypatch.setitem(sys.modules, "dapo_flow.runtime", fake)
     assert cli.main(["run", DAPO, "--executor", "local", "--steps", "3", "--resume"]) == 0
+    artifacts, params = seen.pop("artifacts"), seen.pop("extra_params")
     assert seen == {"executor": "local", "address": None, "resume": True, "steps": 3, "graph": "dapo"}
+    assert set(artifacts) == {"graph/plan.txt", "graph/dag.png"} and params == {}  # no edits
     assert cli.main(["run", DAPO, "--executor", "local", "--resume", "0123abcd"]) == 0
     assert seen["resume"] == "0123abcd" and seen["steps"] is None
     assert cli.main(["run", DAPO, "--executor", "local"]) == 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import cli
 from dapo_flow.graph.edits import apply_edits
-from dapo_flow.experiments.graphdiff import Change, diff_graphs, flatten_graph
+from dapo_flow.graph.diff import Change, diff_graphs, flatten_graph
 from dapo_flow.graph.loader import load
 from dapo_flow.experiments.sweep import load_patch
 

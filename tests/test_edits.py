@@ -292,7 +292,11 @@ def test_cli_run_passes_edits_to_execute(monkeypatch):
     assert seen["spec"].nodes[4].params == {"estimator": "grpo", "reward_column": "score"}
     assert seen["extra_params"] == {"edit.0": "--set train.lr=0.0005", "edit.1": "--drop overlong",
                                     "edit.2": "--set adv.reward_column=score"}
-    assert "#   --drop overlong" in seen["extra_artifacts"]["graph/effective.yaml"]
+    artifacts = seen["artifacts"]
+    assert "#   --drop overlong" in artifacts["graph/effective.yaml"]
+    # the run logs the edited plan as explain prints it, and its picture
+    assert "train [update, sink]" in artifacts["graph/plan.txt"] and "overlong [" not in artifacts["graph/plan.txt"]
+    assert artifacts["graph/dag.png"].startswith(b"\x89PNG")
 
 
 @pytest.mark.parametrize("flags, where, message, hint", BAD, ids=lambda v: str(v)[:40] if isinstance(v, list) else "")

@@ -53,7 +53,7 @@ def test_length_penalty_sweep_runs_the_custom_operator(tmp_path, monkeypatch, ti
     assert cli.main(["sweep", str(patch), "--only", "kimi-length-0.5", "--steps", "2",
                      "--executor", "local"]) == 0
     uri = default_tracking_uri()
-    parent = latest_run(uri, "length-penalty", "tags.`dapo_flow.experiments.sweep` = 'parent'")
+    parent = latest_run(uri, "length-penalty", "tags.`dapo_flow.sweep` = 'parent'")
     [child] = child_runs(uri, parent["run_id"], ["lenpen/mean"])
     assert child["status"] == "FINISHED" and child["params"]["nodes.lenpen.params.weight"] == "0.5"
     assert [s for s, _ in child["history"]["lenpen/mean"]] == [1, 2]

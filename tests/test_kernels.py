@@ -11,6 +11,7 @@ from torch.testing import assert_close
 
 from dapo_flow import algos
 
+from dapo_flow.algos import advantages as advantages_module
 from dapo_flow.algos import kernels
 from dapo_flow.algos import AlgoError, factorize, outcome_advantages, sequence_advantages
 
@@ -24,8 +25,8 @@ def kernels_for_small_inputs(monkeypatch):
 @pytest.fixture
 def torch_path(monkeypatch):
     """outcome_advantages with both kernels declining, i.e. the torch/numpy reference path."""
-    monkeypatch.setattr(algos, "grpo_token_advantages", lambda *a, **k: None)
-    monkeypatch.setattr(algos, "masked_broadcast", lambda *a, **k: None)
+    monkeypatch.setattr(advantages_module, "grpo_token_advantages", lambda *a, **k: None)
+    monkeypatch.setattr(advantages_module, "masked_broadcast", lambda *a, **k: None)
 
     def run(*args, **kwargs):
         return outcome_advantages(*args, **kwargs)
@@ -128,12 +129,12 @@ def test_outcome_advantages_into_a_fresh_mapping_matches_torch_path(monkeypatch,
         mp.setattr(kernels, "FRESH_MAP_MIN_BYTES", 1)  # every output comes from new_output
         got = outcome_advantages(rewards, mask, ids, estimator)
         calls = []
-        mp.setattr(algos, "new_output", lambda like: calls.append(like) or (torch.empty_like(like), False))
+        mp.setattr(advantages_module, "new_output", lambda like: calls.append(like) or (torch.empty_like(like), False))
         outcome_advantages(rewards, mask, ids, estimator)
         assert calls  # the default call allocates through new_output
     with monkeypatch.context() as mp:  # the torch/numpy path into torch's own tensor
-        mp.setattr(algos, "grpo_token_advantages", lambda *a, **k: None)
-        mp.setattr(algos, "masked_broadcast", lambda *a, **k: None)
+        mp.setattr(advantages_module, "grpo_token_advantages", lambda *a, **k: None)
+        mp.setattr(advantages_module, "masked_broadcast", lambda *a, **k: None)
         ref = outcome_advantages(rewards, mask, ids, estimator)
     assert torch.equal(got, ref) and torch.equal(got.signbit(), ref.signbit())
 

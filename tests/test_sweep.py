@@ -220,8 +220,9 @@ def test_real_sweep_then_compare_and_diff(tmp_path, monkeypatch, capsys, tiny_ad
     """2 variants x 1 seed, 2 steps each, in-process; a third variant fails at run time."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    from dapo_flow.experiments.compare import ERROR_TAG
-    from dapo_flow.experiments.graphdiff import diff_graphs, load_graph
+    from dapo_flow.tracking import ERROR_TAG
+    from dapo_flow.experiments.graphdiff import load_graph
+    from dapo_flow.graph.diff import diff_graphs
     from dapo_flow.tracking import artifact_paths, child_runs, default_tracking_uri, latest_run
 
     patch = write(tmp_path, TINY, "tiny.yaml")
@@ -230,7 +231,7 @@ def test_real_sweep_then_compare_and_diff(tmp_path, monkeypatch, capsys, tiny_ad
     assert rc == 1, out  # one variant failed: recorded, the others ran
     assert "broken/seed3 failed" in out and "missing.jsonl" in out
     uri = default_tracking_uri()
-    parent = latest_run(uri, "tiny", "tags.`dapo_flow.experiments.sweep` = 'parent'")
+    parent = latest_run(uri, "tiny", "tags.`dapo_flow.sweep` = 'parent'")
     assert parent["status"] == "FAILED" and parent["params"]["sweep.variants"] == "grpo,rloo,broken"
     children = {c["name"]: c for c in child_runs(uri, parent["run_id"], ["val/acc"])}
     assert set(children) == {"grpo/seed3", "rloo/seed3", "broken/seed3"}
@@ -274,7 +275,7 @@ def test_sweep_records_failures_and_stops_on_ctrl_c(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     import dapo_flow.runtime as runtime
-    from dapo_flow.experiments.compare import ERROR_TAG
+    from dapo_flow.tracking import ERROR_TAG
     from dapo_flow.errors import RunError
     from dapo_flow.experiments.sweep import run_sweep
     from dapo_flow.tracking import Tracker, child_runs, find_run
@@ -315,7 +316,7 @@ def test_sweep_records_failures_and_stops_on_ctrl_c(tmp_path, monkeypatch):
         run_sweep(patch, plan_jobs(patch, only="grpo,rloo"), executor="local")
     from dapo_flow.tracking import default_tracking_uri, latest_run
 
-    parent = latest_run(default_tracking_uri(), "dapo-ladder", "tags.`dapo_flow.experiments.sweep` = 'parent'")
+    parent = latest_run(default_tracking_uri(), "dapo-ladder", "tags.`dapo_flow.sweep` = 'parent'")
     assert parent["status"] == "KILLED"
 
 
@@ -331,7 +332,7 @@ def test_parallel_sweep_runs_each_variant_in_its_own_process(tmp_path, monkeypat
     args = ["sweep", str(patch), "--steps", "1", "--executor", "local", "--only", "grpo,rloo"]
     assert cli.main([*args, "--parallel", "2"]) == 0, capsys.readouterr().out
     uri = default_tracking_uri()
-    parent = latest_run(uri, "tiny", "tags.`dapo_flow.experiments.sweep` = 'parent'")
+    parent = latest_run(uri, "tiny", "tags.`dapo_flow.sweep` = 'parent'")
     children = {c["name"]: c for c in child_runs(uri, parent["run_id"], ["val/acc"])}
     assert {n: c["status"] for n, c in children.items()} == {"grpo/seed0": "FINISHED", "rloo/seed0": "FINISHED"}
     assert all((tmp_path / "dapo-flow-runs" / "sweeps" / parent["run_id"] / f"{v}_seed0.log").is_file()

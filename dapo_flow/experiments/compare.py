@@ -28,6 +28,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from dapo_flow.errors import DapoFlowError
+from dapo_flow.tracking import ERROR_TAG, PARENT_TAG
 
 VAL = "val/acc"
 REWARD = "score/mean"
@@ -36,8 +37,6 @@ STEP_TIME = "time/step"
 SAMPLES = "sampling/samples_generated_total"
 PASS_PREFIX = "val/pass_at_"  # val/pass_at_{k}, logged when run.val_n > 1
 HISTORY_KEYS = (VAL, REWARD, REWARD_FALLBACK, STEP_TIME, SAMPLES)
-PARENT_TAG = "dapo_flow.experiments.sweep"  # "parent" on a sweep's parent run
-ERROR_TAG = "dapo_flow.error"  # the error text on a failed child run
 
 Curve = tuple[tuple[int, float], ...]
 
@@ -408,7 +407,7 @@ def report(uri: str, parent_run_id: str, out: str | Path | None = "compare.png",
     title = f"{parent['name']} ({parent_run_id[:8]})"
     names = _order(records, order)
     if baseline is not None and baseline not in names:
-        from dapo_flow.graph.compiler import did_you_mean
+        from dapo_flow.graph.problems import did_you_mean
 
         raise DapoFlowError(f"--baseline '{baseline}' is not a variant of this sweep\n    fix: "
                             + did_you_mean(baseline, names))
@@ -437,7 +436,7 @@ NEEDS = ("compare shows a sweep: pass the experiment name of a `dapo-flow sweep`
 def resolve(target: str, uri: str) -> str:
     """The parent run id for ``target``: a parent run id, a child run id (its parent), or an
     experiment name (its latest sweep)."""
-    from dapo_flow.graph.compiler import did_you_mean
+    from dapo_flow.graph.problems import did_you_mean
     from dapo_flow.tracking import experiment_names, experiments_with, find_run, latest_run
 
     run = find_run(uri, target)

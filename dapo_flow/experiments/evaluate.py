@@ -25,9 +25,8 @@ from dapo_flow.runtime.resume import checkpoint_root
 from dapo_flow.runtime.session import generator_tokenizer, load_source, start_executor
 from dapo_flow.runtime.setup import driver_threads, stage_setups
 from dapo_flow.runtime.worker import StageSetup, StageWorker, quiet_libraries
-from dapo_flow.tracking import Tracker
+from dapo_flow.tracking import EVAL_TAG, PARENT_TAG, PATCH_TAG, Tracker
 
-EVAL_TAG = "dapo_flow.eval"
 
 
 class NoCheckpoint(RunError):
@@ -158,7 +157,7 @@ def evaluate_sweep(patch, ready: list, *, out: str | None = None, console: Conso
     checkpoint, each as an MLflow child run of one eval parent run, then print the comparison
     (mean ± std over seeds, pass@k, Δ vs the first variant); returns the parent run id. A job
     without a checkpoint is reported and skipped. ``options``: those of :func:`evaluate`."""
-    from dapo_flow.experiments.compare import PARENT_TAG, report
+    from dapo_flow.experiments.compare import report
     from dapo_flow.tracking import default_tracking_uri
 
     console = console or Console()
@@ -167,7 +166,7 @@ def evaluate_sweep(patch, ready: list, *, out: str | None = None, console: Conso
     uri = ready[0].placed.plan.spec.tracking.uri or default_tracking_uri()
     names = list(dict.fromkeys(r.job.variant for r in ready))
     parent = Tracker(uri, patch.experiment, run_name=f"eval {Path(patch.file).stem}",
-                     tags={PARENT_TAG: "parent", EVAL_TAG: "1", "dapo_flow.patch": patch.file})
+                     tags={PARENT_TAG: "parent", EVAL_TAG: "1", PATCH_TAG: patch.file})
     parent.log_params({"sweep.patch": patch.file, "sweep.variants": ",".join(names),
                        **{f"eval.{k}": str(v) for k, v in options.items() if v is not None}})
     missing = []

@@ -38,8 +38,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from dapo_flow.experiments.compare import ERROR_TAG, PARENT_TAG
-from dapo_flow.graph.compiler import Found, did_you_mean, pydantic_problems
+from dapo_flow.graph.problems import Found, did_you_mean, pydantic_problems
 from dapo_flow.graph.edits import (
     FLAGS,
     Edit,
@@ -55,6 +54,7 @@ from dapo_flow.errors import DapoFlowError, GraphError, Problem
 from dapo_flow.graph.loader import GraphDoc, PathKey, load
 from dapo_flow.graph.plan import PlacedPlan
 from dapo_flow.graph.spec import ID_PATTERN
+from dapo_flow.tracking import ERROR_TAG, PARENT_TAG, PATCH_TAG, SWEEP_FAILED_TAG
 
 VARIANT_PATTERN = r"^[A-Za-z0-9_+][A-Za-z0-9_+.\-]*$"  # no commas (--only) and no slashes (run names)
 
@@ -432,7 +432,7 @@ def run_sweep(patch: Patch, jobs: list[Job] | list[Ready], *, executor: str = "r
     uri = ready[0].placed.plan.spec.tracking.uri or default_tracking_uri()
     names = list(dict.fromkeys(r.job.variant for r in ready))
     parent = Tracker(uri, patch.experiment, run_name=f"sweep {Path(patch.file).stem}",
-                     tags={PARENT_TAG: "parent", "dapo_flow.patch": patch.file})
+                     tags={PARENT_TAG: "parent", PATCH_TAG: patch.file})
     params = {"sweep.patch": patch.file, "sweep.base": str(patch.base), "sweep.variants": ",".join(names),
               "sweep.seeds": ",".join(dict.fromkeys(str(r.seed) for r in ready)),
               "sweep.executor": executor, "sweep.parallel": str(parallel)}
@@ -458,7 +458,7 @@ def run_sweep(patch: Patch, jobs: list[Job] | list[Ready], *, executor: str = "r
         parent.finish("KILLED")
         raise
     result = SweepResult(parent.run_id, uri, tuple(results))
-    parent.set_tags({"dapo_flow.sweep_failed": str(len(result.failed))})
+    parent.set_tags({SWEEP_FAILED_TAG: str(len(result.failed))})
     parent.finish("FAILED" if result.failed else "FINISHED")
     console.print(results_table(result))
     _compare_at_end(result, console)
@@ -467,12 +467,13 @@ def run_sweep(patch: Patch, jobs: list[Job] | list[Ready], *, executor: str = "r
 
 def _run_here(patch: Patch, r: Ready, parent_id: str, uri: str, executor: str, address: str | None,
               console: Console) -> JobResult:
+    from dapo_flow.graph.drawing import plan_artifacts
     from dapo_flow.runtime import execute
 
     try:
         summary = execute(r.placed, executor=executor, address=address, console=console, run_name=r.run_name,
                           parent_run_id=parent_id, extra_params=r.params(patch),
-                          extra_artifacts={"graph/effective.yaml": r.edited.yaml()})
+                          artifacts={**plan_artifacts(r.placed), "graph/effective.yaml": r.edited.yaml()})
     except KeyboardInterrupt:
         raise
     except Exception as exc:
@@ -555,6 +556,7 @@ def _job_in_process(payload: tuple) -> tuple[str, Any, str]:
     """Runs in a worker process: compile the job's graph again, execute, report as plain data."""
     base, edits, executor, address, run_name, parent_id, params, yaml_text, log = payload
     try:
+        from dapo_flow.graph.drawing import plan_artifacts
         from dapo_flow.graph.edits import edit_file
         from dapo_flow.graph.registry import load_plugins
         from dapo_flow.runtime import execute
@@ -564,7 +566,7 @@ def _job_in_process(payload: tuple) -> tuple[str, Any, str]:
         with open(log, "w", encoding="utf-8") as f:
             summary = execute(placed, executor=executor, address=address, console=Console(file=f, width=120),
                               run_name=run_name, parent_run_id=parent_id, extra_params=params,
-                              extra_artifacts={"graph/effective.yaml": yaml_text})
+                              artifacts={**plan_artifacts(placed), "graph/effective.yaml": yaml_text})
         return "ok", summary, ""
     except BaseException as exc:  # reported to the parent process as text
         text = str(exc) if isinstance(exc, DapoFlowError) else f"{type(exc).__name__}: {exc}"

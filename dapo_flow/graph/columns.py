@@ -42,6 +42,7 @@ OLD_LOGP = "old_logp"  # recomputed by the trainer before the update
 REF_LOGP = "ref_logp"
 ENTROPY = "entropy"
 ADVANTAGE = "advantage"  # per sequence; broadcast over response tokens by `update`
+TOKEN_ADVANTAGE = "token_advantage"  # per response token (token-level estimators: REINFORCE++)
 LOSS_MASK = "loss_mask"  # per sequence; False rows contribute no loss (overlong filtering)
 
 SCHEMA: dict[str, pa.DataType] = {
@@ -66,6 +67,7 @@ SCHEMA: dict[str, pa.DataType] = {
     ENTROPY: TOKEN_FLOATS,
     ADVANTAGE: pa.float32(),
     LOSS_MASK: pa.bool_(),
+    TOKEN_ADVANTAGE: TOKEN_FLOATS,
 }
 
 PROMPT_COLUMNS = (PROMPT_ID, PROMPT_TEXT, PROMPT_IDS, GROUND_TRUTH, DATA_SOURCE)

@@ -21,12 +21,11 @@ from dapo_flow.graph.loader import load
 from dapo_flow.graph.plan import (DRIVER, IN_ACTOR, TRANSFER, Call, Cluster, PlacedPlan, Plan, PlanNode, Stage,
                                   Sync, ValidGraph)
 from dapo_flow.models.engines import generates_with_trainer
-from dapo_flow.graph.problems import Found, did_you_mean, pydantic_problems, type_name
+from dapo_flow.graph.problems import type_name
 from dapo_flow.graph.rewrites import REWRITES
 
 
-__all__ = ["Cluster", "Found", "compile_graph", "did_you_mean", "explain", "load", "place", "plan",
-           "pydantic_problems", "validate"]
+__all__ = ["Cluster", "compile_graph", "explain", "load", "place", "plan", "validate"]
 
 
 def compile_graph(path: str | Path, cluster: Cluster | None = None) -> PlacedPlan:

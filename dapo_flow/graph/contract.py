@@ -51,6 +51,18 @@ ROLES: tuple[str, ...] = ("generate", "reward", "logprob", "train", "advantage",
 DEFAULT_ROLE = "transform"
 
 
+def registered(value: str, registry: Mapping[str, Any]) -> str:
+    """``value`` if it is a key of ``registry`` (a backend, an estimator, ...), else the error a
+    Literal field gives, so `validate` words it alike and suggests the closest name. For fields
+    whose choices can grow at run time (a plugin adds to the registry), where a Literal cannot."""
+    if value not in registry:
+        from pydantic_core import PydanticCustomError
+
+        expected = " or ".join(f"'{name}'" for name in registry)
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return value
+
+
 def role(op_cls: Any) -> str:
     """The operator class's declared role, ``transform`` when it declares none."""
     return getattr(op_cls, "ROLE", DEFAULT_ROLE)

@@ -126,3 +126,22 @@ def _draw_image(plan: Plan | PlacedPlan, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, format=out.suffix.lower()[1:])
     plt.close(fig)
+
+
+def plan_artifacts(placed: PlacedPlan) -> dict[str, str | bytes]:
+    """What a run logs about its plan (``execute(artifacts=...)``): the text `explain` prints
+    as graph/plan.txt, and the DAG as graph/dag.png (left out if drawing fails: a picture is
+    nice to have, never a reason to fail a run)."""
+    import tempfile
+
+    from dapo_flow.graph.compiler import explain
+
+    out: dict[str, str | bytes] = {"graph/plan.txt": explain(placed)}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "dag.png"
+            draw(placed, path)
+            out["graph/dag.png"] = path.read_bytes()
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
+    return out

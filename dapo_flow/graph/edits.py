@@ -24,13 +24,15 @@ import copy
 import re
 import shlex
 from dataclasses import dataclass, field
+from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Union
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
-from dapo_flow.graph.compiler import did_you_mean, place, plan, validate
+from dapo_flow.graph.compiler import place, plan, validate
+from dapo_flow.graph.problems import did_you_mean
 from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import GraphDoc, PathKey, load
 from dapo_flow.graph.plan import Cluster, PlacedPlan
@@ -478,9 +480,17 @@ def compile_edited(doc: GraphDoc, edits: Iterable[Edit] = (), cluster: Cluster |
         raise type(err)([_relocate(p, edits, made, doc) for p in err.problems]) from None
     if not edits:
         return placed
-    # the plan keeps line numbers (explain prints them): compile again without the markers
+    # compiled once: the markers (negative lines at edited keys) only served the problems above;
+    # the plan's nodes get the lines of the file without them (explain prints them)
     clean = GraphDoc(doc.file, doc.raw, {k: v for k, v in doc.lines.items() if v > 0})
-    return place(plan(validate(clean)), cluster)
+    return _with_doc(placed, clean)
+
+
+def _with_doc(placed: PlacedPlan, doc: GraphDoc) -> PlacedPlan:
+    """``placed`` with every line number read from ``doc``."""
+    index = {n.id: i for i, n in enumerate(placed.plan.spec.nodes)}
+    nodes = tuple(dc_replace(n, line=doc.line_of(("nodes", index[n.id]))) for n in placed.plan.nodes)
+    return dc_replace(placed, plan=dc_replace(placed.plan, nodes=nodes, doc=doc))
 
 
 def _made_by_edits(base: GraphDoc, edits: tuple[Edit, ...]) -> dict[str, tuple[int, str]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic_core import PydanticCustomError
 
 ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 PROMPTS_SOURCE = "prompts"  # the implicit source node fed by `data.train`
@@ -42,12 +41,10 @@ class ModelSpec(_Frozen):
     @field_validator("backend")
     @classmethod
     def _known_backend(cls, value: str) -> str:
+        from dapo_flow.graph.contract import registered
         from dapo_flow.models.engines import BACKENDS  # the registry (light: no torch, no vllm)
 
-        if value not in BACKENDS:
-            expected = " or ".join(f"'{name}'" for name in BACKENDS)
-            raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
-        return value
+        return registered(value, BACKENDS)
 
 
 class DataSourceSpec(_Frozen):

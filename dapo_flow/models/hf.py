@@ -16,6 +16,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from dapo_flow.algos.logprobs import entropy_from_logits, logprobs_from_logits
 from dapo_flow.errors import ModelError
 from dapo_flow.models.sampling import Rollouts, SamplingConfig
 
@@ -57,19 +58,6 @@ def right_pad(seqs: list[list[int]], pad_id: int, width: int | None = None) -> t
 def positions(mask: torch.Tensor) -> torch.Tensor:
     """Padding-aware position ids: 0 at each row's first real token. Shape: (B, T) -> (B, T)."""
     return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits)[target] without materializing the log-softmax. Shape: (..., V), (...) -> (...)."""
-    logits = logits.float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits). Shape: (..., V) -> (...)."""
-    logits = logits.float()
-    probs = logits.softmax(-1)
-    return logits.logsumexp(-1) - (probs * logits).sum(-1)
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -222,7 +210,7 @@ class HFPolicy:
         """Next tokens and their logprobs under log_softmax(logits / T). Shape: (S, V) -> (S,), (S,)."""
         if cfg.temperature == 0:
             tok = logits.argmax(-1)
-            return tok, token_logprobs(logits, tok)
+            return tok, logprobs_from_logits(logits, tok)
         scaled = logits / cfg.temperature
         probs = filter_top_k_top_p(scaled, cfg.top_k, cfg.top_p).softmax(-1)
         try:
@@ -231,7 +219,7 @@ class HFPolicy:
             if bool(torch.isfinite(probs).all()):
                 raise
             raise ModelError(NONFINITE_LOGITS) from None
-        return tok, token_logprobs(scaled, tok)
+        return tok, logprobs_from_logits(scaled, tok)
 
     # --- logprob recomputation --------------------------------------------------------------------
 
@@ -300,7 +288,7 @@ class HFPolicy:
             logits_to_keep=width + 1,  # only the positions that predict response tokens
         )
         logits = out.logits[:, :-1].float() / temperature  # (b, R, V)
-        logp = token_logprobs(logits, resp).masked_fill(~resp_mask, 0.0)
+        logp = logprobs_from_logits(logits, resp).masked_fill(~resp_mask, 0.0)
         ent = entropy_from_logits(logits).masked_fill(~resp_mask, 0.0) if with_entropy else None
         return logp, ent
 

@@ -11,14 +11,16 @@ from __future__ import annotations
 def execute(placed, *, executor: str = "ray", address: str | None = None, resume: bool | str = False,
             steps: int | None = None, console=None, run_name: str | None = None,
             parent_run_id: str | None = None, extra_params: dict | None = None,
-            extra_artifacts: dict | None = None) -> dict:
+            artifacts: dict | None = None) -> dict:
     """Run the graph; returns a summary dict (run id, metrics, wall time).
 
     ``resume``: True continues the graph's newest unfinished run from its last intact
     checkpoint, a run id that run (see :mod:`dapo_flow.runtime.resume`).
 
     ``run_name`` / ``parent_run_id`` / ``extra_params`` (str -> str) let a sweep make
-    each variant an MLflow child run; ``extra_artifacts`` maps artifact names to text.
+    each variant an MLflow child run; ``artifacts`` maps artifact names (``graph/plan.txt``) to
+    their text or bytes: the caller's, so the runtime logs the plan's explain text and picture
+    (``graph.drawing.plan_artifacts``) without importing the compiler's printing or drawing.
     """
     from dapo_flow import threads
     from dapo_flow.runtime.session import run_session
@@ -30,4 +32,4 @@ def execute(placed, *, executor: str = "ray", address: str | None = None, resume
     return run_session(placed, executor=executor, address=address, resume=resume,
                        steps=steps, console=console, run_name=run_name,
                        parent_run_id=parent_run_id, extra_params=extra_params or {},
-                       extra_artifacts=extra_artifacts or {})
+                       artifacts=artifacts or {})

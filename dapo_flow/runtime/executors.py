@@ -1,15 +1,16 @@
 """Executors: where stage workers live. `local` keeps them in this process (debugging,
 fast tests); `ray` makes each actor stage a long-lived Ray actor for the whole run.
 
-Both expose the same three calls: `call(stage, method, *args) -> handle`,
-`get(handle)`, `shutdown()`. A local handle is the finished value; a Ray handle is an
-ObjectRef, so the driver can queue work on an actor and keep going (streaming).
+Each satisfies :class:`Executor`: `call(stage, method, *args) -> handle`, `get(handle)`,
+`shutdown()`. A local handle is the finished value; a Ray handle is an ObjectRef, so the
+driver can queue work on an actor and keep going (streaming). :data:`EXECUTORS` is the
+registry `--executor` chooses from: adding one is a class plus one line there.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import pyarrow as pa
 
@@ -27,12 +28,32 @@ def call_timeout() -> float:
     return float(os.environ.get("DAPO_FLOW_CALL_TIMEOUT", DEFAULT_CALL_TIMEOUT_S))
 
 
+@runtime_checkable
+class Executor(Protocol):
+    """Hosts the actor stages of a run: ``__init__(graph, setups, seed, resources, address=None)``
+    builds every stage's :class:`StageWorker` (``resources``: stage -> (cpus, gpus))."""
+
+    name: str
+    #: reads a list of parquet files (or one file) into one table on the executor's side;
+    #: None: the driver reads them with pyarrow
+    read_parquet: Callable[[Any], pa.Table] | None
+
+    def call(self, stage: str, method: str, *args: Any) -> Any:
+        """Start ``StageWorker.method(*args)`` on ``stage``; a handle for :meth:`get`."""
+
+    def get(self, handle: Any) -> Any:
+        """The result of a call (raises its error; a RunError when an actor died or hung)."""
+
+    def shutdown(self) -> None:
+        """Release every worker (and a cluster the executor started)."""
+
+
 class LocalExecutor:
     name = "local"
     read_parquet = None  # prompts are read with pyarrow in-process
 
     def __init__(self, graph: GraphSpec, setups: Mapping[str, StageSetup], seed: int,
-                 resources: Mapping[str, tuple[float, float]] | None = None):
+                 resources: Mapping[str, tuple[float, float]] | None = None, address: str | None = None):
         self.workers = {name: StageWorker(graph, s, seed) for name, s in setups.items()}
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
@@ -137,3 +158,15 @@ class RayExecutor:
 def _root_cause(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[-1] if text else type(exc).__name__
+
+
+#: `--executor` choices: name -> class satisfying :class:`Executor`
+EXECUTORS: dict[str, type] = {"local": LocalExecutor, "ray": RayExecutor}
+
+
+def executor_class(name: str) -> type:
+    """The registered executor ``name``; a clear error listing the choices otherwise."""
+    try:
+        return EXECUTORS[name]
+    except KeyError:
+        raise RunError(f"unknown executor '{name}': use one of {', '.join(EXECUTORS)}") from None

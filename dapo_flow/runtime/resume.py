@@ -181,7 +181,7 @@ def _newest(graph_root: Path) -> Path | None:
 
 def _changed_since(spec, newest: Path) -> str:
     """What changed in the graph since checkpoint ``newest`` of the same graph name, and the fix."""
-    from dapo_flow.experiments.graphdiff import diff_graphs
+    from dapo_flow.graph.diff import diff_graphs
 
     old_graph = _recorded_graph(newest)
     if old_graph is None:

@@ -24,7 +24,7 @@ from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import DRIVER
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
-from dapo_flow.runtime.executors import LocalExecutor, RayExecutor
+from dapo_flow.runtime.executors import executor_class
 from dapo_flow.runtime.loop import LoopState, Runner
 from dapo_flow.runtime.resume import checkpoint_root, claim, resume_point
 from dapo_flow.runtime.sampler import PromptSampler
@@ -87,12 +87,9 @@ def start_executor(placed, setups: dict, executor: str, address: str | None, con
     spec = placed.plan.spec
     seed = spec.seed if seed is None else seed
     resources = {s.name: (s.num_cpus, s.num_gpus) for s in placed.stages if s.kind == "actor"}
+    cls = executor_class(executor)
     with console.status(f"starting {len(setups)} model actor(s) on {executor}..."):
-        if executor == "ray":
-            return RayExecutor(spec, setups, seed, resources, address=address)
-        if executor == "local":
-            return LocalExecutor(spec, setups, seed)
-        raise RunError(f"unknown executor '{executor}': use ray or local")
+        return cls(spec, setups, seed, resources, address=address)
 
 
 def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
@@ -106,29 +103,12 @@ def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
     tracker.set_tags({"graph": spec.name, "ops": ",".join(n.op for n in spec.nodes),
                       "graph_file": str(plan.file)})
     tracker.log_artifact(plan.file, "graph")
-    try:
-        from dapo_flow.graph.compiler import explain
-
-        tracker.log_text(explain(placed), "graph/plan.txt")
-    except ImportError:
-        pass
-    try:
-        import tempfile
-
-        from dapo_flow.graph.drawing import draw
-
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "dag.png"
-            draw(plan, out)
-            tracker.log_artifact(out, "graph")
-    except Exception:  # a picture is nice to have; never fail a run over it
-        pass
 
 
 def run_session(placed, *, executor: str, address: str | None, resume: bool | str, steps: int | None,
                 console: Console | None = None, run_name: str | None = None,
                 parent_run_id: str | None = None, extra_params: dict | None = None,
-                extra_artifacts: dict | None = None) -> dict:
+                artifacts: dict | None = None) -> dict:
     """``resume``: False (a new run), True (the graph's newest unfinished run) or a run id."""
     quiet_libraries()
     spec = placed.plan.spec
@@ -172,8 +152,8 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
                     _log_start(tracker, placed, ghash, executor)
                     if extra_params:
                         tracker.log_params({k: str(v) for k, v in extra_params.items()})
-                    for name, text in (extra_artifacts or {}).items():
-                        tracker.log_text(text, name)
+                    for name, content in (artifacts or {}).items():
+                        tracker.log_file(content, name)
                 else:
                     logged = _logged_metrics(tracker)
                     _flush(tracker, driver_state.get("unlogged_metrics", []), logged)

@@ -10,7 +10,8 @@ from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
-from dapo_flow.experiments.evaluate import EVAL_TAG, evaluate, resolve_checkpoint
+from dapo_flow.experiments.evaluate import evaluate, resolve_checkpoint
+from dapo_flow.tracking import EVAL_TAG
 from dapo_flow.tracking import read_run
 
 CLUSTER = Cluster(cpus=2)
@@ -63,7 +64,7 @@ def test_eval_errors_are_exit_2(workdir, small_graph, capsys):
 
 def test_eval_sweep_compares_every_variant_checkpoint(tmp_path, monkeypatch, capsys, tiny_adder_path):
     import cli
-    from dapo_flow.experiments.compare import PARENT_TAG
+    from dapo_flow.tracking import PARENT_TAG
     from dapo_flow.tracking import child_runs, default_tracking_uri, latest_run
 
     monkeypatch.chdir(tmp_path)

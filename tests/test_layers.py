@@ -1,0 +1,77 @@
+"""The package's layers, as imports (top-level and inside functions): each layer uses only those
+below it, so the graph language compiles without a runtime, the math runs without Ray or MLflow,
+and the runtime receives what it logs instead of reaching up into experiments or printing."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: package -> modules it must never import (prefix match on dotted names)
+FORBIDDEN = {
+    "dapo_flow.runtime": ("dapo_flow.experiments", "cli", "dapo_flow.graph.compiler", "dapo_flow.graph.drawing",
+                          "dapo_flow.graph.edits"),
+    "dapo_flow.graph": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "cli",
+                        "dapo_flow.models.hf", "dapo_flow.models.vllm_engine", "dapo_flow.models.tiny_adder",
+                        "torch", "ray", "mlflow", "vllm"),
+    "dapo_flow.algos": ("dapo_flow.graph", "dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.models",
+                        "dapo_flow.data", "dapo_flow.tracking", "ray", "mlflow", "pyarrow", "operators"),
+    "dapo_flow.models": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking",
+                         "dapo_flow.graph.compiler", "ray", "mlflow"),
+    "dapo_flow.data": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "ray", "mlflow"),
+    "dapo_flow.tracking": ("dapo_flow.graph", "dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.models",
+                           "ray", "torch"),
+    "operators": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "ray", "mlflow"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]  # `from pkg import mod`
+    return out
+
+
+def _violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    folder = ROOT.joinpath(*package.split("."))
+    files = sorted(folder.rglob("*.py")) if folder.is_dir() else [folder.with_suffix(".py")]
+    found = []
+    for f in files:
+        for line, name in _imports(f):
+            bad = next((x for x in forbidden if name == x or name.startswith(x + ".")), None)
+            if bad:
+                found.append(f"{_module_name(f)} (line {line}) imports {name}")
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_layer_imports_only_what_is_below_it(package):
+    found = _violations(package, FORBIDDEN[package])
+    assert not found, f"{package} reaches into a layer it must not use:\n" + "\n".join(found)
+
+
+def test_the_check_sees_imports_inside_functions():
+    assert (4, "dapo_flow.graph.diff.diff_graphs") in [
+        (line, name) for line, name in _imports_of("def f():\n    x = 1\n    if x:\n        from dapo_flow.graph.diff import diff_graphs\n")]
+
+
+def _imports_of(source: str) -> list[tuple[int, str]]:
+    probe = ROOT / "tests" / "_layers_probe.py"
+    try:
+        probe.write_text(source)
+        return _imports(probe)
+    finally:
+        probe.unlink()
