@@ -1,0 +1,136 @@
+"""FSDP2 for a training group: the process group, sharding a causal LM, global counts, and
+sharded checkpoints that load at another world size.
+
+How a training group drives it (each of N workers, the same code on every rank):
+
+1. ``init_group(rank, world_size, master_addr, master_port)`` once: gloo on CPU, nccl on GPU;
+   a peer that never joins is a :class:`~dapo_flow.errors.ModelError` after ``timeout_s``.
+2. Build the model identically on every rank (same seed or the same weights file), then
+   ``shard_model(model)``: ``fully_shard`` on each decoder layer, then on the root; an
+   optimizer made afterwards holds only this rank's shards.
+3. Per update, each rank gets its part of the batch (``algos.balance.balanced_partitions`` by
+   response tokens, so ranks finish together). The loss of every micro-batch is normalised by
+   the GLOBAL token (or sequence) count, ``all_reduce_sum`` of the ranks' local counts, and
+   multiplied by ``world_size``: FSDP averages gradients over ranks, so the update equals the
+   one a single worker makes on the whole batch (tests/models/test_fsdp.py checks it). Every
+   rank must run the same number of forward/backward passes (each gathers shards from all
+   ranks): with a token budget, each rank counts its micro-batches
+   (``token_budget_micro_batches``), the group takes ``all_reduce_max`` of the counts, and a
+   rank with fewer cuts its rows into that many ``balanced_partitions`` instead.
+4. Checkpoints: ``save_sharded(dir, model, optimizer)`` on every rank writes its own shards
+   (torch.distributed.checkpoint); ``load_sharded`` reads them back at any world size. Nothing
+   passes through one process. ``full_state_dict`` gathers HF-named full weights (for an
+   export or a rollout engine's weight sync).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dapo_flow.errors import ModelError
+
+
+def init_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
+               backend: str | None = None, timeout_s: float = 60.0) -> None:
+    """Join the training group's process group (gloo on CPU, nccl when CUDA is there)."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as exc:  # a peer that never came, a port in use
+        raise ModelError(f"training worker {rank} of {world_size} could not form its process group "
+                         f"at {master_addr}:{master_port} within {timeout_s:g} s ({exc}); did every "
+                         "worker start, and can they reach that address?") from None
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+
+
+def destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF causal LM (Llama, Qwen2, Mistral, ...: ``model.model.layers``)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ModelError(f"cannot find the decoder layers of {type(model).__name__} (expected "
+                         "`model.model.layers`, as Hugging Face causal LMs have): FSDP2 shards per layer")
+    return list(layers)
+
+
+def shard_model(model: nn.Module, *, mixed_precision: str | None = None, cpu_offload: bool = False,
+                reshard_after_forward: bool = True) -> nn.Module:
+    """``fully_shard`` each decoder layer, then the root, over all ranks of the group.
+    ``mixed_precision="bf16"``: parameters and compute in bf16, gradient reduction in fp32 (the
+    sharded fp32 parameters stay the optimizer's master weights)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mixed_precision == "bf16":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif mixed_precision is not None:
+        raise ModelError(f"mixed_precision {mixed_precision!r}: use null or bf16")
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def all_reduce_sum(values: Sequence[float]) -> list[float]:
+    """Element-wise sums over the group's ranks (token / sequence counts, metrics), in float64."""
+    return _all_reduce(values, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(values: Sequence[float]) -> list[float]:
+    """Element-wise maxima over the group's ranks (e.g. the micro-batch count all ranks run)."""
+    return _all_reduce(values, dist.ReduceOp.MAX)
+
+
+def _all_reduce(values: Sequence[float], op) -> list[float]:
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def save_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank writes its shards of the model and optimizer state under ``path``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+
+
+def load_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Read a :func:`save_sharded` checkpoint into this (already sharded) model and optimizer,
+    whatever the world size it was saved at (DCP reshards on load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def full_state_dict(model: nn.Module) -> Mapping[str, torch.Tensor]:
+    """The full (unsharded) weights on CPU under the model's own (HF) names (every rank takes
+    part in the gathering; rank 0 gets them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,0 +1,84 @@
+"""One rank of the FSDP2 tests (tests/models/test_fsdp.py): `python fsdp_worker.py CONFIG RANK`.
+
+Builds a small Llama identically on every rank, shards it with dapo_flow.models.fsdp, and takes
+`steps` clipped policy-gradient steps on a fixed batch split across the ranks by token count,
+each loss normalised by the global token count. Optionally loads a sharded checkpoint first, or
+saves one after `save_after` steps; rank 0 writes the losses and the full weights to `out`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+torch.set_num_threads(1)  # two ranks on two cores
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from dapo_flow import algos  # noqa: E402
+from dapo_flow.algos.balance import balanced_partitions, token_budget_micro_batches  # noqa: E402
+from dapo_flow.models import fsdp  # noqa: E402
+
+ROWS, PROMPT, RESPONSE, VOCAB = 8, 4, 6, 64
+
+
+def main(cfg: dict, rank: int) -> None:
+    world = cfg["world"]
+    fsdp.init_group(rank, world, "127.0.0.1", cfg["port"], timeout_s=cfg.get("timeout", 60))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
+    fsdp.shard_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if cfg.get("load"):
+        fsdp.load_sharded(cfg["load"], model, optimizer)
+
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, VOCAB, (ROWS, PROMPT), generator=g)
+    responses = torch.randint(1, VOCAB, (ROWS, RESPONSE), generator=g)
+    lengths = torch.randint(1, RESPONSE + 1, (ROWS,), generator=g)
+    advantages = torch.randn(ROWS, generator=g)
+    mask = torch.arange(RESPONSE)[None, :] < lengths[:, None]
+    mine = torch.from_numpy(balanced_partitions(lengths.numpy(), world)[rank])
+
+    def logp_of(rows: torch.Tensor) -> torch.Tensor:
+        ids = torch.cat([prompts[rows], responses[rows]], 1)
+        logits = model(input_ids=ids).logits[:, PROMPT - 1:-1].float()
+        return algos.logprobs_from_logits(logits, responses[rows])
+
+    losses = []
+    for step in range(cfg["steps"]):
+        if cfg.get("save") and step == cfg.get("save_after"):  # a checkpoint mid-run, as training writes them
+            fsdp.save_sharded(cfg["save"], model, optimizer)
+        with torch.no_grad():
+            old = logp_of(mine)
+        tokens = fsdp.all_reduce_sum([float(mask[mine].sum())])[0]  # the global count
+        optimizer.zero_grad()
+        budget = cfg.get("max_tokens")
+        micro = [torch.arange(len(mine)).numpy()]
+        if budget:  # every rank runs the group's largest count of micro-batches (FSDP collectives)
+            micro = token_budget_micro_batches(lengths[mine].numpy(), budget)
+            count = int(fsdp.all_reduce_max([len(micro)])[0])
+            if len(micro) < count:
+                micro = balanced_partitions(lengths[mine].numpy(), count)
+        total = 0.0
+        for part in micro:
+            rows = mine[torch.from_numpy(part)]
+            sel = torch.from_numpy(part)
+            loss, _ = algos.policy_loss(old[sel], logp_of(rows), advantages[rows][:, None].expand(-1, RESPONSE),
+                                        mask[rows], agg="token-mean", num_tokens=tokens)
+            (loss * world).backward()  # FSDP averages gradients over ranks: undo it, the loss is global
+            total += float(loss)
+        losses.append(fsdp.all_reduce_sum([total])[0])
+        optimizer.step()
+    full = {k: v.clone() for k, v in fsdp.full_state_dict(model).items()}
+    if rank == 0:
+        torch.save({"losses": losses, "params": full}, cfg["out"])
+    fsdp.destroy_group()
+
+
+if __name__ == "__main__":
+    main(json.loads(open(sys.argv[1]).read()), int(sys.argv[2]))
