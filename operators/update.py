@@ -24,6 +24,7 @@ import torch
 from pydantic import BaseModel, Field, model_validator
 
 from dapo_flow import algos
+from dapo_flow.algos.balance import token_budget_micro_batches
 from dapo_flow.graph import columns as C
 from dapo_flow.data.arrow_utils import ragged_to_padded, token_lists
 from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
@@ -47,7 +48,8 @@ class Params(BaseModel):
     mini_batches: int = Field(1, ge=1, le=4096)
     """Optimizer steps per epoch (verl: train_batch_size / ppo_mini_batch_size)."""
     micro_batch_size: int = Field(64, ge=1, le=65536)
-    """Rows per forward/backward pass (gradient accumulation inside a mini-batch)."""
+    """Rows per forward/backward pass (gradient accumulation inside a mini-batch), unless the
+    model sets `train.max_tokens_per_micro_batch`."""
     shuffle: bool = False
     """Shuffle rows before splitting into mini-batches (seeded)."""
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)
@@ -219,14 +221,24 @@ class Update:
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         return pa.table({k: pa.array([out[k]], pa.float32()) for k in METRICS})
 
+    def _micro_batches(self, mb: np.ndarray, prompts: list, responses: list) -> list[np.ndarray]:
+        """Rows of mini-batch ``mb`` per forward/backward pass: up to the model's token budget
+        (``train.max_tokens_per_micro_batch``, prompt + response tokens), else
+        ``micro_batch_size`` rows."""
+        budget = self.ctx.model.spec.train.max_tokens_per_micro_batch
+        if budget is None:
+            size = self.params.micro_batch_size
+            return [mb[i : i + size] for i in range(0, len(mb), size)]
+        tokens = np.array([len(prompts[i]) + len(responses[i]) for i in mb])
+        return [mb[part] for part in token_budget_micro_batches(tokens, budget)]
+
     def _minibatch(self, mb, prompts, responses, old_logp, ref_logp, mask, adv, n_tokens) -> dict[str, float]:
         """One optimizer step over mini-batch rows ``mb`` (micro-batched)."""
         p = self.params
         self.optimizer.zero_grad(set_to_none=True)
         stats = {name: 0.0 for name in METRICS}
         lr = self.optimizer.param_groups[0]["lr"]
-        for start in range(0, len(mb), p.micro_batch_size):
-            rows = mb[start : start + p.micro_batch_size]
+        for rows in self._micro_batches(mb, prompts, responses):
             logp, entropy, resp_mask = self.policy.response_logprobs(
                 [prompts[i] for i in rows],
                 [responses[i] for i in rows],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 from dapo_flow import algos
 from dapo_flow.graph import columns as C
@@ -225,11 +226,14 @@ def policy(tiny_adder_path):
     return HFPolicy(tiny_adder_path, trainable=True)
 
 
-def _update(policy, **params):
+def _update(policy, max_tokens_per_micro_batch=None, **params):
     from types import SimpleNamespace
 
+    from dapo_flow.graph.spec import ModelSpec
+
+    spec = ModelSpec(path="builtin:tiny-adder", train={"max_tokens_per_micro_batch": max_tokens_per_micro_batch})
     cls = OPERATORS["update"]
-    return cls(cls.Params(lr=1e-3, **params), OpContext("train", model=SimpleNamespace(policy=policy)))
+    return cls(cls.Params(lr=1e-3, **params), OpContext("train", model=SimpleNamespace(policy=policy, spec=spec)))
 
 
 def test_update_counts_nonfinite_steps_and_stops_after_k_in_a_row(policy):
@@ -289,3 +293,26 @@ def test_update_empty_batch_is_a_user_facing_error(policy):
 
     with pytest.raises(DapoFlowError, match=r"update 'train' got an empty batch"):
         _update(policy)(_train_batch(policy).slice(0, 0))
+
+
+def test_a_token_budget_gives_the_update_that_row_micro_batches_give(tiny_adder_path):
+    """`models.X.train.max_tokens_per_micro_batch` cuts a mini-batch by tokens instead of rows;
+    losses are normalised by the mini-batch's token count, so the update is the same."""
+    from dapo_flow.models.hf import HFPolicy
+
+    results = []
+    for budget, rows in ((None, 64), (None, 3), (20, 64)):
+        torch.manual_seed(0)
+        policy = HFPolicy(tiny_adder_path, trainable=True)
+        op = _update(policy, max_tokens_per_micro_batch=budget, micro_batch_size=rows, mini_batches=2)
+        splits = []
+        real = policy.response_logprobs
+        policy.response_logprobs = lambda p, r, **kw: (splits.append(len(p)), real(p, r, **kw))[1]
+        metrics = op(_train_batch(policy, rows=16)).to_pylist()[0]
+        results.append((splits, metrics, [q.detach().clone() for q in policy.model.parameters()]))
+    (one, m1, w1), (by_rows, _, w2), (by_tokens, m3, w3) = results
+    assert len(one) == 2 and len(by_rows) > 2 and len(by_tokens) > 2  # the budget did cut
+    assert abs(m1["actor/pg_loss"] - m3["actor/pg_loss"]) < 1e-5
+    for a, b, c in zip(w1, w2, w3):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=0)

@@ -180,7 +180,9 @@ def explain(placed: PlacedPlan) -> str:
         f"cluster: {cluster.cpus:g} CPUs, {cluster.gpus:g} GPUs, {cluster.nodes} node(s)",
         "",
         "models:",
-        *(f"  {name:<14} {m.path} ({m.dtype}, {m.backend}, device {m.device})"
+        *(f"  {name:<14} {m.path} ({m.dtype}, {m.backend}, device {m.device}"
+          + (f", update micro-batches of <= {m.train.max_tokens_per_micro_batch} tokens"
+             if m.train.max_tokens_per_micro_batch else "") + ")"
           for name, m in spec.models.items()),
         "",
         "stages:",

@@ -22,6 +22,17 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class TrainSpec(_Frozen):
+    """How a model is trained (the `update` node that trains it reads this)."""
+
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="Token budget (prompt + response tokens) per micro-batch of the update: "
+        "consecutive rows up to the budget, a longer row alone (verl's use_dynamic_bsz / "
+        "ppo_max_token_len_per_gpu); null: `micro_batch_size` rows per micro-batch. The update is the "
+        "same either way (losses are normalised by the mini-batch's token count); the budget bounds memory."
+    )
+
+
 class ModelSpec(_Frozen):
     path: str = Field(
         description="`builtin:tiny-adder` (built and cached on first use) or a local "
@@ -37,6 +48,7 @@ class ModelSpec(_Frozen):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="`auto` uses a GPU when the actor has one."
     )
+    train: TrainSpec = Field(default_factory=TrainSpec, description="How the model is trained.")
 
     @field_validator("backend")
     @classmethod
