@@ -22,7 +22,7 @@ from dapo_flow.graph import columns as C
 from dapo_flow.data.arrow_utils import group_codes
 from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import DRIVER, IN_ACTOR, Call
-from dapo_flow.runtime.metrics import MetricAccumulator, batch_stats, concat, first_row
+from dapo_flow.runtime.metrics import MetricAccumulator, concat, first_row
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.worker import StageWorker
 from dapo_flow.graph.spec import PROMPTS_SOURCE
@@ -195,13 +195,9 @@ class Runner:
             feeds = {self.plan.group_filter: rollout.batch}
         outs = self.run_calls(self.plan.phases[-1][0], feeds, acc)
         metrics = acc.result()
-        for nid in self.plan.train:
+        for nid in self.plan.train:  # batch/* came with each sink's report (StageWorker.run)
             if self.nodes[nid].cardinality == "sink":
                 metrics.update(first_row(outs[nid]))
-        # the training batch as the filter (or generation) left it: rewards, lengths, acc
-        batch = rollout.batch if self.plan.group_filter is not None else _widest(outs, self.plan.train)
-        if batch is not None:
-            metrics.update(batch_stats(batch))
         return metrics
 
     # --- phase 3: weight sync ---------------------------------------------------
@@ -264,11 +260,6 @@ def _nothing_kept(fparams, what: str) -> str:
         "    fix: remove the cause and start a new run; if groups are kept, just too few, raise "
         "max_gen_batches or run.gen_prompts_per_batch (max_skipped_steps: 0 never stops the run)"
     )
-
-
-def _widest(outs: dict[str, pa.Table], ids) -> pa.Table | None:
-    tables = [outs[i] for i in ids if i in outs and outs[i].num_rows > 1]
-    return max(tables, key=lambda t: t.num_columns, default=None)
 
 
 KEEP_RATE_MARGIN = 1.15  # ask for 15% more groups than the keep rate predicts: one batch usually does

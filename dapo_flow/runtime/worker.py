@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from dapo_flow import threads
+from dapo_flow.runtime.metrics import batch_stats
 from dapo_flow.graph.contract import OpContext
 from dapo_flow.graph.spec import GraphSpec
 
@@ -109,12 +110,16 @@ class StageWorker:
         return True
 
     def run(self, node_id: str, table: pa.Table) -> tuple[pa.Table, dict[str, float], float]:
-        """Run one node; returns (output table, the node's metrics, seconds)."""
+        """Run one node; returns (output table, the node's metrics, seconds). A sink (e.g. the
+        update) also reports ``batch/*`` statistics of the batch it consumed: the trained batch,
+        wherever the plan runs it, without sending that table back to the driver."""
         start = time.perf_counter()
         op = self.ops[node_id]
         out = op(table)
         seconds = time.perf_counter() - start
         metrics = op.last_metrics() if hasattr(op, "last_metrics") else {}
+        if self.op_classes[node_id].CARDINALITY == "sink":
+            metrics = {**batch_stats(table), **metrics}
         return out, metrics, seconds
 
     def run_chain(self, node_ids: list[str], table: pa.Table) -> tuple[pa.Table, list[tuple[str, dict, float]]]:

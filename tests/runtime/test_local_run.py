@@ -7,7 +7,7 @@ import pytest
 
 from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.errors import RunError
-from dapo_flow.graph.plan import Cluster
+from dapo_flow.graph.plan import Call, Cluster
 from dapo_flow.runtime import execute
 from dapo_flow.tracking import read_run
 
@@ -286,3 +286,19 @@ def test_resume_finds_the_same_graph_under_another_hash(workdir, small_graph):
     root.rename(root.with_name("small-0123456789"))  # as an older dapo-flow's hash would name it
     with pytest.raises(RunError, match=r"same graph has a checkpoint under another hash: .*small-0123456789"):
         _run(path, resume=True)
+
+
+def test_a_graph_without_group_filter_logs_its_trained_batch(workdir, small_graph):
+    """GRPO-style: the whole step is one actor call, and only the update's row comes back; the
+    update reports the statistics of the batch it trained on itself."""
+    path = small_graph(workdir, steps=2, ckpt=0)
+    text = path.read_text()
+    text = "\n".join(line for line in text.splitlines() if "op: group-filter" not in line) + "\n"
+    path.write_text(text.replace("inputs: [filter]", "inputs: [overlong]"))
+    placed = compile_graph(path, CLUSTER)
+    assert placed.plan.group_filter is None
+    assert placed.calls["step"][-1] == Call("model:policy", ("old_logp", "adv", "train"))  # no table back
+    summary = execute(placed, executor="local")
+    history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    for key in ("batch/reward_mean", "batch/acc_mean", "batch/response_len_mean", "batch/advantage_mean"):
+        assert [s for s, _ in history[key]] == [1, 2], key
