@@ -220,7 +220,7 @@ def _explain(args: argparse.Namespace) -> int:
     from dapo_flow.graph.plan import Cluster
 
     cluster = None
-    if args.cpus is not None or args.gpus is not None:
+    if args.cpus is not None or args.gpus is not None or args.nodes != 1:
         local = Cluster.local()
         cluster = Cluster(cpus=args.cpus if args.cpus is not None else local.cpus,
                           gpus=args.gpus if args.gpus is not None else local.gpus, nodes=args.nodes)

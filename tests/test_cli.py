@@ -50,6 +50,8 @@ def test_explain(capsys):
     assert cli.main(["explain", DAPO, "--cpus", "2", "--gpus", "0"]) == 0
     out = capsys.readouterr().out
     assert out == (ROOT / "tests/golden/dapo.explain.txt").read_text()
+    assert cli.main(["explain", DAPO, "--nodes", "3"]) == 0  # --nodes alone describes a cluster too
+    assert "GPUs, 3 node(s)" in capsys.readouterr().out
 
 
 def test_graph_png_and_mmd(tmp_path, capsys):
