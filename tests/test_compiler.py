@@ -303,3 +303,14 @@ def test_explain_names_auto_generation_batches():
     placed = edit_file(ROOT / "graphs" / "dapo.yaml",
                        parse_cli_edits([("set", "run.gen_prompts_per_batch=auto")])).compile(Cluster(cpus=2))
     assert "generation batches sized from the keep rate so far (auto)" in explain(placed)
+
+
+def test_the_engine_context_is_the_prompt_budget_plus_max_tokens(tmp_path):
+    from dapo_flow.graph.edits import edit_file, parse_cli_edits
+
+    edits = parse_cli_edits([("set", "data.train.max_prompt_tokens=16"), ("set", "data.val.max_prompt_tokens=12")])
+    placed = edit_file(ROOT / "graphs" / "dapo-vllm.yaml", edits).compile()
+    assert placed.plan.engine_context() == {"policy": 16 + 8}  # largest budget + the rollout's max_tokens
+    assert "max_model_len 24 (prompt budget + max_tokens)" in explain(placed)
+    one_unbounded = edit_file(ROOT / "graphs" / "dapo-vllm.yaml", edits[:1]).compile()
+    assert one_unbounded.plan.engine_context() == {}  # val has no budget: the model's own maximum

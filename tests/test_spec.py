@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pydantic
 import pytest
 
 from dapo_flow.graph.loader import load
 from dapo_flow.graph.spec import GraphSpec, ModelSpec, NodeSpec, RunSpec
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MINIMAL = {
     "name": "tiny",
@@ -89,3 +93,39 @@ def test_seed_is_bounded_to_what_every_library_accepts():
     for seed in (MAX_SEED + 1, 2**64, -1):
         with pytest.raises(pydantic.ValidationError, match="seed"):
             GraphSpec.model_validate({**MINIMAL, "seed": seed})
+
+
+def test_rollout_settings_need_a_backend_that_takes_them(tmp_path):
+    from pydantic import ValidationError
+
+    from dapo_flow.graph.spec import ModelSpec
+
+    assert ModelSpec(path="x", backend="vllm", rollout={"gpu_memory_utilization": 0.9}).rollout.gpu_memory_utilization == 0.9
+    with pytest.raises(ValidationError, match=r"rollout.tensor_parallel is a setting of the rollout engine, "
+                                              r"which backend 'hf' does not take \(it generates with the torch policy\)"):
+        ModelSpec(path="x", backend="hf", rollout={"tensor_parallel": 2})
+
+
+def test_tensor_parallel_must_divide_the_attention_heads(tmp_path):
+    from pydantic import ValidationError
+
+    from dapo_flow.graph.spec import ModelSpec
+
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 12}')
+    assert ModelSpec(path=str(tmp_path), backend="vllm", rollout={"tensor_parallel": 4}).rollout.tensor_parallel == 4
+    with pytest.raises(ValidationError, match=r"tensor_parallel 5 does not divide the model's 12 attention heads: "
+                                              r"use one of \[1, 2, 3, 4, 6, 12\]"):
+        ModelSpec(path=str(tmp_path), backend="vllm", rollout={"tensor_parallel": 5})
+
+
+def test_a_bad_rollout_setting_is_a_graph_error_with_its_line(tmp_path, capsys):
+    import cli
+
+    graph = (ROOT / "graphs" / "dapo.yaml").read_text().replace(
+        'policy: {path: "builtin:tiny-adder", dtype: float32, backend: hf}',
+        'policy: {path: "builtin:tiny-adder", dtype: float32, backend: hf, rollout: {kv_cache_gib: 2}}')
+    path = tmp_path / "g.yaml"
+    path.write_text(graph)
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:15: models.policy" in err and "rollout.kv_cache_gib is a setting of the rollout engine" in err

@@ -20,7 +20,7 @@ from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import load
 from dapo_flow.graph.plan import (DRIVER, IN_ACTOR, TRANSFER, Call, Cluster, PlacedPlan, Plan, PlanNode, Stage,
                                   Sync, ValidGraph)
-from dapo_flow.models.engines import generates_with_trainer
+from dapo_flow.models.engines import BACKENDS, generates_with_trainer
 from dapo_flow.graph.problems import type_name
 from dapo_flow.graph.rewrites import REWRITES
 
@@ -182,7 +182,7 @@ def explain(placed: PlacedPlan) -> str:
         "models:",
         *(f"  {name:<14} {m.path} ({m.dtype}, {m.backend}, device {m.device}"
           + (f", update micro-batches of <= {m.train.max_tokens_per_micro_batch} tokens"
-             if m.train.max_tokens_per_micro_batch else "") + ")"
+             if m.train.max_tokens_per_micro_batch else "") + ")" + _rollout_settings(p, name)
           for name, m in spec.models.items()),
         "",
         "stages:",
@@ -226,6 +226,19 @@ def explain(placed: PlacedPlan) -> str:
                 f"with n={run.val_n} temperature={run.val_temperature}, graded by {grade.id} @ "
                 f"{placed.node_stage[grade.id]}, on {spec.data.val.source} [{spec.data.val.split}]"]
     return "\n".join(out) + "\n"
+
+
+def _rollout_settings(plan: Plan, model: str) -> str:
+    """The rollout engine's settings, for a backend that takes them and a model that generates."""
+    spec = plan.spec.models[model]
+    taken = BACKENDS[spec.backend].rollout_options
+    if not taken or not any(n.model == model for n in plan.with_role("generate")):
+        return ""
+    values = spec.rollout.model_dump()
+    if values.get("max_model_len") is None and model in plan.engine_context():
+        values["max_model_len"] = f"{plan.engine_context()[model]} (prompt budget + max_tokens)"
+    shown = ", ".join(f"{k} {'auto' if values[k] is None else values[k]}" for k in taken)
+    return f"\n                 rollout engine: {shown}"
 
 
 def _explain_syncs(placed: PlacedPlan, after: str) -> list[str]:

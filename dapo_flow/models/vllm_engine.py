@@ -49,17 +49,21 @@ class VLLMGenerator:
         *,
         dtype: str = "float32",
         seed: int = 0,
-        gpu_memory_utilization: float = 0.5,
-        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.6,
+        kv_cache_gib: float | None = None,
+        max_model_len: int | None = None,
+        tensor_parallel: int = 1,
+        enforce_eager: bool | None = None,
     ) -> None:
-        """``kv_cache_gib`` sizes the CPU KV cache (rounded up to whole GiB, as vLLM reads it);
-        ``gpu_memory_utilization`` applies on GPU."""
+        """``kv_cache_gib`` sizes the CPU KV cache (rounded up to whole GiB, as vLLM reads it;
+        default 1); ``gpu_memory_utilization`` applies on GPU; ``max_model_len`` defaults to the
+        model's maximum; ``enforce_eager`` None: eager on CPU, compiled on GPU."""
         from dapo_flow.models import resolve_model
 
         self.path = resolve_model(str(path))
         # Must be set before vLLM is imported: envs are read at import / engine creation.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib or 1.0))))
         try:
             import vllm
         except ImportError as exc:
@@ -72,10 +76,12 @@ class VLLMGenerator:
             dtype=dtype,
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
-            distributed_executor_backend="uni",
+            tensor_parallel_size=tensor_parallel,
+            distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
             logprobs_mode="processed_logprobs",
-            max_model_len=config.get("max_position_embeddings"),
-            enforce_eager=True,  # tiny/rollout-sized batches: compile time dominates any gain on CPU
+            max_model_len=max_model_len or config.get("max_position_embeddings"),
+            # on CPU, compile time dominates any gain for rollout-sized batches
+            enforce_eager=(not _has_cuda()) if enforce_eager is None else enforce_eager,
             use_tqdm_on_load=False,  # else every weight sync prints a progress bar
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -136,10 +142,19 @@ class VLLMGenerator:
         self._sync_dir.cleanup()
 
 
-def rollout_engine(path: Path | str, *, dtype: str, device: str, seed: int, trainer=None) -> VLLMGenerator:
+def rollout_engine(path: Path | str, *, dtype: str, device: str, seed: int, trainer=None,
+                   options=None) -> VLLMGenerator:
     """The `vllm` backend's engine (:data:`dapo_flow.models.engines.BACKENDS`): its own copy of
-    the weights, synced from ``trainer`` after every update."""
-    return VLLMGenerator(path, dtype=dtype, seed=seed)
+    the weights, synced from ``trainer`` after every update; ``options``: the model's `rollout:`
+    settings (graph.spec.RolloutSpec)."""
+    settings = options.model_dump() if options is not None else {}
+    return VLLMGenerator(path, dtype=dtype, seed=seed, **settings)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -56,13 +56,14 @@ def _device(spec: ModelSpec) -> str:
 
 def load_resource(
     name: str, spec: ModelSpec, *, path: Path | None, trainable: bool, generates: bool,
-    scores: bool, seed: int,
+    scores: bool, seed: int, max_model_len: int | None = None,
 ) -> ModelResource:
     """Load what this actor needs of model ``name``.
 
     ``path`` overrides the spec's path (a checkpoint on resume). ``scores`` means the actor
     runs logprob/update nodes for the model, so it needs the torch policy; ``generates`` that it
-    rolls out with it, through the engine of the model's backend (:data:`BACKENDS`).
+    rolls out with it, through the engine of the model's backend (:data:`BACKENDS`), set up with
+    the model's `rollout:` settings (``max_model_len``: the default the plan derived).
     """
     from dapo_flow.models import resolve_model
     from dapo_flow.models.hf import HFPolicy
@@ -75,6 +76,10 @@ def load_resource(
         policy = HFPolicy(model_path, dtype=spec.dtype, device=device, seed=seed, trainable=trainable)
     generator = None
     if generates:
-        generator = backend.factory()(model_path, dtype=spec.dtype, device=device, seed=seed, trainer=policy)
+        options = spec.rollout
+        if options.max_model_len is None and max_model_len is not None:
+            options = options.model_copy(update={"max_model_len": max_model_len})
+        generator = backend.factory()(model_path, dtype=spec.dtype, device=device, seed=seed, trainer=policy,
+                                      options=options)
     tokenizer = policy.tokenizer if policy is not None else generator.tokenizer
     return ModelResource(name, spec, model_path, policy, generator, tokenizer)

@@ -50,6 +50,7 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str,
             scores=tuple(m for m in stage.models if any(
                 n.model == m and n.role != "generate" for n in members)),
             model_paths=dict(model_paths or {}),
+            max_model_len=plan.engine_context(),
             num_threads=_threads(stage),
         )
     return setups

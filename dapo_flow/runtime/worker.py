@@ -41,6 +41,7 @@ class StageSetup:
     generates: tuple[str, ...] = ()  # models some node of this stage generates with
     scores: tuple[str, ...] = ()  # models used by logprob/update nodes here
     model_paths: Mapping[str, str] = field(default_factory=dict)  # overrides (resume)
+    max_model_len: Mapping[str, int] = field(default_factory=dict)  # engines' default context (setup)
     num_threads: int = 0  # threads.configure(num_threads) in the worker; 0 = the process's as they are
 
 
@@ -90,7 +91,7 @@ class StageWorker:
             name: load_resource(
                 name, graph.models[name], path=setup.model_paths.get(name),
                 trainable=name in setup.trainable, generates=name in setup.generates,
-                scores=name in setup.scores, seed=seed,
+                scores=name in setup.scores, seed=seed, max_model_len=setup.max_model_len.get(name),
             )
             for name in setup.models
         }

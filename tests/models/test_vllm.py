@@ -114,3 +114,20 @@ def test_the_vllm_engine_is_a_rollout_engine_not_a_trainer(generator):
 
     assert isinstance(generator, RolloutEngine) and not isinstance(generator, Trainer)
     assert not BACKENDS["vllm"].generates_with_trainer  # so a colocated plan syncs into it
+
+
+@pytest.mark.slow
+def test_the_vllm_backend_takes_the_models_rollout_settings(tiny_adder_path):
+    pytest.importorskip("vllm")
+    from dapo_flow.graph.spec import RolloutSpec
+    from dapo_flow.models.engines import BACKENDS
+
+    options = RolloutSpec(max_model_len=24, gpu_memory_utilization=0.7)
+    engine = BACKENDS["vllm"].factory()(tiny_adder_path, dtype="float32", device="cpu", seed=0, options=options)
+    try:
+        config = engine.llm.llm_engine.model_config
+        assert config.max_model_len == 24 and config.enforce_eager  # auto: eager on CPU
+        out = engine.generate([[1, 2, 3]], SamplingConfig(n=2, temperature=1.0, max_tokens=8))
+        assert len(out.response_ids) == 2
+    finally:
+        engine.close()

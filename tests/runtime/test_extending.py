@@ -75,7 +75,7 @@ class CountingEngine:
         pass
 
 
-def counting_engine(path, *, dtype, device, seed, trainer=None):
+def counting_engine(path, *, dtype, device, seed, trainer=None, options=None):
     from dapo_flow.models.hf import rollout_engine
 
     return CountingEngine(rollout_engine(path, dtype=dtype, device=device, seed=seed))
