@@ -20,7 +20,7 @@ from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import load
 from dapo_flow.graph.plan import (DRIVER, IN_ACTOR, TRANSFER, Call, Cluster, PlacedPlan, Plan, PlanNode, Stage,
                                   Sync, ValidGraph)
-from dapo_flow.models.engines import BACKENDS, generates_with_trainer
+from dapo_flow.models.engines import BACKENDS
 from dapo_flow.graph.problems import type_name
 from dapo_flow.graph.rewrites import REWRITES
 
@@ -157,7 +157,7 @@ def _syncs(plan: Plan, stage_of: Mapping[str, str]) -> tuple[Sync, ...]:
         for target in targets:
             if target != source:
                 out.append(Sync(after, model, source, target, TRANSFER))
-            elif not generates_with_trainer(plan.spec.models[model].backend):
+            elif not BACKENDS[plan.spec.models[model].backend].generates_with_trainer:
                 out.append(Sync(after, model, source, target, IN_ACTOR))
     return tuple(out)
 
@@ -235,8 +235,9 @@ def _rollout_settings(plan: Plan, model: str) -> str:
     if not taken or not any(n.model == model for n in plan.with_role("generate")):
         return ""
     values = spec.rollout.model_dump()
-    if values.get("max_model_len") is None and model in plan.engine_context():
-        values["max_model_len"] = f"{plan.engine_context()[model]} (prompt budget + max_tokens)"
+    derived = plan.engine_context().get(model)
+    if values["max_model_len"] is None and derived is not None:
+        values["max_model_len"] = f"{derived} (prompt budget + max_tokens)"
     shown = ", ".join(f"{k} {'auto' if values[k] is None else values[k]}" for k in taken)
     return f"\n                 rollout engine: {shown}"
 

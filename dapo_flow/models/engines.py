@@ -89,8 +89,3 @@ BACKENDS: dict[str, Backend] = {
                     rollout_options=("tensor_parallel", "gpu_memory_utilization", "max_model_len",
                                      "enforce_eager", "kv_cache_gib")),
 }
-
-
-def generates_with_trainer(backend: str) -> bool:
-    """Whether ``backend`` rolls out with the trained policy itself (nothing to sync when colocated)."""
-    return BACKENDS[backend].generates_with_trainer
