@@ -141,8 +141,7 @@ class Update:
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params
         self.ctx = ctx
-        self.policy = ctx.model.policy
-        self.policy.model.train()
+        self.policy = ctx.model.policy  # stays in eval mode: no dropout in RL (HFPolicy)
         self.optimizer = torch.optim.AdamW(
             self.policy.model.parameters(), lr=params.lr, weight_decay=params.weight_decay
         )

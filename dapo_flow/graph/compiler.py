@@ -182,7 +182,8 @@ def explain(placed: PlacedPlan) -> str:
         "models:",
         *(f"  {name:<14} {m.path} ({m.dtype}, {m.backend}, device {m.device}"
           + (f", update micro-batches of <= {m.train.max_tokens_per_micro_batch} tokens"
-             if m.train.max_tokens_per_micro_batch else "") + ")" + _rollout_settings(p, name)
+             if m.train.max_tokens_per_micro_batch else "")
+          + (", gradient checkpointing" if m.train.grad_checkpointing else "") + ")" + _rollout_settings(p, name)
           for name, m in spec.models.items()),
         "",
         "stages:",

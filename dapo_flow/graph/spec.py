@@ -31,6 +31,10 @@ class TrainSpec(_Frozen):
         "ppo_max_token_len_per_gpu); null: `micro_batch_size` rows per micro-batch. The update is the "
         "same either way (losses are normalised by the mini-batch's token count); the budget bounds memory."
     )
+    grad_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in the backward pass instead of "
+        "keeping them: less memory for about one more forward of compute; the same gradients."
+    )
 
 
 class RolloutSpec(_Frozen):

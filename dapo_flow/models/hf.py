@@ -106,7 +106,10 @@ class HFPolicy:
         device: str = "cpu",
         seed: int = 0,
         trainable: bool = False,
+        grad_checkpointing: bool = False,
     ) -> None:
+        """``grad_checkpointing``: gradient passes recompute each decoder layer's activations in
+        the backward pass (HF gradient checkpointing, non-reentrant) instead of storing them."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from dapo_flow.models import resolve_model
@@ -121,6 +124,9 @@ class HFPolicy:
             self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype]).to(self.device)
         self.model.eval()  # no dropout in RL: rollout and training must see the same function
         self.model.requires_grad_(trainable)
+        self.grad_checkpointing = grad_checkpointing
+        if grad_checkpointing:  # active only in train mode: gradient passes switch to it (_grad_mode)
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.eos_ids = self._eos_ids()
         self.eos_id = self.eos_ids[0]
@@ -264,7 +270,8 @@ class HFPolicy:
         batch = {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
         temp = temperature or 1.0  # greedy rollouts are scored at temperature 1
         if grad:
-            logp, ent = self._logprobs_pass(batch, slice(None), temp, with_entropy)
+            with self._grad_mode():
+                logp, ent = self._logprobs_pass(batch, slice(None), temp, with_entropy)
         else:
             with torch.inference_mode():
                 parts = [
@@ -274,6 +281,20 @@ class HFPolicy:
             logp = torch.cat([p[0] for p in parts]) if parts else batch["response_mask"].float()
             ent = torch.cat([p[1] for p in parts]) if with_entropy and parts else None
         return logp, ent, batch["response_mask"]
+
+    @contextmanager
+    def _grad_mode(self) -> Iterator[None]:
+        """Train mode for a gradient pass when checkpointing (HF recomputes layers only in train
+        mode; the model has no dropout, so nothing else changes), eval mode again after, so
+        generation keeps its KV cache."""
+        if not self.grad_checkpointing:
+            yield
+            return
+        self.model.train()
+        try:
+            yield
+        finally:
+            self.model.eval()
 
     def _logprobs_pass(
         self, batch: dict[str, torch.Tensor], rows: slice, temperature: float, with_entropy: bool

@@ -73,7 +73,8 @@ def load_resource(
     backend = BACKENDS[spec.backend]
     policy = None
     if scores or trainable or (generates and backend.generates_with_trainer):
-        policy = HFPolicy(model_path, dtype=spec.dtype, device=device, seed=seed, trainable=trainable)
+        policy = HFPolicy(model_path, dtype=spec.dtype, device=device, seed=seed, trainable=trainable,
+                          grad_checkpointing=trainable and spec.train.grad_checkpointing)
     generator = None
     if generates:
         options = spec.rollout

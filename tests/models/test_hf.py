@@ -217,3 +217,24 @@ def test_the_hf_policy_is_both_engines_of_the_hybrid_backend(policy, tiny_adder_
     assert hf.factory()(tiny_adder_path, dtype="float32", device="cpu", seed=0, trainer=policy) is policy
     frozen = hf.factory()(tiny_adder_path, dtype="float32", device="cpu", seed=0)
     assert isinstance(frozen, HFPolicy) and frozen is not policy
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_leaves_rollout_alone(tiny_adder_path, prompts):
+    responses = [[5, 6, 7], [8, 9], [4, 4, 4, 4]]
+    grads = []
+    for checkpointing in (False, True):
+        policy = HFPolicy(tiny_adder_path, trainable=True, grad_checkpointing=checkpointing)
+        calls, layer = [], policy.model.model.layers[0]
+        forward = layer.forward
+        layer.forward = lambda *a, **k: (calls.append(1), forward(*a, **k))[1]  # hooks skip recomputes
+        logp, _, mask = policy.response_logprobs(prompts[:3], responses, grad=True)
+        (-(logp * mask).sum()).backward()
+        assert len(calls) == (2 if checkpointing else 1)  # recomputed in the backward pass
+        grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters()})
+        assert not policy.model.training  # back in eval mode: generation keeps its KV cache
+        greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=8)
+        assert policy.generate(prompts[:4], greedy).response_ids == HFPolicy(tiny_adder_path).generate(
+            prompts[:4], greedy).response_ids
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
