@@ -35,9 +35,12 @@ EDIT_EXAMPLE = ("edits (repeatable, applied in the order given):\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    from dapo_flow.graph.registry import load_plugins
+
     err = Console(stderr=True, soft_wrap=True)
     try:
+        load_plugins()  # first: plugins may add executors, which the parser lists as choices
+        args = _parser().parse_args(argv)
         return args.func(args) or 0
     except DapoFlowError as exc:
         err.print("[bold red]error:[/] ", end="")

@@ -28,11 +28,25 @@ OPERATORS: dict[str, type] = {
 
 CUSTOM_OP = "custom"  # a node whose class is named by its `impl:` field
 PLUGIN_GROUP = "dapo_flow.operators"
+#: entry points naming modules that register anything when imported: estimators
+#: (algos.ESTIMATORS), backends (models.engines.BACKENDS), executors (runtime.executors.EXECUTORS)
+MODULE_PLUGIN_GROUP = "dapo_flow.plugins"
 
 
 def load_plugins(registry: dict[str, type] = OPERATORS) -> dict[str, type]:
     """Add operators that installed packages declare under the `dapo_flow.operators`
-    entry-point group; called by the CLI, never at import time."""
-    for ep in entry_points(group=PLUGIN_GROUP):
-        registry.setdefault(ep.name, ep.load())
+    entry-point group, and import the modules they declare under `dapo_flow.plugins` (whose
+    top-level code adds to the other registries); called by the CLI, never at import time.
+    A plugin that fails to import is an ImportSpecError naming it."""
+    from dapo_flow.graph.imports import ImportSpecError
+
+    for group in (PLUGIN_GROUP, MODULE_PLUGIN_GROUP):
+        for ep in entry_points(group=group):
+            try:
+                loaded = ep.load()
+            except Exception as exc:  # noqa: BLE001 - installed third-party code
+                raise ImportSpecError(f"plugin '{ep.name}' ({ep.value}, entry point group {group}) "
+                                      f"failed to load: {type(exc).__name__}: {exc}") from exc
+            if group == PLUGIN_GROUP:
+                registry.setdefault(ep.name, loaded)
     return registry

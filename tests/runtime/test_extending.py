@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 import cli
 from dapo_flow import algos
 from dapo_flow.graph.registry import OPERATORS
@@ -119,3 +121,29 @@ def test_an_operator_estimator_reward_backend_and_executor_each_plug_in(workdir,
     run = read_run(default_tracking_uri(), latest_run(default_tracking_uri(), "runtime-tests")["run_id"])
     assert run["params"]["executor"] == "counting" and run["params"]["models.policy.backend"] == "counting"
     assert [s for s, _ in run["history"]["actor/pg_loss"]] == [1, 2]
+
+
+def test_installed_plugins_register_through_entry_points(monkeypatch, tmp_path, capsys):
+    """A package declares `dapo_flow.plugins = my_pkg.plugin`: the CLI imports it before parsing,
+    so an executor it registers is a valid --executor choice; one that fails is a clear error."""
+    from importlib.metadata import EntryPoint
+
+    from dapo_flow.graph import registry
+
+    (tmp_path / "plugin_mod.py").write_text(
+        "from dapo_flow.runtime.executors import EXECUTORS, LocalExecutor\n"
+        "EXECUTORS['from-plugin'] = LocalExecutor\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "plugin_mod", raising=False)
+    group = registry.MODULE_PLUGIN_GROUP
+    points = {group: [EntryPoint("mine", "plugin_mod", group)]}
+    monkeypatch.setattr(registry, "entry_points", lambda group: points.get(group, []))
+    try:
+        with pytest.raises(SystemExit) as done:  # argparse exits after --help
+            cli.main(["run", "--help"])
+        assert done.value.code == 0 and "from-plugin" in capsys.readouterr().out  # a listed choice
+    finally:
+        EXECUTORS.pop("from-plugin", None)
+    points[group] = [EntryPoint("broken", "no_such_module_xyz", group)]
+    assert cli.main(["validate", "graphs/dapo.yaml"]) == 2
+    assert "plugin 'broken' (no_such_module_xyz, entry point group dapo_flow.plugins) failed to load" in capsys.readouterr().err
