@@ -55,6 +55,14 @@ class Generate:
     def load_state_dict(self, state: dict) -> None:
         self.calls = int(state["calls"])
 
+    def _seed(self) -> int:
+        """This call's sampling seed; each worker of a training group draws its own stream (the
+        same stream for different prompts would correlate their samples)."""
+        seed = self.ctx.seed * 1_000_003 + self.calls
+        if self.ctx.world_size > 1:
+            seed = int(np.random.SeedSequence([seed, self.ctx.rank]).generate_state(1)[0])
+        return seed
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         from dapo_flow.models.sampling import SamplingConfig
 
@@ -65,7 +73,7 @@ class Generate:
             top_p=p.top_p,
             top_k=p.top_k,
             max_tokens=p.max_tokens,
-            seed=self.ctx.seed * 1_000_003 + self.calls,
+            seed=self._seed(),
         )
         self.calls += 1
         model = self.ctx.model

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, Field, model_validator
 
 from dapo_flow import algos
-from dapo_flow.algos.balance import token_budget_micro_batches
+from dapo_flow.algos.balance import balanced_partitions, token_budget_micro_batches
 from dapo_flow.graph import columns as C
 from dapo_flow.data.arrow_utils import ragged_to_padded, token_lists
 from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
@@ -102,6 +102,10 @@ METRICS = (
 )
 # per-step counts, reported as sums over the step's mini-batches, not as means
 COUNTS = ("actor/skipped_minibatches", "actor/skipped_steps")
+# statistics each worker of a group computes for its share of a mini-batch (already divided by
+# the group's token count): the group's value is their sum
+GROUP_SUMMED = ("actor/pg_loss", "actor/entropy", "actor/clipfrac", "actor/clipfrac_lower",
+                "actor/ppo_kl", "actor/kl_loss")
 
 
 class Update:
@@ -156,17 +160,26 @@ class Update:
         return min(1.0, (step + 1) / w) if w else 1.0
 
     def state_dict(self) -> dict:
-        return {
-            "optimizer": self.optimizer.state_dict(),
+        """Counters and the scheduler; the optimizer too unless the model is sharded (a training
+        group checkpoints its optimizer state with the weights, shard by shard)."""
+        state = {
             "scheduler": self.scheduler.state_dict(),
             "steps_done": self.steps_done,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "skipped_total": self.skipped_total,
             "empty_in_a_row": self.empty_in_a_row,
         }
+        if not self.policy.sharded:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state and self.policy.sharded:  # a one-worker run resumed by a group
+            from dapo_flow.models import fsdp
+
+            fsdp.load_full_optimizer_state(self.policy.model, self.optimizer, state["optimizer"])
+        elif "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps_done = int(state["steps_done"])
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))  # older checkpoints lack it
@@ -175,7 +188,8 @@ class Update:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         p = self.params
-        if batch.num_rows == 0:
+        total_rows = int(self._group_sum([batch.num_rows])[0])
+        if total_rows == 0:
             raise algos.AlgoError(
                 f"update '{self.ctx.node_id}' got an empty batch: a node between the group-filter "
                 "(or generate) and this update dropped every row. Fix: let that node keep rows, or "
@@ -199,12 +213,14 @@ class Update:
         n_opt_steps = 0
         for _epoch in range(p.ppo_epochs):
             order = rng.permutation(batch.num_rows) if p.shuffle else np.arange(batch.num_rows)
-            for mb in np.array_split(order, min(p.mini_batches, batch.num_rows)):
-                n_tokens = int(mask[mb].sum())
+            # in a group, each worker cuts its rows into the same number of mini-batches; the
+            # k-th of every worker together make the group's k-th optimizer step
+            for mb in np.array_split(order, min(p.mini_batches, total_rows)):
+                n_tokens, n_seqs = (int(x) for x in self._group_sum([mask[mb].sum(), len(mb)]))
                 if n_tokens == 0:  # e.g. every response truncated under overlong filtering
                     sums["actor/skipped_minibatches"] += 1
                     continue
-                stats = self._minibatch(mb, prompts, responses, old_logp, ref_logp, mask, adv, n_tokens)
+                stats = self._minibatch(mb, prompts, responses, old_logp, ref_logp, mask, adv, n_tokens, n_seqs)
                 for key, value in stats.items():
                     sums[key] += value
                 n_opt_steps += 1
@@ -220,24 +236,49 @@ class Update:
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         return pa.table({k: pa.array([out[k]], pa.float32()) for k in METRICS})
 
+    def _group_sum(self, values) -> list[float]:
+        """Sums over the training group's workers (the values themselves without a group)."""
+        if self.ctx.world_size == 1:
+            return [float(v) for v in values]
+        from dapo_flow.models import fsdp
+
+        return fsdp.all_reduce_sum([float(v) for v in values])
+
     def _micro_batches(self, mb: np.ndarray, prompts: list, responses: list) -> list[np.ndarray]:
         """Rows of mini-batch ``mb`` per forward/backward pass: up to the model's token budget
         (``train.max_tokens_per_micro_batch``, prompt + response tokens), else
-        ``micro_batch_size`` rows."""
+        ``micro_batch_size`` rows. In a group every worker runs as many passes as the worker
+        that needs most (each pass is an FSDP collective): one with fewer re-cuts its rows into
+        that many balanced parts, some possibly empty."""
         budget = self.ctx.model.spec.train.max_tokens_per_micro_batch
+        tokens = np.array([len(prompts[i]) + len(responses[i]) for i in mb], dtype=np.int64)
         if budget is None:
             size = self.params.micro_batch_size
-            return [mb[i : i + size] for i in range(0, len(mb), size)]
-        tokens = np.array([len(prompts[i]) + len(responses[i]) for i in mb])
-        return [mb[part] for part in token_budget_micro_batches(tokens, budget)]
+            parts = [np.arange(i, min(i + size, len(mb))) for i in range(0, len(mb), size)]
+        else:
+            parts = token_budget_micro_batches(tokens, budget)
+        if self.ctx.world_size > 1:
+            from dapo_flow.models import fsdp
 
-    def _minibatch(self, mb, prompts, responses, old_logp, ref_logp, mask, adv, n_tokens) -> dict[str, float]:
-        """One optimizer step over mini-batch rows ``mb`` (micro-batched)."""
+            count = int(fsdp.all_reduce_max([len(parts)])[0])
+            if len(parts) < count:
+                parts = balanced_partitions(tokens, count)
+        return [mb[part] for part in parts]
+
+    def _minibatch(self, mb, prompts, responses, old_logp, ref_logp, mask, adv, n_tokens,
+                   n_seqs) -> dict[str, float]:
+        """One optimizer step over mini-batch rows ``mb`` (micro-batched). ``n_tokens`` and
+        ``n_seqs`` count the whole mini-batch, over every worker of a group: each worker's loss is
+        its share of the group's loss, times the world size since FSDP averages gradients."""
         p = self.params
+        world = self.ctx.world_size
         self.optimizer.zero_grad(set_to_none=True)
         stats = {name: 0.0 for name in METRICS}
         lr = self.optimizer.param_groups[0]["lr"]
         for rows in self._micro_batches(mb, prompts, responses):
+            if len(rows) == 0:  # this worker has no rows for a pass the others make
+                self._empty_pass()
+                continue
             logp, entropy, resp_mask = self.policy.response_logprobs(
                 [prompts[i] for i in rows],
                 [responses[i] for i in rows],
@@ -249,7 +290,7 @@ class Update:
             m = torch.from_numpy(mask[rows, :width]) & resp_mask
             old = torch.from_numpy(old_logp[rows, :width])
             a = torch.from_numpy(adv[rows, :width]) if adv.ndim == 2 else torch.from_numpy(adv[rows])[:, None].expand(-1, width)
-            agg = dict(num_tokens=n_tokens, num_seqs=len(mb))
+            agg = dict(num_tokens=n_tokens, num_seqs=n_seqs)
             pg_loss, pg_stats = algos.policy_loss(
                 old, logp, a, m, clip_low=p.clip_low, clip_high=p.clip_high, clip_c=p.clip_c,
                 agg=p.loss_agg_mode, norm_len=p.norm_len, **agg,
@@ -263,14 +304,19 @@ class Update:
                 kl_loss = algos.agg_loss(kl, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
                 loss = loss + p.kl_coef * kl_loss
                 stats["actor/kl_loss"] += float(kl_loss.detach())
-            loss.backward()
+            (loss * world if world > 1 else loss).backward()
             # token-weighted share of this micro-batch in the mini-batch's token statistics
             share = float(m.sum()) / n_tokens
             stats["actor/pg_loss"] += float(pg_loss.detach())
             stats["actor/entropy"] += float(ent)
             for key in ("clipfrac", "clipfrac_lower", "ppo_kl"):
                 stats[f"actor/{key}"] += pg_stats[key] * share
+        if world > 1:  # each worker's statistics are its share of the group's: add them up
+            summed = self._group_sum([stats[k] for k in GROUP_SUMMED])
+            stats.update(zip(GROUP_SUMMED, summed))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), p.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # sharded: a DTensor holding the global norm
+            grad_norm = grad_norm.full_tensor()
         finite = bool(torch.isfinite(grad_norm))
         if finite:  # a nan/inf step would poison the weights and Adam's moments for good
             self.optimizer.step()
@@ -278,6 +324,14 @@ class Update:
         stats["actor/grad_norm"] = float(grad_norm)
         stats["actor/lr"] = lr
         return stats
+
+    def _empty_pass(self) -> None:
+        """A forward/backward pass of one token with zero loss: a worker with no rows left takes
+        part in the group's collectives (FSDP gathers and reduces in every pass)."""
+        eos = self.policy.eos_id
+        logp, _, _ = self.policy.response_logprobs([[eos]], [[eos]], temperature=self.params.temperature,
+                                                   grad=True)
+        (logp.sum() * 0.0).backward()
 
     def _count_nonfinite(self, stats: dict[str, float]) -> None:
         """Track skipped (non-finite) optimizer steps; stop after max_nonfinite_steps in a row."""

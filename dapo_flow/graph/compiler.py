@@ -64,18 +64,30 @@ def _stage_name(node: PlanNode, mode: str) -> str:
     return f"model:{node.model}"
 
 
+def _group_of(plan: Plan, stage: str):
+    """The `train:` block of the model a model stage hosts (its group settings); None for the
+    driver and for rollout stages (rollout replicas are not training groups)."""
+    if not stage.startswith("model:"):
+        return None
+    return plan.spec.models[stage.split(":", 1)[1]].train
+
+
 def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
     """A cheap CPU map whose inputs and consumers all live in one actor runs in that actor
     (e.g. `advantage` between `logprob` and `update`): two fewer round trips and table
-    copies per step, and the actor runs the whole chain in one call."""
+    copies per step, and the actor runs the whole chain in one call. Never into a training
+    group: its workers each see a share of the rows, and a CPU map may need them all (an
+    advantage normalised over the batch)."""
     consumers = plan.consumers()
     out = dict(stage_of)
     for n in plan.nodes:  # topological order, so chains of CPU maps move one by one
         if out[n.id] != DRIVER or n.cardinality != "map" or not n.inputs or not consumers[n.id]:
             continue
         around = {out.get(i, DRIVER) for i in (*n.inputs, *consumers[n.id])}
-        if len(around) == 1 and next(iter(around)) != DRIVER:
-            out[n.id] = next(iter(around))
+        stage = next(iter(around))
+        group = _group_of(plan, stage)
+        if len(around) == 1 and stage != DRIVER and not (group is not None and group.sharded):
+            out[n.id] = stage
     return out
 
 
@@ -89,40 +101,82 @@ def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
         members.setdefault(stage_of[node.id], []).append(node.id)
     actors = [name for name in members if name != DRIVER]
     model_of = {name: name.split(":", 1)[1] for name in actors}
+    workers = {name: (_group_of(plan, name).workers if _group_of(plan, name) else 1) for name in actors}
     explicit = plan.spec.placement.models
-    problems = []
-    for resource, have in (("num_gpus", cluster.gpus), ("num_cpus", cluster.cpus)):
-        asked = sum(getattr(explicit[m], resource) for m in model_of.values() if m in explicit)
-        if asked <= have:
-            continue
-        for m in dict.fromkeys(m for m in model_of.values() if m in explicit):
-            n_actors = sum(1 for x in model_of.values() if x == m)
-            path = ("placement", "models", m, resource)
-            line = plan.doc.line_of(path) if plan.doc is not None else 0
-            problems.append(Problem(plan.file, line, "", f"placement.models.{m}.{resource}",
-                                    f"{n_actors} actor(s) ask for {getattr(explicit[m], resource):g} "
-                                    f"{resource[4:-1].upper()}(s) each, {asked:g} in all, but the "
-                                    f"cluster has {have:g}", f"lower {resource} or run on a "
-                                    "bigger cluster (ray start --address=...)"))
+    problems = _placement_problems(plan, cluster, model_of, workers)
     if problems:
         raise GraphError(problems)
     default = [a for a in actors if model_of[a] not in explicit]
-    free_gpus = cluster.gpus - sum(explicit[m].num_gpus for m in model_of.values() if m in explicit)
-    gpu_each = 1.0 if default and free_gpus >= len(default) else 0.0
-    cpu_each = min(1.0, cluster.cpus / (len(actors) + 1))  # leave the driver a share
+    default_workers = sum(workers[a] for a in default)
+    free_gpus = cluster.gpus - sum(explicit[model_of[a]].num_gpus * workers[a] for a in actors if a not in default)
+    gpu_each = 1.0 if default and free_gpus >= default_workers else 0.0
+    cpu_each = min(1.0, cluster.cpus / (sum(workers.values()) + 1))  # leave the driver a share
     stages = []
     for name in actors:
         m = model_of[name]
         cpus, gpus = (explicit[m].num_cpus, explicit[m].num_gpus) if m in explicit else (cpu_each, gpu_each)
+        group = _group_of(plan, name)
         stages.append(Stage(name=name, kind="actor", nodes=tuple(members[name]), models=(m,),
-                            num_cpus=cpus, num_gpus=gpus))
-    driver_cpus = max(cluster.cpus - sum(s.num_cpus for s in stages), 0.0)
+                            num_cpus=cpus, num_gpus=gpus, workers=workers[name],
+                            strategy=group.resolved_strategy if group else "none",
+                            placement_strategy=group.placement_strategy if group else "PACK"))
+    driver_cpus = max(cluster.cpus - sum(s.num_cpus * s.workers for s in stages), 0.0)
     driver = Stage(DRIVER, DRIVER, tuple(members[DRIVER]), (), driver_cpus, 0.0)
     node_stage = {nid: name for name, ids in members.items() for nid in ids}
     return PlacedPlan(plan=plan, cluster=cluster, stages=(driver, *stages),
                       node_stage=MappingProxyType(node_stage),
                       calls=MappingProxyType(_calls(plan, node_stage)),
                       syncs=_syncs(plan, node_stage))
+
+
+def _placement_problems(plan: Plan, cluster: Cluster, model_of: Mapping[str, str],
+                        workers: Mapping[str, int]) -> list[Problem]:
+    """What cannot be placed on ``cluster``, found before anything starts: explicit resources
+    beyond the cluster's, a training group's worker larger than one node, a group on a GPU
+    cluster that would not get a GPU per worker."""
+    explicit = plan.spec.placement.models
+    line = (lambda path: plan.doc.line_of(path) if plan.doc is not None else 0)  # noqa: E731
+    problems = []
+    for resource, have in (("num_gpus", cluster.gpus), ("num_cpus", cluster.cpus)):
+        asked = sum(getattr(explicit[m], resource) * workers[a] for a, m in model_of.items() if m in explicit)
+        if asked <= have:
+            continue
+        for m in dict.fromkeys(m for m in model_of.values() if m in explicit):
+            n_workers = sum(workers[a] for a, x in model_of.items() if x == m)
+            problems.append(Problem(plan.file, line(("placement", "models", m, resource)), "",
+                                    f"placement.models.{m}.{resource}",
+                                    f"{n_workers} actor(s) ask for {getattr(explicit[m], resource):g} "
+                                    f"{resource[4:-1].upper()}(s) each, {asked:g} in all, but the "
+                                    f"cluster has {have:g}", f"lower {resource}, lower "
+                                    f"models.{m}.train.workers, or run on a bigger cluster "
+                                    "(ray start --address=...)"))
+    per_node_gpus, per_node_cpus = cluster.gpus / cluster.nodes, cluster.cpus / cluster.nodes
+    for actor, m in model_of.items():
+        if m not in explicit or workers[actor] == 1:
+            continue
+        for resource, per_node in (("num_gpus", per_node_gpus), ("num_cpus", per_node_cpus)):
+            each = getattr(explicit[m], resource)
+            if each > per_node:
+                problems.append(Problem(
+                    plan.file, line(("placement", "models", m, resource)), "",
+                    f"placement.models.{m}.{resource}",
+                    f"each of the {workers[actor]} training workers of '{m}' asks for {each:g} "
+                    f"{resource[4:-1].upper()}(s), but a node of the cluster has {per_node:g} "
+                    f"({cluster.nodes} node(s)); a worker lives on one node",
+                    f"ask for at most {per_node:g} per worker and raise models.{m}.train.workers"))
+    default_workers = sum(workers[a] for a, m in model_of.items() if m not in explicit)
+    free = cluster.gpus - sum(explicit[m].num_gpus * workers[a] for a, m in model_of.items() if m in explicit)
+    for actor, m in model_of.items():
+        if m in explicit or workers[actor] == 1 or not cluster.gpus or free >= default_workers:
+            continue
+        problems.append(Problem(
+            plan.file, line(("models", m, "train", "workers")), "", f"models.{m}.train.workers",
+            f"the training group of '{m}' has {workers[actor]} workers, one GPU each, but only "
+            f"{free:g} of the cluster's {cluster.gpus:g} GPUs are free for {default_workers} "
+            "worker(s) without placement.models resources",
+            f"lower models.{m}.train.workers, or set placement.models.{m}.num_gpus (a share of a "
+            "GPU per worker), or run on a bigger cluster"))
+    return problems
 
 
 def _calls(plan: Plan, stage_of: Mapping[str, str]) -> dict[str, tuple[Call, ...]]:
@@ -183,7 +237,8 @@ def explain(placed: PlacedPlan) -> str:
         *(f"  {name:<14} {m.path} ({m.dtype}, {m.backend}, device {m.device}"
           + (f", update micro-batches of <= {m.train.max_tokens_per_micro_batch} tokens"
              if m.train.max_tokens_per_micro_batch else "")
-          + (", gradient checkpointing" if m.train.grad_checkpointing else "") + ")" + _rollout_settings(p, name)
+          + (", gradient checkpointing" if m.train.grad_checkpointing else "") + _group_settings(p, name) + ")"
+          + _rollout_settings(p, name)
           for name, m in spec.models.items()),
         "",
         "stages:",
@@ -192,6 +247,11 @@ def explain(placed: PlacedPlan) -> str:
         what = f"loads {', '.join(s.models)}; " if s.models else ""
         out.append(f"  {s.name:<16} {s.kind:<6} cpus={s.num_cpus:g} gpus={s.num_gpus:g}  "
                    f"{what}runs {', '.join(s.nodes) or '-'}")
+        if s.is_group:
+            out.append(f"  {'':<16} group of {s.workers} worker(s) ({s.strategy}, one placement group, "
+                       f"{s.placement_strategy}; resources above are per worker, "
+                       f"{s.num_cpus * s.workers:g} CPUs and {s.num_gpus * s.workers:g} GPUs in all): "
+                       "each call splits its rows across the workers by whole prompt groups")
     train = spec.data.train
     gen_batch = run.gen_prompts_per_batch or run.prompts_per_step
     per_batch = ("generation batches sized from the keep rate so far (auto)" if gen_batch == "auto"
@@ -227,6 +287,17 @@ def explain(placed: PlacedPlan) -> str:
                 f"with n={run.val_n} temperature={run.val_temperature}, graded by {grade.id} @ "
                 f"{placed.node_stage[grade.id]}, on {spec.data.val.source} [{spec.data.val.split}]"]
     return "\n".join(out) + "\n"
+
+
+def _group_settings(plan: Plan, model: str) -> str:
+    """How a trained model's group shards it (nothing for an unsharded model)."""
+    train = plan.spec.models[model].train
+    if not train.sharded or model not in plan.trained_models:
+        return ""
+    extras = [x for x, on in (("bf16 mixed precision", train.mixed_precision == "bf16"),
+                              ("CPU offload", train.cpu_offload)) if on]
+    return f", trained by {train.workers} worker(s) with {train.resolved_strategy}" + "".join(
+        f", {x}" for x in extras)
 
 
 def _rollout_settings(plan: Plan, model: str) -> str:

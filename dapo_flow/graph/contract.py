@@ -86,13 +86,17 @@ class OpContext:
     """What an operator instance may use at run time, handed in by the runtime.
 
     ``model`` is the loaded model resource of the node's ``model:`` (None for CPU ops);
-    ``models`` maps every model name the worker hosts to its resource.
+    ``models`` maps every model name the worker hosts to its resource. In a training group
+    (``world_size`` > 1) the operator runs on each of the group's ``world_size`` workers, each
+    with its share of the rows (whole prompt groups); ``rank`` says which worker this is.
     """
 
     node_id: str
     seed: int = 0
     model: Any = None
     models: Mapping[str, Any] = field(default_factory=dict)
+    rank: int = 0
+    world_size: int = 1
 
 
 @runtime_checkable

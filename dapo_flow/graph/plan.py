@@ -151,8 +151,17 @@ class Stage:
     kind: str  # "actor" | "driver"
     nodes: tuple[str, ...]
     models: tuple[str, ...]  # models this actor loads
-    num_cpus: float
-    num_gpus: float
+    num_cpus: float  # per worker
+    num_gpus: float  # per worker
+    workers: int = 1  # > 1: a training group, one actor per worker on one placement group
+    strategy: str = "none"  # how the group shards its model: "fsdp2" | "none"
+    placement_strategy: str = "PACK"  # the group's placement group strategy
+
+    @property
+    def is_group(self) -> bool:
+        """A stage whose model is trained by FSDP2 workers (even one): its calls go to every
+        worker, each with its share of the rows (dapo_flow.runtime.group)."""
+        return self.strategy == "fsdp2"
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,24 @@ class _Frozen(BaseModel):
 class TrainSpec(_Frozen):
     """How a model is trained (the `update` node that trains it reads this)."""
 
+    workers: int = Field(1, ge=1, le=4096, description="Size of the training group: this many "
+                         "workers (Ray actors on one placement group, one torch.distributed process "
+                         "group: nccl on GPU, gloo on CPU) shard the model and split every batch. "
+                         "1: one actor, as without a group.")
+    strategy: Literal["fsdp2", "none"] | None = Field(
+        None, description="How the group shards the model: `fsdp2` (torch fully_shard per decoder "
+        "layer and the root) or `none` (one unsharded worker; only with workers: 1). null: fsdp2 "
+        "when workers > 1, else none.")
+    mixed_precision: Literal["bf16"] | None = Field(
+        None, description="fsdp2 only. `bf16`: parameters and compute in bf16, gradient reductions "
+        "and the sharded master weights in fp32; null: the model's dtype throughout.")
+    cpu_offload: bool = Field(False, description="fsdp2 only: keep sharded parameters, gradients "
+                              "and optimizer state in host memory (slower; for models that do not "
+                              "fit otherwise).")
+    placement_strategy: Literal["PACK", "SPREAD"] = Field(
+        "PACK", description="How Ray places the group's workers (placement group strategy): PACK "
+        "on as few nodes as possible, SPREAD over as many.")
+
     max_tokens_per_micro_batch: int | None = Field(
         None, ge=1, description="Token budget (prompt + response tokens) per micro-batch of the update: "
         "consecutive rows up to the budget, a longer row alone (verl's use_dynamic_bsz / "
@@ -35,6 +53,28 @@ class TrainSpec(_Frozen):
         False, description="Recompute each decoder layer's activations in the backward pass instead of "
         "keeping them: less memory for about one more forward of compute; the same gradients."
     )
+
+    @model_validator(mode="after")
+    def _strategy_fits_the_group(self) -> "TrainSpec":
+        if self.strategy == "none" and self.workers > 1:
+            raise ValueError(f"strategy none trains one unsharded copy, but workers is {self.workers}: "
+                             "use strategy: fsdp2 (or leave it null), or workers: 1")
+        if self.resolved_strategy == "none":
+            used = [k for k in ("mixed_precision", "cpu_offload") if getattr(self, k)]
+            if used:
+                raise ValueError(f"{used[0]} is an FSDP2 setting: set strategy: fsdp2 (it runs at "
+                                 "workers: 1 too), or remove it")
+        return self
+
+    @property
+    def resolved_strategy(self) -> str:
+        """`fsdp2` or `none`: the strategy, null resolved by the group size."""
+        return self.strategy or ("fsdp2" if self.workers > 1 else "none")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is trained by an FSDP2 group (of any size, 1 included)."""
+        return self.resolved_strategy == "fsdp2"
 
 
 class RolloutSpec(_Frozen):

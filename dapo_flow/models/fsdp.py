@@ -28,7 +28,8 @@ from __future__ import annotations
 import datetime
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,37 @@ def init_group(rank: int, world_size: int, master_addr: str, master_port: int, *
 def destroy_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def rank() -> int:
+    """This process's rank in the group (0 outside one)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules ``fully_shard`` was applied to (each decoder layer and the root)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def unsharded(model: nn.Module) -> Iterator[None]:
+    """Every rank holds the full parameters inside the block: each FSDP module all-gathers once
+    on entry (all ranks must enter together) and is not resharded after its forwards, so the
+    forwards inside are local — any number per rank, e.g. sampling or scoring each rank's own
+    rows. On exit the shards are back (and so are the reshard-after-forward settings)."""
+    modules = fsdp_modules(model)
+    for m in modules:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        for m in modules:
+            m.unshard()
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -116,16 +148,46 @@ def save_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Opti
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
 
 
-def load_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Read a :func:`save_sharded` checkpoint into this (already sharded) model and optimizer,
-    whatever the world size it was saved at (DCP reshards on load)."""
+def save_sharded_weights(path: Path | str, model: nn.Module) -> None:
+    """:func:`save_sharded` of the weights alone (a model no optimizer trains)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
+
+
+def load_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Read a :func:`save_sharded` checkpoint into this model and optimizer (None: the weights
+    only), whatever the world size it was saved at (DCP reshards on load): a sharded model of a
+    group of any size, or a plain one in a process without a group (a run resumed on one
+    unsharded worker)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(model, state["model"])
+        return
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load an unsharded optimizer's ``state_dict()`` (parameters by index, as a one-worker run
+    checkpoints it) into this sharded model's optimizer: indices are the order of
+    ``model.parameters()``, which fully_shard keeps; each rank keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = [name for name, p in model.named_parameters()]
+    by_name = {"state": {names[int(i)]: v for i, v in state["state"].items()},
+               "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]}
+                                for g in state["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict={}, optim_state_dict=by_name,
+                   options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def full_state_dict(model: nn.Module) -> Mapping[str, torch.Tensor]:

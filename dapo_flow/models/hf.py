@@ -128,10 +128,41 @@ class HFPolicy:
         if grad_checkpointing:  # active only in train mode: gradient passes switch to it (_grad_mode)
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.sharded = False  # True once shard() made it one FSDP2 shard of a training group
+        self.world_size = 1
         self.eos_ids = self._eos_ids()
         self.eos_id = self.eos_ids[0]
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_id  # pads are masked; any id works
+
+    # --- a training group's shard (FSDP2) --------------------------------------------------------
+
+    def shard(self, *, mixed_precision: str | None = None, cpu_offload: bool = False) -> None:
+        """Make this policy one FSDP2 shard of the training group this process has joined
+        (:func:`dapo_flow.models.fsdp.init_group`); an optimizer must be made afterwards.
+        Gradient passes are then collectives: every worker runs the same number of them
+        (operators/update.py agrees the counts). Sampling and logprobs without gradients run
+        on the gathered weights (:meth:`gathered`), each worker on its own rows."""
+        import torch.distributed as dist
+
+        from dapo_flow.models import fsdp
+
+        fsdp.shard_model(self.model, mixed_precision=mixed_precision, cpu_offload=cpu_offload)
+        self.sharded, self.world_size = True, dist.get_world_size()
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """The full weights on this worker for the block (one all-gather per layer on entry, by
+        every worker of the group at once), so that forwards inside need no collective: each
+        worker samples or scores its own rows, as many forwards as it needs, the way a hybrid
+        engine's rollout does. The shards are restored on exit. Unsharded: nothing to do."""
+        if not self.sharded:
+            yield
+            return
+        from dapo_flow.models import fsdp
+
+        with fsdp.unsharded(self.model):
+            yield
 
     def _eos_ids(self) -> list[int]:
         """All stop ids: the tokenizer's EOS first, then generation_config's (may be a list)."""
@@ -154,11 +185,12 @@ class HFPolicy:
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         truncated: list[bool] = []
-        for chunk in self._prompt_chunks(prompt_ids, cfg.n):
-            r, lp, tr = self._generate_batch(chunk, cfg, gen)
-            responses += r
-            logprobs += lp
-            truncated += tr
+        with self.gathered():
+            for chunk in self._prompt_chunks(prompt_ids, cfg.n):
+                r, lp, tr = self._generate_batch(chunk, cfg, gen)
+                responses += r
+                logprobs += lp
+                truncated += tr
         return Rollouts.contiguous(len(prompt_ids), cfg.n, responses, logprobs, truncated,
                                    time.perf_counter() - start)
 
@@ -273,7 +305,7 @@ class HFPolicy:
             with self._grad_mode():
                 logp, ent = self._logprobs_pass(batch, slice(None), temp, with_entropy)
         else:
-            with torch.inference_mode():
+            with self.gathered(), torch.inference_mode():
                 parts = [
                     self._logprobs_pass(batch, slice(i, i + micro_batch_size), temp, with_entropy)
                     for i in range(0, len(prompt_ids), micro_batch_size)
@@ -316,15 +348,20 @@ class HFPolicy:
     # --- weights ----------------------------------------------------------------------------------
 
     def named_weights(self) -> dict[str, np.ndarray]:
-        """float32 copies of every weight, ``lm_head.weight`` included even when tied."""
-        out = {k: v.detach().to("cpu", torch.float32, copy=True).numpy() for k, v in self.model.state_dict().items()}
+        """float32 copies of every weight, ``lm_head.weight`` included even when tied. Sharded:
+        every worker of the group must call it (each gets the full weights)."""
+        out = {k: _full(v).detach().to("cpu", torch.float32, copy=True).numpy()
+               for k, v in self.model.state_dict().items()}
         if "lm_head.weight" not in out:  # tied embeddings: engines such as vLLM still want it
             head = self.model.get_output_embeddings().weight
-            out["lm_head.weight"] = head.detach().to("cpu", torch.float32, copy=True).numpy()
+            out["lm_head.weight"] = _full(head).detach().to("cpu", torch.float32, copy=True).numpy()
         return out
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         """Copy ``weights`` (as from :meth:`named_weights`) into the model, in place."""
+        if self.sharded:
+            raise ModelError("a training group's sharded policy takes no weights from outside "
+                             "(it is the source of weight syncs, not a target)")
         params = self.model.state_dict()
         missing = sorted(set(params) - set(weights))
         unknown = sorted(set(weights) - set(params) - {"lm_head.weight"})
@@ -343,12 +380,30 @@ class HFPolicy:
         """Nothing to release: the torch model lives as long as the actor."""
 
     def save(self, out_dir: Path | str) -> Path:
-        """A Hugging Face model directory (weights, config, tokenizer) that ``path:`` can point at."""
+        """A Hugging Face model directory (weights, config, tokenizer) that ``path:`` can point at.
+        Sharded: every worker must call it; the first writes the gathered weights."""
         out = Path(out_dir)
-        with hf_progress_bars_off():
-            self.model.save_pretrained(out)
-        self.tokenizer.save_pretrained(out)
+        if self.sharded:
+            from dapo_flow.models import fsdp
+
+            state = fsdp.full_state_dict(self.model)  # a collective: on rank 0 only
+            if fsdp.rank() == 0:
+                save_hf_dir(out, self.model, self.tokenizer, state_dict=dict(state))
+            return out
+        save_hf_dir(out, self.model, self.tokenizer)
         return out
+
+
+def save_hf_dir(out: Path, model, tokenizer, state_dict: dict | None = None) -> None:
+    """``save_pretrained`` of the model (its own weights, or ``state_dict``) and tokenizer."""
+    with hf_progress_bars_off():
+        model.save_pretrained(out, state_dict=state_dict)
+    tokenizer.save_pretrained(out)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective over its mesh); a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def rollout_engine(path: Path | str, *, dtype: str, device: str, seed: int,

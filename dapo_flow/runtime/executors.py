@@ -10,12 +10,15 @@ registry `--executor` chooses from: adding one is a class plus one line there.
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 import pyarrow as pa
 
 from dapo_flow.errors import RunError
-from dapo_flow.runtime.worker import StageSetup, StageWorker
+from dapo_flow.runtime import group
+from dapo_flow.runtime.worker import GroupMember, StageSetup, StageWorker, resolve_op
 from dapo_flow.graph.spec import GraphSpec
 
 RESUME_HINT = "`dapo-flow run GRAPH --resume` continues from the last checkpoint"
@@ -31,7 +34,9 @@ def call_timeout() -> float:
 @runtime_checkable
 class Executor(Protocol):
     """Hosts the actor stages of a run: ``__init__(graph, setups, seed, resources, address=None)``
-    builds every stage's :class:`StageWorker` (``resources``: stage -> (cpus, gpus))."""
+    builds every stage's :class:`StageWorker` (``resources``: stage -> (cpus, gpus), per worker
+    for a training group: a setup with ``sharded`` set, ``workers`` of them, each joining the
+    group as its :class:`GroupMember`)."""
 
     name: str
     #: reads a list of parquet files (or one file) into one table on the executor's side;
@@ -54,7 +59,19 @@ class LocalExecutor:
 
     def __init__(self, graph: GraphSpec, setups: Mapping[str, StageSetup], seed: int,
                  resources: Mapping[str, tuple[float, float]] | None = None, address: str | None = None):
-        self.workers = {name: StageWorker(graph, s, seed) for name, s in setups.items()}
+        for name, s in setups.items():
+            if s.workers > 1:
+                raise RunError(f"stage '{name}' is a training group of {s.workers} workers, one "
+                               "process each, and the local executor runs everything in this process"
+                               "\n    fix: --executor ray, or set the model's train.workers: 1")
+        self.workers = {}
+        try:
+            for name, s in setups.items():  # a group of one: an FSDP2 shard of world size 1
+                member = GroupMember(0, 1, "127.0.0.1", free_port()) if s.sharded else None
+                self.workers[name] = StageWorker(graph, replace(s, group=member), seed)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
         return getattr(self.workers[stage], method)(*args)
@@ -89,21 +106,64 @@ class RayExecutor:
             )
         remote_cls = ray.remote(StageWorker)
         self.actors = {}
+        self.groups: dict[str, WorkerGroup] = {}
+        self.placement_groups = []
         try:
             for name, setup in setups.items():
                 cpus, gpus = resources.get(name, (1.0, 0.0))
-                self.actors[name] = remote_cls.options(
-                    num_cpus=cpus, num_gpus=gpus, name=None, max_restarts=0
-                ).remote(graph, setup, seed)
+                if setup.sharded:
+                    self.groups[name] = self._start_group(remote_cls, graph, name, setup, seed, cpus, gpus)
+                else:
+                    self.actors[name] = remote_cls.options(
+                        num_cpus=cpus, num_gpus=gpus, name=None, max_restarts=0
+                    ).remote(graph, setup, seed)
             # surface load errors (bad model path...) now, with the actor's message; a short
             # call timeout (a test's, a fast model's) must not cut model loading short
-            self.get([a.ready.remote() for a in self.actors.values()],
-                     timeout=max(call_timeout(), STARTUP_TIMEOUT_S))
+            startup = max(call_timeout(), STARTUP_TIMEOUT_S)
+            self.get([a.ready.remote() for a in self.actors.values()], timeout=startup)
+            for name in self.groups:
+                self.get(self.call(name, "ready"), timeout=startup)
         except BaseException:
             self.shutdown()  # else the actors and the cluster outlive a failed start in-process
             raise
 
+    def _start_group(self, remote_cls, graph: GraphSpec, stage: str, setup: StageSetup, seed: int,
+                     cpus: float, gpus: float) -> "WorkerGroup":
+        """A training group: one placement group with a bundle per worker (PACK or SPREAD), an
+        actor in each, and the torch.distributed group they form (rank 0's node and a free
+        port there as its master address)."""
+        ray = self._ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+        pg = placement_group([dict(bundle) for _ in range(setup.workers)], strategy=setup.placement_strategy)
+        self.placement_groups.append(pg)
+        if not pg.wait(timeout_seconds=int(max(call_timeout(), 1))):
+            raise RunError(
+                f"the training group of stage '{stage}' ({setup.workers} workers of {cpus:g} CPUs and "
+                f"{gpus:g} GPUs each, {setup.placement_strategy}) could not be placed on the Ray "
+                f"cluster (it has {_cluster_resources(ray)})\n    fix: lower the model's "
+                "train.workers or placement.models resources, or add nodes; `dapo-flow explain "
+                "GRAPH --cpus N --gpus N --nodes N` checks a placement before a run")
+
+        def on(rank: int) -> PlacementGroupSchedulingStrategy:
+            return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+
+        addr, port = ray.get(ray.remote(_rendezvous).options(num_cpus=0, scheduling_strategy=on(0)).remote(),
+                             timeout=STARTUP_TIMEOUT_S)
+        members = [
+            remote_cls.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=on(rank)).remote(
+                graph, replace(setup, group=GroupMember(rank, setup.workers, addr, port)), seed)
+            for rank in range(setup.workers)
+        ]
+        sinks = {n.id for n in setup.nodes if resolve_op(n).CARDINALITY == "sink"}
+        return WorkerGroup(stage, members, sinks)
+
     def call(self, stage: str, method: str, *args: Any) -> Any:
+        group = self.groups.get(stage)
+        if group is not None:
+            return group.call(method, *args)
         return getattr(self.actors[stage], method).remote(*args)
 
     def read_parquet(self, files) -> pa.Table:
@@ -120,18 +180,44 @@ class RayExecutor:
         return schema.base_schema.empty_table() if schema is not None else pa.table({})
 
     def get(self, handle: Any, timeout: float | None = None) -> Any:
-        ray = self._ray
         timeout = call_timeout() if timeout is None else timeout
+        if isinstance(handle, GroupCall):
+            return handle.join(self._get_group(handle, timeout))
+        return self._get(handle, timeout)
+
+    def _get_group(self, call: "GroupCall", timeout: float) -> list:
+        """Every worker's result, taken as each finishes: the first worker that fails or dies
+        is named at once (the others would wait for it in a collective until their timeout)."""
+        ray = self._ray
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        index = {ref: rank for rank, ref in enumerate(call.refs)}
+        pending = list(call.refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = ", ".join(str(index[r]) for r in pending)
+                raise RunError(f"worker(s) {late} of the training group of stage '{call.stage}' did not "
+                               f"answer within {timeout:g} s (hung collective? a worker on an unreachable "
+                               f"node?); raise DAPO_FLOW_CALL_TIMEOUT if the model is just slow. {RESUME_HINT}")
+            for ref in ready:
+                rank = index[ref]
+                results[rank] = self._get(ref, timeout, who=f"worker {rank} of the training group of "
+                                                            f"stage '{call.stage}'")
+        return [results[rank] for rank in range(len(call.refs))]
+
+    def _get(self, handle: Any, timeout: float, who: str | None = None) -> Any:
+        ray = self._ray
         try:
             return ray.get(handle, timeout=timeout)
         except ray.exceptions.GetTimeoutError as exc:
             raise RunError(
-                f"{self._who(handle)} did not answer within {timeout:g} s (hung weight sync or "
+                f"{who or self._who(handle)} did not answer within {timeout:g} s (hung weight sync or "
                 "generation? not enough CPUs/GPUs for the actors?); raise DAPO_FLOW_CALL_TIMEOUT "
                 f"if the model is just slow. {RESUME_HINT}"
             ) from exc
         except ray.exceptions.RayActorError as exc:
-            raise RunError(f"{self._who(handle)} died: {_root_cause(exc)}. {RESUME_HINT}") from exc
+            raise RunError(f"{who or self._who(handle)} died: {_root_cause(exc)}. {RESUME_HINT}") from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             if isinstance(cause, Exception) and type(cause).__module__.startswith("dapo_flow"):
@@ -148,11 +234,78 @@ class RayExecutor:
             return "an actor"
 
     def shutdown(self) -> None:
-        for actor in self.actors.values():
+        for actor in [*self.actors.values(), *(a for g in self.groups.values() for a in g.members)]:
             self._ray.kill(actor)
         self.actors.clear()
+        self.groups.clear()
+        for pg in self.placement_groups:
+            self._ray.util.remove_placement_group(pg)
+        self.placement_groups.clear()
         if self.owns_cluster:
             self._ray.shutdown()
+
+
+@dataclass
+class GroupCall:
+    """A call made on every worker of a group: their results, joined by ``join``."""
+
+    stage: str
+    refs: list
+    join: Callable[[list], Any]
+
+
+@dataclass
+class WorkerGroup:
+    """The actors of one training group, rank order. Row calls (``run_chain``, ``run_variant``)
+    give each worker its share of the table (dapo_flow.runtime.group); every other call goes to
+    all of them alike (weight syncs and checkpoints are collectives) and answers with rank 0's
+    result."""
+
+    stage: str
+    members: list
+    sinks: set[str]  # node ids whose output is one row of group-reduced metrics
+
+    def call(self, method: str, *args: Any) -> GroupCall:
+        if method == "run_chain":
+            node_ids, table = args
+            parts = group.split(table, len(self.members))
+            refs = [m.run_chain.remote(node_ids, part) for m, part in zip(self.members, parts)]
+            sink, rows = node_ids[-1] in self.sinks, [p.num_rows for p in parts]
+            return GroupCall(self.stage, refs, lambda out: (
+                group.join([t for t, _ in out], sink), group.join_reports([r for _, r in out], rows)))
+        if method == "run_variant":
+            node_id, table, overrides = args
+            parts = group.split(table, len(self.members))
+            refs = [m.run_variant.remote(node_id, part, overrides) for m, part in zip(self.members, parts)]
+            return GroupCall(self.stage, refs, lambda out: group.join(out, node_id in self.sinks))
+        refs = [getattr(m, method).remote(*args) for m in self.members]
+        return GroupCall(self.stage, refs, lambda out: out[0])
+
+
+def _rendezvous() -> tuple[str, int]:
+    """Run on rank 0's node: its address and a port free there, for the group's master."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cluster_resources(ray) -> str:
+    total = ray.cluster_resources()
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    return f"{total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs on {nodes} node(s)"
 
 
 def _root_cause(exc: BaseException) -> str:

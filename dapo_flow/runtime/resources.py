@@ -56,7 +56,7 @@ def _device(spec: ModelSpec) -> str:
 
 def load_resource(
     name: str, spec: ModelSpec, *, path: Path | None, trainable: bool, generates: bool,
-    scores: bool, seed: int, max_model_len: int | None = None,
+    scores: bool, seed: int, max_model_len: int | None = None, sharded: bool = False,
 ) -> ModelResource:
     """Load what this actor needs of model ``name``.
 
@@ -64,10 +64,17 @@ def load_resource(
     runs logprob/update nodes for the model, so it needs the torch policy; ``generates`` that it
     rolls out with it, through the engine of the model's backend (:data:`BACKENDS`), set up with
     the model's `rollout:` settings (``max_model_len``: the default the plan derived).
+    ``sharded``: this actor is a worker of the model's training group (an FSDP2 shard).
+
+    A sharded checkpoint holds no HF weights: the model is built from the spec's path and the
+    worker loads the shards into it (StageWorker), or a weight sync brings them (a rollout actor).
     """
     from dapo_flow.models import resolve_model
     from dapo_flow.models.hf import HFPolicy
+    from dapo_flow.runtime.checkpoint_models import SHARDED, checkpoint_format
 
+    if path is not None and checkpoint_format(Path(path)) == SHARDED:
+        path = None
     model_path = Path(path) if path is not None else resolve_model(spec.path)
     device = _device(spec)
     backend = BACKENDS[spec.backend]
@@ -75,6 +82,8 @@ def load_resource(
     if scores or trainable or (generates and backend.generates_with_trainer):
         policy = HFPolicy(model_path, dtype=spec.dtype, device=device, seed=seed, trainable=trainable,
                           grad_checkpointing=trainable and spec.train.grad_checkpointing)
+        if sharded:
+            policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
     generator = None
     if generates:
         options = spec.rollout

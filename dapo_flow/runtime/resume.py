@@ -21,7 +21,7 @@ from filelock import FileLock, Timeout
 
 from dapo_flow.errors import RunError
 from dapo_flow.runtime import checkpoint
-from dapo_flow.runtime.setup import NOT_IDENTITY, graph_hash
+from dapo_flow.runtime.setup import graph_hash, identity
 from dapo_flow.tracking import default_tracking_uri, find_run, runs_dir
 
 FINISHED = "FINISHED"
@@ -187,8 +187,7 @@ def _changed_since(spec, newest: Path) -> str:
     if old_graph is None:
         return (f"\n    graph '{spec.name}' was changed since its checkpoint {newest}\n    fix: undo "
                 "the change (or pass the same --set edits) to resume it, or run without --resume")
-    ignored = {f"run.{key}" for key in NOT_IDENTITY}
-    changes = [c for c in diff_graphs(old_graph, spec.model_dump(mode="json")) if c.key not in ignored]
+    changes = diff_graphs(identity(old_graph), identity(spec.model_dump(mode="json")))
     if not changes:  # same graph, other hash: written by a dapo-flow that hashed graphs differently
         return (f"\n    the same graph has a checkpoint under another hash: {newest} (written by "
                 "another dapo-flow version?)\n    fix: resume with that version, or run without --resume")

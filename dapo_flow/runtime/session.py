@@ -24,6 +24,7 @@ from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import DRIVER
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
+from dapo_flow.runtime.checkpoint_models import SHARDED, checkpoint_format
 from dapo_flow.runtime.executors import executor_class
 from dapo_flow.runtime.loop import LoopState, Runner
 from dapo_flow.runtime.resume import checkpoint_root, claim, resume_point
@@ -162,6 +163,9 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
                     driver.load_op_states(states)
                 else:
                     ex.get(ex.call(stage, "load_op_states", states))
+            runner = Runner(placed, ex, driver, None)
+            if any(checkpoint_format(Path(p)) == SHARDED for p in model_paths.values()):
+                runner.sync()  # rollout actors were built from the spec's weights: the checkpoint's now
             sampler = PromptSampler(train_prompts, spec.seed)
             if driver_state:
                 sampler.load(driver_state["sampler"])
@@ -170,7 +174,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
                               wall_seconds=float(driver_state.get("wall_seconds", 0.0)),
                               keep_rate=driver_state.get("keep_rate"),
                               skipped_in_a_row=int(driver_state.get("skipped_in_a_row", 0)))
-            runner = Runner(placed, ex, driver, sampler)
+            runner.sampler = sampler
             return _loop(runner, state, tracker, total, run_root, console, startup, skipped,
                          ghash, val_prompts, ctrl_c, logged)
     except KeyboardInterrupt:

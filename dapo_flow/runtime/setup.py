@@ -16,11 +16,27 @@ from dapo_flow.runtime.worker import NodeSetup, StageSetup
 NOT_IDENTITY = ("steps", "keep_checkpoints")
 
 
-def graph_hash(spec) -> str:
-    """Identity of a graph for checkpoints/resume: everything but :data:`NOT_IDENTITY`."""
-    data = spec.model_dump(mode="json")
+#: a model's ``train:`` settings outside the identity: how many workers train it, and how they
+#: are placed, change where a step runs, not what it computes (sharded checkpoints load at any
+#: world size), so a run resumes on more or fewer workers.
+GROUP_KEYS = ("workers", "strategy", "placement_strategy")
+
+
+def identity(data: dict) -> dict:
+    """A graph's dump (``spec.model_dump(mode="json")``) less what is not its identity:
+    :data:`NOT_IDENTITY` and each model's :data:`GROUP_KEYS`."""
+    data = json.loads(json.dumps(data))  # a deep copy
     for key in NOT_IDENTITY:
-        data["run"].pop(key, None)
+        data.get("run", {}).pop(key, None)
+    for model in data.get("models", {}).values():
+        for key in GROUP_KEYS:
+            (model.get("train") or {}).pop(key, None)
+    return data
+
+
+def graph_hash(spec) -> str:
+    """Identity of a graph for checkpoints/resume: everything but what :func:`identity` drops."""
+    data = identity(spec.model_dump(mode="json"))
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
@@ -52,6 +68,7 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str,
             model_paths=dict(model_paths or {}),
             max_model_len=plan.engine_context(),
             num_threads=_threads(stage),
+            sharded=stage.is_group, workers=stage.workers, placement_strategy=stage.placement_strategy,
         )
     return setups
 

@@ -18,6 +18,8 @@ from dapo_flow import threads
 from dapo_flow.runtime.metrics import batch_stats
 from dapo_flow.graph.contract import OpContext
 from dapo_flow.graph.spec import GraphSpec
+from dapo_flow.runtime.checkpoint_models import (SHARDED, checkpoint_format, load_sharded_model,
+                                                 save_sharded_model)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,20 @@ class StageSetup:
     model_paths: Mapping[str, str] = field(default_factory=dict)  # overrides (resume)
     max_model_len: Mapping[str, int] = field(default_factory=dict)  # engines' default context (setup)
     num_threads: int = 0  # threads.configure(num_threads) in the worker; 0 = the process's as they are
+    sharded: bool = False  # a training group's stage: FSDP2 workers (the executor starts them)
+    workers: int = 1  # the group's size
+    placement_strategy: str = "PACK"  # the group's placement group strategy
+    group: "GroupMember | None" = None  # set by the executor for each worker of a group
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """Which worker of a training group (an FSDP2 process group) a StageWorker is."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
 
 
 def quiet_libraries() -> None:
@@ -87,11 +103,17 @@ class StageWorker:
         from dapo_flow.runtime.resources import load_resource
 
         self.setup = setup
+        group = setup.group
+        if group is not None:  # every worker of the group joins before any model is sharded
+            from dapo_flow.models import fsdp
+
+            fsdp.init_group(group.rank, group.world_size, group.master_addr, group.master_port)
         self.resources = {
             name: load_resource(
                 name, graph.models[name], path=setup.model_paths.get(name),
                 trainable=name in setup.trainable, generates=name in setup.generates,
                 scores=name in setup.scores, seed=seed, max_model_len=setup.max_model_len.get(name),
+                sharded=group is not None,
             )
             for name in setup.models
         }
@@ -102,10 +124,14 @@ class StageWorker:
             params = cls.Params.model_validate(dict(node.params))
             ctx = OpContext(
                 node_id=node.id, seed=seed, model=self.resources.get(node.model or ""),
-                models=self.resources,
+                models=self.resources, rank=group.rank if group else 0,
+                world_size=group.world_size if group else 1,
             )
             self.op_classes[node.id] = cls
             self.ops[node.id] = cls(params, ctx)
+        for name, path in setup.model_paths.items():  # resume: sharded states need the optimizers
+            if name in self.resources and checkpoint_format(Path(path)) == SHARDED:
+                self._load_sharded(name, Path(path))
 
     def ready(self) -> bool:
         return True
@@ -151,9 +177,13 @@ class StageWorker:
         return self.resources[model].load_weights(weights)
 
     def close(self) -> None:
-        """Release rollout engines that are not the torch policy itself."""
+        """Release rollout engines that are not the torch policy itself, and leave the group."""
         for res in self.resources.values():
             res.close()
+        if self.setup.group is not None:
+            from dapo_flow.models import fsdp
+
+            fsdp.destroy_group()
 
     # --- checkpoints ----------------------------------------------------------
     def op_states(self) -> dict[str, dict]:
@@ -165,9 +195,34 @@ class StageWorker:
                 self.ops[nid].load_state_dict(state)
 
     def save_models(self, out_dir: str) -> list[str]:
-        """Save every trained model as an HF directory under out_dir/NAME."""
+        """Save every trained model under out_dir/NAME: an HF directory, or for a sharded model
+        its DCP checkpoint (every worker writes its own shards of the weights and of the
+        optimizer state; nothing passes through one process) beside its config and tokenizer."""
         saved = []
         for name in self.setup.trainable:
-            self.resources[name].policy.save(Path(out_dir) / name)
+            policy = self.resources[name].policy
+            if policy.sharded:
+                save_sharded_model(Path(out_dir) / name, policy, self._optimizer_of(name))
+            else:
+                policy.save(Path(out_dir) / name)
             saved.append(name)
         return saved
+
+    def _optimizer_of(self, model: str):
+        """The optimizer of the op that trains ``model`` (its state is checkpointed with the
+        weights when they are sharded), or None."""
+        for nid, op in self.ops.items():
+            node = next(n for n in self.setup.nodes if n.id == nid)
+            if node.model == model and getattr(op, "optimizer", None) is not None:
+                return op.optimizer
+        return None
+
+    def _load_sharded(self, name: str, path: Path) -> None:
+        """Resume a model from a sharded checkpoint (at any world size); the actor's own rollout
+        engine, built from the spec's weights, gets the loaded ones. A rollout-only actor has no
+        policy to load into: the session's weight sync after the resume brings them."""
+        resource = self.resources[name]
+        if resource.policy is None:
+            return
+        load_sharded_model(path, resource.policy, self._optimizer_of(name))
+        resource.sync_generator()

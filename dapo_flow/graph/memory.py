@@ -1,0 +1,393 @@
+"""Will it fit? Bytes per worker for training and rollout, from the model's architecture alone.
+
+Pure arithmetic on a :class:`ModelShape` (read from a Hugging Face ``config.json``), the
+``train:`` / ``rollout:`` settings and the micro-batch size: no torch, no Ray, nothing loaded.
+Every formula, its assumptions and what is left out are in ``docs/memory.md``;
+``tests/test_memory.py`` measures real training micro-batches against it.
+
+A :class:`Budget` is a list of named :class:`Term` s. A term is alive throughout (parameters,
+optimizer state) or only at some moments of a step (``phases``): activations and logits exist
+during a micro-batch's forward/backward, optimizer temporaries during the step, never both. The
+peak is the largest moment, which is what ``fits`` checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+GiB = 2**30
+MiB = 2**20
+FP32 = 4
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# CUDA context, cuBLAS/cuDNN workspaces and NCCL's own buffers outside torch's allocator: a
+# fixed 0.5-1 GiB per process in practice (not measured here: no GPU in the tests)
+GPU_OVERHEAD_BYTES = int(0.75 * GiB)
+# float32 (response tokens, vocab) buffers alive at the logits' backward peak (HFPolicy: the
+# scaled logits and softmax probs saved for backward, the gather/logsumexp gradients and their
+# sum); measured 4.7-5.4 (docs/memory.md)
+LOGITS_PEAK_BUFFERS = 5.0
+# ... with an entropy bonus in the loss (update's entropy_coef > 0) its backward adds the
+# softmax's and the product's gradients; measured 7.2-7.4
+LOGITS_PEAK_BUFFERS_ENTROPY = 7.5
+# ... and still alive while the decoder layers run backward when the entropy is only a metric:
+# its graph keeps the scaled logits and probs (operators/update.py keeps `entropy` through
+# loss.backward()); with an entropy bonus that graph has run and freed them
+LOGITS_HELD_BUFFERS = 2
+# sampling one token (HFPolicy._sample): float32 (rows, vocab) logits, scaled, filtered
+# (sort values + int64 indices for top-p), softmax
+SAMPLING_BUFFERS = 6
+
+Where = Literal["device", "host"]
+
+LOGITS_BACKWARD = "backward of the logits"
+LAYER_BACKWARD = "backward of a layer"
+OPTIMIZER_STEP = "optimizer step"
+FWD_BWD = (LOGITS_BACKWARD, LAYER_BACKWARD)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer (Llama / Qwen2 / Mistral block) as far as memory cares."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    qkv_bias: bool = False  # Qwen2: q/k/v projections have biases
+    o_bias: bool = False  # Llama attention_bias: o_proj too
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "ModelShape":
+        """From config.json's keys (Llama, Qwen2, Mistral spelling); missing optional keys take
+        those classes' defaults (head_dim hidden/heads, kv heads = heads, untied)."""
+        heads = int(config["num_attention_heads"])
+        qwen2 = config.get("model_type") == "qwen2"
+        attention_bias = bool(config.get("attention_bias", False))
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=attention_bias and not qwen2,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+        )
+
+    @classmethod
+    def from_model_dir(cls, path: Path | str) -> "ModelShape":
+        """From ``path/config.json`` (a Hugging Face model directory)."""
+        return cls.from_config(json.loads((Path(path).expanduser() / "config.json").read_text()))
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """One decoder layer: q/k/v/o (GQA: k, v have kv_dim rows), gate/up/down, two RMSNorms."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv) * self.qkv_bias + h * self.o_bias
+        mlp = 3 * h * i + (2 * i + h) * self.mlp_bias
+        return attn + mlp + 2 * h
+
+    def root_params(self) -> int:
+        """What is not in a decoder layer: embeddings, final norm, lm_head unless tied."""
+        embed = self.vocab_size * self.hidden_size
+        return embed * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
+    def num_params(self) -> int:
+        return self.num_hidden_layers * self.layer_params() + self.root_params()
+
+
+@dataclass(frozen=True)
+class Term:
+    """``bytes`` of one kind of memory. ``phases``: the moments it is alive at (empty: all the
+    time); ``fix``: the setting that shrinks it, for the "does not fit" message."""
+
+    name: str
+    bytes: int
+    where: Where = "device"
+    phases: tuple[str, ...] = ()
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One actor's memory per worker. "device": the memory it computes in (the GPU's, or RAM
+    for an actor without one); "host": RAM it uses besides (offloaded state)."""
+
+    title: str
+    terms: tuple[Term, ...]
+
+    def phases(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for t in self.terms:
+            seen.update(dict.fromkeys(t.phases))
+        return list(seen)
+
+    def alive(self, phase: str | None, where: Where = "device") -> list[Term]:
+        """The terms in ``where`` at ``phase`` (None: only those alive throughout)."""
+        return [t for t in self.terms if t.where == where and (not t.phases or phase in t.phases)]
+
+    def peak_phase(self, where: Where = "device") -> str | None:
+        """The moment with the most bytes in ``where`` (None when no term has phases)."""
+        return max(self.phases(), key=lambda p: sum(t.bytes for t in self.alive(p, where)), default=None)
+
+    def peak(self, where: Where = "device") -> int:
+        return sum(t.bytes for t in self.alive(self.peak_phase(where), where))
+
+    @property
+    def total(self) -> int:
+        """Peak device bytes."""
+        return self.peak("device")
+
+    def biggest(self, where: Where = "device") -> Term | None:
+        return max(self.alive(self.peak_phase(where), where), key=lambda t: t.bytes, default=None)
+
+    def rows(self) -> list[tuple[str, int, str]]:
+        """(term name, bytes, where) for every term."""
+        return [(t.name, t.bytes, t.where) for t in self.terms]
+
+    def fits(self, capacity_bytes: int, where: Where = "device") -> str | None:
+        """None when the peak fits in ``capacity_bytes``; else what does not fit, its biggest
+        term and the setting that shrinks it."""
+        need = self.peak(where)
+        if need <= capacity_bytes:
+            return None
+        big = self.biggest(where)
+        assert big is not None  # need > capacity >= 0
+        at = f" ({self.peak_phase(where)})" if self.peak_phase(where) else ""
+        text = (f"{self.title}: needs about {_size(need)} of {where} memory at its peak{at}, more "
+                f"than the {_size(capacity_bytes)} there is; the biggest term is {big.name} "
+                f"({_size(big.bytes)})")
+        return text + (f"; fix: {big.fix}" if big.fix else "")
+
+    def format(self) -> str:
+        """A header line, then one aligned line per term: name, size, where, when (sizes in GiB,
+        in MiB when the whole peak is under 1 GiB)."""
+        unit = GiB if max(self.total, self.peak("host")) >= GiB else MiB
+        phase = self.peak_phase("device")
+        head = f"{self.title}: peak {_size(self.total, unit)} device" + (f" ({phase})" if phase else "")
+        if any(t.where == "host" for t in self.terms):
+            head += f", {_size(self.peak('host'), unit)} host"
+        width = max((len(t.name) for t in self.terms), default=0)
+        lines = [f"  {t.name:<{width}}  {_size(t.bytes, unit):>11}  {t.where:<6}  {_when(t.phases)}".rstrip()
+                 for t in self.terms]
+        return "\n".join([head, *lines])
+
+
+def _size(n: int, unit: int | None = None) -> str:
+    """``n`` bytes in GiB (two decimals) or MiB (one); by default GiB from 1 GiB up."""
+    unit = unit or (GiB if n >= GiB else MiB)
+    return f"{n / GiB:.2f} GiB" if unit == GiB else f"{n / MiB:.1f} MiB"
+
+
+def _when(phases: tuple[str, ...]) -> str:
+    return "forward/backward" if set(phases) == set(FWD_BWD) else ", ".join(phases)
+
+
+def layer_activation_bytes(shape: ModelShape, compute_bytes: int, *, repeated_kv: bool = False) -> int:
+    """Bytes one decoder layer saves for its backward, per token (HF Llama/Qwen2 block, SDPA
+    with a flash / memory-efficient kernel: no (seq, seq) score matrix).
+
+    Two RMSNorms: each saves its input upcast to float32 and its normed output; attention: q, k
+    after RoPE and v (SDPA's inputs), SDPA's output and its contiguous (tokens, q_dim) copy that
+    o_proj saves, float32 logsumexp per head; MLP: gate, silu(gate), up and their product.
+    ``repeated_kv``: k and v are saved at q width (HF repeats the kv heads when a padding mask
+    keeps SDPA from its GQA path).
+    """
+    h, c = shape.hidden_size, compute_bytes
+    kv = shape.q_dim if repeated_kv else shape.kv_dim
+    norms = 2 * h * (FP32 + c)
+    attention = c * (3 * shape.q_dim + 2 * kv) + FP32 * shape.num_attention_heads
+    mlp = 4 * shape.intermediate_size * c
+    return norms + attention + mlp
+
+
+def estimate_training(
+    shape: ModelShape,
+    *,
+    micro_batch_tokens: int,
+    response_tokens_per_micro_batch: int,
+    workers: int = 1,
+    strategy: Literal["fsdp2", "none"] | None = None,
+    dtype: str = "float32",
+    mixed_precision: Literal["bf16"] | None = None,
+    grad_checkpointing: bool = False,
+    cpu_offload: bool = False,
+    rows_per_micro_batch: int = 1,
+    padded: bool | None = None,
+    entropy_in_loss: bool = False,
+    optimizer: str = "adamw",
+    on_gpu: bool = True,
+    title: str = "training",
+) -> Budget:
+    """Bytes per worker of one update step (a micro-batch's forward and backward, then AdamW).
+
+    ``micro_batch_tokens``: positions one forward sees, rows x (longest prompt + longest
+    response) in the micro-batch, padding included; ``response_tokens_per_micro_batch``: rows x
+    longest response (the positions HFPolicy takes logits for). ``padded`` (default: when
+    ``rows_per_micro_batch`` > 1, as RL rows differ in length): SDPA then gets a mask,
+    (rows, 1, seq, seq) per layer, and GQA's kv heads are repeated. ``entropy_in_loss``: the
+    update has an entropy bonus (entropy_coef > 0), so the logits' backward is wider. ``strategy`` None:
+    fsdp2 when workers > 1 (as ``train.strategy``). ``on_gpu``: add the fixed CUDA overhead and
+    price the step as torch's foreach AdamW (CPU: per-tensor).
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
+    if optimizer != "adamw":
+        raise ValueError(f"optimizer {optimizer!r}: only adamw is estimated")
+    if not 0 < response_tokens_per_micro_batch <= micro_batch_tokens:
+        raise ValueError("response tokens must be > 0 and at most the micro-batch's tokens")
+    sharded = (strategy or ("fsdp2" if workers > 1 else "none")) == "fsdp2"
+    if not sharded and (workers > 1 or mixed_precision or cpu_offload):
+        raise ValueError("workers > 1, mixed_precision and cpu_offload need strategy fsdp2")
+    store = DTYPE_BYTES[dtype]  # parameters, gradients, AdamW moments (torch keeps them alike)
+    compute = 2 if mixed_precision == "bf16" else store
+    shard = workers if sharded else 1
+    p = shape.num_params()
+    state_at: Where = "host" if cpu_offload else "device"
+    state_fix = "more train.workers (FSDP2 shards it)" + (
+        "" if cpu_offload else ", or train.cpu_offload: true" + ("" if sharded else " (strategy: fsdp2)"))
+    of = f" (1/{shard} shard)" if sharded else ""
+    terms = [
+        Term(f"parameters{of}", p * store // shard, state_at, fix=state_fix),
+        Term(f"gradients{of}", p * store // shard, state_at, fix=state_fix),
+        Term(f"AdamW moments{of}", 2 * p * store // shard, state_at, fix=state_fix),
+        _step_temporaries(shape, store, shard, on_gpu, state_at),
+    ]
+    if on_gpu:
+        terms.append(Term("CUDA context and workspaces", GPU_OVERHEAD_BYTES))
+    if sharded:
+        terms += _gathered(shape, compute, store, mixed_precision)
+    padded = rows_per_micro_batch > 1 if padded is None else padded
+    terms += _activations(shape, compute, micro_batch_tokens, response_tokens_per_micro_batch,
+                          rows_per_micro_batch, padded, grad_checkpointing, mixed_precision, entropy_in_loss)
+    return Budget(title, tuple(t for t in terms if t.bytes > 0))
+
+
+def _step_temporaries(shape: ModelShape, store: int, shard: int, on_gpu: bool, where: Where) -> Term:
+    """torch's foreach AdamW (its default on GPU) makes one sqrt(exp_avg_sq) for all parameters
+    at once; the per-tensor loop (CPU) one for the largest tensor (the embeddings)."""
+    n = shape.num_params() if on_gpu else shape.vocab_size * shape.hidden_size
+    return Term("optimizer step temporaries", n * store // shard, where, (OPTIMIZER_STEP,))
+
+
+def _gathered(shape: ModelShape, compute: int, store: int, mixed_precision: str | None) -> list[Term]:
+    """FSDP2's unsharded copies during forward/backward (in the compute dtype): the root (held
+    from its pre-forward to its post-forward, again over the whole backward), the layer running
+    and the one prefetched, and in the backward a layer's unsharded gradients plus their
+    reduce-scatter input (float32 under bf16 mixed precision) and the root's gradients."""
+    fix = "" if mixed_precision else "train.mixed_precision: bf16 (gathers in bf16)"
+    layer, root = shape.layer_params(), shape.root_params()
+    reduce = compute + (store if store != compute else 0)
+    return [
+        Term("gathered root (embeddings, lm_head)", root * compute, phases=FWD_BWD, fix=fix),
+        Term("gathered decoder layers (2)", 2 * layer * compute, phases=FWD_BWD, fix=fix),
+        Term("unsharded gradients (layer + root)", layer * reduce + root * compute, phases=(LAYER_BACKWARD,), fix=fix),
+    ]
+
+
+def _activations(shape: ModelShape, compute: int, tokens: int, response: int, rows: int, padded: bool,
+                 checkpointing: bool, mixed_precision: str | None, entropy_in_loss: bool) -> list[Term]:
+    """What one micro-batch's forward keeps for its backward, and the logits.
+
+    Per token: each layer's saved tensors (:func:`layer_activation_bytes`); with gradient
+    checkpointing only each layer's input, plus one layer recomputed in its backward. Always:
+    the final norm's input and output, the lm_head input (copied when rows > 1), and a
+    layer's gradient temporaries in its backward (~2 x intermediate per token).
+    """
+    per_layer = layer_activation_bytes(shape, compute, repeated_kv=padded and shape.kv_dim != shape.q_dim)
+    h, layers = shape.hidden_size, shape.num_hidden_layers
+    tail = tokens * h * (FP32 + compute) + (response * h * compute if rows > 1 else 0)
+    budget_fix = "a smaller train.max_tokens_per_micro_batch (or fewer rows per micro-batch)"
+    act_fix = (budget_fix if checkpointing else "train.grad_checkpointing: true") + (
+        "" if mixed_precision or compute == 2 else ", or train.mixed_precision: bf16")
+    saved = tokens * (layers * (h * compute if checkpointing else per_layer)) + tail
+    name = "activations (layer inputs)" if checkpointing else "activations saved for backward"
+    terms = [Term(name, saved, phases=FWD_BWD, fix=act_fix)]
+    if checkpointing:
+        terms.append(Term("one decoder layer recomputed", tokens * per_layer, phases=(LAYER_BACKWARD,), fix=budget_fix))
+    terms.append(Term("layer backward temporaries", tokens * 2 * shape.intermediate_size * compute,
+                      phases=(LAYER_BACKWARD,), fix=budget_fix))
+    if padded:  # SDPA turns the bool mask into an additive one per call and saves it
+        seq = math.ceil(tokens / rows)
+        kept = 1 if checkpointing else layers
+        terms.append(Term("attention masks (padded rows)", rows * seq * seq * (kept * compute + 1),
+                          phases=FWD_BWD, fix=budget_fix))
+    logits = response * shape.vocab_size * FP32
+    peak = LOGITS_PEAK_BUFFERS_ENTROPY if entropy_in_loss else LOGITS_PEAK_BUFFERS
+    terms.append(Term("logits and their gradients (float32)", int(peak * logits),
+                      phases=(LOGITS_BACKWARD,), fix=budget_fix))
+    if not entropy_in_loss:
+        terms.append(Term("logits kept by the entropy graph", LOGITS_HELD_BUFFERS * logits,
+                          phases=(LAYER_BACKWARD,), fix=budget_fix))
+    return terms
+
+
+def estimate_rollout(
+    shape: ModelShape,
+    *,
+    max_model_len: int,
+    batch_rows: int,
+    dtype: str = "float32",
+    backend: str = "hf",
+    gpu_memory_utilization: float = 0.6,
+    gpu_mem_gib: float | None = None,
+    kv_cache_gib: float | None = None,
+    on_gpu: bool = True,
+    title: str = "rollout",
+) -> Budget:
+    """Bytes of a rollout engine (one per worker).
+
+    ``hf``: the weights, a KV cache of ``batch_rows`` x ``max_model_len`` positions (keys and
+    values of every layer, in ``dtype``) plus one layer's copy while it grows (DynamicCache
+    concatenates), and the sampling buffers. ``vllm`` on GPU: the share
+    ``gpu_memory_utilization`` x ``gpu_mem_gib`` it claims (weights and KV cache inside it);
+    on CPU: the weights plus ``kv_cache_gib`` (whole GiB, default 1).
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
+    b = DTYPE_BYTES[dtype]
+    weights = Term("weights", shape.num_params() * b, fix="a smaller model or dtype: bfloat16")
+    overhead = [Term("CUDA context and workspaces", GPU_OVERHEAD_BYTES)] if on_gpu else []
+    if backend == "vllm":
+        if not on_gpu:
+            kv = math.ceil(kv_cache_gib or 1) * GiB  # vLLM reads whole GiB
+            return Budget(title, (weights, Term("vLLM KV cache (kv_cache_gib)", kv,
+                                                fix="a smaller rollout.kv_cache_gib")))
+        if gpu_mem_gib is None:
+            raise ValueError("vllm on GPU: gpu_mem_gib (the GPU's memory) is needed")
+        share = int(gpu_memory_utilization * gpu_mem_gib * GiB)
+        return Budget(title, (Term("vLLM engine (gpu_memory_utilization share)", share,
+                                   fix="a lower rollout.gpu_memory_utilization"),))
+    if backend != "hf":
+        raise ValueError(f"backend {backend!r}: only hf and vllm are estimated")
+    per_layer = batch_rows * max_model_len * 2 * shape.kv_dim * b
+    kv_fix = "fewer rows per generation batch, a shorter max_model_len, or backend: vllm"
+    return Budget(title, (
+        weights,
+        Term("KV cache", per_layer * shape.num_hidden_layers, fix=kv_fix),
+        Term("KV cache growth copy (one layer)", per_layer, fix=kv_fix),
+        Term("sampling logits (float32)", SAMPLING_BUFFERS * batch_rows * shape.vocab_size * FP32,
+             fix="fewer rows per generation batch"),
+        *overhead,
+    ))

@@ -1,0 +1,111 @@
+"""Rows across a training group: each call to a group stage gives every worker a share of the
+table and joins what they return (pure: no Ray).
+
+Shares are CONTIGUOUS runs of rows cut only between prompt groups, balanced by tokens: a group's
+samples stay on one worker (an operator may need a whole group), and the workers' outputs, joined
+in rank order, are in the order of the input, for row-aligned and for expanding operators alike
+(generation emits each prompt's samples together), so the driver joins them with other tables
+row by row as if one worker had run them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from dapo_flow.graph import columns as C
+
+Report = list[tuple[str, dict[str, float], float]]
+
+
+def row_tokens(table: pa.Table) -> np.ndarray:
+    """Work per row: prompt plus response tokens where the table has them, else 1.
+    Shape: (rows,) int64."""
+    weight = np.zeros(table.num_rows, dtype=np.int64)
+    for col in (C.PROMPT_IDS, C.RESPONSE_IDS):
+        if col in table.column_names:
+            weight += pa.compute.list_value_length(table.column(col)).fill_null(0).to_numpy(
+                zero_copy_only=False).astype(np.int64)
+    return np.maximum(weight, 1)
+
+
+def group_starts(table: pa.Table) -> np.ndarray:
+    """Row indices where a run of equal ``prompt_id`` begins (every row without the column).
+    Shape: (runs,) int64, starting with 0 for a non-empty table."""
+    if table.num_rows == 0:
+        return np.zeros(0, dtype=np.int64)
+    if C.PROMPT_ID not in table.column_names:
+        return np.arange(table.num_rows, dtype=np.int64)
+    ids = table.column(C.PROMPT_ID).to_numpy(zero_copy_only=False)
+    change = np.ones(len(ids), dtype=bool)
+    change[1:] = ids[1:] != ids[:-1]
+    return np.flatnonzero(change).astype(np.int64)
+
+
+def share_bounds(table: pa.Table, workers: int) -> list[tuple[int, int]]:
+    """``workers`` contiguous (start, stop) row ranges, cut at group starts, each as close as a
+    cut allows to an equal share of the tokens (a worker may get none when there are fewer
+    groups than workers)."""
+    starts = group_starts(table)
+    n = table.num_rows
+    if n == 0 or workers == 1:
+        return [(0, n)] + [(n, n)] * (workers - 1)
+    cum = np.concatenate([[0], np.cumsum(row_tokens(table))])
+    at_start = cum[starts]  # tokens before each group
+    cuts = [0]
+    for k in range(1, workers):
+        target = cum[-1] * k / workers
+        i = int(np.argmin(np.abs(at_start - target)))
+        cuts.append(max(int(starts[i]), cuts[-1]))
+    cuts.append(n)
+    return [(cuts[k], cuts[k + 1]) for k in range(workers)]
+
+
+def split(table: pa.Table, workers: int) -> list[pa.Table]:
+    """Each worker's share of ``table`` (see :func:`share_bounds`)."""
+    return [table.slice(a, b - a) for a, b in share_bounds(table, workers)]
+
+
+def join(tables: Sequence[pa.Table], sink: bool) -> pa.Table:
+    """The group's output: the workers' outputs in rank order; a sink's (one row of metrics the
+    workers agree on, having reduced them together) from the first worker."""
+    if sink:
+        return tables[0]
+    return pa.concat_tables(list(tables), promote_options="default")
+
+
+def _combine(key: str, values: list[float], weights: list[int]) -> float:
+    """One metric from every worker's value: wall times the slowest worker's (they run at once),
+    token and sample counts and throughputs added, maxima and minima as such, the rest the
+    mean weighted by the rows each worker had (operators that reduce over the group report
+    the same value everywhere, which the mean keeps)."""
+    if key.startswith("time/") or key.endswith("/seconds"):
+        return max(values)
+    if key.endswith(("/tokens", "/tokens_per_s", "/samples")):
+        return float(sum(values))
+    if key.endswith("_max"):
+        return max(values)
+    if key.endswith("_min"):
+        return min(values)
+    total = sum(weights)
+    if total == 0:
+        return float(np.mean(values))
+    return float(sum(v * w for v, w in zip(values, weights)) / total)
+
+
+def join_reports(reports: Sequence[Report], rows: Sequence[int]) -> Report:
+    """The workers' per-node reports as one, node by node (every worker ran the same chain);
+    a metric only some workers report (e.g. batch/* of a worker that had rows) is combined over
+    those that did."""
+    out: Report = []
+    for entries in zip(*reports):
+        nid = entries[0][0]
+        keys = dict.fromkeys(k for _, metrics, _ in entries for k in metrics)
+        metrics = {}
+        for key in keys:
+            have = [(m[key], w) for (_, m, _), w in zip(entries, rows) if key in m]
+            metrics[key] = _combine(key, [v for v, _ in have], [w for _, w in have])
+        out.append((nid, metrics, max(seconds for _, _, seconds in entries)))
+    return out

@@ -1,0 +1,176 @@
+"""Training groups through the executors, on the same batches: a 2-worker FSDP2 group on Ray makes
+the update one unsharded worker makes (its share of rows each, global token counts, a worker with
+fewer micro-batches running empty passes), and a checkpoint moves between them: sharded 2 -> 1
+unsharded and unsharded 1 -> 2 continue exactly as the run that did not move."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from dapo_flow.graph import columns as C
+from dapo_flow.graph.spec import GraphSpec
+from dapo_flow.runtime.executors import LocalExecutor, RayExecutor
+from dapo_flow.runtime.worker import NodeSetup, StageSetup
+
+pytestmark = pytest.mark.slow
+
+STAGE = "model:policy"
+UPDATE = {"lr": 1e-3, "micro_batch_size": 3, "ppo_epochs": 2, "clip_high": 0.28}
+
+
+def _graph(model_path, workers: int, strategy: str | None) -> GraphSpec:
+    return GraphSpec.model_validate({
+        "name": "group", "models": {"policy": {"path": str(model_path), "train": {
+            "workers": workers, "strategy": strategy}}},
+        "data": {"train": {"source": "builtin:addition"}},
+        "nodes": [{"id": "train", "op": "update", "model": "policy", "inputs": ["prompts"], "params": UPDATE}],
+    })
+
+
+def _setup(workers: int, sharded: bool, model_paths: dict | None = None) -> StageSetup:
+    return StageSetup(
+        name=STAGE, nodes=(NodeSetup(id="train", op="update", params=UPDATE, model="policy"),),
+        models=("policy",), trainable=("policy",), scores=("policy",), num_threads=1,
+        model_paths=model_paths or {}, sharded=sharded, workers=workers)
+
+
+def _batch(seed: int, group_sizes: list[int]) -> pa.Table:
+    """Rows of prompt groups with responses, rollout logprobs and advantages; uneven groups so
+    the workers get different row and micro-batch counts (one gets a single row)."""
+    rng = np.random.default_rng(seed)
+    rows = sum(group_sizes)
+    lengths = rng.integers(1, 7, rows)
+    return pa.table({
+        C.PROMPT_ID: pa.array([f"g{g}" for g, size in enumerate(group_sizes) for _ in range(size)]),
+        C.PROMPT_IDS: pa.array([rng.integers(3, 14, rng.integers(3, 6)).tolist() for _ in range(rows)], C.TOKENS),
+        C.RESPONSE_IDS: pa.array([rng.integers(3, 14, n).tolist() for n in lengths], C.TOKENS),
+        C.OLD_LOGP: pa.array([rng.uniform(-3.0, -0.5, n).tolist() for n in lengths], C.TOKEN_FLOATS),
+        C.ADVANTAGE: pa.array(rng.normal(size=rows), pa.float32()),
+    })
+
+
+BATCHES = [_batch(1, [8, 1, 2]), _batch(2, [2, 3, 1, 4])]
+
+
+def _train(ex, stage_batches) -> list[dict]:
+    """Run the update on each batch; returns each step's metrics row."""
+    rows = []
+    for table in stage_batches:
+        out, _ = ex.get(ex.call(STAGE, "run_chain", ["train"], table))
+        assert out.num_rows == 1
+        rows.append(out.to_pylist()[0])
+    return rows
+
+
+def _weights(ex) -> dict:
+    return ex.get(ex.call(STAGE, "export_weights", "policy"))
+
+
+def _same(a: dict, b: dict, atol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    worst = max(float(np.abs(a[k] - b[k]).max()) for k in a)
+    assert worst <= atol, worst
+
+
+def _same_metrics(a: list[dict], b: list[dict]) -> None:
+    for x, y in zip(a, b, strict=True):
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/clipfrac", "actor/ppo_kl", "actor/entropy"):
+            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", configure_logging=True)
+    yield
+    ray.shutdown()
+
+
+def _local(model_path, model_paths=None, sharded=False) -> LocalExecutor:
+    return LocalExecutor(_graph(model_path, 1, "fsdp2" if sharded else None),
+                         {STAGE: _setup(1, sharded, model_paths)}, seed=0)
+
+
+def _group(model_path, model_paths=None) -> RayExecutor:
+    return RayExecutor(_graph(model_path, 2, None), {STAGE: _setup(2, True, model_paths)}, seed=0,
+                       resources={STAGE: (1.0, 0.0)})
+
+
+def test_two_workers_make_the_update_one_worker_makes(ray_cluster, tiny_adder_path):
+    one = _local(tiny_adder_path)
+    try:
+        one_metrics, one_weights = _train(one, BATCHES), _weights(one)
+    finally:
+        one.shutdown()
+    two = _group(tiny_adder_path)
+    try:
+        two_metrics, two_weights = _train(two, BATCHES), _weights(two)
+    finally:
+        two.shutdown()
+    _same_metrics(one_metrics, two_metrics)
+    _same(one_weights, two_weights)
+    assert not any(np.allclose(one_weights[k], _start_weights(tiny_adder_path)[k]) for k in ("lm_head.weight",))
+
+
+def test_a_group_of_one_in_process_makes_the_same_update(tiny_adder_path):
+    plain, shard = _local(tiny_adder_path), _local(tiny_adder_path, sharded=True)
+    try:
+        _same_metrics(_train(plain, BATCHES), _train(shard, BATCHES))
+        _same(_weights(plain), _weights(shard))
+    finally:
+        plain.shutdown()
+        shard.shutdown()
+
+
+def test_sharded_checkpoint_resumes_on_one_unsharded_worker(ray_cluster, tiny_adder_path, tmp_path):
+    two = _group(tiny_adder_path)
+    try:
+        _train(two, BATCHES[:1])
+        two.get(two.call(STAGE, "save_models", str(tmp_path)))
+        states = two.get(two.call(STAGE, "op_states"))
+        continued = _train(two, BATCHES[1:]), _weights(two)
+    finally:
+        two.shutdown()
+    assert (tmp_path / "policy" / "dcp" / ".metadata").is_file()
+    assert "optimizer" not in states["train"]  # the shards hold it; nothing went through the driver
+    one = _local(tiny_adder_path, {"policy": str(tmp_path / "policy")})
+    try:
+        one.get(one.call(STAGE, "load_op_states", states))
+        resumed = _train(one, BATCHES[1:]), _weights(one)
+    finally:
+        one.shutdown()
+    _same_metrics(continued[0], resumed[0])
+    _same(continued[1], resumed[1])
+
+
+def test_unsharded_checkpoint_resumes_in_a_group_of_two(ray_cluster, tiny_adder_path, tmp_path):
+    one = _local(tiny_adder_path)
+    try:
+        _train(one, BATCHES[:1])
+        one.get(one.call(STAGE, "save_models", str(tmp_path)))
+        # in-process op_states are the live tensors, which training goes on changing; a
+        # checkpoint saves them at once (and Ray hands over copies)
+        states = copy.deepcopy(one.get(one.call(STAGE, "op_states")))
+        continued = _train(one, BATCHES[1:]), _weights(one)
+    finally:
+        one.shutdown()
+    assert "optimizer" in states["train"]
+    two = _group(tiny_adder_path, {"policy": str(tmp_path / "policy")})
+    try:
+        two.get(two.call(STAGE, "load_op_states", states))
+        resumed = _train(two, BATCHES[1:]), _weights(two)
+    finally:
+        two.shutdown()
+    _same_metrics(continued[0], resumed[0])
+    _same(continued[1], resumed[1])
+
+
+def _start_weights(path) -> dict:
+    from dapo_flow.models.hf import HFPolicy
+
+    return HFPolicy(path).named_weights()

@@ -1,0 +1,351 @@
+"""The memory estimator (dapo_flow/graph/memory.py): parameter counts against real transformers
+models, and estimates against the measured peak of real training micro-batches on CPU.
+
+Measuring: each run is a fresh subprocess (this file run as a script). RSS is what torch's CPU
+allocations show up in (malloc), so the peak is VmHWM from /proc/self/status, reset with
+/proc/self/clear_refs just before the model is built. glibc's mmap threshold is fixed at 64 KiB
+so freed tensors go back to the OS at once (its default raises the threshold after the first
+free, keeping freed memory in the heap: that slack is the allocator's, not the estimate's, and
+a GPU's caching allocator has its own). One warm-up step of the same configuration runs first
+and is deleted, so one-time allocations (MKL's GEMM buffers, ~16 MiB, kept for the process's
+life like cuBLAS's workspace) fall in the baseline. docs/memory.md has the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dapo_flow.graph.memory import (GiB, LAYER_BACKWARD, LOGITS_BACKWARD, OPTIMIZER_STEP, Budget,
+                                    ModelShape, Term, estimate_rollout, estimate_training)
+
+REPO = Path(__file__).resolve().parents[1]
+
+LLAMA_1M = dict(vocab_size=2000, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+LLAMA_5M = dict(vocab_size=4000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+# a small vocabulary: a recomputed layer, not the logits, makes the peak under checkpointing
+NARROW_VOCAB = dict(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+LLAMA_20M = dict(vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
+
+
+# --- the measured side: runs in a subprocess (`python tests/test_memory.py '{...}'`) -------------
+
+def _status(key: str) -> int:
+    """Bytes of a /proc/self/status field (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _measure(args: dict) -> dict:
+    """Peak bytes above the baseline of two update steps (1 micro-batch, then 2) the way
+    operators/update.py runs them: logits for the response positions only, float32 logprobs
+    and entropy (kept through backward), the policy loss, backward, grad clip, AdamW."""
+    import gc
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dapo_flow import algos
+    from dapo_flow.algos.logprobs import entropy_from_logits, logprobs_from_logits
+    from dapo_flow.models.hf import left_pad, positions, right_pad
+
+    torch.set_num_threads(1)  # small and repeatable; the suite shares the machine
+    cfg = args["config"]
+
+    def micro_batch(seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        rows = args["rows"]
+        cut = [args["pad"] and i % 2 for i in range(rows)]  # every other row 1/4 shorter: padded
+        prompts = [torch.randint(1, cfg["vocab_size"], (args["prompt"] - c * args["prompt"] // 4,),
+                                 generator=gen).tolist() for c in cut]
+        responses = [torch.randint(1, cfg["vocab_size"], (args["response"] - c * args["response"] // 4,),
+                                   generator=gen).tolist() for c in cut]
+        p_ids, p_mask = left_pad(prompts, 0)
+        r_ids, r_mask = right_pad(responses, 0)
+        mask = torch.cat([p_mask, r_mask], 1)
+        return (dict(input_ids=torch.cat([p_ids, r_ids], 1), attention_mask=mask, position_ids=positions(mask)),
+                r_ids, r_mask.bool())
+
+    def build():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa")).to(getattr(torch, args["dtype"]))
+        if args["checkpointing"]:  # as HFPolicy: non-reentrant, active in train mode (no dropout)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train(args["checkpointing"])
+        return model, torch.optim.AdamW(model.parameters())
+
+    def step(model, opt, batches) -> None:
+        opt.zero_grad(set_to_none=True)
+        n_tokens = sum(int(m.sum()) for _, _, m in batches)
+        for inputs, resp, resp_mask in batches:
+            out = model(**inputs, use_cache=False, logits_to_keep=resp.shape[1] + 1)
+            logits = out.logits[:, :-1].float() / 1.0  # (b, R, V)
+            logp = logprobs_from_logits(logits, resp).masked_fill(~resp_mask, 0.0)
+            entropy = entropy_from_logits(logits).masked_fill(~resp_mask, 0.0)
+            del out, logits
+            adv = torch.ones(logp.shape[0], 1).expand(-1, logp.shape[1])
+            loss, _ = algos.policy_loss(logp.detach() + 0.01, logp, adv, resp_mask, agg="token-mean",
+                                        num_tokens=n_tokens, num_seqs=len(resp))
+            if args["entropy_coef"]:  # the entropy bonus: its graph then takes part in backward
+                loss = loss - args["entropy_coef"] * algos.agg_loss(
+                    entropy, resp_mask, "token-mean", num_tokens=n_tokens, num_seqs=len(resp))
+            loss.backward()  # `entropy` (and its graph) still alive, as in the update
+            del logp, entropy, loss
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    batches = [micro_batch(seed) for seed in (1, 2, 3)]
+    model, opt = build()  # warm-up: one-time allocations go to the baseline
+    step(model, opt, batches[:1])
+    del model, opt
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    baseline = _status("VmRSS")
+    model, opt = build()
+    step(model, opt, batches[:1])
+    step(model, opt, batches[1:])  # the 2nd micro-batch runs with gradients and AdamW state alive
+    tokens = int(batches[0][0]["input_ids"].numel())
+    return dict(peak=_status("VmHWM") - baseline, baseline=baseline, tokens=tokens,
+                response_tokens=int(batches[0][1].numel()),
+                params=sum(p.numel() for p in model.parameters()))
+
+
+def measure(config: dict, *, rows: int = 4, prompt: int = 64, response: int = 192,
+            checkpointing: bool = False, pad: bool = False, dtype: str = "float32",
+            entropy_coef: float = 0.0) -> dict:
+    args = dict(config=config, rows=rows, prompt=prompt, response=response, checkpointing=checkpointing,
+                pad=pad, dtype=dtype, entropy_coef=entropy_coef)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-W", "ignore", __file__, json.dumps(args)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def estimate(config: dict, measured: dict, *, checkpointing: bool = False, rows: int = 4, pad: bool = False,
+             dtype: str = "float32", entropy_coef: float = 0.0) -> Budget:
+    return estimate_training(ModelShape.from_config(config), micro_batch_tokens=measured["tokens"], dtype=dtype,
+                             entropy_in_loss=entropy_coef > 0,
+                             response_tokens_per_micro_batch=measured["response_tokens"],
+                             grad_checkpointing=checkpointing, rows_per_micro_batch=rows, padded=pad, on_gpu=False)
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+
+
+# --- parameter counts -------------------------------------------------------------------------
+
+def _real_params(arch: str, **config) -> int:
+    import transformers
+
+    model = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**config))
+    return sum(p.numel() for p in model.parameters())  # a tied lm_head counts once
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("Llama", dict(tie_word_embeddings=False)),
+    ("Llama", dict(tie_word_embeddings=True)),
+    ("Llama", dict(attention_bias=True, mlp_bias=True, head_dim=24)),
+    ("Qwen2", dict(tie_word_embeddings=True)),
+    ("Qwen2", dict(tie_word_embeddings=False)),
+    ("Mistral", dict(head_dim=16)),
+])
+def test_num_params_matches_transformers(arch, extra):
+    config = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, **extra)
+    shape = ModelShape.from_config({**config, "model_type": arch.lower()})
+    assert shape.num_params() == _real_params(arch, **config)
+
+
+def test_from_config_defaults():
+    shape = ModelShape.from_config(dict(vocab_size=10, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=8))
+    assert (shape.head_dim, shape.num_key_value_heads, shape.tie_word_embeddings) == (8, 8, False)
+
+
+def test_from_model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_1M, "model_type": "llama"}))
+    assert ModelShape.from_model_dir(tmp_path) == ModelShape.from_config(LLAMA_1M)
+
+
+# --- arithmetic -------------------------------------------------------------------------------
+
+def _8b() -> ModelShape:
+    """Llama-3-8B's config.json numbers."""
+    return ModelShape.from_config(dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                       max_position_embeddings=8192))
+
+
+def test_8b_parameter_count():
+    assert abs(_8b().num_params() - 8.03e9) < 0.01e9
+
+
+def test_sharding_divides_state_and_offload_moves_it_to_host():
+    common = dict(micro_batch_tokens=8192, response_tokens_per_micro_batch=4096, dtype="float32",
+                  grad_checkpointing=True)
+    one = estimate_training(_8b(), workers=1, strategy="fsdp2", **common)
+    eight = estimate_training(_8b(), workers=8, **common)
+    state = lambda b: {t.name.split(" (")[0]: t.bytes for t in b.terms if t.name.startswith(("param", "grad", "AdamW"))}
+    assert {k: v // 8 for k, v in state(one).items()} == state(eight)
+    assert state(eight)["AdamW moments"] == 2 * _8b().num_params() * 4 // 8
+    off = estimate_training(_8b(), workers=8, cpu_offload=True, **common)
+    assert off.peak("host") >= 4 * _8b().num_params() * 4 // 8
+    assert off.total < eight.total
+
+
+def test_checkpointing_and_bf16_shrink_activations():
+    common = dict(micro_batch_tokens=16384, response_tokens_per_micro_batch=8192, workers=8)
+    plain = estimate_training(_8b(), **common)
+    ckpt = estimate_training(_8b(), grad_checkpointing=True, **common)
+    bf16 = estimate_training(_8b(), mixed_precision="bf16", **common)
+    assert ckpt.total < plain.total and bf16.total < plain.total
+    act = lambda b: next(t.bytes for t in b.terms if t.name.startswith("activations"))
+    assert act(ckpt) < act(plain) / 20
+
+
+def test_peak_is_the_largest_moment_not_the_sum():
+    budget = Budget("x", (Term("always", 10), Term("a", 5, phases=("p",)), Term("b", 7, phases=("q",)),
+                          Term("c", 1, phases=("p", "q")), Term("off", 100, "host")))
+    assert (budget.peak(), budget.peak_phase(), budget.biggest().name) == (18, "q", "always")
+    assert budget.peak("host") == 100 and budget.rows()[-1] == ("off", 100, "host")
+
+
+def test_phases_of_a_training_budget():
+    budget = estimate_training(ModelShape.from_config(LLAMA_1M), micro_batch_tokens=1024,
+                               response_tokens_per_micro_batch=768, on_gpu=False)
+    assert set(budget.phases()) == {LOGITS_BACKWARD, LAYER_BACKWARD, OPTIMIZER_STEP}
+    assert budget.peak_phase() == LOGITS_BACKWARD
+
+
+def test_does_not_fit_names_the_biggest_term_and_the_fix():
+    budget = estimate_training(_8b(), micro_batch_tokens=32768, response_tokens_per_micro_batch=16384,
+                               workers=8, mixed_precision="bf16")
+    problem = budget.fits(80 * GiB)
+    assert problem is not None
+    assert "activations saved for backward" in problem and "train.grad_checkpointing: true" in problem
+    ckpt = estimate_training(_8b(), micro_batch_tokens=32768, response_tokens_per_micro_batch=16384,
+                             workers=8, mixed_precision="bf16", grad_checkpointing=True)
+    problem = ckpt.fits(16 * GiB)
+    assert "logits" in problem and "train.max_tokens_per_micro_batch" in problem
+    state = estimate_training(_8b(), micro_batch_tokens=1024, response_tokens_per_micro_batch=512,
+                              grad_checkpointing=True)
+    problem = state.fits(80 * GiB)
+    assert "AdamW moments" in problem and "train.workers" in problem and "train.cpu_offload" in problem
+    assert ckpt.fits(80 * GiB) is None
+
+
+def test_format_lists_every_term_in_gib():
+    budget = estimate_training(_8b(), micro_batch_tokens=8192, response_tokens_per_micro_batch=4096,
+                               workers=8, mixed_precision="bf16", grad_checkpointing=True, cpu_offload=True,
+                               title="policy training, per worker of 8")
+    text = budget.format()
+    lines = text.splitlines()
+    assert lines[0].startswith("policy training, per worker of 8: peak ") and " host" in lines[0]
+    assert len(lines) == 1 + len(budget.terms) and all(line.count(" GiB") == 1 for line in lines[1:])
+    assert len({line.index(" GiB") for line in lines[1:]}) == 1  # aligned
+
+
+def test_rollout_hf_kv_cache():
+    shape = _8b()
+    budget = estimate_rollout(shape, dtype="bfloat16", backend="hf", max_model_len=4096, batch_rows=64)
+    kv = next(t.bytes for t in budget.terms if t.name == "KV cache")
+    assert kv == 64 * 4096 * 32 * 2 * 8 * 128 * 2  # rows x len x layers x (k, v) x kv heads x head_dim x bf16
+    assert "KV cache" in budget.fits(40 * GiB)
+
+
+def test_rollout_vllm_share_and_cpu_cache():
+    gpu = estimate_rollout(_8b(), dtype="bfloat16", backend="vllm", gpu_memory_utilization=0.5,
+                           gpu_mem_gib=80, max_model_len=4096, batch_rows=64)
+    assert gpu.total == 40 * GiB and "gpu_memory_utilization" in gpu.fits(30 * GiB)
+    cpu = estimate_rollout(ModelShape.from_config(LLAMA_1M), backend="vllm", kv_cache_gib=1.5, on_gpu=False,
+                           max_model_len=512, batch_rows=8)
+    assert cpu.total == 1_036_928 * 4 + 2 * GiB
+    with pytest.raises(ValueError, match="gpu_mem_gib"):
+        estimate_rollout(_8b(), backend="vllm", max_model_len=4096, batch_rows=1)
+
+
+def test_bad_settings_are_errors():
+    shape = ModelShape.from_config(LLAMA_1M)
+    with pytest.raises(ValueError, match="strategy fsdp2"):
+        estimate_training(shape, micro_batch_tokens=10, response_tokens_per_micro_batch=5, workers=2, strategy="none")
+    with pytest.raises(ValueError, match="dtype"):
+        estimate_training(shape, micro_batch_tokens=10, response_tokens_per_micro_batch=5, dtype="int8")
+
+
+# --- measured against real training micro-batches (CPU, float32, one worker) -------------------
+
+def _check(config: dict, measured_args: dict, tolerance: float = 0.25) -> Budget:
+    measured = measure(config, **measured_args)
+    budget = estimate(config, measured, checkpointing=measured_args.get("checkpointing", False),
+                      rows=measured_args.get("rows", 4), pad=measured_args.get("pad", False),
+                      dtype=measured_args.get("dtype", "float32"),
+                      entropy_coef=measured_args.get("entropy_coef", 0.0))
+    ratio = budget.total / measured["peak"]
+    print(f"{measured['params']} params, {measured['tokens']} tokens ({measured['response_tokens']} "
+          f"response), {measured_args}: estimate {budget.total / 2**20:.1f} MiB, measured "
+          f"{measured['peak'] / 2**20:.1f} MiB, ratio {ratio:.3f}")
+    assert measured["params"] == ModelShape.from_config(config).num_params()
+    assert abs(ratio - 1) <= tolerance, budget.format()
+    return budget
+
+
+@needs_proc
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_estimate_matches_measured_1m(checkpointing):
+    assert _check(LLAMA_1M, dict(checkpointing=checkpointing)).peak_phase() == LOGITS_BACKWARD
+
+
+@needs_proc
+def test_estimate_matches_measured_5m_gqa_padded():
+    _check(LLAMA_5M, dict(pad=True))
+
+
+@needs_proc
+def test_estimate_matches_measured_when_a_recomputed_layer_is_the_peak():
+    assert _check(NARROW_VOCAB, dict(checkpointing=True)).peak_phase() == LAYER_BACKWARD
+
+
+@needs_proc
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_estimate_matches_measured_20m(checkpointing):
+    _check(LLAMA_20M, dict(checkpointing=checkpointing))
+
+
+@needs_proc
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_estimate_matches_measured_long_padded_rows(checkpointing):
+    """2 rows of 1024 positions, one shorter: the float attention masks SDPA saves are 8 MiB a layer."""
+    _check(LLAMA_5M, dict(rows=2, prompt=256, response=768, pad=True, checkpointing=checkpointing))
+
+
+@needs_proc
+@pytest.mark.slow
+@pytest.mark.parametrize("config, extra", [(LLAMA_1M, {}), (LLAMA_5M, dict(pad=True))])
+def test_estimate_matches_measured_with_an_entropy_bonus(config, extra):
+    _check(config, dict(entropy_coef=0.01, **extra))
+
+
+@needs_proc
+@pytest.mark.slow
+@pytest.mark.parametrize("config, checkpointing", [(LLAMA_1M, False), (NARROW_VOCAB, True)])
+def test_estimate_matches_measured_bfloat16(config, checkpointing):
+    _check(config, dict(dtype="bfloat16", checkpointing=checkpointing))
+
+
+if __name__ == "__main__":  # the measuring subprocess
+    print(json.dumps(_measure(json.loads(sys.argv[1]))))
