@@ -70,12 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("graph", help="graph YAML file")
     _edit_flags(p)
     p.add_argument("--effective", action="store_true", help="also print the effective (edited) graph")
+    _cluster_flags(p)
     p = command("explain", "Print the compiled, placed plan without starting Ray.", _explain)
     p.add_argument("graph", help="graph YAML file")
     _edit_flags(p)
-    p.add_argument("--cpus", type=float, help="place on this many CPUs (default: this machine)")
-    p.add_argument("--gpus", type=float, help="place on this many GPUs (default: this machine)")
-    p.add_argument("--nodes", type=_positive_int, default=1, help="cluster machines (default 1)")
+    _cluster_flags(p)
     p = command("graph", "Draw the graph's DAG to a .png, .svg or .mmd (mermaid) file.", _graph)
     p.add_argument("graph", help="graph YAML file")
     p.add_argument("-o", "--out", required=True, help="output file: .png, .svg or .mmd")
@@ -168,6 +167,40 @@ _positive_int = _int_in(1)
 _port = _int_in(1, 65535, "a port number")
 
 
+def _amount(text: str) -> float:
+    """argparse type: a finite number >= 0 (CPUs, GPUs, GiB)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _cluster_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster", "place (and check memory) for this cluster instead of this machine")
+    g.add_argument("--cpus", type=_amount, help="CPUs in all (default: this machine)")
+    g.add_argument("--gpus", type=_amount, help="GPUs in all (default: this machine)")
+    g.add_argument("--nodes", type=_positive_int, default=1, help="machines (default 1)")
+    g.add_argument("--gpu-mem-gib", type=_amount, metavar="GIB",
+                   help="memory of one GPU, e.g. 80: each actor's estimated peak must fit its share "
+                        "(default: this machine's GPU; unknown: not checked)")
+
+
+def _cluster(args: argparse.Namespace):
+    """The cluster the cluster flags describe; None (this machine) without them."""
+    from dapo_flow.graph.plan import Cluster
+
+    if args.cpus is None and args.gpus is None and args.nodes == 1 and args.gpu_mem_gib is None:
+        return None
+    local = Cluster.local()
+    gpus = args.gpus if args.gpus is not None else local.gpus
+    mem = args.gpu_mem_gib if args.gpu_mem_gib is not None else (local.gpu_mem_gib if gpus else None)
+    return Cluster(cpus=args.cpus if args.cpus is not None else local.cpus, gpus=gpus, nodes=args.nodes,
+                   gpu_mem_gib=mem)
+
+
 def _seed(text: str) -> int:
     from dapo_flow.graph.spec import MAX_SEED
 
@@ -208,7 +241,7 @@ def _compile(args: argparse.Namespace, cluster=None):
 
 def _validate(args: argparse.Namespace) -> int:
     edited = _edited(args)
-    placed = edited.compile()
+    placed = edited.compile(_cluster(args))
     p = placed.plan
     edits = f" with {len(edited.edits)} edit(s)" if edited.edits else ""
     Console().print(f"[green]ok[/]: {args.graph}{edits}: graph '{p.spec.name}', {len(p.nodes)} nodes, "
@@ -220,14 +253,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     from dapo_flow.graph.compiler import explain
-    from dapo_flow.graph.plan import Cluster
 
-    cluster = None
-    if args.cpus is not None or args.gpus is not None or args.nodes != 1:
-        local = Cluster.local()
-        cluster = Cluster(cpus=args.cpus if args.cpus is not None else local.cpus,
-                          gpus=args.gpus if args.gpus is not None else local.gpus, nodes=args.nodes)
-    sys.stdout.write(explain(_compile(args, cluster)))
+    sys.stdout.write(explain(_compile(args, _cluster(args))))
     return 0
 
 

@@ -14,6 +14,7 @@ from typing import Mapping
 import pyarrow as pa
 
 from dapo_flow.graph import columns as C
+from dapo_flow.graph import fit
 from dapo_flow.graph.checks import validate
 from dapo_flow.graph.contract import produces, requires, role
 from dapo_flow.errors import GraphError, Problem
@@ -122,11 +123,15 @@ def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
                             placement_strategy=group.placement_strategy if group else "PACK"))
     driver_cpus = max(cluster.cpus - sum(s.num_cpus * s.workers for s in stages), 0.0)
     driver = Stage(DRIVER, DRIVER, tuple(members[DRIVER]), (), driver_cpus, 0.0)
+    per_stage = fit.budgets(plan, tuple(stages), cluster)
+    problems = fit.memory_problems(plan, tuple(stages), cluster, per_stage)
+    if problems:
+        raise GraphError(problems)
     node_stage = {nid: name for name, ids in members.items() for nid in ids}
     return PlacedPlan(plan=plan, cluster=cluster, stages=(driver, *stages),
                       node_stage=MappingProxyType(node_stage),
                       calls=MappingProxyType(_calls(plan, node_stage)),
-                      syncs=_syncs(plan, node_stage))
+                      syncs=_syncs(plan, node_stage), budgets=MappingProxyType(per_stage))
 
 
 def _placement_problems(plan: Plan, cluster: Cluster, model_of: Mapping[str, str],
@@ -248,10 +253,10 @@ def explain(placed: PlacedPlan) -> str:
         out.append(f"  {s.name:<16} {s.kind:<6} cpus={s.num_cpus:g} gpus={s.num_gpus:g}  "
                    f"{what}runs {', '.join(s.nodes) or '-'}")
         if s.is_group:
-            out.append(f"  {'':<16} group of {s.workers} worker(s) ({s.strategy}, one placement group, "
-                       f"{s.placement_strategy}; resources above are per worker, "
-                       f"{s.num_cpus * s.workers:g} CPUs and {s.num_gpus * s.workers:g} GPUs in all): "
-                       "each call splits its rows across the workers by whole prompt groups")
+            out.append(f"  {'':<16} group of {s.workers} worker(s) on one {s.placement_strategy} placement "
+                       f"group ({s.strategy}; resources above are per worker): each call splits its rows "
+                       "by whole prompt groups")
+    out += _explain_memory(placed)
     train = spec.data.train
     gen_batch = run.gen_prompts_per_batch or run.prompts_per_step
     per_batch = ("generation batches sized from the keep rate so far (auto)" if gen_batch == "auto"
@@ -287,6 +292,30 @@ def explain(placed: PlacedPlan) -> str:
                 f"with n={run.val_n} temperature={run.val_temperature}, graded by {grade.id} @ "
                 f"{placed.node_stage[grade.id]}, on {spec.data.val.source} [{spec.data.val.split}]"]
     return "\n".join(out) + "\n"
+
+
+def _explain_memory(placed: PlacedPlan) -> list[str]:
+    """Each actor's estimated memory per worker (graph.fit), against its GPU share when known."""
+    p, cluster = placed.plan, placed.cluster
+    out = ["", "memory per worker (estimate, worst-case rows; docs/memory.md):"]
+    for s in placed.stages:
+        if s.kind != "actor":
+            continue
+        budget = placed.budgets.get(s.name)
+        if budget is None:
+            unread = [p.spec.models[m].path for m in s.models if fit.shape_of(p, m) is None]
+            out.append(f"  {s.name}: unknown (no config.json to read at {', '.join(unread)})")
+            continue
+        cap = fit.capacity(s, cluster)
+        if cap is not None:
+            verdict = f"fits its {cap / 2**30:.1f} GiB GPU share"  # place() refused anything else
+        elif s.num_gpus > 0:
+            verdict = "GPU size unknown: pass --gpu-mem-gib to check it"
+        else:
+            verdict = "in RAM (not checked: a node's processes share it)"
+        text = budget.format().splitlines()
+        out += [f"  {text[0]}; {verdict}", *(f"  {line}" for line in text[1:])]
+    return out
 
 
 def _group_settings(plan: Plan, model: str) -> str:

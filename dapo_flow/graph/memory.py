@@ -181,15 +181,16 @@ class Budget:
         return text + (f"; fix: {big.fix}" if big.fix else "")
 
     def format(self) -> str:
-        """A header line, then one aligned line per term: name, size, where, when (sizes in GiB,
-        in MiB when the whole peak is under 1 GiB)."""
+        """A header line, then one aligned line per term: name, size, where, when (the peak in
+        GiB, in MiB when under 1 GiB; the terms in the same unit, those that would read 0.00 GiB in MiB)."""
         unit = GiB if max(self.total, self.peak("host")) >= GiB else MiB
         phase = self.peak_phase("device")
         head = f"{self.title}: peak {_size(self.total, unit)} device" + (f" ({phase})" if phase else "")
         if any(t.where == "host" for t in self.terms):
             head += f", {_size(self.peak('host'), unit)} host"
         width = max((len(t.name) for t in self.terms), default=0)
-        lines = [f"  {t.name:<{width}}  {_size(t.bytes, unit):>11}  {t.where:<6}  {_when(t.phases)}".rstrip()
+        lines = [f"  {t.name:<{width}}  {_size(t.bytes, MiB if t.bytes < GiB / 100 else unit):>11}  {t.where:<6}  "
+                 f"{_when(t.phases)}".rstrip()
                  for t in self.terms]
         return "\n".join([head, *lines])
 

@@ -20,6 +20,7 @@ from dapo_flow.graph.spec import GraphSpec
 
 if TYPE_CHECKING:
     from dapo_flow.graph.loader import GraphDoc
+    from dapo_flow.graph.memory import Budget
 
 
 @dataclass(frozen=True)
@@ -29,19 +30,22 @@ class Cluster:
     cpus: float
     gpus: float = 0.0
     nodes: int = 1
+    gpu_mem_gib: float | None = None  # memory of one GPU; None: unknown (memory is not checked)
 
     @classmethod
     def local(cls) -> "Cluster":
         """This machine. GPUs are counted only when torch is already imported (never
         imported just for this)."""
-        gpus = 0
+        gpus, mem = 0, None
         torch = sys.modules.get("torch")
         if torch is not None:
             try:
                 gpus = torch.cuda.device_count()
+                if gpus:
+                    mem = torch.cuda.get_device_properties(0).total_memory / 2**30
             except Exception:  # a broken CUDA install: place on CPU
-                gpus = 0
-        return cls(cpus=float(os.cpu_count() or 1), gpus=float(gpus), nodes=1)
+                gpus, mem = 0, None
+        return cls(cpus=float(os.cpu_count() or 1), gpus=float(gpus), nodes=1, gpu_mem_gib=mem)
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,7 @@ class PlacedPlan:
     node_stage: Mapping[str, str]  # node id -> stage name (a MappingProxyType)
     calls: Mapping[str, tuple[Call, ...]] = field(default_factory=dict)  # phase -> calls, in order
     syncs: tuple[Sync, ...] = ()
+    budgets: Mapping[str, "Budget"] = field(default_factory=dict)  # actor stage -> memory per worker
 
     def stage(self, name: str) -> Stage:
         for s in self.stages:

@@ -75,6 +75,26 @@ def build_builtin(name: str, *, force: bool = False, progress: bool = True) -> P
     return final
 
 
+def model_config(path: str) -> dict | None:
+    """A model's config.json as a dict without building or loading anything: a builtin's declared
+    shape, a local directory's file; None when there is none to read (loading reports why)."""
+    if path.startswith(BUILTIN_PREFIX):
+        shapes = {"tiny-adder": _tiny_adder_shape}
+        name = path[len(BUILTIN_PREFIX):]
+        return shapes[name]() if name in shapes else None
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _tiny_adder_shape() -> dict:
+    from dapo_flow.models.tiny_adder import shape_config
+
+    return shape_config()
+
+
 def resolve_model(path: str, *, progress: bool = True) -> Path:
     """A model directory for ``path``: a builtin (built and cached on first use) or a local dir."""
     if path.startswith(BUILTIN_PREFIX):

@@ -52,6 +52,18 @@ class Recipe:
 
 
 RECIPE = Recipe()
+# <pad> <s> </s> <unk> then one id per character of "0123456789+= -" (models/tokenizer.py;
+# not imported here: it loads transformers). tests/models check it against a built model.
+VOCAB_SIZE = 4 + 14
+
+
+def shape_config(recipe: Recipe = RECIPE) -> dict[str, Any]:
+    """The config.json keys that size the model (what ``graph.memory`` reads), known before the
+    model is built: ``explain`` estimates memory without building anything."""
+    return {"model_type": "llama", "vocab_size": VOCAB_SIZE, "hidden_size": recipe.hidden_size,
+            "intermediate_size": recipe.intermediate_size, "num_hidden_layers": recipe.num_layers,
+            "num_attention_heads": recipe.num_heads, "num_key_value_heads": recipe.num_heads,
+            "max_position_embeddings": recipe.max_position_embeddings, "tie_word_embeddings": False}
 
 
 def build_tiny_adder(out_dir: Path, *, seed: int = 0, progress: bool = True, recipe: Recipe = RECIPE) -> Path:

@@ -28,6 +28,13 @@ def test_model_dir_contents(tiny_adder_path: Path):
     assert config["hidden_size"] // config["num_attention_heads"] in (32, 64)  # vLLM CPU head sizes
 
 
+def test_declared_shape_is_the_built_config(tiny_adder_path: Path):
+    """explain estimates memory from the declared shape before anything is built."""
+    built = json.loads((tiny_adder_path / "config.json").read_text())
+    declared = models.model_config("builtin:tiny-adder")
+    assert declared == {k: built[k] for k in declared}
+
+
 def test_recorded_sampled_accuracy_in_band(tiny_adder_path: Path):
     info = json.loads((tiny_adder_path / BUILD_INFO).read_text())
     assert info["recipe_version"] == RECIPE_VERSION
