@@ -23,6 +23,7 @@ EXAMPLES = {
     "ops": "dapo-flow ops",
     "run": "dapo-flow run graphs/dapo.yaml --executor local --steps 5",
     "eval": "dapo-flow eval graphs/dapo.yaml --n 16 --temperature 1.0   (latest checkpoint; or --checkpoint base|PATH)",
+    "export": "dapo-flow export dapo-flow-runs/checkpoints/dapo-68afb26d49/RUN_ID -o dapo-final   (newest step)",
     "models": "dapo-flow models build tiny-adder --force",
     "ui": "dapo-flow ui --port 5000",
     "sweep": "dapo-flow sweep graphs/ablations/dapo-ladder.yaml --executor local --seeds 0,1",
@@ -110,6 +111,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=list(EXECUTORS), default="local", help="default: local")
     p.add_argument("--address", help="Ray cluster address (with --executor ray)")
     _edit_flags(p)
+    p = command("export", "Write a checkpoint's trained model (sharded or not) as a Hugging Face directory.",
+                _export)
+    p.add_argument("checkpoint", help="a step_* checkpoint folder, or a run's or graph's folder (its newest)")
+    p.add_argument("-o", "--out", required=True, help="new (or empty) output folder")
+    p.add_argument("--model", help="which trained model (default: the checkpoint's only one)")
     p = command("sweep", "Run every variant of a patch file (x seeds) as MLflow child runs of one parent.",
                 _sweep)
     p.add_argument("patch", help="patch YAML file, e.g. graphs/ablations/dapo-ladder.yaml")
@@ -282,6 +288,17 @@ def _run(args: argparse.Namespace) -> int:
         artifacts["graph/effective.yaml"] = edited.yaml()
     execute(placed, executor=args.executor, address=args.address, resume=args.resume, steps=args.steps,
             extra_params=params, artifacts=artifacts)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dapo_flow.runtime.export import export
+
+    step, model, at = export(Path(args.checkpoint).expanduser(), Path(args.out), args.model)
+    Console(highlight=False).print(f"wrote {args.out}: model '{model}' at step {at} of {step} (Hugging Face "
+                                   f"format; point a graph's path: at it)", markup=False)
     return 0
 
 

@@ -20,6 +20,7 @@ from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import DRIVER
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.loop import Runner
+from dapo_flow.runtime.export import step_folder
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.resume import checkpoint_root
 from dapo_flow.runtime.session import generator_tokenizer, load_source, start_executor
@@ -49,16 +50,7 @@ def resolve_checkpoint(spec, which: str, warn: Callable[[str], None] | None = No
                            "(`dapo-flow run GRAPH`, with the same --set edits), or pass "
                            "--checkpoint base / --checkpoint PATH")
     else:
-        path = Path(which).expanduser()
-        found = checkpoint.all_checkpoints(path) if path.is_dir() else []
-        step_dir = path if (path / checkpoint.DRIVER_FILE).is_file() else (found[-1] if found else None)
-        if step_dir is None:
-            raise RunError(f"--checkpoint {which}: not a checkpoint (no {checkpoint.DRIVER_FILE} in it "
-                           "or in a step_* folder below it); pass latest, base or a step_* folder")
-        problem = checkpoint.verify(step_dir)
-        if problem is not None:
-            raise RunError(f"--checkpoint {which}: checkpoint {step_dir} is damaged ({problem}); "
-                           "pass an older step_* folder, or latest (the newest intact one)")
+        step_dir = step_folder(Path(which).expanduser(), "--checkpoint")
     driver = checkpoint.load_driver(step_dir)
     unknown = sorted(set(driver["trained_models"]) - set(spec.models))
     if unknown:

@@ -108,6 +108,7 @@ class RayExecutor:
         self.actors = {}
         self.groups: dict[str, WorkerGroup] = {}
         self.placement_groups = []
+        self.group_nodes: dict[str, list[str]] = {}  # group stage -> Ray node id of each worker, by rank
         try:
             for name, setup in setups.items():
                 cpus, gpus = resources.get(name, (1.0, 0.0))
@@ -146,6 +147,11 @@ class RayExecutor:
                 f"cluster (it has {_cluster_resources(ray)})\n    fix: lower the model's "
                 "train.workers or placement.models resources, or add nodes; `dapo-flow explain "
                 "GRAPH --cpus N --gpus N --nodes N` checks a placement before a run")
+
+        from ray.util import placement_group_table
+
+        on_nodes = placement_group_table(pg).get("bundles_to_node_id", {})
+        self.group_nodes[stage] = [str(on_nodes.get(rank, "?")) for rank in range(setup.workers)]
 
         def on(rank: int) -> PlacementGroupSchedulingStrategy:
             return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)

@@ -90,7 +90,11 @@ def start_executor(placed, setups: dict, executor: str, address: str | None, con
     resources = {s.name: (s.num_cpus, s.num_gpus) for s in placed.stages if s.kind == "actor"}
     cls = executor_class(executor)
     with console.status(f"starting {len(setups)} model actor(s) on {executor}..."):
-        return cls(spec, setups, seed, resources, address=address)
+        ex = cls(spec, setups, seed, resources, address=address)
+    for stage, nodes in getattr(ex, "group_nodes", {}).items():
+        console.print(f"training group of stage '{stage}': {len(nodes)} worker(s) on {len(set(nodes))} "
+                      "node(s)", highlight=False)
+    return ex
 
 
 def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:

@@ -1,0 +1,138 @@
+"""Whole runs with a training group (models.X.train.workers > 1) on Ray: the main job learns at
+workers 2 and its sharded checkpoint exports to a Hugging Face directory that evaluates exactly
+like the checkpoint; a killed worker is a clear error and the run resumes at another world size;
+a group spans the two nodes of a (simulated) cluster."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from dapo_flow.graph.edits import edit_file, parse_cli_edits
+from dapo_flow.graph.plan import Cluster
+from dapo_flow.runtime import checkpoint, execute
+from dapo_flow.runtime.checkpoint_models import DCP_DIR, SHARDED_INFO
+from dapo_flow.experiments.evaluate import evaluate
+from dapo_flow.tracking import read_run, search_runs
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+DAPO_FLOW = str(Path(sys.executable).with_name("dapo-flow"))
+WAIT_S = 240
+
+
+def _placed(path, *sets: str, cluster: Cluster = Cluster(cpus=2)):
+    return edit_file(path, parse_cli_edits([("set", s) for s in sets])).compile(cluster)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+    return {**env, "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
+
+
+@pytest.mark.timeout(3 * WAIT_S)
+def test_the_main_job_learns_at_workers_2_and_exports_its_sharded_checkpoint(workdir):
+    log = Console(file=open(workdir / "log.txt", "w"), width=200)
+    placed = _placed(ROOT / "graphs/dapo.yaml", "models.policy.train.workers=2")
+    summary = execute(placed, executor="ray", console=log)
+    assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.08, summary
+    assert "training group of stage 'model:policy': 2 worker(s) on 1 node(s)" in (workdir / "log.txt").read_text()
+
+    [final] = workdir.glob("dapo-flow-runs/checkpoints/*/*/step_000120")
+    sharded = final / "models" / "policy"
+    assert (sharded / DCP_DIR / ".metadata").is_file() and (sharded / SHARDED_INFO).is_file()
+    assert len(list((sharded / DCP_DIR).glob("*.distcp"))) == 2  # each worker wrote its own shards
+
+    import cli
+
+    out = workdir / "exported"
+    assert cli.main(["export", str(final.parent), "-o", str(out)]) == 0  # a run folder: its newest
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert cli.main(["export", str(final), "-o", str(out)]) == 2  # never over what is there
+
+    # the exported directory is the checkpoint's model: the same eval, to the last digit
+    one = _placed(ROOT / "graphs/dapo.yaml", "models.policy.train.workers=1")
+    from_ckpt = evaluate(one, which=str(final), n=2, size=64, console=log)["metrics"]
+    from_export = evaluate(_placed(ROOT / "graphs/dapo.yaml", f"models.policy.path={out}"),
+                           which="base", n=2, size=64, console=log)["metrics"]
+    assert from_ckpt["val/acc"] == from_export["val/acc"]
+    assert from_ckpt["val/response_len_mean"] == from_export["val/response_len_mean"]
+
+
+def _worker_pids() -> list[int]:
+    r = subprocess.run(["pgrep", "-f", "ray::StageWorker"], capture_output=True, text=True)
+    return [int(p) for p in r.stdout.split()]
+
+
+@pytest.mark.timeout(3 * WAIT_S)
+def test_a_killed_group_worker_is_named_then_the_run_resumes_on_one_worker(workdir, small_graph):
+    path = small_graph(workdir, name="group", steps=6, ckpt=2)
+    uri = f"sqlite:///{workdir / 'dapo-flow-runs' / 'mlflow.db'}"
+    log = workdir / "run.log"
+    proc = subprocess.Popen([DAPO_FLOW, "run", str(path), "--set", "models.policy.train.workers=2"],
+                            cwd=workdir, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not list(workdir.glob("dapo-flow-runs/checkpoints/*/*/step_000002/manifest.json")):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        pids = _worker_pids()
+        assert len(pids) == 2, pids
+        subprocess.run(["kill", "-9", str(pids[-1])], check=True)
+        rc = proc.wait(WAIT_S)
+    finally:
+        proc.kill()
+        subprocess.run(["pkill", "-9", "-g", str(proc.pid)], capture_output=True)
+    out = log.read_text()
+    assert rc == 2, out[-3000:]
+    assert "of the training group of stage 'model:policy' died" in out and "Traceback" not in out, out[-3000:]
+    assert "--resume" in out
+
+    [run] = search_runs(uri, "runtime-tests")
+    r = subprocess.run([DAPO_FLOW, "run", str(path), "--executor", "local", "--resume", run["run_id"],
+                        "--set", "models.policy.train.workers=1"], cwd=workdir, env=_env(),
+                       capture_output=True, text=True, timeout=WAIT_S)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "resuming from" in r.stdout
+    done = read_run(uri, run["run_id"])
+    assert done["status"] == "FINISHED"
+    for key in ("batch/reward_mean", "actor/pg_loss"):  # every step exactly once, across the two
+        assert [s for s, _ in done["history"][key]] == list(range(1, 7)), key
+    [graph_folder] = workdir.glob("dapo-flow-runs/checkpoints/*")
+    assert checkpoint.all_checkpoints(graph_folder)[-1].name == "step_000006"
+
+
+@pytest.mark.timeout(3 * WAIT_S)
+def test_a_group_spreads_over_two_nodes_of_a_cluster(workdir, small_graph):
+    from ray.cluster_utils import Cluster as RayCluster
+
+    ray_cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    ray_cluster.add_node(num_cpus=1)
+    ray_cluster.wait_for_nodes()
+    try:
+        path = small_graph(workdir, name="spread", steps=2, ckpt=2)
+        placed = _placed(path, "models.policy.train.workers=2", "models.policy.train.placement_strategy=SPREAD",
+                         cluster=Cluster(cpus=2, nodes=2))
+        log = Console(file=open(workdir / "log.txt", "w"), width=200)
+        summary = execute(placed, executor="ray", address=ray_cluster.address, console=log)
+        assert summary["steps"] == 2
+        text = (workdir / "log.txt").read_text()
+        assert "training group of stage 'model:policy': 2 worker(s) on 2 node(s)" in text, text[-3000:]
+        [step2] = workdir.glob("dapo-flow-runs/checkpoints/*/*/step_000002")
+        assert len(list((step2 / "models/policy" / DCP_DIR).glob("*.distcp"))) == 2
+    finally:
+        import ray
+
+        ray.shutdown()
+        ray_cluster.shutdown()
