@@ -35,6 +35,9 @@ NARROW_VOCAB = dict(vocab_size=256, hidden_size=256, intermediate_size=1024, num
                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
 LLAMA_20M = dict(vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
+# a vocabulary wide for the model: the logits are most of the micro-batch's memory
+WIDE_VOCAB = dict(vocab_size=32000, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
 
 
 # --- the measured side: runs in a subprocess (`python tests/test_memory.py '{...}'`) -------------
@@ -57,8 +60,7 @@ def _measure(args: dict) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from dapo_flow import algos
-    from dapo_flow.algos.logprobs import entropy_from_logits, logprobs_from_logits
-    from dapo_flow.models.hf import left_pad, positions, right_pad
+    from dapo_flow.models.hf import left_pad, positions, response_logprobs_of, right_pad
 
     torch.set_num_threads(1)  # small and repeatable; the suite shares the machine
     cfg = args["config"]
@@ -88,12 +90,9 @@ def _measure(args: dict) -> dict:
     def step(model, opt, batches) -> None:
         opt.zero_grad(set_to_none=True)
         n_tokens = sum(int(m.sum()) for _, _, m in batches)
-        for inputs, resp, resp_mask in batches:
-            out = model(**inputs, use_cache=False, logits_to_keep=resp.shape[1] + 1)
-            logits = out.logits[:, :-1].float() / 1.0  # (b, R, V)
-            logp = logprobs_from_logits(logits, resp).masked_fill(~resp_mask, 0.0)
-            entropy = entropy_from_logits(logits).masked_fill(~resp_mask, 0.0)
-            del out, logits
+        for inputs, resp, resp_mask in batches:  # HFPolicy's logprob pass, chunked or not
+            logp, entropy = response_logprobs_of(model, inputs, resp, resp_mask, with_entropy=True,
+                                                 chunk_tokens=args["chunk"])
             adv = torch.ones(logp.shape[0], 1).expand(-1, logp.shape[1])
             loss, _ = algos.policy_loss(logp.detach() + 0.01, logp, adv, resp_mask, agg="token-mean",
                                         num_tokens=n_tokens, num_seqs=len(resp))
@@ -123,9 +122,9 @@ def _measure(args: dict) -> dict:
 
 def measure(config: dict, *, rows: int = 4, prompt: int = 64, response: int = 192,
             checkpointing: bool = False, pad: bool = False, dtype: str = "float32",
-            entropy_coef: float = 0.0) -> dict:
+            entropy_coef: float = 0.0, chunk: int | None = None) -> dict:
     args = dict(config=config, rows=rows, prompt=prompt, response=response, checkpointing=checkpointing,
-                pad=pad, dtype=dtype, entropy_coef=entropy_coef)
+                pad=pad, dtype=dtype, entropy_coef=entropy_coef, chunk=chunk)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-W", "ignore", __file__, json.dumps(args)], env=env, cwd=REPO,
@@ -135,9 +134,9 @@ def measure(config: dict, *, rows: int = 4, prompt: int = 64, response: int = 19
 
 
 def estimate(config: dict, measured: dict, *, checkpointing: bool = False, rows: int = 4, pad: bool = False,
-             dtype: str = "float32", entropy_coef: float = 0.0) -> Budget:
+             dtype: str = "float32", entropy_coef: float = 0.0, chunk: int | None = None) -> Budget:
     return estimate_training(ModelShape.from_config(config), micro_batch_tokens=measured["tokens"], dtype=dtype,
-                             entropy_in_loss=entropy_coef > 0,
+                             entropy_in_loss=entropy_coef > 0, logprob_chunk_tokens=chunk,
                              response_tokens_per_micro_batch=measured["response_tokens"],
                              grad_checkpointing=checkpointing, rows_per_micro_batch=rows, padded=pad, on_gpu=False)
 
@@ -247,6 +246,27 @@ def test_does_not_fit_names_the_biggest_term_and_the_fix():
     assert ckpt.fits(80 * GiB) is None
 
 
+def test_chunked_logprobs_bound_the_logits_and_are_the_first_fix():
+    common = dict(micro_batch_tokens=2 * 24576, response_tokens_per_micro_batch=2 * 20480, workers=8,
+                  mixed_precision="bf16", grad_checkpointing=True, rows_per_micro_batch=2)
+    shape = ModelShape.from_config(dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4))
+    whole = estimate_training(shape, **common)
+    problem = whole.fits(80 * GiB)
+    assert "logits and their gradients" in problem and "fix: train.logprob_chunk_tokens (chunked logprobs)" in problem
+    chunked = estimate_training(shape, logprob_chunk_tokens=1024, **common)
+    terms = {t.name: t for t in chunked.terms}
+    assert "logits kept by the entropy graph" not in terms
+    assert terms["logits of one chunk and their gradients (float32)"].bytes == 5 * 1024 * 152064 * 4
+    assert terms["logits of one chunk and their gradients (float32)"].fix == "a smaller train.logprob_chunk_tokens"
+    assert chunked.total < whole.total / 3 and chunked.fits(80 * GiB) is None
+    assert chunked.peak_phase() == LAYER_BACKWARD  # a recomputed layer: the logits are no longer the peak
+    one_chunk = {t.name: t.bytes for t in estimate_training(shape, logprob_chunk_tokens=10**9, **common).terms}
+    assert one_chunk["logits of one chunk and their gradients (float32)"] == 5 * 2 * 20480 * 152064 * 4
+    with pytest.raises(ValueError, match="logprob_chunk_tokens"):
+        estimate_training(shape, logprob_chunk_tokens=0, **common)
+
+
 def test_format_lists_every_term_in_gib():
     budget = estimate_training(_8b(), micro_batch_tokens=8192, response_tokens_per_micro_batch=4096,
                                workers=8, mixed_precision="bf16", grad_checkpointing=True, cpu_offload=True,
@@ -287,25 +307,26 @@ def test_bad_settings_are_errors():
 
 # --- measured against real training micro-batches (CPU, float32, one worker) -------------------
 
-def _check(config: dict, measured_args: dict, tolerance: float = 0.25) -> Budget:
+def _check(config: dict, measured_args: dict, tolerance: float = 0.25) -> tuple[Budget, dict]:
+    """The estimate within ``tolerance`` of the measured peak; both returned."""
     measured = measure(config, **measured_args)
     budget = estimate(config, measured, checkpointing=measured_args.get("checkpointing", False),
                       rows=measured_args.get("rows", 4), pad=measured_args.get("pad", False),
                       dtype=measured_args.get("dtype", "float32"),
-                      entropy_coef=measured_args.get("entropy_coef", 0.0))
+                      entropy_coef=measured_args.get("entropy_coef", 0.0), chunk=measured_args.get("chunk"))
     ratio = budget.total / measured["peak"]
     print(f"{measured['params']} params, {measured['tokens']} tokens ({measured['response_tokens']} "
           f"response), {measured_args}: estimate {budget.total / 2**20:.1f} MiB, measured "
           f"{measured['peak'] / 2**20:.1f} MiB, ratio {ratio:.3f}")
     assert measured["params"] == ModelShape.from_config(config).num_params()
     assert abs(ratio - 1) <= tolerance, budget.format()
-    return budget
+    return budget, measured
 
 
 @needs_proc
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_estimate_matches_measured_1m(checkpointing):
-    assert _check(LLAMA_1M, dict(checkpointing=checkpointing)).peak_phase() == LOGITS_BACKWARD
+    assert _check(LLAMA_1M, dict(checkpointing=checkpointing))[0].peak_phase() == LOGITS_BACKWARD
 
 
 @needs_proc
@@ -315,7 +336,7 @@ def test_estimate_matches_measured_5m_gqa_padded():
 
 @needs_proc
 def test_estimate_matches_measured_when_a_recomputed_layer_is_the_peak():
-    assert _check(NARROW_VOCAB, dict(checkpointing=True)).peak_phase() == LAYER_BACKWARD
+    assert _check(NARROW_VOCAB, dict(checkpointing=True))[0].peak_phase() == LAYER_BACKWARD
 
 
 @needs_proc
@@ -345,6 +366,31 @@ def test_estimate_matches_measured_with_an_entropy_bonus(config, extra):
 @pytest.mark.parametrize("config, checkpointing", [(LLAMA_1M, False), (NARROW_VOCAB, True)])
 def test_estimate_matches_measured_bfloat16(config, checkpointing):
     _check(config, dict(dtype="bfloat16", checkpointing=checkpointing))
+
+
+@needs_proc
+@pytest.mark.parametrize("config, extra, phase", [
+    (LLAMA_1M, dict(chunk=64), LOGITS_BACKWARD),
+    (LLAMA_1M, dict(chunk=64, checkpointing=True), LAYER_BACKWARD),  # the logits no longer the peak
+    (LLAMA_5M, dict(chunk=128, pad=True), LOGITS_BACKWARD),
+])
+def test_estimate_matches_measured_with_chunked_logprobs(config, extra, phase):
+    assert _check(config, extra)[0].peak_phase() == phase
+
+
+@needs_proc
+@pytest.mark.slow
+def test_chunked_logprobs_bound_the_logits_of_a_wide_vocabulary():
+    """32k vocabulary, 768 response tokens: the float32 logits are ~94 MiB a buffer."""
+    _, whole = _check(WIDE_VOCAB, {})
+    _, chunked = _check(WIDE_VOCAB, dict(chunk=128))
+    assert chunked["peak"] < 0.5 * whole["peak"]
+
+
+@needs_proc
+@pytest.mark.slow
+def test_estimate_matches_measured_chunked_with_an_entropy_bonus():
+    _check(LLAMA_1M, dict(chunk=64, entropy_coef=0.01))
 
 
 if __name__ == "__main__":  # the measuring subprocess

@@ -38,3 +38,113 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     return (picked - lse).reshape(labels.shape)
 
 
+def chunked_linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    chunk_tokens: int,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Token logprobs (and entropy) of a linear output head, ``chunk_tokens`` tokens at a time:
+    ``logits = (hidden @ weight.T + bias).float() / temperature``, then
+    :func:`logprobs_from_logits` and :func:`entropy_from_logits` per chunk, so at most
+    (chunk_tokens, vocab) logits exist at once instead of (tokens, vocab).
+
+    With gradients, no chunk's logits are kept for the backward: each chunk's are recomputed
+    there, one chunk at a time (:class:`_ChunkedLinearLogprobs`); the values and gradients are
+    those of the whole (tokens, vocab) computation up to float rounding.
+    Shape: hidden (N, h), weight (V, h), bias (V,) or None, labels (N,) int -> logp (N,) float32,
+    entropy (N,) float32 or None.
+    """
+    if chunk_tokens < 1:
+        raise AlgoError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if hidden.ndim != 2 or labels.shape != hidden.shape[:1]:
+        raise AlgoError(f"hidden {tuple(hidden.shape)} must be (tokens, hidden) and labels "
+                        f"{tuple(labels.shape)} (tokens,)")
+    needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if torch.is_grad_enabled() and needs_grad:
+        return _ChunkedLinearLogprobs.apply(hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy)
+    parts = [_linear_logprobs(hidden[s:e], weight, bias, labels[s:e], temperature, with_entropy)
+             for s, e in _chunks(hidden.shape[0], chunk_tokens)]
+    logp = torch.cat([p[0] for p in parts])
+    return logp, torch.cat([p[1] for p in parts]) if with_entropy else None
+
+
+def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) bounds of consecutive chunks of ``size`` covering ``range(n)`` (one empty
+    chunk when n is 0, so that the outputs still exist and carry a graph)."""
+    return [(s, min(s + size, n)) for s in range(0, n, size)] or [(0, 0)]
+
+
+def _linear_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
+                     temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """One chunk, in the unchunked path's order of operations. Shape: (c, h) -> (c,), (c,) or None."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature  # (c, V)
+    return logprobs_from_logits(logits, labels), entropy_from_logits(logits) if with_entropy else None
+
+
+class _ChunkedLinearLogprobs(torch.autograd.Function):
+    """:func:`chunked_linear_logprobs` with gradients. The forward keeps only its inputs (the
+    hidden states, the head's weight and bias, the labels); the backward recomputes each chunk's
+    logits, takes their gradient through the same logprob / entropy functions (autograd on the
+    chunk alone), and applies the head's backward by hand: the hidden states' gradient chunk by
+    chunk into one (N, h) tensor, the weight's summed over chunks in float32. An output that
+    gets no gradient (entropy only logged) is not differentiated: no buffers, no work."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy):
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.set_materialize_grads(False)
+        parts = [_linear_logprobs(hidden[s:e], weight, bias, labels[s:e], temperature, with_entropy)
+                 for s, e in _chunks(hidden.shape[0], chunk_tokens)]
+        logp = torch.cat([p[0] for p in parts])
+        return logp, torch.cat([p[1] for p in parts]) if with_entropy else None
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_bias else None
+        for s, e in _chunks(hidden.shape[0], ctx.chunk_tokens):
+            h = hidden[s:e]
+            grad_logits = _logits_grad(h, weight, bias, labels[s:e], ctx.temperature,
+                                       None if grad_logp is None else grad_logp[s:e],
+                                       None if grad_entropy is None else grad_entropy[s:e])  # (c, V)
+            if grad_hidden is not None:
+                torch.mm(grad_logits, weight, out=grad_hidden[s:e])
+            if grad_weight is not None:
+                if grad_weight.dtype == grad_logits.dtype:
+                    grad_weight.addmm_(grad_logits.T, h)
+                else:  # bf16/fp16 head: sum the chunks' products in float32, as one matmul would
+                    grad_weight.add_(grad_logits.T @ h)
+            if grad_bias is not None:
+                grad_bias.add_(grad_logits.sum(0))
+            del grad_logits  # before the next chunk's logits exist
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return grad_hidden, cast(grad_weight, weight), cast(grad_bias, bias), None, None, None, None
+
+
+def _logits_grad(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float,
+                 grad_logp: Tensor | None, grad_entropy: Tensor | None) -> Tensor:
+    """One chunk's logits recomputed and the gradient reaching them from logp and entropy (a
+    function of its own, so the chunk's buffers are freed once autograd is done with them).
+    Shape: hidden (c, h), labels / grads (c,) -> (c, V) in the head's dtype."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).detach().requires_grad_()  # (c, V)
+    outputs, grads = [], []
+    with torch.enable_grad():
+        scaled = logits.float() / temperature
+        if grad_logp is not None:
+            outputs.append(logprobs_from_logits(scaled, labels))
+            grads.append(grad_logp)
+        if grad_entropy is not None:
+            outputs.append(entropy_from_logits(scaled))
+            grads.append(grad_entropy)
+        del scaled  # autograd keeps what it needs, and frees it as it goes
+        return torch.autograd.grad(outputs, logits, grads)[0]

@@ -242,7 +242,9 @@ def explain(placed: PlacedPlan) -> str:
         *(f"  {name:<14} {m.path} ({m.dtype}, {m.backend}, device {m.device}"
           + (f", update micro-batches of <= {m.train.max_tokens_per_micro_batch} tokens"
              if m.train.max_tokens_per_micro_batch else "")
-          + (", gradient checkpointing" if m.train.grad_checkpointing else "") + _group_settings(p, name) + ")"
+          + (", gradient checkpointing" if m.train.grad_checkpointing else "")
+          + (f", logprobs in chunks of {m.train.logprob_chunk_tokens} tokens" if m.train.logprob_chunk_tokens else "")
+          + _group_settings(p, name) + ")"
           + _rollout_settings(p, name)
           for name, m in spec.models.items()),
         "",

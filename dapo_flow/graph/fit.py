@@ -132,7 +132,8 @@ def _training(plan: Plan, stage: Stage, model: str, shape: ModelShape, update, o
         workers=stage.workers, strategy=train.resolved_strategy, dtype=spec.dtype,
         mixed_precision=train.mixed_precision, grad_checkpointing=train.grad_checkpointing,
         cpu_offload=train.cpu_offload, rows_per_micro_batch=rows,
-        entropy_in_loss=getattr(update.params, "entropy_coef", 0.0) > 0, on_gpu=on_gpu)
+        entropy_in_loss=getattr(update.params, "entropy_coef", 0.0) > 0, on_gpu=on_gpu,
+        logprob_chunk_tokens=train.logprob_chunk_tokens)
     return list(budget.terms)
 
 

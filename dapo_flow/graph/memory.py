@@ -237,6 +237,7 @@ def estimate_training(
     rows_per_micro_batch: int = 1,
     padded: bool | None = None,
     entropy_in_loss: bool = False,
+    logprob_chunk_tokens: int | None = None,
     optimizer: str = "adamw",
     on_gpu: bool = True,
     title: str = "training",
@@ -248,9 +249,10 @@ def estimate_training(
     longest response (the positions HFPolicy takes logits for). ``padded`` (default: when
     ``rows_per_micro_batch`` > 1, as RL rows differ in length): SDPA then gets a mask,
     (rows, 1, seq, seq) per layer, and GQA's kv heads are repeated. ``entropy_in_loss``: the
-    update has an entropy bonus (entropy_coef > 0), so the logits' backward is wider. ``strategy`` None:
-    fsdp2 when workers > 1 (as ``train.strategy``). ``on_gpu``: add the fixed CUDA overhead and
-    price the step as torch's foreach AdamW (CPU: per-tensor).
+    update has an entropy bonus (entropy_coef > 0), so the logits' backward is wider.
+    ``logprob_chunk_tokens``: ``train.logprob_chunk_tokens`` (logits of at most that many tokens
+    at a time). ``strategy`` None: fsdp2 when workers > 1 (as ``train.strategy``). ``on_gpu``: add
+    the fixed CUDA overhead and price the step as torch's foreach AdamW (CPU: per-tensor).
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
@@ -258,6 +260,8 @@ def estimate_training(
         raise ValueError(f"optimizer {optimizer!r}: only adamw is estimated")
     if not 0 < response_tokens_per_micro_batch <= micro_batch_tokens:
         raise ValueError("response tokens must be > 0 and at most the micro-batch's tokens")
+    if logprob_chunk_tokens is not None and logprob_chunk_tokens < 1:
+        raise ValueError("logprob_chunk_tokens must be >= 1 (or None: all at once)")
     sharded = (strategy or ("fsdp2" if workers > 1 else "none")) == "fsdp2"
     if not sharded and (workers > 1 or mixed_precision or cpu_offload):
         raise ValueError("workers > 1, mixed_precision and cpu_offload need strategy fsdp2")
@@ -281,7 +285,8 @@ def estimate_training(
         terms += _gathered(shape, compute, store, mixed_precision)
     padded = rows_per_micro_batch > 1 if padded is None else padded
     terms += _activations(shape, compute, micro_batch_tokens, response_tokens_per_micro_batch,
-                          rows_per_micro_batch, padded, grad_checkpointing, mixed_precision, entropy_in_loss)
+                          rows_per_micro_batch, padded, grad_checkpointing, mixed_precision, entropy_in_loss,
+                          logprob_chunk_tokens)
     return Budget(title, tuple(t for t in terms if t.bytes > 0))
 
 
@@ -308,17 +313,19 @@ def _gathered(shape: ModelShape, compute: int, store: int, mixed_precision: str 
 
 
 def _activations(shape: ModelShape, compute: int, tokens: int, response: int, rows: int, padded: bool,
-                 checkpointing: bool, mixed_precision: str | None, entropy_in_loss: bool) -> list[Term]:
+                 checkpointing: bool, mixed_precision: str | None, entropy_in_loss: bool,
+                 chunk: int | None) -> list[Term]:
     """What one micro-batch's forward keeps for its backward, and the logits.
 
     Per token: each layer's saved tensors (:func:`layer_activation_bytes`); with gradient
     checkpointing only each layer's input, plus one layer recomputed in its backward. Always:
-    the final norm's input and output, the lm_head input (copied when rows > 1), and a
-    layer's gradient temporaries in its backward (~2 x intermediate per token).
+    the final norm's input and output, the lm_head input (copied when rows > 1; chunked: see
+    :func:`_logits`), and a layer's gradient temporaries in its backward (~2 x intermediate per
+    token).
     """
     per_layer = layer_activation_bytes(shape, compute, repeated_kv=padded and shape.kv_dim != shape.q_dim)
     h, layers = shape.hidden_size, shape.num_hidden_layers
-    tail = tokens * h * (FP32 + compute) + (response * h * compute if rows > 1 else 0)
+    tail = tokens * h * (FP32 + compute) + (response * h * compute if rows > 1 and chunk is None else 0)
     budget_fix = "a smaller train.max_tokens_per_micro_batch (or fewer rows per micro-batch)"
     act_fix = (budget_fix if checkpointing else "train.grad_checkpointing: true") + (
         "" if mixed_precision or compute == 2 else ", or train.mixed_precision: bf16")
@@ -334,14 +341,40 @@ def _activations(shape: ModelShape, compute: int, tokens: int, response: int, ro
         kept = 1 if checkpointing else layers
         terms.append(Term("attention masks (padded rows)", rows * seq * seq * (kept * compute + 1),
                           phases=FWD_BWD, fix=budget_fix))
-    logits = response * shape.vocab_size * FP32
+    return terms + _logits(shape, compute, response, entropy_in_loss, chunk, budget_fix)
+
+
+def _logits(shape: ModelShape, compute: int, response: int, entropy_in_loss: bool, chunk: int | None,
+            budget_fix: str) -> list[Term]:
+    """The float32 logits of the response positions and what their backward adds.
+
+    Unchunked: (response, vocab) buffers, LOGITS_PEAK_BUFFERS(_ENTROPY) of them at the logits'
+    backward, LOGITS_HELD_BUFFERS still held by the entropy graph while the layers run backward.
+    Chunked (``chunk`` tokens at a time, each chunk's logits recomputed in the backward): the
+    same buffer counts for one chunk, none held after; instead the response positions' hidden
+    states (gathered, padding left out: at most response x hidden) are kept for the backward, and
+    during it the hidden states' gradient and the lm_head's gradient, summed over the chunks in
+    float32, are alive.
+    """
+    v, h = shape.vocab_size, shape.hidden_size
     peak = LOGITS_PEAK_BUFFERS_ENTROPY if entropy_in_loss else LOGITS_PEAK_BUFFERS
-    terms.append(Term("logits and their gradients (float32)", int(peak * logits),
-                      phases=(LOGITS_BACKWARD,), fix=budget_fix))
-    if not entropy_in_loss:
-        terms.append(Term("logits kept by the entropy graph", LOGITS_HELD_BUFFERS * logits,
-                          phases=(LAYER_BACKWARD,), fix=budget_fix))
-    return terms
+    if chunk is None:
+        logits = response * v * FP32
+        fix = f"train.logprob_chunk_tokens (chunked logprobs), or {budget_fix}"
+        terms = [Term("logits and their gradients (float32)", int(peak * logits), phases=(LOGITS_BACKWARD,), fix=fix)]
+        if not entropy_in_loss:
+            terms.append(Term("logits kept by the entropy graph", LOGITS_HELD_BUFFERS * logits,
+                              phases=(LAYER_BACKWARD,), fix=fix))
+        return terms
+    logits = min(response, chunk) * v * FP32
+    return [
+        Term("logits of one chunk and their gradients (float32)", int(peak * logits), phases=(LOGITS_BACKWARD,),
+             fix="a smaller train.logprob_chunk_tokens"),
+        Term("response hidden states (chunked logprobs)", response * h * compute, phases=(LOGITS_BACKWARD,),
+             fix=budget_fix),
+        Term("hidden-state and lm_head gradients over the chunks", response * h * compute + v * h * FP32,
+             phases=(LOGITS_BACKWARD,), fix=budget_fix),
+    ]
 
 
 def estimate_rollout(

@@ -53,6 +53,11 @@ class TrainSpec(_Frozen):
         False, description="Recompute each decoder layer's activations in the backward pass instead of "
         "keeping them: less memory for about one more forward of compute; the same gradients."
     )
+    logprob_chunk_tokens: int | None = Field(
+        None, ge=1, description="Compute logprobs (and entropy) over at most this many response positions at "
+        "a time, recomputing each chunk's logits in the backward pass: logits memory is bounded by the chunk "
+        "instead of the response length x vocabulary; the same values and gradients. null: all at once."
+    )
 
     @model_validator(mode="after")
     def _strategy_fits_the_group(self) -> "TrainSpec":

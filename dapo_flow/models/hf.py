@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from dapo_flow.algos.logprobs import entropy_from_logits, logprobs_from_logits
+from dapo_flow.algos.logprobs import chunked_linear_logprobs, entropy_from_logits, logprobs_from_logits
 from dapo_flow.errors import ModelError
 from dapo_flow.models.sampling import Rollouts, SamplingConfig
 
@@ -88,6 +88,81 @@ def hf_progress_bars_off() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def response_logprobs_of(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward of a causal LM over prompt+response rows (:meth:`HFPolicy.pack`'s layout) and
+    the per-token log p of each response under ``softmax(logits / temperature)``, and its entropy.
+
+    ``chunk_tokens`` None: float32 logits of every response position at once, (b, R, vocab).
+    Else the output head runs on the real (unpadded) response positions ``chunk_tokens`` at a
+    time (:func:`~dapo_flow.algos.logprobs.chunked_linear_logprobs`: each chunk's logits are
+    freed after its forward and recomputed in the backward), the same values and gradients.
+    The chunks run inside the model's own forward, in place of its output head
+    (:func:`_forward_replaced`), so a model sharded by FSDP2 has its head's weight gathered there.
+    Shape: inputs' input_ids / attention_mask / position_ids (b, P+R); response_ids,
+    response_mask (b, R) -> logp (b, R) float32 (0 at padding), entropy (b, R) or None.
+    """
+    width = response_ids.shape[1]
+    keep = width + 1  # only the positions that predict response tokens (the last one is dropped)
+    if chunk_tokens is None:
+        out = model(**inputs, use_cache=False, logits_to_keep=keep)
+        logits = out.logits[:, :-1].float() / temperature  # (b, R, V)
+        logp = logprobs_from_logits(logits, response_ids).masked_fill(~response_mask, 0.0)
+        ent = entropy_from_logits(logits).masked_fill(~response_mask, 0.0) if with_entropy else None
+        return logp, ent
+
+    lm_head = model.get_output_embeddings()
+    if not isinstance(lm_head, torch.nn.Linear):
+        raise ModelError(f"chunked logprobs need a linear output head; {type(model).__name__}'s is "
+                         f"{type(lm_head).__name__}: set train.logprob_chunk_tokens: null")
+
+    def head(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The head's stand-in. Shape: (b, R+1, h) -> logp (b, R)[, entropy (b, R)]. Separate
+        tensors, not one stacked, so an entropy that is only logged gets no (zero) gradient; and
+        a model that post-processes its logits (scales, soft-caps) fails on the tuple, loudly."""
+        real = hidden[:, :-1][response_mask]  # (N, h): padding gets no logits at all
+        logp, ent = chunked_linear_logprobs(real, lm_head.weight, response_ids[response_mask],
+                                            bias=lm_head.bias, chunk_tokens=chunk_tokens,
+                                            temperature=temperature, with_entropy=with_entropy)
+        return tuple(_unpack(v, response_mask) for v in (logp, ent) if v is not None)
+
+    with _forward_replaced(lm_head, head):
+        out = model(**inputs, use_cache=False, logits_to_keep=keep).logits  # head's tuple
+    return out[0], out[1] if with_entropy else None
+
+
+def _unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` of the True positions of ``mask`` in place, 0 elsewhere. Shape: (N,), (b, R) -> (b, R)."""
+    out = values.new_zeros(mask.shape)
+    out[mask] = values
+    return out
+
+
+@contextmanager
+def _forward_replaced(module: torch.nn.Module, forward) -> Iterator[None]:
+    """``module`` computes ``forward`` instead of its own forward for the block (an instance
+    attribute, deleted after, so the class's forward is back).
+
+    Why the output head is replaced rather than called separately after ``model.model``: the
+    chunks then run inside the model's own forward. Under FSDP2 that is where the root's
+    parameters (embeddings, final norm, the head's weight) are gathered, and the root registers
+    the hook that gathers them again for the backward on what its forward returns; outside it
+    the head's weight would be a shard."""
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward
+
+
 def _check_prompts(prompt_ids: list[list[int]]) -> None:
     if any(len(p) == 0 for p in prompt_ids):
         raise ModelError("empty prompt: every prompt needs at least one token (e.g. BOS)")
@@ -107,9 +182,12 @@ class HFPolicy:
         seed: int = 0,
         trainable: bool = False,
         grad_checkpointing: bool = False,
+        logprob_chunk_tokens: int | None = None,
     ) -> None:
         """``grad_checkpointing``: gradient passes recompute each decoder layer's activations in
-        the backward pass (HF gradient checkpointing, non-reentrant) instead of storing them."""
+        the backward pass (HF gradient checkpointing, non-reentrant) instead of storing them.
+        ``logprob_chunk_tokens``: logprobs and entropy over at most this many response tokens
+        at a time, each chunk's logits recomputed in the backward (:func:`response_logprobs_of`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from dapo_flow.models import resolve_model
@@ -125,6 +203,10 @@ class HFPolicy:
         self.model.eval()  # no dropout in RL: rollout and training must see the same function
         self.model.requires_grad_(trainable)
         self.grad_checkpointing = grad_checkpointing
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        if logprob_chunk_tokens is not None and getattr(self.model.config, "final_logit_softcapping", None):
+            raise ModelError(f"{self.path}: the model soft-caps its logits after the output head, which "
+                             "chunked logprobs leave out; set train.logprob_chunk_tokens: null")
         if grad_checkpointing:  # active only in train mode: gradient passes switch to it (_grad_mode)
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
@@ -331,19 +413,10 @@ class HFPolicy:
     def _logprobs_pass(
         self, batch: dict[str, torch.Tensor], rows: slice, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        resp, resp_mask = batch["response_ids"][rows], batch["response_mask"][rows]
-        width = resp.shape[1]
-        out = self.model(
-            input_ids=batch["input_ids"][rows],
-            attention_mask=batch["attention_mask"][rows],
-            position_ids=batch["position_ids"][rows],
-            use_cache=False,
-            logits_to_keep=width + 1,  # only the positions that predict response tokens
-        )
-        logits = out.logits[:, :-1].float() / temperature  # (b, R, V)
-        logp = logprobs_from_logits(logits, resp).masked_fill(~resp_mask, 0.0)
-        ent = entropy_from_logits(logits).masked_fill(~resp_mask, 0.0) if with_entropy else None
-        return logp, ent
+        inputs = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "position_ids")}
+        return response_logprobs_of(self.model, inputs, batch["response_ids"][rows], batch["response_mask"][rows],
+                                    temperature=temperature, with_entropy=with_entropy,
+                                    chunk_tokens=self.logprob_chunk_tokens)
 
     # --- weights ----------------------------------------------------------------------------------
 

@@ -81,7 +81,8 @@ def load_resource(
     policy = None
     if scores or trainable or (generates and backend.generates_with_trainer):
         policy = HFPolicy(model_path, dtype=spec.dtype, device=device, seed=seed, trainable=trainable,
-                          grad_checkpointing=trainable and spec.train.grad_checkpointing)
+                          grad_checkpointing=trainable and spec.train.grad_checkpointing,
+                          logprob_chunk_tokens=spec.train.logprob_chunk_tokens)
         if sharded:
             policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
     generator = None

@@ -4,6 +4,9 @@ Builds a small Llama identically on every rank, shards it with dapo_flow.models.
 `steps` clipped policy-gradient steps on a fixed batch split across the ranks by token count,
 each loss normalised by the global token count. Optionally loads a sharded checkpoint first, or
 saves one after `save_after` steps; rank 0 writes the losses and the full weights to `out`.
+With a `chunk` key (null or a size) the logprobs come from HFPolicy's own path
+(dapo_flow.models.hf.response_logprobs_of, chunked or not) with an entropy bonus in the loss, and
+rank 0 also writes its rows' logprobs and entropy scored without gradients on the gathered weights.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from dapo_flow import algos  # noqa: E402
 from dapo_flow.algos.balance import balanced_partitions, token_budget_micro_batches  # noqa: E402
 from dapo_flow.models import fsdp  # noqa: E402
+from dapo_flow.models.hf import response_logprobs_of  # noqa: E402
 
 ROWS, PROMPT, RESPONSE, VOCAB = 8, 4, 6, 64
 
@@ -30,7 +34,7 @@ def main(cfg: dict, rank: int) -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=cfg.get("tie", False)))
     fsdp.shard_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if cfg.get("load"):
@@ -44,17 +48,20 @@ def main(cfg: dict, rank: int) -> None:
     mask = torch.arange(RESPONSE)[None, :] < lengths[:, None]
     mine = torch.from_numpy(balanced_partitions(lengths.numpy(), world)[rank])
 
-    def logp_of(rows: torch.Tensor) -> torch.Tensor:
+    def logp_of(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = torch.cat([prompts[rows], responses[rows]], 1)
+        if "chunk" in cfg:
+            return response_logprobs_of(model, {"input_ids": ids}, responses[rows], mask[rows], temperature=0.7,
+                                        with_entropy=True, chunk_tokens=cfg["chunk"])
         logits = model(input_ids=ids).logits[:, PROMPT - 1:-1].float()
-        return algos.logprobs_from_logits(logits, responses[rows])
+        return algos.logprobs_from_logits(logits, responses[rows]), None
 
     losses = []
     for step in range(cfg["steps"]):
         if cfg.get("save") and step == cfg.get("save_after"):  # a checkpoint mid-run, as training writes them
             fsdp.save_sharded(cfg["save"], model, optimizer)
         with torch.no_grad():
-            old = logp_of(mine)
+            old = logp_of(mine)[0]
         tokens = fsdp.all_reduce_sum([float(mask[mine].sum())])[0]  # the global count
         optimizer.zero_grad()
         budget = cfg.get("max_tokens")
@@ -68,15 +75,22 @@ def main(cfg: dict, rank: int) -> None:
         for part in micro:
             rows = mine[torch.from_numpy(part)]
             sel = torch.from_numpy(part)
-            loss, _ = algos.policy_loss(old[sel], logp_of(rows), advantages[rows][:, None].expand(-1, RESPONSE),
+            logp, entropy = logp_of(rows)
+            loss, _ = algos.policy_loss(old[sel], logp, advantages[rows][:, None].expand(-1, RESPONSE),
                                         mask[rows], agg="token-mean", num_tokens=tokens)
+            if entropy is not None:  # an entropy bonus: gradients through the entropy too
+                loss = loss - 0.01 * algos.agg_loss(entropy, mask[rows], "token-mean", num_tokens=tokens)
             (loss * world).backward()  # FSDP averages gradients over ranks: undo it, the loss is global
             total += float(loss)
         losses.append(fsdp.all_reduce_sum([total])[0])
         optimizer.step()
+    scored = None
+    if "chunk" in cfg:  # as HFPolicy scores without gradients: each rank its rows, gathered weights
+        with fsdp.unsharded(model), torch.inference_mode():
+            scored = [t.clone() for t in logp_of(mine)]
     full = {k: v.clone() for k, v in fsdp.full_state_dict(model).items()}
     if rank == 0:
-        torch.save({"losses": losses, "params": full}, cfg["out"])
+        torch.save({"losses": losses, "params": full, "scored": scored}, cfg["out"])
     fsdp.destroy_group()
 
 

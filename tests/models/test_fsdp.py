@@ -1,6 +1,7 @@
 """FSDP2 over gloo with real processes (tests/models/fsdp_worker.py is one rank): the update does
-not depend on the number of workers, token-budget micro-batches equal one pass, and sharded
-checkpoints resume at another world size with the same result."""
+not depend on the number of workers, token-budget micro-batches equal one pass, chunked logprobs
+equal unchunked ones on a sharded model, and sharded checkpoints resume at another world size with
+the same result."""
 
 from __future__ import annotations
 
@@ -61,6 +62,19 @@ def test_token_budget_micro_batches_make_the_same_update(three_steps):
     tmp, _, two = three_steps
     budgeted = _run(tmp, "w2_budget", 2, steps=3, max_tokens=5)
     _same_params(budgeted["params"], two["params"], atol=1e-5)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_chunked_logprobs_make_the_same_update_on_a_sharded_model(tmp_path, tie):
+    """HFPolicy's logprob path with an entropy bonus at world 2: the chunks run inside the root's
+    forward, where FSDP2 has gathered the lm_head (or the tied embedding) it multiplies by."""
+    whole = _run(tmp_path, "whole", 2, steps=2, chunk=None, tie=tie)
+    chunked = _run(tmp_path, "chunked", 2, steps=2, chunk=3, tie=tie)
+    for a, b in zip(whole["losses"], chunked["losses"]):
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(a))
+    _same_params(chunked["params"], whole["params"], atol=2e-6)
+    for a, b in zip(whole["scored"], chunked["scored"]):  # logp, entropy without gradients
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("saved_at, resumed_at", [(2, 1), (1, 2)])

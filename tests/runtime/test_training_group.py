@@ -113,6 +113,8 @@ def test_two_workers_make_the_update_one_worker_makes(ray_cluster, tiny_adder_pa
     finally:
         two.shutdown()
     _same_metrics(one_metrics, two_metrics)
+    # the first step's loss before any update: the group's global normalisation, not luck
+    assert two_metrics[0]["actor/pg_loss"] == pytest.approx(one_metrics[0]["actor/pg_loss"], rel=1e-6, abs=1e-9)
     _same(one_weights, two_weights)
     assert not any(np.allclose(one_weights[k], _start_weights(tiny_adder_path)[k]) for k in ("lm_head.weight",))
 

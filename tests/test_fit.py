@@ -1,0 +1,106 @@
+"""Will it fit? Per-actor memory budgets in `explain`, and `validate` refusing what cannot fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import cli
+from dapo_flow.errors import GraphError
+from dapo_flow.graph.edits import edit_file, parse_cli_edits
+from dapo_flow.graph.memory import GiB
+from dapo_flow.graph.plan import Cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+DAPO = str(ROOT / "graphs/dapo.yaml")
+RECIPE = str(ROOT / "graphs/recipes/dapo-qwen2.5-7b.yaml")
+# Qwen2.5-7B's config.json (the numbers that size it)
+QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+           "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+@pytest.fixture
+def qwen_7b(tmp_path) -> Path:
+    """A model directory with Qwen2.5-7B's config.json only (enough to plan; nothing loads it)."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_7B))
+    return tmp_path
+
+
+def _placed(path: str, *sets: str, cluster: Cluster):
+    return edit_file(path, parse_cli_edits([("set", s) for s in sets])).compile(cluster)
+
+
+# the main job's prompts are short: with a prompt budget the context is 64 + 8 max_tokens
+# (without one it is the model's maximum, 131072 for Qwen2.5)
+SHORT = ("data.train.max_prompt_tokens=64", "data.val.max_prompt_tokens=64")
+
+
+def test_the_main_job_has_a_budget_from_the_declared_shape():
+    placed = _placed(DAPO, cluster=Cluster(cpus=2))
+    budget = placed.budgets["model:policy"]
+    names = [t.name for t in budget.terms]
+    assert {"parameters", "gradients", "AdamW moments", "KV cache"} <= set(names)
+    params = next(t for t in budget.terms if t.name == "parameters")
+    assert params.bytes == 133_696 * 4  # tiny-adder's parameters in float32
+    assert "CUDA context and workspaces" not in names  # a CPU actor
+
+
+def test_a_group_shards_state_and_adds_gathered_copies(qwen_7b):
+    def budget(workers: int):
+        placed = _placed(DAPO, *SHORT, f"models.policy.path={qwen_7b}", f"models.policy.train.workers={workers}",
+                         "models.policy.train.mixed_precision=bf16",
+                         cluster=Cluster(cpus=64, gpus=8, gpu_mem_gib=1000))
+        return {t.name: t.bytes for t in placed.budgets["model:policy"].terms}
+
+    two, four = budget(2), budget(4)
+    assert two["parameters (1/2 shard)"] == pytest.approx(2 * four["parameters (1/4 shard)"], rel=1e-6)
+    assert two["gathered decoder layers (2)"] == four["gathered decoder layers (2)"]  # per layer, not sharded
+    assert two["whole model gathered to generate"] > 14 * GiB  # 7.6B parameters in bf16
+    assert two["CUDA context and workspaces"] > 0
+
+
+def test_explain_prints_each_actors_budget_against_its_gpu(qwen_7b, capsys):
+    args = ["explain", RECIPE, "--gpus", "16", "--nodes", "2", "--cpus", "128", "--gpu-mem-gib", "80",
+            "--set", f"models.policy.path={qwen_7b}"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "model:policy     actor  cpus=1 gpus=1  loads policy" in out
+    assert "group of 16 worker(s) on one PACK placement group (fsdp2" in out
+    head = next(line for line in out.splitlines() if line.startswith("  model:policy, per worker of 16: peak "))
+    assert "fits its 80.0 GiB GPU share" in head
+    assert "vLLM engine (gpu_memory_utilization share)" in out and "parameters (1/16 shard)" in out
+
+
+def test_validate_refuses_what_cannot_fit_naming_the_term_and_the_fix(qwen_7b, capsys):
+    args = ["validate", RECIPE, "--gpus", "16", "--nodes", "2", "--cpus", "128", "--gpu-mem-gib", "24",
+            "--set", f"models.policy.path={qwen_7b}"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "dapo-qwen2.5-7b.yaml:" in err and "models.policy.train" in err
+    assert "needs about" in err and "but has 24.0 GiB" in err and "the biggest term is" in err
+    assert "fix: " in err
+
+
+def test_one_worker_of_a_7b_model_without_sharding_names_more_workers(qwen_7b):
+    with pytest.raises(GraphError) as info:
+        _placed(DAPO, *SHORT, f"models.policy.path={qwen_7b}", cluster=Cluster(cpus=8, gpus=1, gpu_mem_gib=80))
+    text = str(info.value)
+    assert "AdamW moments" in text and "train.workers" in text  # 7.6B x 16 bytes of fp32 state
+
+
+def test_a_share_of_a_gpu_has_a_share_of_its_memory(qwen_7b):
+    small = "models.policy.path=" + str(qwen_7b)
+    with pytest.raises(GraphError) as info:
+        _placed(DAPO, *SHORT, small, "models.policy.train.workers=8", "models.policy.train.mixed_precision=bf16",
+                "placement.models.policy.num_gpus=0.25", cluster=Cluster(cpus=16, gpus=8, gpu_mem_gib=80))
+    assert "but has 20.0 GiB (0.25 of a 80 GiB GPU)" in str(info.value)
+
+
+def test_unknown_gpu_size_or_shape_is_not_checked(tmp_path, capsys):
+    assert cli.main(["explain", DAPO, "--gpus", "1", "--set", f"models.policy.path={tmp_path}"]) in (0, 2)
+    out = capsys.readouterr().out
+    assert "model:policy: unknown (no config.json to read at" in out
