@@ -7,6 +7,8 @@ of the sampled tokens, as verl records them.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, Field
@@ -55,13 +57,11 @@ class Generate:
     def load_state_dict(self, state: dict) -> None:
         self.calls = int(state["calls"])
 
-    def _seed(self) -> int:
-        """This call's sampling seed; each worker of a training group draws its own stream (the
-        same stream for different prompts would correlate their samples)."""
-        seed = self.ctx.seed * 1_000_003 + self.calls
-        if self.ctx.world_size > 1:
-            seed = int(np.random.SeedSequence([seed, self.ctx.rank]).generate_state(1)[0])
-        return seed
+    def _prompt_seeds(self, batch: pa.Table) -> tuple[int, ...]:
+        """One seed per prompt from (graph seed, call, prompt id): a prompt samples the same
+        responses whichever worker, replica or batch position it lands on, so the samples do not
+        depend on how many engines share the work."""
+        return tuple(prompt_seed(self.ctx.seed, self.calls, pid) for pid in batch.column(C.PROMPT_ID).to_pylist())
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         from dapo_flow.models.sampling import SamplingConfig
@@ -73,7 +73,8 @@ class Generate:
             top_p=p.top_p,
             top_k=p.top_k,
             max_tokens=p.max_tokens,
-            seed=self._seed(),
+            seed=self.ctx.seed * 1_000_003 + self.calls,
+            prompt_seeds=self._prompt_seeds(batch),
         )
         self.calls += 1
         model = self.ctx.model
@@ -102,5 +103,12 @@ class Generate:
 
     def last_metrics(self) -> dict[str, float]:
         return dict(self._metrics)
+
+
+def prompt_seed(seed: int, call: int, prompt_id: str) -> int:
+    """A 63-bit seed for one prompt's samples in one call (stable across processes and Python
+    versions: a hash of the id's bytes, not ``hash()``)."""
+    digest = hashlib.blake2b(f"{seed}:{call}:{prompt_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 

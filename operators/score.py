@@ -11,24 +11,41 @@ NaN, inf, a string, a list, a dict without ``score``, a value beyond float32) or
 raised by the function stops the run with a RunError naming the function, the sample (prompt id
 and sample index) and the value. Not skipped: a silently dropped sample would bias the group's
 advantages, and a bad value is a bug in the function that the user has to see.
+
+``workers: N`` scores in N worker processes (``dapo_flow/data/reward_pool.py``), started on the
+first call and kept until the operator is closed or collected; rows go in chunks and come back
+in order, with the same numbers as in-process scoring. A user function is imported in every
+worker from its ``module:fn`` / ``file.py:fn`` string (a relative path against the working
+directory the operator was built in); it cannot use multiprocessing itself (workers are
+daemons). A worker that dies (segfault, ``os._exit``) stops the run with a RunError naming the
+sample it was scoring.
+
+``timeout_s``: a sample whose function runs longer gets ``wrong`` and acc 0, and is counted in
+``score/timeouts`` (reported only when a timeout is set). Its worker is killed and replaced; the
+other rows of its chunk are scored again (a function with side effects may see them twice).
+A timeout needs ``workers >= 1``: only killing the process it runs in stops a hung function
+for sure (one stuck in C code ignores signals and a thread cannot be killed), and ``workers: 0``
+promises in-process scoring, so the pair is a validation error rather than a silent process.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-from typing import Any, Callable
+import os
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from dapo_flow.graph import columns as C
 from dapo_flow.data.arrow_utils import with_columns
+from dapo_flow.data.reward_pool import (  # as_number: re-exported, tests and plugins use it here
+    BadReward, LoadFailed, RewardPool, RewardSpec, Row, WorkerDied, as_number, evaluate,
+    exit_text, resolve_reward, short as _short,
+)
 from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.errors import RunError
 
-FLOAT32_MAX = float(np.finfo(np.float32).max)
+__all__ = ["Params", "Score", "as_number"]
 
 
 class Params(BaseModel):
@@ -42,40 +59,22 @@ class Params(BaseModel):
     """Score of a wrong answer (built-in verifiers; DAPO uses -1, use 0 for 1/0 rewards)."""
     extra_columns: tuple[str, ...] = Field(())
     """Extra float columns a user function returns in its dict (declared for schema checks)."""
+    workers: int = Field(0, ge=0, le=256)
+    """0: score in this process, row by row. N >= 1: score in a pool of N worker processes kept
+    for the whole run (rows sent in chunks; start-up paid once; same numbers)."""
+    timeout_s: float | None = Field(None, gt=0, le=3600)
+    """Seconds a reward function may take on one sample; past it the sample gets `wrong`, acc 0
+    and counts in score/timeouts, and its worker is killed and replaced. Needs workers >= 1."""
 
-
-def _resolve(params: Params) -> Callable[..., Any]:
-    from dapo_flow.data import tasks
-    from dapo_flow.graph.imports import load_object
-
-    builtins = {"builtin:addition": tasks.verify_addition, "builtin:math": tasks.verify_math}
-    if params.reward in builtins:
-        verify = builtins[params.reward]
-        return lambda text, truth, _extra: verify(
-            text, truth, correct=params.correct, wrong=params.wrong
-        )
-    fn = load_object(params.reward)
-    if not callable(fn):
-        raise RunError(f"reward '{params.reward}' is a {type(fn).__name__}, not a function: name a "
-                       "function taking (response_text, ground_truth, extra_info)")
-    return fn
-
-
-def as_number(value: Any) -> float | None:
-    """``value`` as a finite float32-representable number, or None when it is not one (numpy
-    scalars, 0-d arrays and one-element tensors count as their element; strings never do)."""
-    if isinstance(value, (np.ndarray, np.generic)) or type(value).__module__.startswith("torch"):
-        try:
-            value = value.item()
-        except (ValueError, RuntimeError):  # more than one element
-            return None
-    if not isinstance(value, numbers.Real):
-        return None
-    try:
-        x = float(value)
-    except OverflowError:  # an int beyond float range
-        return None
-    return x if math.isfinite(x) and abs(x) <= FLOAT32_MAX else None
+    @model_validator(mode="after")
+    def _timeout_needs_workers(self) -> "Params":
+        if self.timeout_s is not None and self.workers == 0:
+            raise ValueError(
+                "timeout_s needs workers >= 1: a hung reward function is stopped by killing the "
+                "worker process it runs in, and workers: 0 scores in this process; set workers: 1 "
+                "(or more), or remove timeout_s"
+            )
+        return self
 
 
 class Score:
@@ -94,42 +93,73 @@ class Score:
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params
         self.ctx = ctx
-        self.fn = _resolve(params)
-        self.builtin = params.reward.startswith("builtin:")
+        self.spec = RewardSpec(params.reward, params.correct, params.wrong, params.extra_columns,
+                               base_dir=os.getcwd())
+        self.fn = resolve_reward(self.spec)  # in the driver too: a bad reference fails here
+        self._pool: RewardPool | None = None
         self._metrics: dict[str, float] = {}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         texts = batch.column(C.RESPONSE_TEXT).to_pylist()
         truths = batch.column(C.GROUND_TRUTH).to_pylist()
-        extras = {name: np.zeros(len(texts), np.float32) for name in self.params.extra_columns}
-        score = np.zeros(len(texts), np.float32)
-        acc = np.zeros(len(texts), np.float32)
-        for i, (text, truth) in enumerate(zip(texts, truths)):
-            try:
-                result = self.fn(text, truth, {})
-            except Exception as exc:  # user code: report which sample, not a traceback
-                raise RunError(self._bad(batch, i, f"raised {exc!r}")) from exc
-            if isinstance(result, dict):
-                if "score" not in result:
-                    raise RunError(self._bad(batch, i, f"returned a dict without 'score': {_short(result)}"))
-                score[i] = self._number(batch, i, result["score"], "score")
-                acc[i] = self._number(batch, i, result.get("acc", float(score[i] > 0)), "acc")
-                for name in extras:
-                    extras[name][i] = self._number(batch, i, result.get(name, 0.0), name)
-            else:
-                score[i] = self._number(batch, i, result, "score")
-                acc[i] = float(score[i] == self.params.correct if self.builtin else score[i] > 0)
+        rows = self._pooled(batch, texts, truths) if self.params.workers else [
+            self._evaluate(batch, i, text, truth) for i, (text, truth) in enumerate(zip(texts, truths))
+        ]
+        for i, row in enumerate(rows):  # the first bad row, as in-process scoring stops at it
+            if isinstance(row, str):
+                raise RunError(self._bad(batch, i, row))
+        timed_out = sum(row is None for row in rows)
+        failed = (self.params.wrong, 0.0, (0.0,) * len(self.params.extra_columns))
+        rows = [failed if row is None else row for row in rows]
+        score = np.array([row[0] for row in rows], np.float32)
+        acc = np.array([row[1] for row in rows], np.float32)
+        extras = {name: np.array([row[2][j] for row in rows], np.float32)
+                  for j, name in enumerate(self.params.extra_columns)}
         self._metrics = {"score/mean": float(score.mean()), "acc/mean": float(acc.mean())}
+        if self.params.timeout_s is not None:
+            self._metrics["score/timeouts"] = float(timed_out)
         return with_columns(batch, {C.SCORE: score, C.ACC: acc, **extras})
 
     def last_metrics(self) -> dict[str, float]:
         return dict(self._metrics)
 
-    def _number(self, batch: pa.Table, row: int, value: Any, what: str) -> float:
-        number = as_number(value)
-        if number is None:
-            raise RunError(self._bad(batch, row, f"returned {_short(value)} as '{what}'"))
-        return number
+    def close(self) -> None:
+        """Stop the worker processes (also done when the operator is garbage-collected)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def _evaluate(self, batch: pa.Table, i: int, text: str, truth: str) -> Row:
+        try:
+            return evaluate(self.fn, self.spec, text, truth)
+        except BadReward as bad:
+            raise RunError(self._bad(batch, i, str(bad))) from bad.__cause__
+
+    def _pooled(self, batch: pa.Table, texts: list[str], truths: list[str]) -> list[Row]:
+        if self._pool is None:
+            self._pool = RewardPool(self.spec, self.params.workers, self.params.timeout_s)
+        try:
+            return self._pool.score(texts, truths)
+        except WorkerDied as died:
+            where = (f"while scoring {_sample_name(batch, died.row)}" if died.row is not None
+                     else "outside the function (starting up, or between rows)")
+            raise RunError(
+                f"reward function '{self.params.reward}' (node '{self.ctx.node_id}'): its worker "
+                f"process died ({exit_text(died.exitcode)}) {where}, in a chunk of "
+                f"{len(died.rows)} rows ({_sample_name(batch, died.rows[0])} to "
+                f"{_sample_name(batch, died.rows[-1])})\n"
+                "    a reward function must return, not end its process (os._exit, sys.exit, a "
+                "crash in native code)\n"
+                "    fix: find the sample's response and fix the function (or set timeout_s if it "
+                "hangs); `dapo-flow run GRAPH --resume` then continues from the last checkpoint"
+            ) from None
+        except LoadFailed as failed:
+            raise RunError(
+                f"reward function '{self.params.reward}' (node '{self.ctx.node_id}') cannot be "
+                f"loaded in a worker process: {failed}\n"
+                "    fix: make it importable from a fresh Python process (workers are spawned: "
+                "they see the package path and working directory, not the driver's runtime state)"
+            ) from None
 
     def _bad(self, batch: pa.Table, row: int, what: str) -> str:
         """The error text for a bad reward: which function, node and sample, what it did."""
@@ -153,8 +183,3 @@ def _sample_name(batch: pa.Table, row: int) -> str:
     if C.SAMPLE_IDX in batch.column_names:
         parts.append(f"sample {batch.column(C.SAMPLE_IDX)[row].as_py()}")
     return ", ".join(parts) or f"row {row}"
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -112,6 +112,7 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
         seconds = time.perf_counter() - start
     finally:
         ex.shutdown()
+        driver.close()
     metrics.update({"eval/prompts": float(prompts.num_rows), "eval/skipped_rows": float(skipped)})
 
     tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,

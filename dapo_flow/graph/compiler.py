@@ -73,6 +73,31 @@ def _group_of(plan: Plan, stage: str):
     return plan.spec.models[stage.split(":", 1)[1]].train
 
 
+def _workers_of(plan: Plan, stage: str) -> int:
+    """Actors a stage runs on: a training group's workers, a rollout stage's replicas, else 1."""
+    group = _group_of(plan, stage)
+    if group is not None:
+        return group.workers
+    if stage.startswith("rollout:"):
+        return plan.spec.models[stage.split(":", 1)[1]].rollout.replicas
+    return 1
+
+
+def _replica_problems(plan: Plan, actors: list[str]) -> list[Problem]:
+    """Rollout replicas need a rollout stage of their own (disaggregated placement)."""
+    problems = []
+    for name, model in plan.spec.models.items():
+        if model.rollout.replicas > 1 and f"rollout:{name}" not in actors:
+            line = plan.doc.line_of(("models", name, "rollout", "replicas")) if plan.doc is not None else 0
+            problems.append(Problem(
+                plan.file, line, "", f"models.{name}.rollout.replicas",
+                f"{model.rollout.replicas} rollout replicas of '{name}', but no stage rolls out "
+                f"'{name}' on its own (placement {plan.spec.placement.mode}: its trainer generates)",
+                "set placement: {mode: disaggregated}, or replicas: 1 (colocated, each worker of a "
+                "training group generates its share: raise train.workers instead)"))
+    return problems
+
+
 def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
     """A cheap CPU map whose inputs and consumers all live in one actor runs in that actor
     (e.g. `advantage` between `logprob` and `update`): two fewer round trips and table
@@ -102,9 +127,9 @@ def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
         members.setdefault(stage_of[node.id], []).append(node.id)
     actors = [name for name in members if name != DRIVER]
     model_of = {name: name.split(":", 1)[1] for name in actors}
-    workers = {name: (_group_of(plan, name).workers if _group_of(plan, name) else 1) for name in actors}
+    workers = {name: _workers_of(plan, name) for name in actors}
     explicit = plan.spec.placement.models
-    problems = _placement_problems(plan, cluster, model_of, workers)
+    problems = _replica_problems(plan, actors) + _placement_problems(plan, cluster, model_of, workers)
     if problems:
         raise GraphError(problems)
     default = [a for a in actors if model_of[a] not in explicit]
@@ -258,6 +283,10 @@ def explain(placed: PlacedPlan) -> str:
             out.append(f"  {'':<16} group of {s.workers} worker(s) on one {s.placement_strategy} placement "
                        f"group ({s.strategy}; resources above are per worker): each call splits its rows "
                        "by whole prompt groups")
+        elif s.workers > 1:
+            out.append(f"  {'':<16} {s.workers} replicas (resources above are per replica): each call "
+                       "splits its prompts across them; per-prompt seeds, so the samples do not depend "
+                       "on the number")
     out += _explain_memory(placed)
     train = spec.data.train
     gen_batch = run.gen_prompts_per_batch or run.prompts_per_step

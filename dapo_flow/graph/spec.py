@@ -83,7 +83,12 @@ class TrainSpec(_Frozen):
 
 
 class RolloutSpec(_Frozen):
-    """The rollout engine's settings (backends that take them: `vllm`)."""
+    """The rollout engine's settings (backends that take them: `vllm`; `replicas`: any)."""
+
+    replicas: int = Field(1, ge=1, le=1024, description="Independent rollout engines (Ray actors) with "
+                          "placement: disaggregated; each generate call splits its prompts across them "
+                          "and merges the samples in prompt order. A prompt samples the same responses "
+                          "whatever the number of replicas (per-prompt seeds).")
 
     tensor_parallel: int = Field(1, ge=1, le=1024, description="vLLM tensor_parallel_size per engine; "
                                  "must divide the model's attention heads.")
@@ -130,7 +135,8 @@ class ModelSpec(_Frozen):
 
         backend = BACKENDS[self.backend]
         changed = {k for k, v in self.rollout.model_dump().items() if v != RolloutSpec.model_fields[k].default}
-        unused = sorted(changed - set(backend.rollout_options))  # defaults written out (a dump) are fine
+        # defaults written out (a dump) are fine; replicas is placement, which every backend takes
+        unused = sorted(changed - set(backend.rollout_options) - {"replicas"})
         if unused:
             why = " (it generates with the torch policy)" if backend.generates_with_trainer else ""
             raise ValueError(f"rollout.{unused[0]} is a setting of the rollout engine, which backend "

@@ -18,7 +18,7 @@ import torch
 
 from dapo_flow.algos.logprobs import chunked_linear_logprobs, entropy_from_logits, logprobs_from_logits
 from dapo_flow.errors import ModelError
-from dapo_flow.models.sampling import Rollouts, SamplingConfig
+from dapo_flow.models.sampling import Rollouts, SamplingConfig, sample_keys, uniforms
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -261,15 +261,20 @@ class HFPolicy:
     # --- sampling -------------------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig) -> Rollouts:
-        """``cfg.n`` samples per prompt; deterministic given ``cfg.seed`` and the batch chunking."""
+        """``cfg.n`` samples per prompt. Each sample draws from its own generator, seeded by its
+        prompt's seed (``cfg.seeds_for``) and its index: what a prompt samples does not depend on
+        the other prompts of the batch, on the chunking, or on which replica or worker runs it."""
         start = time.perf_counter()
-        gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        seeds = cfg.seeds_for(len(prompt_ids))
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         truncated: list[bool] = []
         with self.gathered():
+            at = 0
             for chunk in self._prompt_chunks(prompt_ids, cfg.n):
-                r, lp, tr = self._generate_batch(chunk, cfg, gen)
+                keys = sample_keys(seeds[at:at + len(chunk)], cfg.n)
+                at += len(chunk)
+                r, lp, tr = self._generate_batch(chunk, cfg, keys)
                 responses += r
                 logprobs += lp
                 truncated += tr
@@ -284,7 +289,7 @@ class HFPolicy:
 
     @torch.inference_mode()
     def _generate_batch(
-        self, prompts: list[list[int]], cfg: SamplingConfig, gen: torch.Generator
+        self, prompts: list[list[int]], cfg: SamplingConfig, keys: np.ndarray
     ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         ids, mask = left_pad(prompts, self.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -305,7 +310,7 @@ class HFPolicy:
         lengths = torch.zeros(num, dtype=torch.long, device=self.device)
         done = torch.zeros(num, dtype=torch.bool, device=self.device)
         for t in range(cfg.max_tokens):
-            tok, lp = self._sample(logits, cfg, gen)
+            tok, lp = self._sample(logits, cfg, torch.from_numpy(uniforms(keys, t)).to(self.device))
             tokens[:, t] = tok.masked_fill(done, self.pad_id)
             lps[:, t] = lp
             lengths += (~done).long()
@@ -326,19 +331,21 @@ class HFPolicy:
         return responses, [row[:n] for row, n in zip(lp_rows, lens)], (~done).tolist()
 
     @staticmethod
-    def _sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next tokens and their logprobs under log_softmax(logits / T). Shape: (S, V) -> (S,), (S,)."""
+    def _sample(logits: torch.Tensor, cfg: SamplingConfig, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next tokens and their logprobs under log_softmax(logits / T); row s takes the token
+        where its uniform ``u[s]`` falls in the cumulative distribution (inverse-CDF sampling,
+        float64). Shape: (S, V), (S,) -> (S,), (S,)."""
         if cfg.temperature == 0:
             tok = logits.argmax(-1)
             return tok, logprobs_from_logits(logits, tok)
         scaled = logits / cfg.temperature
         probs = filter_top_k_top_p(scaled, cfg.top_k, cfg.top_p).softmax(-1)
-        try:
-            tok = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-        except RuntimeError as exc:  # checked only on failure: no cost per token
-            if bool(torch.isfinite(probs).all()):
-                raise
-            raise ModelError(NONFINITE_LOGITS) from None
+        cdf = probs.double().cumsum(-1)
+        if not bool(torch.isfinite(cdf[:, -1]).all()):
+            raise ModelError(NONFINITE_LOGITS)
+        # side=right: the first token whose cumulative mass exceeds u, never a zero-mass one
+        tok = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        tok = tok.clamp_(max=probs.shape[-1] - 1)
         return tok, logprobs_from_logits(scaled, tok)
 
     # --- logprob recomputation --------------------------------------------------------------------

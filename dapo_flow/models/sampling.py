@@ -34,6 +34,17 @@ class SamplingConfig:
     top_k: int = -1  # -1: disabled
     max_tokens: int = 16
     seed: int = 0
+    # one seed per prompt, in prompt order: a prompt's samples then depend on its seed only, not on
+    # which other prompts share its batch, engine or replica (None: drawn from ``seed`` by position)
+    prompt_seeds: tuple[int, ...] | None = None
+
+    def seeds_for(self, num_prompts: int) -> list[int]:
+        """Each prompt's seed: ``prompt_seeds``, or drawn from ``seed`` by position."""
+        if self.prompt_seeds is not None:
+            if len(self.prompt_seeds) != num_prompts:
+                raise ValueError(f"{len(self.prompt_seeds)} prompt seeds for {num_prompts} prompts")
+            return list(self.prompt_seeds)
+        return np.random.default_rng(self.seed).integers(0, 2**31, size=num_prompts).tolist()
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -46,6 +57,38 @@ class SamplingConfig:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+# --- a counter-based random stream per sample ------------------------------------------------------
+# Each sample row has a 64-bit key (from its prompt's seed and its index); its t-th uniform is a
+# hash of (key, t). Vectorised over rows, with no generator state: a row's draws do not depend on
+# which rows share its batch, so replicas and training workers sample what one engine would.
+# The hash is splitmix64 (Steele et al. 2014), the finaliser java.util.SplittableRandom uses.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """uint64 -> uint64, elementwise (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def sample_keys(prompt_seeds: list[int], n: int) -> np.ndarray:
+    """Keys of ``len(prompt_seeds) * n`` sample rows, prompt-major. Shape: (P * n,) uint64."""
+    seeds = np.asarray(prompt_seeds, dtype=np.uint64).repeat(n)
+    index = np.tile(np.arange(n, dtype=np.uint64), len(prompt_seeds))
+    with np.errstate(over="ignore"):  # not a xor of two hashes: that is symmetric in (seed, index)
+        return _splitmix64(_splitmix64(seeds) + index * np.uint64(0xD1B54A32D192ED03))
+
+
+def uniforms(keys: np.ndarray, step: int) -> np.ndarray:
+    """Each row's ``step``-th uniform in [0, 1). Shape: (S,) uint64 -> (S,) float64."""
+    with np.errstate(over="ignore"):
+        bits = _splitmix64(keys + np.uint64(step) * _GOLDEN)
+    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 @dataclass

@@ -92,9 +92,9 @@ class VLLMGenerator:
         """``cfg.n`` samples per prompt, contiguous per prompt, prompts in order."""
         vllm = self._vllm
         start = time.perf_counter()
-        # One seed per prompt: vLLM seeds sample j with seed + j, so a shared seed would give
-        # every prompt the same noise stream; spread them out from cfg.seed instead.
-        seeds = np.random.default_rng(cfg.seed).integers(0, 2**31, size=len(prompt_ids)).tolist()
+        # One seed per prompt (vLLM seeds sample j with seed + j): a prompt's samples do not depend
+        # on the rest of the batch, so replicas splitting the prompts sample what one engine would.
+        seeds = cfg.seeds_for(len(prompt_ids))
         params = [
             vllm.SamplingParams(
                 n=cfg.n,

@@ -61,9 +61,11 @@ class LocalExecutor:
                  resources: Mapping[str, tuple[float, float]] | None = None, address: str | None = None):
         for name, s in setups.items():
             if s.workers > 1:
-                raise RunError(f"stage '{name}' is a training group of {s.workers} workers, one "
-                               "process each, and the local executor runs everything in this process"
-                               "\n    fix: --executor ray, or set the model's train.workers: 1")
+                what, knob = (("a training group of", "train.workers") if s.sharded
+                              else ("rolled out by", "rollout.replicas"))
+                raise RunError(f"stage '{name}' is {what} {s.workers} workers, one process each, and "
+                               "the local executor runs everything in this process"
+                               f"\n    fix: --executor ray, or set the model's {knob}: 1")
         self.workers = {}
         try:
             for name, s in setups.items():  # a group of one: an FSDP2 shard of world size 1
@@ -112,7 +114,7 @@ class RayExecutor:
         try:
             for name, setup in setups.items():
                 cpus, gpus = resources.get(name, (1.0, 0.0))
-                if setup.sharded:
+                if setup.sharded or setup.workers > 1:
                     self.groups[name] = self._start_group(remote_cls, graph, name, setup, seed, cpus, gpus)
                 else:
                     self.actors[name] = remote_cls.options(
@@ -132,7 +134,8 @@ class RayExecutor:
                      cpus: float, gpus: float) -> "WorkerGroup":
         """A training group: one placement group with a bundle per worker (PACK or SPREAD), an
         actor in each, and the torch.distributed group they form (rank 0's node and a free
-        port there as its master address)."""
+        port there as its master address). Rollout replicas: the same without the process group
+        (each engine on its own)."""
         ray = self._ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -156,17 +159,22 @@ class RayExecutor:
         def on(rank: int) -> PlacementGroupSchedulingStrategy:
             return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
 
-        addr, port = ray.get(ray.remote(_rendezvous).options(num_cpus=0, scheduling_strategy=on(0)).remote(),
-                             timeout=STARTUP_TIMEOUT_S)
+        if setup.sharded:
+            addr, port = ray.get(ray.remote(_rendezvous).options(num_cpus=0, scheduling_strategy=on(0)).remote(),
+                                 timeout=STARTUP_TIMEOUT_S)
         members = [
             remote_cls.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=on(rank)).remote(
-                graph, replace(setup, group=GroupMember(rank, setup.workers, addr, port)), seed)
+                graph, replace(setup, group=GroupMember(rank, setup.workers, addr, port) if setup.sharded else None),
+                seed)
             for rank in range(setup.workers)
         ]
         sinks = {n.id for n in setup.nodes if resolve_op(n).CARDINALITY == "sink"}
-        return WorkerGroup(stage, members, sinks)
+        return WorkerGroup(stage, members, sinks, "worker" if setup.sharded else "replica")
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
+        # a group's broadcast call passed on (a weight transfer from a training group): its rank
+        # 0's result, by reference
+        args = tuple(a.refs[0] if isinstance(a, GroupCall) else a for a in args)
         group = self.groups.get(stage)
         if group is not None:
             return group.call(method, *args)
@@ -203,12 +211,12 @@ class RayExecutor:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 late = ", ".join(str(index[r]) for r in pending)
-                raise RunError(f"worker(s) {late} of the training group of stage '{call.stage}' did not "
+                raise RunError(f"{call.member}(s) {late} of the {call.kind} of stage '{call.stage}' did not "
                                f"answer within {timeout:g} s (hung collective? a worker on an unreachable "
                                f"node?); raise DAPO_FLOW_CALL_TIMEOUT if the model is just slow. {RESUME_HINT}")
             for ref in ready:
                 rank = index[ref]
-                results[rank] = self._get(ref, timeout, who=f"worker {rank} of the training group of "
+                results[rank] = self._get(ref, timeout, who=f"{call.member} {rank} of the {call.kind} of "
                                                             f"stage '{call.stage}'")
         return [results[rank] for rank in range(len(call.refs))]
 
@@ -258,6 +266,8 @@ class GroupCall:
     stage: str
     refs: list
     join: Callable[[list], Any]
+    member: str = "worker"
+    kind: str = "training group"
 
 
 @dataclass
@@ -270,6 +280,11 @@ class WorkerGroup:
     stage: str
     members: list
     sinks: set[str]  # node ids whose output is one row of group-reduced metrics
+    member: str = "worker"  # what a member is called in messages: "worker" (of a training group), "replica"
+
+    @property
+    def kind(self) -> str:
+        return "training group" if self.member == "worker" else "rollout replicas"
 
     def call(self, method: str, *args: Any) -> GroupCall:
         if method == "run_chain":
@@ -277,15 +292,16 @@ class WorkerGroup:
             parts = group.split(table, len(self.members))
             refs = [m.run_chain.remote(node_ids, part) for m, part in zip(self.members, parts)]
             sink, rows = node_ids[-1] in self.sinks, [p.num_rows for p in parts]
-            return GroupCall(self.stage, refs, lambda out: (
+            return GroupCall(self.stage, refs, member=self.member, kind=self.kind, join=lambda out: (
                 group.join([t for t, _ in out], sink), group.join_reports([r for _, r in out], rows)))
         if method == "run_variant":
             node_id, table, overrides = args
             parts = group.split(table, len(self.members))
             refs = [m.run_variant.remote(node_id, part, overrides) for m, part in zip(self.members, parts)]
-            return GroupCall(self.stage, refs, lambda out: group.join(out, node_id in self.sinks))
+            return GroupCall(self.stage, refs, member=self.member, kind=self.kind,
+                             join=lambda out: group.join(out, node_id in self.sinks))
         refs = [getattr(m, method).remote(*args) for m in self.members]
-        return GroupCall(self.stage, refs, lambda out: out[0])
+        return GroupCall(self.stage, refs, member=self.member, kind=self.kind, join=lambda out: out[0])
 
 
 def _rendezvous() -> tuple[str, int]:

@@ -11,7 +11,7 @@ import pyarrow as pa
 from dapo_flow.graph import columns as C
 
 # counters and times add up over a step's calls (generation batches, chunks); the rest is averaged
-_SUMMED_SUFFIXES = ("_groups", "/tokens", "/seconds", "/samples", "/skipped_minibatches")
+_SUMMED_SUFFIXES = ("_groups", "/tokens", "/seconds", "/samples", "/skipped_minibatches", "/timeouts")
 _SUMMED_PREFIXES = ("time/",)
 
 

@@ -92,8 +92,9 @@ def start_executor(placed, setups: dict, executor: str, address: str | None, con
     with console.status(f"starting {len(setups)} model actor(s) on {executor}..."):
         ex = cls(spec, setups, seed, resources, address=address)
     for stage, nodes in getattr(ex, "group_nodes", {}).items():
-        console.print(f"training group of stage '{stage}': {len(nodes)} worker(s) on {len(set(nodes))} "
-                      "node(s)", highlight=False)
+        what = "rollout replicas" if stage.startswith("rollout:") else "training group"
+        console.print(f"{what} of stage '{stage}': {len(nodes)} worker(s) on {len(set(nodes))} node(s)",
+                      highlight=False)
     return ex
 
 
@@ -194,6 +195,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
         raise
     finally:
         ex.shutdown()
+        driver.close()  # the driver's operators (a reward pool)
         if owner is not None:
             owner.release()
 

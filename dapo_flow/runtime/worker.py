@@ -177,7 +177,11 @@ class StageWorker:
         return self.resources[model].load_weights(weights)
 
     def close(self) -> None:
-        """Release rollout engines that are not the torch policy itself, and leave the group."""
+        """Release what operators hold (a reward pool's processes), rollout engines that are not
+        the torch policy itself, and leave the group."""
+        for op in self.ops.values():
+            if hasattr(op, "close"):
+                op.close()
         for res in self.resources.values():
             res.close()
         if self.setup.group is not None:

@@ -57,6 +57,17 @@ def test_generate_and_logprobs_match_hf(generator, policy, prompts, temperature)
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_a_prompts_samples_do_not_depend_on_its_batch(generator, prompts):
+    """Per-prompt seeds: what rollout replicas rely on to sample what one engine samples."""
+    seeds = tuple(range(1000, 1000 + 16))
+    together = generator.generate(prompts[:16], SamplingConfig(n=4, max_tokens=8, prompt_seeds=seeds))
+    for i in (2, 11):
+        alone = generator.generate([prompts[i]], SamplingConfig(n=4, max_tokens=8, prompt_seeds=(seeds[i],)))
+        assert alone.response_ids == together.response_ids[4 * i:4 * i + 4]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_truncation_and_seeded_determinism(generator, policy, prompts):
     cfg = SamplingConfig(n=2, max_tokens=1)
     short = generator.generate(prompts[:8], cfg)
