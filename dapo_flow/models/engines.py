@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, runtime_checkable
 
 
 if TYPE_CHECKING:
@@ -34,8 +34,10 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompt_ids: list[list[int]], cfg: "SamplingConfig") -> "Rollouts": ...
 
-    def load_weights(self, weights: Mapping[str, "np.ndarray"]) -> None:
-        """Take new weights (HF parameter names, as from ``Trainer.named_weights``)."""
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """Take new weights by HF parameter name: a mapping (``Trainer.named_weights``, arrays
+        sent between actors) or (name, tensor) pairs streamed one at a time
+        (``Trainer.iter_weights``, a sync inside one actor: no copy of the model)."""
 
     def close(self) -> None:
         """Release what the engine holds (KV cache, files); it is not used afterwards."""
@@ -54,7 +56,10 @@ class Trainer(Protocol):
 
     def named_weights(self) -> dict[str, "np.ndarray"]: ...
 
-    def load_weights(self, weights: Mapping[str, "np.ndarray"]) -> None: ...
+    def iter_weights(self) -> Iterator[tuple[str, Any]]:
+        """(name, full tensor) one at a time, in the model's dtype (a sync streams them)."""
+
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None: ...
 
     def save(self, out_dir: Path | str) -> Path:
         """Write a Hugging Face model directory that a graph's ``path:`` can point at."""

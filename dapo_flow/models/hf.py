@@ -9,9 +9,10 @@ logprobs independent of how much padding its batch needed.
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -437,24 +438,41 @@ class HFPolicy:
             out["lm_head.weight"] = _full(head).detach().to("cpu", torch.float32, copy=True).numpy()
         return out
 
-    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
-        """Copy ``weights`` (as from :meth:`named_weights`) into the model, in place."""
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight as (HF name, full tensor in the model's dtype), one at a time, views of the
+        model's own where it is not sharded: a weight sync streams them into an engine with about
+        one tensor of extra memory, never a copy of the model. ``lm_head.weight`` is included
+        when tied. Sharded: each tensor is gathered on the way (a collective: every worker of the
+        group iterates in step)."""
+        names = set()
+        for name, value in self.model.state_dict().items():
+            names.add(name)
+            yield name, _full(value).detach()
+        if "lm_head.weight" not in names:  # tied embeddings: engines such as vLLM still want it
+            yield "lm_head.weight", _full(self.model.get_output_embeddings().weight).detach()
+
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """Copy ``weights`` (a mapping, as from :meth:`named_weights`, or (name, tensor) pairs,
+        as from :meth:`iter_weights`) into the model, in place; every weight must come."""
         if self.sharded:
             raise ModelError("a training group's sharded policy takes no weights from outside "
                              "(it is the source of weight syncs, not a target)")
         params = self.model.state_dict()
-        missing = sorted(set(params) - set(weights))
-        unknown = sorted(set(weights) - set(params) - {"lm_head.weight"})
-        if missing or unknown:
-            raise ModelError(f"weights do not match the model: missing {missing[:5]}, unexpected {unknown[:5]}")
+        seen, unknown = set(), []
         with torch.no_grad():
-            for name, value in weights.items():
+            for name, value in (weights.items() if isinstance(weights, Mapping) else weights):
                 if name not in params:
-                    continue  # lm_head.weight of a tied model: same tensor as the embedding
+                    if name != "lm_head.weight":  # of a tied model: the embedding's tensor
+                        unknown.append(name)
+                    continue
                 target = params[name]
                 if tuple(target.shape) != tuple(value.shape):
                     raise ModelError(f"weight '{name}': shape {tuple(value.shape)} != model's {tuple(target.shape)}")
-                target.copy_(torch.tensor(value))  # copies: arrays from the object store are read-only
+                target.copy_(weight_tensor(value))
+                seen.add(name)
+        missing = sorted(set(params) - seen)
+        if missing or unknown:
+            raise ModelError(f"weights do not match the model: missing {missing[:5]}, unexpected {unknown[:5]}")
 
     def close(self) -> None:
         """Nothing to release: the torch model lives as long as the actor."""
@@ -479,6 +497,16 @@ def save_hf_dir(out: Path, model, tokenizer, state_dict: dict | None = None) -> 
     with hf_progress_bars_off():
         model.save_pretrained(out, state_dict=state_dict)
     tokenizer.save_pretrained(out)
+
+
+def weight_tensor(value: Any) -> torch.Tensor:
+    """A weight as a torch tensor without copying it: a tensor as it is, a numpy array viewed
+    (read-only ones from Ray's object store too: whoever loads it copies it into its own)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.asarray(value))
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

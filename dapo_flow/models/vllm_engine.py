@@ -5,8 +5,9 @@ processes to spawn, so it lives inside a Ray actor or a pytest process without a
 ``__main__`` guard. Logprobs use ``logprobs_mode="processed_logprobs"``: log_softmax of the
 temperature-scaled logits, which equals HF's ``log_softmax(logits / T)`` whenever top-k/top-p
 are off; with top-k/top-p on, vLLM renormalizes over the kept tokens.
-Weight sync writes safetensors and calls the workers' ``reload_weights`` (see
-platform-notes.md: calling ``model.load_weights`` directly fails on vLLM 0.32).
+Weight sync streams (name, tensor) pairs into the in-process worker's ``reload_weights``
+(an iterator through ``collective_rpc``: no disk, no copy of the model); tensor-parallel engines
+read them from a safetensors file. (Calling ``model.load_weights`` directly fails on vLLM 0.32.)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -85,6 +86,7 @@ class VLLMGenerator:
             use_tqdm_on_load=False,  # else every weight sync prints a progress bar
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.tensor_parallel = tensor_parallel
         # reload_weights repoints the model config at the weights dir: keep one dir for the engine's life.
         self._sync_dir = tempfile.TemporaryDirectory(prefix="dapo-flow-vllm-sync-")
 
@@ -122,19 +124,34 @@ class VLLMGenerator:
         return Rollouts.contiguous(len(prompt_ids), cfg.n, responses, logprobs, truncated,
                                    time.perf_counter() - start)
 
-    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
-        """Load ``weights`` (HF names, as from ``HFPolicy.named_weights``) into the engine.
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """Load ``weights`` (HF names: a mapping, as from ``HFPolicy.named_weights``, or (name,
+        tensor) pairs, as ``HFPolicy.iter_weights`` streams them) into the engine.
 
-        Tied-embedding models must include ``lm_head.weight`` (``named_weights`` does).
+        In-process engine (tensor_parallel 1): the pairs go straight into the model runner's
+        ``reload_weights`` as an iterator, each copied into its parameter as it comes: no disk,
+        no copy of the model, about one tensor of extra memory. Tensor-parallel engines (worker
+        processes) take them through a safetensors file. Tied-embedding models must include
+        ``lm_head.weight`` (both sources do).
         """
-        from safetensors.numpy import save_file
+        from dapo_flow.models.hf import weight_tensor
+
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        stream = ((name, weight_tensor(value)) for name, value in pairs)
+        if self.tensor_parallel == 1:
+            self.llm.collective_rpc(_reload_from, kwargs={"weights": stream})
+        else:
+            self._load_through_disk(stream)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def _load_through_disk(self, stream: Iterable[tuple[str, Any]]) -> None:
+        from safetensors.torch import save_file
 
         sync_dir = Path(self._sync_dir.name)
         staging = sync_dir / (WEIGHTS_FILE + ".tmp")
-        save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(staging))
+        save_file({k: v.contiguous() for k, v in stream}, str(staging))
         os.replace(staging, sync_dir / WEIGHTS_FILE)  # the loader globs *.safetensors: never see a partial file
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(sync_dir)})
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     def close(self) -> None:
         """Drop the engine and the sync directory (also happens at garbage collection)."""
@@ -142,12 +159,18 @@ class VLLMGenerator:
         self._sync_dir.cleanup()
 
 
+def _reload_from(worker, weights: Iterable[tuple[str, Any]]) -> None:
+    """Run by the in-process worker (``collective_rpc``): reload the model in place from an
+    iterator of checkpoint-format (HF) weights; vLLM maps the names (fused qkv, gate/up)."""
+    worker.model_runner.reload_weights(weights_iterator=weights)
+
+
 def rollout_engine(path: Path | str, *, dtype: str, device: str, seed: int, trainer=None,
                    options=None) -> VLLMGenerator:
     """The `vllm` backend's engine (:data:`dapo_flow.models.engines.BACKENDS`): its own copy of
     the weights, synced from ``trainer`` after every update; ``options``: the model's `rollout:`
     settings (graph.spec.RolloutSpec)."""
-    settings = options.model_dump() if options is not None else {}
+    settings = options.model_dump(exclude={"replicas"}) if options is not None else {}  # replicas: placement
     return VLLMGenerator(path, dtype=dtype, seed=seed, **settings)
 
 

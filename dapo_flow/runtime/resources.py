@@ -30,7 +30,7 @@ class ModelResource:
         if self.policy is None or self.generator is None or self.generator is self.policy:
             return 0.0
         start = time.perf_counter()
-        self.generator.load_weights(self.policy.named_weights())
+        self.generator.load_weights(self.policy.iter_weights())  # streamed: no copy of the model
         return time.perf_counter() - start
 
     def load_weights(self, weights: dict) -> float:

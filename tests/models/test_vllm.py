@@ -97,6 +97,19 @@ def test_weight_sync_changes_outputs_to_match_hf(generator, tiny_adder_path, pro
     assert 0 < seconds < 5
     generator.load_weights(original)  # later tests in the module see the original model
     assert generator.generate(prompts, greedy).response_ids == before
+    # streamed one tensor at a time from the trainer's own parameters (a sync inside one actor)
+    generator.load_weights(trainer.iter_weights())
+    assert generator.generate(prompts, greedy).response_ids == after
+    generator.load_weights(original)
+    assert generator.generate(prompts, greedy).response_ids == before
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_streamed_sync_writes_nothing_to_disk(generator, tiny_adder_path, prompts):
+    sync_dir = Path(generator._sync_dir.name)
+    generator.load_weights(HFPolicy(tiny_adder_path).iter_weights())
+    assert not any(sync_dir.iterdir())
 
 
 def test_missing_vllm_is_a_model_error(tiny_adder_path, monkeypatch):
