@@ -62,14 +62,22 @@ def step_history(summary: dict) -> dict[str, dict[int, float]]:
 
 
 def final_checkpoint(summary: dict, placed, model: str = "policy") -> Path:
-    """HF directory of ``model`` in the run's last checkpoint (one folder per run id)."""
+    """HF directory of ``model`` in the run's last checkpoint (one folder per run id); a sharded
+    checkpoint (a training group's) is exported beside it first, as `dapo-flow export` does."""
     from dapo_flow.runtime.checkpoint import step_dir
+    from dapo_flow.runtime.checkpoint_models import SHARDED, checkpoint_format
+    from dapo_flow.runtime.export import export
     from dapo_flow.runtime.resume import checkpoint_root
 
-    root = checkpoint_root(placed.plan.spec) / summary["run_id"]
-    path = step_dir(root, summary["steps"]) / "models" / model
+    step = step_dir(checkpoint_root(placed.plan.spec) / summary["run_id"], summary["steps"])
+    path = step / "models" / model
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpointed model at {path} (checkpoint_every must hit the last step)")
+    if checkpoint_format(path) == SHARDED:
+        exported = step.parent / f"{step.name}-{model}-hf"
+        if not exported.is_dir():
+            export(step, exported, model)
+        return exported
     return path
 
 

@@ -394,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads for both frameworks (default: each one's own choice; dapo-flow "
                          "decides per process in dapo_flow/threads.py, TRL leaves torch's default, all CPUs)")
     ap.add_argument("--graph", default=str(DEFAULT_GRAPH), help="graph YAML (default graphs/dapo.yaml)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="extra_sets",
+                    help="an extra edit of dapo-flow's graph that TRL has no counterpart for "
+                         "(e.g. models.policy.train.workers=2); repeatable")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--workdir", help="keep runs, checkpoints and the TRL model here (default: temp dir)")
     ap.add_argument("--setup", action="store_true", help="install TRL (see benchmarks/README.md) and exit")
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.setup:
         return setup(console)
     steps = 3 if args.quick else args.steps
-    sets = SETTINGS[args.setting]
+    sets = SETTINGS[args.setting] + args.extra_sets
     from dapo_flow.graph.edits import edit_file, parse_cli_edits
 
     placed = edit_file(args.graph, parse_cli_edits([("set", e) for e in sets])).compile()
@@ -428,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         trl["load_avg"] = load.mean
         console.rule("[bold]results")
         verdict = report(console, args.setting, settings, start_acc, [flow, trl])
-    write_json(args.json, {"setting": args.setting, "settings": settings, "val_acc_start": start_acc,
+    write_json(args.json, {"setting": args.setting, "graph_edits": sets, "settings": settings, "val_acc_start": start_acc,
                            "results": [flow, trl], "differences": differences(settings), **verdict}, console)
     return 0
 

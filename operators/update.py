@@ -257,7 +257,7 @@ class Update:
             parts = [np.arange(i, min(i + size, len(mb))) for i in range(0, len(mb), size)]
         else:
             parts = token_budget_micro_batches(tokens, budget)
-        if self.ctx.world_size > 1:
+        if self.ctx.world_size > 1 and self.policy.sharded:
             from dapo_flow.models import fsdp
 
             count = int(fsdp.all_reduce_max([len(parts)])[0])
@@ -269,7 +269,8 @@ class Update:
                    n_seqs) -> dict[str, float]:
         """One optimizer step over mini-batch rows ``mb`` (micro-batched). ``n_tokens`` and
         ``n_seqs`` count the whole mini-batch, over every worker of a group: each worker's loss is
-        its share of the group's loss, times the world size since FSDP averages gradients."""
+        its share of the group's loss, times the world size since the group averages gradients
+        (FSDP2 in the backward, DDP in ``reduce_gradients``)."""
         p = self.params
         world = self.ctx.world_size
         self.optimizer.zero_grad(set_to_none=True)
@@ -314,6 +315,7 @@ class Update:
         if world > 1:  # each worker's statistics are its share of the group's: add them up
             summed = self._group_sum([stats[k] for k in GROUP_SUMMED])
             stats.update(zip(GROUP_SUMMED, summed))
+            self.policy.reduce_gradients()  # DDP: one all-reduce per optimizer step (FSDP2: done)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), p.grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # sharded: a DTensor holding the global norm
             grad_norm = grad_norm.full_tensor()
@@ -327,7 +329,10 @@ class Update:
 
     def _empty_pass(self) -> None:
         """A forward/backward pass of one token with zero loss: a worker with no rows left takes
-        part in the group's collectives (FSDP gathers and reduces in every pass)."""
+        part in the group's collectives (FSDP gathers and reduces in every pass; DDP has none
+        there, so it skips it)."""
+        if not self.policy.sharded:
+            return
         eos = self.policy.eos_id
         logp, _, _ = self.policy.response_logprobs([[eos]], [[eos]], temperature=self.params.temperature,
                                                    grad=True)

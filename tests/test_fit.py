@@ -104,3 +104,20 @@ def test_unknown_gpu_size_or_shape_is_not_checked(tmp_path, capsys):
     assert cli.main(["explain", DAPO, "--gpus", "1", "--set", f"models.policy.path={tmp_path}"]) in (0, 2)
     out = capsys.readouterr().out
     assert "model:policy: unknown (no config.json to read at" in out
+
+
+def test_a_ddp_group_holds_the_whole_state_on_every_worker(qwen_7b):
+    """strategy: ddp places a training group (a worker per GPU) whose every worker budgets the
+    full parameters, gradients and moments, with nothing gathered; FSDP2-only settings are errors."""
+    placed = _placed(DAPO, *SHORT, f"models.policy.path={qwen_7b}", "models.policy.train.workers=4",
+                     "models.policy.train.strategy=ddp", cluster=Cluster(cpus=64, gpus=8, gpu_mem_gib=1000))
+    stage = next(s for s in placed.stages if s.name == "model:policy")
+    assert (stage.workers, stage.strategy, stage.is_group, stage.sharded) == (4, "ddp", True, False)
+    terms = {t.name: t.bytes for t in placed.budgets["model:policy"].terms}
+    assert terms["parameters"] == 7_615_616_512 * 4 and "whole model gathered to generate" not in terms
+    assert not any("gathered" in name for name in terms)
+    with pytest.raises(GraphError, match="FSDP2 setting"):
+        _placed(DAPO, "models.policy.train.workers=2", "models.policy.train.strategy=ddp",
+                "models.policy.train.mixed_precision=bf16", cluster=Cluster(cpus=2))
+    one = _placed(DAPO, "models.policy.train.strategy=ddp", cluster=Cluster(cpus=2))
+    assert not next(s for s in one.stages if s.name == "model:policy").is_group  # ddp of one: a plain worker

@@ -203,6 +203,10 @@ def test_sharding_divides_state_and_offload_moves_it_to_host():
     off = estimate_training(_8b(), workers=8, cpu_offload=True, **common)
     assert off.peak("host") >= 4 * _8b().num_params() * 4 // 8
     assert off.total < eight.total
+    # DDP: every replica holds the whole state, as one plain worker does
+    ddp = estimate_training(_8b(), workers=8, strategy="ddp", **common)
+    plain = estimate_training(_8b(), workers=1, strategy="none", **common)
+    assert state(ddp) == state(plain) and ddp.total == plain.total
 
 
 def test_checkpointing_and_bf16_shrink_activations():
@@ -299,8 +303,11 @@ def test_rollout_vllm_share_and_cpu_cache():
 
 def test_bad_settings_are_errors():
     shape = ModelShape.from_config(LLAMA_1M)
-    with pytest.raises(ValueError, match="strategy fsdp2"):
+    with pytest.raises(ValueError, match="strategy fsdp2 or ddp"):
         estimate_training(shape, micro_batch_tokens=10, response_tokens_per_micro_batch=5, workers=2, strategy="none")
+    with pytest.raises(ValueError, match="cpu_offload fsdp2"):
+        estimate_training(shape, micro_batch_tokens=10, response_tokens_per_micro_batch=5, workers=2,
+                          strategy="ddp", cpu_offload=True)
     with pytest.raises(ValueError, match="dtype"):
         estimate_training(shape, micro_batch_tokens=10, response_tokens_per_micro_batch=5, dtype="int8")
 

@@ -112,7 +112,7 @@ def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
         around = {out.get(i, DRIVER) for i in (*n.inputs, *consumers[n.id])}
         stage = next(iter(around))
         group = _group_of(plan, stage)
-        if len(around) == 1 and stage != DRIVER and not (group is not None and group.sharded):
+        if len(around) == 1 and stage != DRIVER and not (group is not None and group.grouped):
             out[n.id] = stage
     return out
 
@@ -350,9 +350,9 @@ def _explain_memory(placed: PlacedPlan) -> list[str]:
 
 
 def _group_settings(plan: Plan, model: str) -> str:
-    """How a trained model's group shards it (nothing for an unsharded model)."""
+    """How a trained model's group trains it (nothing for one plain worker)."""
     train = plan.spec.models[model].train
-    if not train.sharded or model not in plan.trained_models:
+    if not train.grouped or model not in plan.trained_models:
         return ""
     extras = [x for x, on in (("bf16 mixed precision", train.mixed_precision == "bf16"),
                               ("CPU offload", train.cpu_offload)) if on]

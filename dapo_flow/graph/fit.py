@@ -140,7 +140,7 @@ def _training(plan: Plan, stage: Stage, model: str, shape: ModelShape, update, o
 def _weights(plan: Plan, stage: Stage, model: str, shape: ModelShape) -> Term:
     """A model loaded but not trained here (a reference, a scorer): its weights, sharded like the
     stage's trained model."""
-    shard = stage.workers if stage.is_group else 1
+    shard = stage.workers if stage.sharded else 1
     of = f" (1/{shard} shard)" if shard > 1 else ""
     return Term(f"weights{of}", shape.num_params() * DTYPE_BYTES[plan.spec.models[model].dtype] // shard,
                 fix="more train.workers (FSDP2 shards it), or dtype: bfloat16")
@@ -169,7 +169,7 @@ def _rollout(plan: Plan, stage: Stage, model: str, shape: ModelShape, cluster: C
     # lives only while it generates
     out = [Term(t.name, t.bytes, t.where, (GENERATION,), t.fix)
            for t in engine.terms if t.name != "weights" and t != CUDA]
-    if stage.is_group:
+    if stage.sharded:
         compute = 2 if spec.train.mixed_precision == "bf16" and trained else DTYPE_BYTES[spec.dtype]
         out.append(Term("whole model gathered to generate", shape.num_params() * compute,
                         phases=(GENERATION,), fix="backend: vllm (a separate engine), or a smaller model"))

@@ -229,7 +229,7 @@ def estimate_training(
     micro_batch_tokens: int,
     response_tokens_per_micro_batch: int,
     workers: int = 1,
-    strategy: Literal["fsdp2", "none"] | None = None,
+    strategy: Literal["fsdp2", "ddp", "none"] | None = None,
     dtype: str = "float32",
     mixed_precision: Literal["bf16"] | None = None,
     grad_checkpointing: bool = False,
@@ -251,7 +251,8 @@ def estimate_training(
     (rows, 1, seq, seq) per layer, and GQA's kv heads are repeated. ``entropy_in_loss``: the
     update has an entropy bonus (entropy_coef > 0), so the logits' backward is wider.
     ``logprob_chunk_tokens``: ``train.logprob_chunk_tokens`` (logits of at most that many tokens
-    at a time). ``strategy`` None: fsdp2 when workers > 1 (as ``train.strategy``). ``on_gpu``: add
+    at a time). ``strategy`` None: fsdp2 when workers > 1 (as ``train.strategy``); ddp: every
+    worker holds the whole state (as one worker). ``on_gpu``: add
     the fixed CUDA overhead and price the step as torch's foreach AdamW (CPU: per-tensor).
     """
     if dtype not in DTYPE_BYTES:
@@ -262,9 +263,10 @@ def estimate_training(
         raise ValueError("response tokens must be > 0 and at most the micro-batch's tokens")
     if logprob_chunk_tokens is not None and logprob_chunk_tokens < 1:
         raise ValueError("logprob_chunk_tokens must be >= 1 (or None: all at once)")
-    sharded = (strategy or ("fsdp2" if workers > 1 else "none")) == "fsdp2"
-    if not sharded and (workers > 1 or mixed_precision or cpu_offload):
-        raise ValueError("workers > 1, mixed_precision and cpu_offload need strategy fsdp2")
+    resolved = strategy or ("fsdp2" if workers > 1 else "none")
+    sharded = resolved == "fsdp2"
+    if not sharded and ((workers > 1 and resolved != "ddp") or mixed_precision or cpu_offload):
+        raise ValueError("workers > 1 need strategy fsdp2 or ddp; mixed_precision and cpu_offload fsdp2")
     store = DTYPE_BYTES[dtype]  # parameters, gradients, AdamW moments (torch keeps them alike)
     compute = 2 if mixed_precision == "bf16" else store
     shard = workers if sharded else 1

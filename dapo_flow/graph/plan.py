@@ -158,13 +158,19 @@ class Stage:
     num_cpus: float  # per worker
     num_gpus: float  # per worker
     workers: int = 1  # > 1: a training group, one actor per worker on one placement group
-    strategy: str = "none"  # how the group shards its model: "fsdp2" | "none"
+    strategy: str = "none"  # how the group trains its model: "fsdp2" | "ddp" | "none"
     placement_strategy: str = "PACK"  # the group's placement group strategy
 
     @property
     def is_group(self) -> bool:
-        """A stage whose model is trained by FSDP2 workers (even one): its calls go to every
-        worker, each with its share of the rows (dapo_flow.runtime.group)."""
+        """A stage whose model is trained by a group of workers (FSDP2 shards, even one, or DDP
+        replicas): its calls go to every worker, each with its share of the rows
+        (dapo_flow.runtime.group)."""
+        return self.strategy in ("fsdp2", "ddp")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each worker holds only a shard of the model (FSDP2)."""
         return self.strategy == "fsdp2"
 
 

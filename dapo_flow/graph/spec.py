@@ -29,10 +29,12 @@ class TrainSpec(_Frozen):
                          "workers (Ray actors on one placement group, one torch.distributed process "
                          "group: nccl on GPU, gloo on CPU) shard the model and split every batch. "
                          "1: one actor, as without a group.")
-    strategy: Literal["fsdp2", "none"] | None = Field(
-        None, description="How the group shards the model: `fsdp2` (torch fully_shard per decoder "
-        "layer and the root) or `none` (one unsharded worker; only with workers: 1). null: fsdp2 "
-        "when workers > 1, else none.")
+    strategy: Literal["fsdp2", "ddp", "none"] | None = Field(
+        None, description="How the group trains the model: `fsdp2` (torch fully_shard per decoder "
+        "layer and the root: parameters, gradients and optimizer state sharded), `ddp` (a full copy "
+        "per worker, gradients averaged in one all-reduce per optimizer step: no per-layer "
+        "collectives, for models that fit one worker) or `none` (one unsharded worker; only with "
+        "workers: 1). null: fsdp2 when workers > 1, else none.")
     mixed_precision: Literal["bf16"] | None = Field(
         None, description="fsdp2 only. `bf16`: parameters and compute in bf16, gradient reductions "
         "and the sharded master weights in fp32; null: the model's dtype throughout.")
@@ -63,8 +65,8 @@ class TrainSpec(_Frozen):
     def _strategy_fits_the_group(self) -> "TrainSpec":
         if self.strategy == "none" and self.workers > 1:
             raise ValueError(f"strategy none trains one unsharded copy, but workers is {self.workers}: "
-                             "use strategy: fsdp2 (or leave it null), or workers: 1")
-        if self.resolved_strategy == "none":
+                             "use strategy: fsdp2 (or leave it null) or ddp, or workers: 1")
+        if self.resolved_strategy != "fsdp2":
             used = [k for k in ("mixed_precision", "cpu_offload") if getattr(self, k)]
             if used:
                 raise ValueError(f"{used[0]} is an FSDP2 setting: set strategy: fsdp2 (it runs at "
@@ -73,13 +75,21 @@ class TrainSpec(_Frozen):
 
     @property
     def resolved_strategy(self) -> str:
-        """`fsdp2` or `none`: the strategy, null resolved by the group size."""
+        """`fsdp2`, `ddp` or `none`: the strategy, null resolved by the group size (a ddp group
+        of one worker is one plain worker)."""
+        if self.strategy == "ddp":
+            return "ddp" if self.workers > 1 else "none"
         return self.strategy or ("fsdp2" if self.workers > 1 else "none")
 
     @property
     def sharded(self) -> bool:
         """Whether the model is trained by an FSDP2 group (of any size, 1 included)."""
         return self.resolved_strategy == "fsdp2"
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the model is trained by a training group (FSDP2 of any size, or DDP)."""
+        return self.resolved_strategy in ("fsdp2", "ddp")
 
 
 class RolloutSpec(_Frozen):

@@ -212,6 +212,7 @@ class HFPolicy:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.sharded = False  # True once shard() made it one FSDP2 shard of a training group
+        self.replicated = False  # True once replicate() made it one DDP replica of a training group
         self.world_size = 1
         self.eos_ids = self._eos_ids()
         self.eos_id = self.eos_ids[0]
@@ -232,6 +233,36 @@ class HFPolicy:
 
         fsdp.shard_model(self.model, mixed_precision=mixed_precision, cpu_offload=cpu_offload)
         self.sharded, self.world_size = True, dist.get_world_size()
+
+    def replicate(self) -> None:
+        """Make this policy one DDP replica of the training group this process has joined: every
+        worker holds the whole model (rank 0's weights, broadcast once) and its own optimizer;
+        :meth:`reduce_gradients` averages the gradients before each optimizer step, so the
+        replicas stay identical. No collective in forwards or backwards: for models that fit one
+        worker, whose per-layer FSDP2 collectives would cost more than they save."""
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for tensor in self.model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        self.replicated, self.world_size = True, dist.get_world_size()
+
+    def reduce_gradients(self) -> None:
+        """DDP: average every gradient over the group in one flat all-reduce (a parameter this
+        worker's rows did not reach counts as zero). A no-op unless :meth:`replicate` ran (FSDP2
+        reduces inside the backward)."""
+        if not self.replicated:
+            return
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat)  # SUM: gloo has no AVG
+        flat /= self.world_size
+        for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
+            p.grad = g
 
     @contextmanager
     def gathered(self) -> Iterator[None]:

@@ -61,7 +61,7 @@ class LocalExecutor:
                  resources: Mapping[str, tuple[float, float]] | None = None, address: str | None = None):
         for name, s in setups.items():
             if s.workers > 1:
-                what, knob = (("a training group of", "train.workers") if s.sharded
+                what, knob = (("a training group of", "train.workers") if s.grouped
                               else ("rolled out by", "rollout.replicas"))
                 raise RunError(f"stage '{name}' is {what} {s.workers} workers, one process each, and "
                                "the local executor runs everything in this process"
@@ -69,7 +69,7 @@ class LocalExecutor:
         self.workers = {}
         try:
             for name, s in setups.items():  # a group of one: an FSDP2 shard of world size 1
-                member = GroupMember(0, 1, "127.0.0.1", free_port()) if s.sharded else None
+                member = GroupMember(0, 1, "127.0.0.1", free_port()) if s.grouped else None
                 self.workers[name] = StageWorker(graph, replace(s, group=member), seed)
         except BaseException:
             self.shutdown()
@@ -114,7 +114,7 @@ class RayExecutor:
         try:
             for name, setup in setups.items():
                 cpus, gpus = resources.get(name, (1.0, 0.0))
-                if setup.sharded or setup.workers > 1:
+                if setup.grouped or setup.workers > 1:
                     self.groups[name] = self._start_group(remote_cls, graph, name, setup, seed, cpus, gpus)
                 else:
                     self.actors[name] = remote_cls.options(
@@ -159,17 +159,17 @@ class RayExecutor:
         def on(rank: int) -> PlacementGroupSchedulingStrategy:
             return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
 
-        if setup.sharded:
+        if setup.grouped:
             addr, port = ray.get(ray.remote(_rendezvous).options(num_cpus=0, scheduling_strategy=on(0)).remote(),
                                  timeout=STARTUP_TIMEOUT_S)
         members = [
             remote_cls.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=on(rank)).remote(
-                graph, replace(setup, group=GroupMember(rank, setup.workers, addr, port) if setup.sharded else None),
+                graph, replace(setup, group=GroupMember(rank, setup.workers, addr, port) if setup.grouped else None),
                 seed)
             for rank in range(setup.workers)
         ]
         sinks = {n.id for n in setup.nodes if resolve_op(n).CARDINALITY == "sink"}
-        return WorkerGroup(stage, members, sinks, "worker" if setup.sharded else "replica")
+        return WorkerGroup(stage, members, sinks, "worker" if setup.grouped else "replica")
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
         # a group's broadcast call passed on (a weight transfer from a training group): its rank

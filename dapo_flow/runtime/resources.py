@@ -56,7 +56,7 @@ def _device(spec: ModelSpec) -> str:
 
 def load_resource(
     name: str, spec: ModelSpec, *, path: Path | None, trainable: bool, generates: bool,
-    scores: bool, seed: int, max_model_len: int | None = None, sharded: bool = False,
+    scores: bool, seed: int, max_model_len: int | None = None, strategy: str = "none",
 ) -> ModelResource:
     """Load what this actor needs of model ``name``.
 
@@ -64,7 +64,8 @@ def load_resource(
     runs logprob/update nodes for the model, so it needs the torch policy; ``generates`` that it
     rolls out with it, through the engine of the model's backend (:data:`BACKENDS`), set up with
     the model's `rollout:` settings (``max_model_len``: the default the plan derived).
-    ``sharded``: this actor is a worker of the model's training group (an FSDP2 shard).
+    ``strategy``: how the model's training group holds it on this worker: `fsdp2` (a shard),
+    `ddp` (a full replica, gradients averaged across the group), `none` (no group).
 
     A sharded checkpoint holds no HF weights: the model is built from the spec's path and the
     worker loads the shards into it (StageWorker), or a weight sync brings them (a rollout actor).
@@ -83,8 +84,10 @@ def load_resource(
         policy = HFPolicy(model_path, dtype=spec.dtype, device=device, seed=seed, trainable=trainable,
                           grad_checkpointing=trainable and spec.train.grad_checkpointing,
                           logprob_chunk_tokens=spec.train.logprob_chunk_tokens)
-        if sharded:
+        if strategy == "fsdp2":
             policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
+        elif strategy == "ddp":
+            policy.replicate()
     generator = None
     if generates:
         options = spec.rollout

@@ -68,7 +68,7 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str,
             model_paths=dict(model_paths or {}),
             max_model_len=plan.engine_context(),
             num_threads=_threads(stage),
-            sharded=stage.is_group, workers=stage.workers, placement_strategy=stage.placement_strategy,
+            grouped=stage.is_group, strategy=stage.strategy, workers=stage.workers, placement_strategy=stage.placement_strategy,
         )
     return setups
 

@@ -45,7 +45,8 @@ class StageSetup:
     model_paths: Mapping[str, str] = field(default_factory=dict)  # overrides (resume)
     max_model_len: Mapping[str, int] = field(default_factory=dict)  # engines' default context (setup)
     num_threads: int = 0  # threads.configure(num_threads) in the worker; 0 = the process's as they are
-    sharded: bool = False  # a training group's stage: FSDP2 workers (the executor starts them)
+    grouped: bool = False  # a training group's stage: FSDP2 or DDP workers (the executor starts them)
+    strategy: str = "none"  # the group's: "fsdp2" (each worker a shard) | "ddp" (each a full copy)
     workers: int = 1  # the group's size
     placement_strategy: str = "PACK"  # the group's placement group strategy
     group: "GroupMember | None" = None  # set by the executor for each worker of a group
@@ -104,7 +105,7 @@ class StageWorker:
 
         self.setup = setup
         group = setup.group
-        if group is not None:  # every worker of the group joins before any model is sharded
+        if group is not None:  # every worker of the group joins before any model is sharded / replicated
             from dapo_flow.models import fsdp
 
             fsdp.init_group(group.rank, group.world_size, group.master_addr, group.master_port)
@@ -113,7 +114,7 @@ class StageWorker:
                 name, graph.models[name], path=setup.model_paths.get(name),
                 trainable=name in setup.trainable, generates=name in setup.generates,
                 scores=name in setup.scores, seed=seed, max_model_len=setup.max_model_len.get(name),
-                sharded=group is not None,
+                strategy=setup.strategy if group is not None else "none",
             )
             for name in setup.models
         }
@@ -199,15 +200,15 @@ class StageWorker:
                 self.ops[nid].load_state_dict(state)
 
     def save_models(self, out_dir: str) -> list[str]:
-        """Save every trained model under out_dir/NAME: an HF directory, or for a sharded model
-        its DCP checkpoint (every worker writes its own shards of the weights and of the
+        """Save every trained model under out_dir/NAME: an HF directory (a DDP group's first
+        worker writes it), or for a sharded model its DCP checkpoint (every worker writes its own shards of the weights and of the
         optimizer state; nothing passes through one process) beside its config and tokenizer."""
         saved = []
         for name in self.setup.trainable:
             policy = self.resources[name].policy
             if policy.sharded:
                 save_sharded_model(Path(out_dir) / name, policy, self._optimizer_of(name))
-            else:
+            elif self.setup.group is None or self.setup.group.rank == 0:  # DDP replicas are alike
                 policy.save(Path(out_dir) / name)
             saved.append(name)
         return saved

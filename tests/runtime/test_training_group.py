@@ -31,11 +31,11 @@ def _graph(model_path, workers: int, strategy: str | None) -> GraphSpec:
     })
 
 
-def _setup(workers: int, sharded: bool, model_paths: dict | None = None) -> StageSetup:
+def _setup(workers: int, strategy: str, model_paths: dict | None = None) -> StageSetup:
     return StageSetup(
         name=STAGE, nodes=(NodeSetup(id="train", op="update", params=UPDATE, model="policy"),),
         models=("policy",), trainable=("policy",), scores=("policy",), num_threads=1,
-        model_paths=model_paths or {}, sharded=sharded, workers=workers)
+        model_paths=model_paths or {}, grouped=strategy != "none", strategy=strategy, workers=workers)
 
 
 def _batch(seed: int, group_sizes: list[int]) -> pa.Table:
@@ -93,23 +93,30 @@ def ray_cluster():
 
 def _local(model_path, model_paths=None, sharded=False) -> LocalExecutor:
     return LocalExecutor(_graph(model_path, 1, "fsdp2" if sharded else None),
-                         {STAGE: _setup(1, sharded, model_paths)}, seed=0)
+                         {STAGE: _setup(1, "fsdp2" if sharded else "none", model_paths)}, seed=0)
 
 
-def _group(model_path, model_paths=None) -> RayExecutor:
-    return RayExecutor(_graph(model_path, 2, None), {STAGE: _setup(2, True, model_paths)}, seed=0,
+def _group(model_path, model_paths=None, strategy: str = "fsdp2") -> RayExecutor:
+    return RayExecutor(_graph(model_path, 2, strategy), {STAGE: _setup(2, strategy, model_paths)}, seed=0,
                        resources={STAGE: (1.0, 0.0)})
 
 
-def test_two_workers_make_the_update_one_worker_makes(ray_cluster, tiny_adder_path):
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_two_workers_make_the_update_one_worker_makes(ray_cluster, tiny_adder_path, strategy):
+    """FSDP2 shards and DDP replicas alike: global token counts, averaged gradients."""
     one = _local(tiny_adder_path)
     try:
         one_metrics, one_weights = _train(one, BATCHES), _weights(one)
     finally:
         one.shutdown()
-    two = _group(tiny_adder_path)
+    two = _group(tiny_adder_path, strategy=strategy)
     try:
         two_metrics, two_weights = _train(two, BATCHES), _weights(two)
+        if strategy == "ddp":  # the replicas stayed identical: each one's weights, not just rank 0's
+            import ray
+
+            replicas = ray.get([m.export_weights.remote("policy") for m in two.groups[STAGE].members])
+            assert all(np.array_equal(replicas[0][k], replicas[1][k]) for k in replicas[0])
     finally:
         two.shutdown()
     _same_metrics(one_metrics, two_metrics)
