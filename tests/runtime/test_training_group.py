@@ -136,8 +136,11 @@ def test_a_group_of_one_in_process_makes_the_same_update(tiny_adder_path):
         shard.shutdown()
 
 
-def test_sharded_checkpoint_resumes_on_one_unsharded_worker(ray_cluster, tiny_adder_path, tmp_path):
-    two = _group(tiny_adder_path)
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_a_groups_checkpoint_resumes_on_one_unsharded_worker(ray_cluster, tiny_adder_path, tmp_path, strategy):
+    """FSDP2: DCP shards (weights and optimizer); DDP: an HF directory from the first worker and
+    the optimizer state in the op states, like one worker's."""
+    two = _group(tiny_adder_path, strategy=strategy)
     try:
         _train(two, BATCHES[:1])
         two.get(two.call(STAGE, "save_models", str(tmp_path)))
@@ -145,8 +148,11 @@ def test_sharded_checkpoint_resumes_on_one_unsharded_worker(ray_cluster, tiny_ad
         continued = _train(two, BATCHES[1:]), _weights(two)
     finally:
         two.shutdown()
-    assert (tmp_path / "policy" / "dcp" / ".metadata").is_file()
-    assert "optimizer" not in states["train"]  # the shards hold it; nothing went through the driver
+    if strategy == "fsdp2":
+        assert (tmp_path / "policy" / "dcp" / ".metadata").is_file()
+        assert "optimizer" not in states["train"]  # the shards hold it; nothing went through the driver
+    else:
+        assert (tmp_path / "policy" / "config.json").is_file() and "optimizer" in states["train"]
     one = _local(tiny_adder_path, {"policy": str(tmp_path / "policy")})
     try:
         one.get(one.call(STAGE, "load_op_states", states))
