@@ -3,6 +3,13 @@
 verl recomputes the old logprobs with the trainer's weights instead of trusting the
 rollout engine's, so importance ratios start at exactly 1 on the first mini-batch.
 Logits are divided by the sampling temperature first, as in verl.
+
+`source: rollout` skips the forward pass and takes the generator's own sampled-token
+logprobs (`rollout_logp`) as the old ones, as verl's rollout-correction bypass mode does.
+When the generator is the trained policy itself (backend hf) those were computed by the same
+weights at the same temperature, so they equal the recomputation up to float rounding (1e-6
+in float32) and the pass (a fifth of the main job's step) is saved; with a separate engine
+(vLLM) the update's importance ratio then also corrects the engine/trainer mismatch.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from dapo_flow.graph import columns as C
 from dapo_flow.data.arrow_utils import padded_to_ragged, token_lists, with_columns
@@ -28,14 +35,24 @@ class Params(BaseModel):
     micro_batch_size: int = Field(64, ge=1, le=65536)
     """Rows per forward pass."""
     with_entropy: bool = True
-    """Actor only: also emit per-token entropy (logged as a metric)."""
+    """Actor only: also emit per-token entropy (logged as a metric); not with source rollout."""
+    source: Literal["recompute", "rollout"] = "recompute"
+    """Actor only. `recompute`: a forward pass of the trainer (verl's default). `rollout`: the
+    generator's sampled-token logprobs are the old logprobs, no forward pass (exact up to float
+    rounding when the generator is the trained policy, backend hf; see the module docstring)."""
+
+    @model_validator(mode="after")
+    def _rollout_source_is_the_actors(self) -> "Params":
+        if self.source == "rollout" and self.role == "ref":
+            raise ValueError("source rollout takes the generator's logprobs, which are the actor's, "
+                             "not a reference model's: use source: recompute for role ref")
+        return self
 
 
 class Logprob:
     """Adds per-token logprobs of the response tokens."""
 
     Params = Params
-    REQUIRES = C.typed(C.PROMPT_IDS, C.RESPONSE_IDS)
     CARDINALITY = "map"
     NEEDS_MODEL = True
     ROLE = "logprob"
@@ -47,10 +64,18 @@ class Logprob:
         return temperature_problems(params.temperature, generator_id, generator_params.temperature)
 
     @classmethod
+    def requires(cls, params: Params) -> dict[str, pa.DataType]:
+        if params.source == "rollout":
+            return C.typed(C.PROMPT_IDS, C.RESPONSE_IDS, C.ROLLOUT_LOGP)
+        return C.typed(C.PROMPT_IDS, C.RESPONSE_IDS)
+
+    @classmethod
     def produces(cls, params: Params) -> dict[str, pa.DataType]:
         if params.role == "ref":
             return C.typed(C.REF_LOGP)
-        return C.typed(C.OLD_LOGP, C.ENTROPY) if params.with_entropy else C.typed(C.OLD_LOGP)
+        if params.with_entropy and params.source == "recompute":
+            return C.typed(C.OLD_LOGP, C.ENTROPY)
+        return C.typed(C.OLD_LOGP)
 
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params
@@ -59,6 +84,8 @@ class Logprob:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         p = self.params
+        if p.source == "rollout":  # the generator's logprobs, computed with these weights
+            return with_columns(batch, {C.OLD_LOGP: batch.column(C.ROLLOUT_LOGP)})
         entropy_wanted = p.role == "actor" and p.with_entropy
         logp, entropy, mask = self.ctx.model.policy.response_logprobs(
             token_lists(batch.column(C.PROMPT_IDS)),
