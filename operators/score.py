@@ -1,7 +1,7 @@
 """score: verify each response against its ground truth and emit score / acc columns.
 
 Reward functions: ``builtin:addition``, ``builtin:math`` (boxed / final answer, DAPO's
-+1 / -1), or user code ``module:fn`` / ``file.py:fn`` taking
++1 / -1, equivalent forms through math-verify), or user code ``module:fn`` / ``file.py:fn`` taking
 ``(response_text, ground_truth, extra_info)`` and returning a float or a dict with
 ``score`` (and optionally ``acc`` plus the declared ``extra_columns``).
 ``acc`` is 1.0 when the answer is correct, taken before any overlong penalty.

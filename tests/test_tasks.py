@@ -150,6 +150,23 @@ def test_verify_math(response, truth, expected):
     assert verify_math(response, truth) == expected
 
 
+@pytest.mark.parametrize(
+    "response, truth, expected",
+    [  # equal as mathematics, not as strings: math-verify decides
+        (r"The answer is \boxed{0.5}", r"\frac{1}{2}", 1.0),
+        (r"so $\boxed{(x+1)^2}$", "x^2+2x+1", 1.0),
+        (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}", 1.0),
+        (r"\boxed{\{1, 2\}}", r"\{2, 1\}", 1.0),
+        (r"\boxed{0.51}", r"\frac{1}{2}", -1.0),
+        (r"\boxed{x^2+1}", "(x+1)^2", -1.0),
+        (r"\boxed{\frac{", r"\frac{1}{2}", -1.0),  # unparsable: wrong, not an error
+    ],
+)
+def test_verify_math_takes_equivalent_forms(response, truth, expected):
+    pytest.importorskip("math_verify")
+    assert verify_math(response, truth) == expected
+
+
 def test_verify_math_custom_rewards():
     assert verify_math("no", "1", correct=1.0, wrong=0.0) == 0.0
 

@@ -4,7 +4,9 @@
 - ``verify_addition``: exact match of the decoded answer (special tokens removed).
 - ``verify_math``: DAPO-style rule verifier (Yu et al. 2025, §2.4): extract the final answer
   (last ``\\boxed{}``, else ``Answer: X``, else the last number), normalize both sides,
-  compare; +1 / -1.
+  compare; when the strings differ, ``math-verify`` decides whether the two are the same
+  mathematical object (``0.5`` = ``\\frac{1}{2}``, ``(x+1)^2`` = ``x^2+2x+1``, sets, intervals);
+  +1 / -1.
 """
 
 from __future__ import annotations
@@ -159,9 +161,36 @@ def normalize_math_answer(answer: str) -> str:
 def verify_math(
     response_text: str, ground_truth: str, *, correct: float = 1.0, wrong: float = -1.0
 ) -> float:
-    """``correct`` iff the extracted, normalized answer equals the normalized ground truth."""
-    predicted = extract_math_answer(response_text)
-    if predicted is None:
-        return wrong
+    """``correct`` iff the extracted, normalized answer equals the normalized ground truth, or
+    math-verify finds the response's final answer equivalent to it (:func:`math_equivalent`)."""
     truth = last_boxed(ground_truth) or ground_truth
-    return correct if normalize_math_answer(predicted) == normalize_math_answer(truth) else wrong
+    predicted = extract_math_answer(response_text)
+    if predicted is not None and normalize_math_answer(predicted) == normalize_math_answer(truth):
+        return correct  # the rule match: no parsing needed
+    return correct if math_equivalent(response_text, truth) else wrong
+
+
+def math_equivalent(response_text: str, truth: str) -> bool:
+    """Whether math-verify (Hugging Face's LaTeX / expression verifier, as in verl's
+    ``math_verify`` reward) parses an answer from ``response_text`` that equals ``truth``
+    symbolically. ~5 ms a sample; its own signal-based timeouts are off (they only work in a
+    main thread): the score operator's ``timeout_s`` bounds a sample instead. False when it
+    parses nothing or fails."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:  # an install without it: the rule match alone
+        return False
+    _quiet_math_verify()
+    try:
+        gold = parse(truth if "$" in truth or "\\boxed" in truth else f"${truth}$", parsing_timeout=None)
+        answer = parse(response_text, parsing_timeout=None)
+        return bool(gold and answer and verify(gold, answer, timeout_seconds=None))
+    except Exception:  # a parser or sympy failure on odd text is a wrong answer, not a crash
+        return False
+
+
+def _quiet_math_verify() -> None:
+    """math-verify warns on every call that its timeouts are off: we bound time ourselves."""
+    import logging
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
