@@ -2,8 +2,10 @@
 
 Reward functions: ``builtin:addition``, ``builtin:math`` (boxed / final answer, DAPO's
 +1 / -1, equivalent forms through math-verify), or user code ``module:fn`` / ``file.py:fn`` taking
-``(response_text, ground_truth, extra_info)`` and returning a float or a dict with
-``score`` (and optionally ``acc`` plus the declared ``extra_columns``).
+``(response_text, ground_truth, extra_info)`` (extra_info holds the row's ``data_source``) and
+returning a float or a dict with ``score`` (and optionally ``acc`` plus the declared
+``extra_columns``). verl reward files work unchanged: a function with verl's signature
+``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` is called that way.
 ``acc`` is 1.0 when the answer is correct, taken before any overlong penalty.
 
 A reward function's value is checked, never trusted: anything but a finite real number (None,
@@ -102,8 +104,10 @@ class Score:
     def __call__(self, batch: pa.Table) -> pa.Table:
         texts = batch.column(C.RESPONSE_TEXT).to_pylist()
         truths = batch.column(C.GROUND_TRUTH).to_pylist()
-        rows = self._pooled(batch, texts, truths) if self.params.workers else [
-            self._evaluate(batch, i, text, truth) for i, (text, truth) in enumerate(zip(texts, truths))
+        extras = _extra_infos(batch)
+        rows = self._pooled(batch, texts, truths, extras) if self.params.workers else [
+            self._evaluate(batch, i, text, truth, extra)
+            for i, (text, truth, extra) in enumerate(zip(texts, truths, extras))
         ]
         for i, row in enumerate(rows):  # the first bad row, as in-process scoring stops at it
             if isinstance(row, str):
@@ -129,17 +133,17 @@ class Score:
             self._pool.close()
             self._pool = None
 
-    def _evaluate(self, batch: pa.Table, i: int, text: str, truth: str) -> Row:
+    def _evaluate(self, batch: pa.Table, i: int, text: str, truth: str, extra: dict) -> Row:
         try:
-            return evaluate(self.fn, self.spec, text, truth)
+            return evaluate(self.fn, self.spec, text, truth, extra)
         except BadReward as bad:
             raise RunError(self._bad(batch, i, str(bad))) from bad.__cause__
 
-    def _pooled(self, batch: pa.Table, texts: list[str], truths: list[str]) -> list[Row]:
+    def _pooled(self, batch: pa.Table, texts: list[str], truths: list[str], extras: list[dict]) -> list[Row]:
         if self._pool is None:
             self._pool = RewardPool(self.spec, self.params.workers, self.params.timeout_s)
         try:
-            return self._pool.score(texts, truths)
+            return self._pool.score(texts, truths, extras)
         except WorkerDied as died:
             where = (f"while scoring {_sample_name(batch, died.row)}" if died.row is not None
                      else "outside the function (starting up, or between rows)")
@@ -183,3 +187,11 @@ def _sample_name(batch: pa.Table, row: int) -> str:
     if C.SAMPLE_IDX in batch.column_names:
         parts.append(f"sample {batch.column(C.SAMPLE_IDX)[row].as_py()}")
     return ", ".join(parts) or f"row {row}"
+
+
+def _extra_infos(batch: pa.Table) -> list[dict]:
+    """Each row's extra_info for the reward function: its ``data_source`` when the prompts
+    carry one (verl-format data does; a verl-signature function receives it as an argument)."""
+    if C.DATA_SOURCE not in batch.column_names:
+        return [{} for _ in range(batch.num_rows)]
+    return [{"data_source": source} for source in batch.column(C.DATA_SOURCE).to_pylist()]

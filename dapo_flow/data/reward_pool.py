@@ -66,7 +66,11 @@ class BadReward(Exception):
 
 
 def resolve_reward(spec: RewardSpec) -> Callable[[str, str, dict], Any]:
-    """The function ``spec.reward`` names, taking (response_text, ground_truth, extra_info)."""
+    """The function ``spec.reward`` names, taking (response_text, ground_truth, extra_info).
+    A function with verl's signature, ``compute_score(data_source, solution_str, ground_truth,
+    extra_info=None)`` (told apart by its ``solution_str`` parameter), is called that way, with
+    the row's ``data_source`` (extra_info's) and the rest of extra_info, so verl reward files
+    work unchanged."""
     from dapo_flow.data import tasks
     from dapo_flow.graph.imports import load_object
 
@@ -78,16 +82,29 @@ def resolve_reward(spec: RewardSpec) -> Callable[[str, str, dict], Any]:
     if not callable(fn):
         raise RunError(f"reward '{spec.reward}' is a {type(fn).__name__}, not a function: name a "
                        "function taking (response_text, ground_truth, extra_info)")
+    if _takes_verl_arguments(fn):
+        return lambda text, truth, extra: fn(
+            data_source=extra.get("data_source"), solution_str=text, ground_truth=truth,
+            extra_info={k: v for k, v in extra.items() if k != "data_source"})
     return fn
 
 
+def _takes_verl_arguments(fn: Callable) -> bool:
+    import inspect
+
+    try:
+        return "solution_str" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function without a signature
+        return False
+
+
 def evaluate(fn: Callable[[str, str, dict], Any], spec: RewardSpec, text: str,
-             truth: str) -> tuple[float, float, tuple[float, ...]]:
+             truth: str, extra: dict | None = None) -> tuple[float, float, tuple[float, ...]]:
     """(score, acc, extras) of one response; BadReward when the function raises or returns
     anything but finite numbers. acc: the builtin's verdict, else ``score > 0`` (after float32
     rounding, as the column stores it) unless the function's dict gives one."""
     try:
-        result = fn(text, truth, {})
+        result = fn(text, truth, dict(extra or {}))
     except Exception as exc:  # user code: report which sample, not a traceback
         raise BadReward(f"raised {exc!r}") from exc
     if isinstance(result, dict):
@@ -179,14 +196,17 @@ class RewardPool:
     def close(self) -> None:
         self._finalizer()
 
-    def score(self, texts: Sequence[str], truths: Sequence[str]) -> list[Row]:
-        """One Row per (text, truth), in order (None: timed out). Raises WorkerDied or
-        LoadFailed; any exception leaves no worker busy, so the next call starts clean."""
+    def score(self, texts: Sequence[str], truths: Sequence[str],
+              extras: Sequence[dict] | None = None) -> list[Row]:
+        """One Row per (text, truth[, extra_info]), in order (None: timed out). Raises
+        WorkerDied or LoadFailed; any exception leaves no worker busy, so the next call starts
+        clean."""
+        extras = extras if extras is not None else [{}] * len(texts)
         out: list[Row] = [None] * len(texts)
         todo = deque(_chunks(len(texts), self.workers))
         try:
             while todo or self._busy():
-                self._dispatch(todo, texts, truths)
+                self._dispatch(todo, texts, truths, extras)
                 self._collect(out)
                 if self.timeout_s is not None:
                     self._kill_hung(todo)
@@ -200,7 +220,8 @@ class RewardPool:
     def _busy(self) -> list[_Worker]:
         return [w for w in self._slots if w is not None and w.chunk is not None]
 
-    def _dispatch(self, todo: deque, texts: Sequence[str], truths: Sequence[str]) -> None:
+    def _dispatch(self, todo: deque, texts: Sequence[str], truths: Sequence[str],
+                  extras: Sequence[dict]) -> None:
         """Idle running workers first: a chunk put back after a kill should not wait for the
         replacement's start-up (spawn re-imports the driver's main module) while one is free."""
         idle = [i for i, w in enumerate(self._slots) if w is not None and w.chunk is None]
@@ -208,14 +229,16 @@ class RewardPool:
         for i in idle + empty:
             if not todo:
                 return
-            self._send(i, todo.popleft(), texts, truths)
+            self._send(i, todo.popleft(), texts, truths, extras)
 
-    def _send(self, i: int, chunk: tuple[int, ...], texts: Sequence[str], truths: Sequence[str]) -> None:
+    def _send(self, i: int, chunk: tuple[int, ...], texts: Sequence[str], truths: Sequence[str],
+              extras: Sequence[dict]) -> None:
         worker = self._slots[i] or self._start(i)
         self._seq += 1
         worker.chunk, worker.seq = chunk, self._seq
         try:
-            worker.conn.send((self._seq, [texts[r] for r in chunk], [truths[r] for r in chunk]))
+            worker.conn.send((self._seq, [texts[r] for r in chunk], [truths[r] for r in chunk],
+                              [extras[r] for r in chunk]))
         except (BrokenPipeError, ConnectionResetError, EOFError):
             pass  # it died: _collect sees its sentinel and reports it
 
@@ -318,17 +341,17 @@ def _serve(conn: Connection, progress: Any, spec: RewardSpec) -> None:
             return
         if message is None:
             return
-        seq, texts, truths = message
+        seq, texts, truths, extras = message
         if fn is None:
             conn.send((seq, failure))
             continue
         rows: list[Row] = []
-        for pos, (text, truth) in enumerate(zip(texts, truths)):
+        for pos, (text, truth, extra) in enumerate(zip(texts, truths, extras)):
             # the start time first: a kill between the two writes reads as "moved on" (_kill_hung)
             progress[0] = time.monotonic()
             progress[1] = pos
             try:
-                rows.append(evaluate(fn, spec, text, truth))
+                rows.append(evaluate(fn, spec, text, truth, extra))
             except BadReward as bad:
                 rows.append(str(bad))
         progress[0] = 0.0

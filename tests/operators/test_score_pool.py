@@ -181,3 +181,30 @@ def test_timeout_needs_workers():
     with pytest.raises(ValidationError, match="timeout_s needs workers >= 1"):
         cls.Params(timeout_s=5)
     assert cls.Params(timeout_s=5, workers=1).timeout_s == 5
+
+
+VERL_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's signature, unchanged: per data source, a float or a dict with extra metrics."""
+    right = solution_str.strip() == ground_truth
+    if data_source == "lenient":
+        return {"score": 1.0 if right else 0.0, "acc": right, "length": len(solution_str)}
+    assert extra_info == {}, extra_info
+    return 1.0 if right else -1.0
+'''
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_verl_reward_file_works_unchanged_with_each_rows_data_source(tmp_path, monkeypatch, workers):
+    (tmp_path / "verl_reward.py").write_text(VERL_REWARD)
+    monkeypatch.chdir(tmp_path)
+    batch = _rows(["4", "5", "4", "5"], ["4", "4", "4", "4"]).append_column(
+        C.DATA_SOURCE, pa.array(["strict", "strict", "lenient", "lenient"]))
+    op = _op(reward="verl_reward.py:compute_score", extra_columns=("length",), workers=workers)
+    try:
+        out = op(batch)
+    finally:
+        op.close()
+    assert out.column(C.SCORE).to_pylist() == [1.0, -1.0, 1.0, 0.0]
+    assert out.column(C.ACC).to_pylist() == [1.0, 0.0, 1.0, 0.0]
+    assert out.column("length").to_pylist() == [0.0, 0.0, 1.0, 1.0]
