@@ -60,7 +60,8 @@ class Params(BaseModel):
     wrong: float = Field(-1.0, ge=-1e6, le=1e6)
     """Score of a wrong answer (built-in verifiers; DAPO uses -1, use 0 for 1/0 rewards)."""
     extra_columns: tuple[str, ...] = Field(())
-    """Extra float columns a user function returns in its dict (declared for schema checks)."""
+    """Extra float columns a user function returns in its dict (declared for schema checks);
+    each is also logged as the metric ``score/extra/NAME`` (its batch mean)."""
     workers: int = Field(0, ge=0, le=256)
     """0: score in this process, row by row. N >= 1: score in a pool of N worker processes kept
     for the whole run (rows sent in chunks; start-up paid once; same numbers)."""
@@ -119,7 +120,9 @@ class Score:
         acc = np.array([row[1] for row in rows], np.float32)
         extras = {name: np.array([row[2][j] for row in rows], np.float32)
                   for j, name in enumerate(self.params.extra_columns)}
-        self._metrics = {"score/mean": float(score.mean()), "acc/mean": float(acc.mean())}
+        self._metrics = {"score/mean": float(score.mean()), "acc/mean": float(acc.mean()),
+                         # a dict's extra values, averaged over the batch (verl logs its reward_extra_info so)
+                         **{f"score/extra/{name}": float(values.mean()) for name, values in extras.items()}}
         if self.params.timeout_s is not None:
             self._metrics["score/timeouts"] = float(timed_out)
         return with_columns(batch, {C.SCORE: score, C.ACC: acc, **extras})

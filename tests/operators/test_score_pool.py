@@ -106,7 +106,8 @@ def test_pool_gives_the_in_process_columns(tmp_path, reward, rows, extra):
     pooled = pooled_op(rows)
     assert pooled.equals(expected)
     assert pooled_op.last_metrics() == in_process.last_metrics()
-    assert set(in_process.last_metrics()) == {"score/mean", "acc/mean"}  # no timeout: no new metric
+    # no timeout: no timeouts metric; a declared extra column: its mean
+    assert set(in_process.last_metrics()) == {"score/mean", "acc/mean", *(f"score/extra/{x}" for x in extra)}
     acc = expected.column(C.ACC).to_numpy()
     assert 0 < acc.mean() < 1  # both right and wrong answers were scored
     processes = [w.process for w in pooled_op._pool._slots if w is not None]
@@ -208,3 +209,4 @@ def test_a_verl_reward_file_works_unchanged_with_each_rows_data_source(tmp_path,
     assert out.column(C.SCORE).to_pylist() == [1.0, -1.0, 1.0, 0.0]
     assert out.column(C.ACC).to_pylist() == [1.0, 0.0, 1.0, 0.0]
     assert out.column("length").to_pylist() == [0.0, 0.0, 1.0, 1.0]
+    assert op.last_metrics()["score/extra/length"] == 0.5  # a dict's extras are logged, as verl does
