@@ -59,6 +59,11 @@ class LocalExecutor:
 
     def __init__(self, graph: GraphSpec, setups: Mapping[str, StageSetup], seed: int,
                  resources: Mapping[str, tuple[float, float]] | None = None, address: str | None = None):
+        # a DDP group is replicas of a model that fits one worker, making the update one worker
+        # makes (to float rounding): here it is that one worker; an FSDP2 group is refused
+        # below, since its model may need the shards
+        setups = {name: replace(s, workers=1, grouped=False, strategy="none") if s.strategy == "ddp" else s
+                  for name, s in setups.items()}
         for name, s in setups.items():
             if s.workers > 1:
                 what, knob = (("a training group of", "train.workers") if s.grouped

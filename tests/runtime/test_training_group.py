@@ -126,6 +126,19 @@ def test_two_workers_make_the_update_one_worker_makes(ray_cluster, tiny_adder_pa
     assert not any(np.allclose(one_weights[k], _start_weights(tiny_adder_path)[k]) for k in ("lm_head.weight",))
 
 
+def test_the_local_executor_runs_a_ddp_group_as_one_worker(tiny_adder_path):
+    """DDP replicas make the update one worker makes; in-process they are that one worker."""
+    plain = _local(tiny_adder_path)
+    ddp = LocalExecutor(_graph(tiny_adder_path, 2, "ddp"), {STAGE: _setup(2, "ddp")}, seed=0)
+    try:
+        assert ddp.workers[STAGE].setup.group is None
+        assert _train(plain, BATCHES) == _train(ddp, BATCHES)
+        _same(_weights(plain), _weights(ddp), atol=0.0)
+    finally:
+        plain.shutdown()
+        ddp.shutdown()
+
+
 def test_a_group_of_one_in_process_makes_the_same_update(tiny_adder_path):
     plain, shard = _local(tiny_adder_path), _local(tiny_adder_path, sharded=True)
     try:
