@@ -188,8 +188,7 @@ class Update:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         p = self.params
-        counts = self._row_counts(batch.num_rows)
-        total_rows, offset = sum(counts), sum(counts[: self.ctx.rank])
+        total_rows = int(self._group_sum([batch.num_rows])[0])
         if total_rows == 0:
             raise algos.AlgoError(
                 f"update '{self.ctx.node_id}' got an empty batch: a node between the group-filter "
@@ -213,12 +212,10 @@ class Update:
         sums: dict[str, float] = {name: 0.0 for name in METRICS}
         n_opt_steps = 0
         for _epoch in range(p.ppo_epochs):
-            # mini-batches of the whole batch, as one worker cuts them; in a group each worker
-            # takes its rows of each (its share is rows offset.. of the batch, in order), so the
-            # group's k-th optimizer step sees the rows one worker's k-th step would, at any size
-            order = rng.permutation(total_rows) if p.shuffle else np.arange(total_rows)
-            for whole in np.array_split(order, min(p.mini_batches, total_rows)):
-                mb = whole[(whole >= offset) & (whole < offset + batch.num_rows)] - offset
+            order = rng.permutation(batch.num_rows) if p.shuffle else np.arange(batch.num_rows)
+            # in a group, each worker cuts its rows into the same number of mini-batches; the
+            # k-th of every worker together make the group's k-th optimizer step
+            for mb in np.array_split(order, min(p.mini_batches, total_rows)):
                 n_tokens, n_seqs = (int(x) for x in self._group_sum([mask[mb].sum(), len(mb)]))
                 if n_tokens == 0:  # e.g. every response truncated under overlong filtering
                     sums["actor/skipped_minibatches"] += 1
@@ -238,14 +235,6 @@ class Update:
         out["actor/skipped_steps_total"] = float(self.skipped_total)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         return pa.table({k: pa.array([out[k]], pa.float32()) for k in METRICS})
-
-    def _row_counts(self, rows: int) -> list[int]:
-        """Every worker's row count, in rank order (its share of the batch is contiguous)."""
-        if self.ctx.world_size == 1:
-            return [rows]
-        mine = [0.0] * self.ctx.world_size
-        mine[self.ctx.rank] = float(rows)
-        return [int(x) for x in self._group_sum(mine)]
 
     def _group_sum(self, values) -> list[float]:
         """Sums over the training group's workers (the values themselves without a group)."""
