@@ -149,6 +149,10 @@ class Plan:
 DRIVER = "driver"
 
 
+#: strategies whose stage is a training group (Stage.strategy, StageSetup.strategy)
+GROUP_STRATEGIES = ("fsdp2", "ddp")
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str  # "driver", "model:policy", "rollout:policy"
@@ -166,7 +170,7 @@ class Stage:
         """A stage whose model is trained by a group of workers (FSDP2 shards, even one, or DDP
         replicas): its calls go to every worker, each with its share of the rows
         (dapo_flow.runtime.group)."""
-        return self.strategy in ("fsdp2", "ddp")
+        return self.strategy in GROUP_STRATEGIES
 
     @property
     def sharded(self) -> bool:

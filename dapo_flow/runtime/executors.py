@@ -62,7 +62,7 @@ class LocalExecutor:
         # a DDP group is replicas of a model that fits one worker, making the update one worker
         # makes (to float rounding): here it is that one worker; an FSDP2 group is refused
         # below, since its model may need the shards
-        setups = {name: replace(s, workers=1, grouped=False, strategy="none") if s.strategy == "ddp" else s
+        setups = {name: replace(s, workers=1, strategy="none") if s.strategy == "ddp" else s
                   for name, s in setups.items()}
         for name, s in setups.items():
             if s.workers > 1:

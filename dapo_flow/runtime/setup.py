@@ -68,7 +68,7 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str,
             model_paths=dict(model_paths or {}),
             max_model_len=plan.engine_context(),
             num_threads=_threads(stage),
-            grouped=stage.is_group, strategy=stage.strategy, workers=stage.workers, placement_strategy=stage.placement_strategy,
+            strategy=stage.strategy, workers=stage.workers, placement_strategy=stage.placement_strategy,
         )
     return setups
 

@@ -17,6 +17,7 @@ import pyarrow as pa
 from dapo_flow import threads
 from dapo_flow.runtime.metrics import batch_stats
 from dapo_flow.graph.contract import OpContext
+from dapo_flow.graph.plan import GROUP_STRATEGIES
 from dapo_flow.graph.spec import GraphSpec
 from dapo_flow.runtime.checkpoint_models import (SHARDED, checkpoint_format, load_sharded_model,
                                                  save_sharded_model)
@@ -45,11 +46,15 @@ class StageSetup:
     model_paths: Mapping[str, str] = field(default_factory=dict)  # overrides (resume)
     max_model_len: Mapping[str, int] = field(default_factory=dict)  # engines' default context (setup)
     num_threads: int = 0  # threads.configure(num_threads) in the worker; 0 = the process's as they are
-    grouped: bool = False  # a training group's stage: FSDP2 or DDP workers (the executor starts them)
     strategy: str = "none"  # the group's: "fsdp2" (each worker a shard) | "ddp" (each a full copy)
     workers: int = 1  # the group's size
     placement_strategy: str = "PACK"  # the group's placement group strategy
     group: "GroupMember | None" = None  # set by the executor for each worker of a group
+
+    @property
+    def grouped(self) -> bool:
+        """A training group's stage: FSDP2 or DDP workers (the executor starts them)."""
+        return self.strategy in GROUP_STRATEGIES
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def _setup(workers: int, strategy: str, model_paths: dict | None = None) -> Stag
     return StageSetup(
         name=STAGE, nodes=(NodeSetup(id="train", op="update", params=UPDATE, model="policy"),),
         models=("policy",), trainable=("policy",), scores=("policy",), num_threads=1,
-        model_paths=model_paths or {}, grouped=strategy != "none", strategy=strategy, workers=workers)
+        model_paths=model_paths or {}, strategy=strategy, workers=workers)
 
 
 def _batch(seed: int, group_sizes: list[int]) -> pa.Table:
