@@ -111,10 +111,13 @@ def test_two_workers_make_the_update_one_worker_makes(ray_cluster, tiny_adder_pa
         one.shutdown()
     two = _group(tiny_adder_path, strategy=strategy)
     try:
+        import ray
+
+        # Ray starts workers at nice 15; ours do the run's work and must not yield to every
+        # other process on the box (a step ran 25-50x slower beside one busy loop)
+        assert ray.get([m.niceness.remote() for m in two.groups[STAGE].members]) == [0, 0]
         two_metrics, two_weights = _train(two, BATCHES), _weights(two)
         if strategy == "ddp":  # the replicas stayed identical: each one's weights, not just rank 0's
-            import ray
-
             replicas = ray.get([m.export_weights.remote("policy") for m in two.groups[STAGE].members])
             assert all(np.array_equal(replicas[0][k], replicas[1][k]) for k in replicas[0])
     finally:
