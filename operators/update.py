@@ -209,13 +209,11 @@ class Update:
             adv = batch.column(C.ADVANTAGE).to_numpy().astype(np.float32)
 
         rng = np.random.default_rng([self.ctx.seed, self.steps_done])
+        positions = self._batch_positions(batch)
         sums: dict[str, float] = {name: 0.0 for name in METRICS}
         n_opt_steps = 0
         for _epoch in range(p.ppo_epochs):
-            order = rng.permutation(batch.num_rows) if p.shuffle else np.arange(batch.num_rows)
-            # in a group, each worker cuts its rows into the same number of mini-batches; the
-            # k-th of every worker together make the group's k-th optimizer step
-            for mb in np.array_split(order, min(p.mini_batches, total_rows)):
+            for mb in self._mini_batches(rng, positions, batch.num_rows, total_rows):
                 n_tokens, n_seqs = (int(x) for x in self._group_sum([mask[mb].sum(), len(mb)]))
                 if n_tokens == 0:  # e.g. every response truncated under overlong filtering
                     sums["actor/skipped_minibatches"] += 1
@@ -235,6 +233,43 @@ class Update:
         out["actor/skipped_steps_total"] = float(self.skipped_total)
         out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         return pa.table({k: pa.array([out[k]], pa.float32()) for k in METRICS})
+
+    def _batch_positions(self, batch: pa.Table) -> np.ndarray | None:
+        """Each local row's position in the whole batch the group trains on (rows of a filter
+        before this update in the chain closed up, as one worker would see them); ``None`` in a
+        group whose rows came without their ``batch_row`` (then each worker cuts its own rows).
+        Shape: (rows,) int64."""
+        if self.ctx.world_size == 1:
+            return np.arange(batch.num_rows)
+        if C.BATCH_ROW not in batch.column_names:
+            return None
+        mine = batch.column(C.BATCH_ROW).to_numpy(zero_copy_only=False).astype(np.int64)
+        size = int(self._group_max([mine.max() + 1 if len(mine) else 0])[0])
+        present = np.zeros(size)
+        present[mine] = 1.0
+        present = np.asarray(self._group_sum(present)) > 0
+        return (np.cumsum(present) - 1)[mine]
+
+    def _mini_batches(self, rng, positions: np.ndarray | None, rows: int, total_rows: int) -> list[np.ndarray]:
+        """Local row indices of each optimizer step's mini-batch, one epoch. The whole batch is
+        cut (shuffled or in order) as one worker cuts it and each worker takes its rows of every
+        mini-batch, so the k-th optimizer step trains the same rows at any group size."""
+        count = min(self.params.mini_batches, total_rows)
+        if positions is None:  # verl's ranks: each worker cuts its own rows; the k-th of each make step k
+            order = rng.permutation(rows) if self.params.shuffle else np.arange(rows)
+            return np.array_split(order, count)
+        order = rng.permutation(total_rows) if self.params.shuffle else np.arange(total_rows)
+        local = np.full(total_rows, -1, dtype=np.int64)
+        local[positions] = np.arange(rows)
+        return [mb[mb >= 0] for mb in (local[whole] for whole in np.array_split(order, count))]
+
+    def _group_max(self, values) -> list[float]:
+        """Maxima over the training group's workers."""
+        if self.ctx.world_size == 1:
+            return [float(v) for v in values]
+        from dapo_flow.models import fsdp
+
+        return fsdp.all_reduce_max([float(v) for v in values])
 
     def _group_sum(self, values) -> list[float]:
         """Sums over the training group's workers (the values themselves without a group)."""

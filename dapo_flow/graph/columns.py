@@ -44,6 +44,8 @@ ENTROPY = "entropy"
 ADVANTAGE = "advantage"  # per sequence; broadcast over response tokens by `update`
 TOKEN_ADVANTAGE = "token_advantage"  # per response token (token-level estimators: REINFORCE++)
 LOSS_MASK = "loss_mask"  # per sequence; False rows contribute no loss (overlong filtering)
+BATCH_ROW = "batch_row"  # a row's position in the whole batch a training group shares out to its
+# workers for an update (set by the executor), so the group cuts mini-batches as one worker would
 
 SCHEMA: dict[str, pa.DataType] = {
     PROMPT_ID: pa.string(),
@@ -68,6 +70,7 @@ SCHEMA: dict[str, pa.DataType] = {
     ADVANTAGE: pa.float32(),
     LOSS_MASK: pa.bool_(),
     TOKEN_ADVANTAGE: TOKEN_FLOATS,
+    BATCH_ROW: pa.int64(),
 }
 
 PROMPT_COLUMNS = (PROMPT_ID, PROMPT_TEXT, PROMPT_IDS, GROUND_TRUTH, DATA_SOURCE)

@@ -330,19 +330,28 @@ class WorkerGroup:
     def call(self, method: str, *args: Any) -> GroupCall:
         if method == "run_chain":
             node_ids, table = args
-            parts = group.split(table, len(self.members))
+            sink = node_ids[-1] in self.sinks
+            parts = self._split(table, sink)
             refs = [m.run_chain.remote(node_ids, part) for m, part in zip(self.members, parts)]
-            sink, rows = node_ids[-1] in self.sinks, [p.num_rows for p in parts]
+            rows = [p.num_rows for p in parts]
             return GroupCall(self.stage, refs, member=self.member, kind=self.kind, join=lambda out: (
                 group.join([t for t, _ in out], sink), group.join_reports([r for _, r in out], rows)))
         if method == "run_variant":
             node_id, table, overrides = args
-            parts = group.split(table, len(self.members))
+            parts = self._split(table, node_id in self.sinks)
             refs = [m.run_variant.remote(node_id, part, overrides) for m, part in zip(self.members, parts)]
             return GroupCall(self.stage, refs, member=self.member, kind=self.kind,
                              join=lambda out: group.join(out, node_id in self.sinks))
         refs = [getattr(m, method).remote(*args) for m in self.members]
         return GroupCall(self.stage, refs, member=self.member, kind=self.kind, join=lambda out: out[0])
+
+    def _split(self, table: pa.Table, sink: bool) -> list[pa.Table]:
+        """Each member's share: for a training group's update, prompt groups dealt out with their
+        batch positions (the group cuts the mini-batches one worker would); else contiguous
+        runs, whose outputs join in input order."""
+        if sink and self.member == "worker":
+            return group.split_for_update(table, len(self.members))
+        return group.split(table, len(self.members))
 
 
 def _rendezvous() -> tuple[str, int]:

@@ -68,6 +68,34 @@ def split(table: pa.Table, workers: int) -> list[pa.Table]:
     return [table.slice(a, b - a) for a, b in share_bounds(table, workers)]
 
 
+def interleaved_rows(table: pa.Table, workers: int) -> list[np.ndarray]:
+    """Each worker's rows (ascending indices) when prompt groups are dealt out in order, each to
+    the worker with the fewest tokens so far: whole groups per worker, and every contiguous run
+    of the batch (a mini-batch as one worker cuts it) shared about evenly among the workers."""
+    starts = group_starts(table)
+    bounds = np.append(starts, table.num_rows)
+    tokens = np.add.reduceat(row_tokens(table), starts) if len(starts) else np.zeros(0, np.int64)
+    load = np.zeros(workers, dtype=np.int64)
+    owned: list[list[np.ndarray]] = [[] for _ in range(workers)]
+    for g, weight in enumerate(tokens):
+        w = int(np.argmin(load))
+        load[w] += weight
+        owned[w].append(np.arange(bounds[g], bounds[g + 1]))
+    return [np.concatenate(rows) if rows else np.zeros(0, np.int64) for rows in owned]
+
+
+def split_for_update(table: pa.Table, workers: int) -> list[pa.Table]:
+    """Shares of a batch that ends in a sink (an update): :func:`interleaved_rows`, each with
+    its rows' positions in ``table`` as column ``batch_row``. Order does not matter to a sink
+    (it returns one row of metrics), and with the positions the group cuts the whole batch into
+    the mini-batches one worker would, each worker training its rows of each."""
+    parts = []
+    for rows in interleaved_rows(table, workers):
+        part = table.take(pa.array(rows, pa.int64()))
+        parts.append(part.append_column(C.BATCH_ROW, pa.array(rows, pa.int64())))
+    return parts
+
+
 def join(tables: Sequence[pa.Table], sink: bool) -> pa.Table:
     """The group's output: the workers' outputs in rank order; a sink's (one row of metrics the
     workers agree on, having reduced them together) from the first worker."""

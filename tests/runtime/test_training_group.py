@@ -101,9 +101,14 @@ def _group(model_path, model_paths=None, strategy: str = "fsdp2") -> RayExecutor
                        resources={STAGE: (1.0, 0.0)})
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
-def test_two_workers_make_the_update_one_worker_makes(ray_cluster, tiny_adder_path, strategy):
-    """FSDP2 shards and DDP replicas alike: global token counts, averaged gradients."""
+@pytest.mark.parametrize("strategy, minibatches", [
+    ("fsdp2", {}), ("ddp", {}), ("ddp", {"mini_batches": 2}), ("fsdp2", {"mini_batches": 3, "shuffle": True})],
+    ids=["fsdp2", "ddp", "ddp-2-mini-batches", "fsdp2-3-shuffled-mini-batches"])
+def test_two_workers_make_the_update_one_worker_makes(ray_cluster, tiny_adder_path, strategy, minibatches,
+                                                      monkeypatch):
+    """FSDP2 shards and DDP replicas alike: global token counts, averaged gradients; with several
+    (shuffled) mini-batches, the group's k-th optimizer step trains the rows one worker's would."""
+    monkeypatch.setitem(globals(), "UPDATE", {**UPDATE, **minibatches})
     one = _local(tiny_adder_path)
     try:
         one_metrics, one_weights = _train(one, BATCHES), _weights(one)
