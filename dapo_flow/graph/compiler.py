@@ -282,7 +282,8 @@ def explain(placed: PlacedPlan) -> str:
         if s.is_group:
             out.append(f"  {'':<16} group of {s.workers} worker(s) on one {s.placement_strategy} placement "
                        f"group ({s.strategy}; resources above are per worker): each call splits its rows "
-                       "by whole prompt groups")
+                       "by whole prompt groups; the update cuts the mini-batches one worker would, each "
+                       "worker training its rows of each")
         elif s.workers > 1:
             out.append(f"  {'':<16} {s.workers} replicas (resources above are per replica): each call "
                        "splits its prompts across them; per-prompt seeds, so the samples do not depend "
