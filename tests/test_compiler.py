@@ -23,14 +23,32 @@ BAD = sorted((ROOT / "tests" / "graphs_bad").glob("*.yaml"))
 GOLDEN = ROOT / "tests" / "golden"
 
 
-def _plan(path: Path = DAPO):
+GROUP_LINE = "train: {workers: 2, strategy: ddp}"
+
+
+def _one_worker_dapo() -> str:
+    """graphs/dapo.yaml with its policy trained by one actor instead of a 2-worker DDP group:
+    the placement tests below are about where single actors go."""
+    text = DAPO.read_text()
+    assert GROUP_LINE in text
+    return text.replace(GROUP_LINE, "train: {workers: 1}")
+
+
+def _plan(path: Path | None = None):
+    if path is None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            one = Path(tmp) / "dapo.yaml"
+            one.write_text(_one_worker_dapo())
+            return plan(validate(load(one)))
     return plan(validate(load(path)))
 
 
 def _with_placement(tmp_path: Path, placement: str) -> Path:
-    """graphs/dapo.yaml plus a `placement:` block."""
+    """graphs/dapo.yaml (one training actor) plus a `placement:` block."""
     out = tmp_path / "dapo.yaml"
-    out.write_text(DAPO.read_text() + "\n" + placement)
+    out.write_text(_one_worker_dapo() + "\n" + placement)
     return out
 
 
@@ -231,6 +249,17 @@ def test_rewrites_are_pure():
 
 
 # --- placement --------------------------------------------------------------------------
+
+
+def test_the_default_graph_trains_on_a_ddp_group_of_two():
+    """graphs/dapo.yaml as shipped: two 1-thread DDP workers hold the policy; the advantage
+    (whole-batch statistics for some estimators) runs in the driver between two group calls."""
+    placed = place(plan(validate(load(DAPO))), Cluster(cpus=2))
+    actor = placed.stage("model:policy")
+    assert actor.is_group and (actor.workers, actor.strategy) == (2, "ddp")
+    assert actor.nodes == ("rollout", "old_logp", "train")
+    assert placed.calls["train"] == (Call("model:policy", ("old_logp",)), Call("driver", ("adv",)),
+                                     Call("model:policy", ("train",)))
 
 
 def test_colocated_on_two_cpus():

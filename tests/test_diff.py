@@ -65,14 +65,15 @@ def test_ladder_top_rung_is_dapo_yaml():
     assert diff_graphs(doc.raw, raw(DAPO)) == [Change("changed", "name", "grpo", "dapo")]
     paper = next(v for v in patch.variants if v.name == "+dynamic-sampling")
     doc = apply_edits(load(patch.base), paper.edits)
-    assert {c.key for c in diff_graphs(doc.raw, raw(DAPO))} == {"name", "train.clip_c", "train.mask_truncated"}
+    assert {c.key for c in diff_graphs(doc.raw, raw(DAPO))} == {"name", "train.clip_c", "train.mask_truncated",
+                                                               "old_logp.source"}
 
 
 def test_cli_diff(capsys):
     assert cli.main(["diff", str(GRPO), str(DAPO)]) == 0
     out = capsys.readouterr().out
     assert "~ train.clip_high: 0.2 -> 0.28" in out and "+ node dynamic_sampling: added" in out
-    assert out.rstrip().endswith("8 differences")
+    assert out.rstrip().endswith("9 differences")
     assert cli.main(["diff", str(DAPO), str(DAPO)]) == 0
     assert "no differences" in capsys.readouterr().out
     assert cli.main(["diff", str(DAPO), "nope.yaml"]) == 2

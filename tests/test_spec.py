@@ -121,11 +121,12 @@ def test_tensor_parallel_must_divide_the_attention_heads(tmp_path):
 def test_a_bad_rollout_setting_is_a_graph_error_with_its_line(tmp_path, capsys):
     import cli
 
-    graph = (ROOT / "graphs" / "dapo.yaml").read_text().replace(
-        'policy: {path: "builtin:tiny-adder", dtype: float32, backend: hf}',
-        'policy: {path: "builtin:tiny-adder", dtype: float32, backend: hf, rollout: {kv_cache_gib: 2}}')
+    original = (ROOT / "graphs" / "dapo.yaml").read_text()
+    graph = original.replace('    backend: hf\n', '    backend: hf\n    rollout: {kv_cache_gib: 2}\n')
+    assert graph != original
     path = tmp_path / "g.yaml"
     path.write_text(graph)
     assert cli.main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
-    assert f"{path}:15: models.policy" in err and "rollout.kv_cache_gib is a setting of the rollout engine" in err
+    line = graph.splitlines().index("  policy:") + 1
+    assert f"{path}:{line}: models.policy" in err and "rollout.kv_cache_gib is a setting of the rollout engine" in err
