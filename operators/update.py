@@ -57,7 +57,15 @@ class Params(BaseModel):
     clip_high: float = Field(0.28, ge=0.0, le=10.0)
     """Upper ratio clip (DAPO clip-higher: 0.28)."""
     clip_c: float | None = Field(10.0, gt=1.0)
-    """Dual-clip constant for negative advantages; null disables it."""
+    """Dual-clip constant for negative advantages; null disables it. vanilla only (the default
+    is not applied to another policy_loss; setting it with one is an error)."""
+    policy_loss: Literal["vanilla", "gspo", "cispo", "gpg"] = "vanilla"
+    """Policy-gradient loss (verl's actor.policy_loss.loss_mode; docs/semantics.md, "Policy-loss
+    family"): `vanilla`: PPO clipped surrogate with clip-higher and dual clip (DAPO); `gspo`: the
+    same clip on a sequence-level ratio, the geometric mean of the token ratios (GSPO; its clip
+    ranges are ~1e-4 scale, verl's example 3e-4 / 4e-4); `cispo`: REINFORCE weighted by the clipped
+    token ratio under stop-gradient, so clipped tokens still get a gradient (MiniMax-M1); `gpg`:
+    plain -A * logp, no ratio, no clip (GPG). All aggregate with loss_agg_mode."""
     loss_agg_mode: LossAgg = "token-mean"
     """How token losses become one number (DAPO: token-mean)."""
     norm_len: int | None = Field(None, ge=1)
@@ -92,6 +100,14 @@ class Params(BaseModel):
     def _norm_len_for_drgrpo(self) -> "Params":
         if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.norm_len is None:
             raise ValueError("loss_agg_mode seq-mean-token-sum-norm needs norm_len (set it to max_tokens)")
+        return self
+
+    @model_validator(mode="after")
+    def _dual_clip_is_vanilla_only(self) -> "Params":
+        if self.policy_loss != "vanilla" and self.clip_c is not None and "clip_c" in self.model_fields_set:
+            raise ValueError(
+                f"clip_c (dual clip) applies to policy_loss vanilla only, but policy_loss is "
+                f"{self.policy_loss} and clip_c is set to {self.clip_c}: set clip_c: null or remove it")
         return self
 
 
@@ -327,9 +343,10 @@ class Update:
             old = torch.from_numpy(old_logp[rows, :width])
             a = torch.from_numpy(adv[rows, :width]) if adv.ndim == 2 else torch.from_numpy(adv[rows])[:, None].expand(-1, width)
             agg = dict(num_tokens=n_tokens, num_seqs=n_seqs)
-            pg_loss, pg_stats = algos.policy_loss(
-                old, logp, a, m, clip_low=p.clip_low, clip_high=p.clip_high, clip_c=p.clip_c,
-                agg=p.loss_agg_mode, norm_len=p.norm_len, **agg,
+            extra = {"clip_c": p.clip_c} if p.policy_loss == "vanilla" else {}  # dual clip: vanilla only
+            pg_loss, pg_stats = algos.POLICY_LOSSES[p.policy_loss](
+                old, logp, a, m, clip_low=p.clip_low, clip_high=p.clip_high,
+                agg=p.loss_agg_mode, norm_len=p.norm_len, **extra, **agg,
             )
             loss = pg_loss
             ent = algos.agg_loss(entropy.detach(), m, "token-sum") / n_tokens

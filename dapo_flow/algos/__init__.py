@@ -6,6 +6,9 @@
 - :mod:`~dapo_flow.algos.advantages`: the estimator table :data:`ESTIMATORS`, per-sequence and
   token-level advantages (REINFORCE++);
 - :mod:`~dapo_flow.algos.losses`: the clipped policy loss and loss aggregation;
+- :mod:`~dapo_flow.algos.policy_losses`: the policy-loss family :data:`POLICY_LOSSES`
+  (vanilla, gspo, cispo, gpg);
+- :mod:`~dapo_flow.algos.value`: GAE, the clipped value loss, ReMax advantages;
 - :mod:`~dapo_flow.algos.kl`: KL estimators, KL in the reward, the adaptive coefficient;
 - :mod:`~dapo_flow.algos.logprobs`, :mod:`~dapo_flow.algos.masked`, :mod:`~dapo_flow.algos.shaping`,
   :mod:`~dapo_flow.algos.metrics`: token logprobs / entropy, masked statistics, overlong
@@ -45,12 +48,14 @@ from dapo_flow.algos.logprobs import entropy_from_logits, logprobs_from_logits
 from dapo_flow.algos.losses import LOSS_AGG_MODES, agg_loss, policy_loss
 from dapo_flow.algos.masked import masked_mean, masked_whiten
 from dapo_flow.algos.metrics import pass_at_k
+from dapo_flow.algos.policy_losses import POLICY_LOSSES
 from dapo_flow.algos.shaping import overlong_penalty
+from dapo_flow.algos.value import gae, remax_advantages, value_loss
 
 __all__ = [
     "AlgoError", "ESTIMATORS", "Estimator", "GRPO_EPS", "GroupIds", "Groups", "Segments", "KL_BASE_KINDS", "KL_KINDS",
-    "LOSS_AGG_MODES", "SEQUENCE_ESTIMATORS", "TOKEN_ESTIMATORS", "adaptive_kl_coef", "agg_loss",
-    "entropy_from_logits", "factorize", "keep_groups", "kl_in_reward", "kl_penalty", "logprobs_from_logits",
+    "LOSS_AGG_MODES", "POLICY_LOSSES", "SEQUENCE_ESTIMATORS", "TOKEN_ESTIMATORS", "adaptive_kl_coef", "agg_loss",
+    "entropy_from_logits", "factorize", "gae", "keep_groups", "kl_in_reward", "kl_penalty", "logprobs_from_logits",
     "masked_mean", "masked_whiten", "outcome_advantages", "overlong_penalty", "pass_at_k", "policy_loss",
-    "reinforce_pp_advantages", "sequence_advantages",
+    "reinforce_pp_advantages", "remax_advantages", "sequence_advantages", "value_loss",
 ]

@@ -1,0 +1,98 @@
+"""update's `policy_loss`: validation, and one real optimizer step per loss on the tiny model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from pydantic import ValidationError
+
+from dapo_flow import algos
+from dapo_flow.graph import columns as C
+from dapo_flow.graph.contract import OpContext
+from dapo_flow.graph.spec import ModelSpec
+from operators.update import Params, Update
+
+
+def test_params_policy_loss_validation():
+    assert Params().policy_loss == "vanilla" and Params().clip_c == 10.0
+    with pytest.raises(ValidationError, match="policy_loss"):
+        Params(policy_loss="ppo")
+    for name in ("gspo", "cispo", "gpg"):
+        assert Params(policy_loss=name).policy_loss == name  # clip_c's default is vanilla's, not applied
+        with pytest.raises(ValidationError, match=r"clip_c \(dual clip\) applies to policy_loss vanilla only.*"
+                                                  r"set clip_c: null or remove it"):
+            Params(policy_loss=name, clip_c=3.0)
+        assert Params(policy_loss=name, clip_c=None).policy_loss == name
+    assert Params(policy_loss="vanilla", clip_c=None).clip_c is None
+
+
+@pytest.fixture(scope="module")
+def batch_and_weights(tiny_adder_path):
+    """A small batch whose old logprobs are the model's own (ratios start at 1, so even GSPO's
+    1e-4-scale clip range lets the first step through), and the initial weights."""
+    from dapo_flow.models.hf import HFPolicy
+
+    policy = HFPolicy(tiny_adder_path, trainable=True)
+    rows = 6
+    prompts = [policy.tokenizer.encode(f"{i}+{i + 1}=") for i in range(rows)]
+    responses = [policy.tokenizer.encode(str(2 * i + (i % 2))) + [policy.eos_id] for i in range(rows)]
+    with torch.no_grad():
+        logp, _, mask = policy.response_logprobs(prompts, responses, temperature=1.0)
+    old = [row[: int(m.sum())].tolist() for row, m in zip(logp, mask)]
+    batch = pa.table({
+        C.PROMPT_IDS: pa.array(prompts, C.TOKENS),
+        C.RESPONSE_IDS: pa.array(responses, C.TOKENS),
+        C.OLD_LOGP: pa.array(old, C.TOKEN_FLOATS),
+        C.ADVANTAGE: pa.array(np.linspace(-1, 1, rows, dtype=np.float32)),
+    })
+    state = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    return policy, batch, state
+
+
+def _run(policy, state, batch, **params):
+    policy.model.load_state_dict(state)
+    spec = ModelSpec(path="builtin:tiny-adder")
+    ctx = OpContext("train", model=SimpleNamespace(policy=policy, spec=spec))
+    op = Update(Params(lr=1e-3, mini_batches=2, **params), ctx)
+    row = op(batch).to_pylist()[0]
+    return row, {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+
+
+@pytest.mark.parametrize(("name", "params"), [
+    ("vanilla", {}),
+    ("gspo", {"clip_c": None, "clip_low": 3e-4, "clip_high": 4e-4}),
+    ("cispo", {"clip_c": None}),
+    ("gpg", {"clip_c": None}),
+])
+def test_each_policy_loss_trains(batch_and_weights, name, params):
+    policy, batch, state = batch_and_weights
+    row, after = _run(policy, state, batch, policy_loss=name, **params)
+    changed = [k for k in state if state[k].is_floating_point() and not torch.equal(state[k], after[k])]
+    assert changed, f"{name}: no weight changed"
+    assert all(np.isfinite(row[k]) for k in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"))
+    assert row["actor/grad_norm"] > 0 and row["actor/skipped_steps"] == 0.0
+    if name == "gpg":
+        assert row["actor/clipfrac"] == 0.0 and row["actor/clipfrac_lower"] == 0.0
+
+
+def test_default_is_the_vanilla_loss_bit_for_bit(batch_and_weights, monkeypatch):
+    """The default update calls algos.policy_loss with the same arguments as before the loss
+    family existed (clip_c included): the weights after a step are bitwise those of a run whose
+    loss is algos.policy_loss called directly."""
+    policy, batch, state = batch_and_weights
+    _, default = _run(policy, state, batch)
+    calls = []
+
+    def direct(old, logp, adv, mask, *, clip_low, clip_high, agg, clip_c, **kw):
+        calls.append(clip_c)
+        return algos.policy_loss(old, logp, adv, mask, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
+                                 agg=agg, **kw)
+
+    monkeypatch.setitem(algos.POLICY_LOSSES, "vanilla", direct)
+    _, via_direct = _run(policy, state, batch)
+    assert calls and set(calls) == {10.0}
+    assert all(torch.equal(default[k], via_direct[k]) for k in default)
