@@ -42,7 +42,7 @@ def _env() -> dict[str, str]:
 @pytest.mark.timeout(3 * WAIT_S)
 def test_the_main_job_learns_at_workers_2_and_exports_its_sharded_checkpoint(workdir):
     log = Console(file=open(workdir / "log.txt", "w"), width=200)
-    placed = _placed(ROOT / "graphs/dapo.yaml", "models.policy.train.workers=2")
+    placed = _placed(ROOT / "graphs/dapo.yaml", "models.policy.train.workers=2", "models.policy.train.strategy=fsdp2")
     summary = execute(placed, executor="ray", console=log)
     assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.08, summary
     assert "training group of stage 'model:policy': 2 worker(s) on 1 node(s)" in (workdir / "log.txt").read_text()
@@ -69,7 +69,7 @@ def test_the_main_job_learns_at_workers_2_and_exports_its_sharded_checkpoint(wor
 
 
 def _worker_pids() -> list[int]:
-    r = subprocess.run(["pgrep", "-f", "ray::StageWorker"], capture_output=True, text=True)
+    r = subprocess.run(["pgrep", "-f", "ray::ActorStageWorker"], capture_output=True, text=True)
     return [int(p) for p in r.stdout.split()]
 
 
