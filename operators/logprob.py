@@ -58,6 +58,12 @@ class Logprob:
     ROLE = "logprob"
 
     @classmethod
+    def uses_model(cls, params: Params) -> bool:
+        """`source: rollout` copies the generator's column: no model, so the node runs in the
+        driver (no round trip of the batch to the model's workers and back)."""
+        return params.source != "rollout"
+
+    @classmethod
     def upstream_problems(cls, params: Params, generator_id: str, generator_params) -> list:
         from dapo_flow.models.sampling import temperature_problems
 

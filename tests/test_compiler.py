@@ -26,12 +26,16 @@ GOLDEN = ROOT / "tests" / "golden"
 GROUP_LINE = "train: {workers: 2, strategy: ddp}"
 
 
+ROLLOUT_LOGP_LINE = "params: {role: actor, source: rollout}"
+
+
 def _one_worker_dapo() -> str:
-    """graphs/dapo.yaml with its policy trained by one actor instead of a 2-worker DDP group:
-    the placement tests below are about where single actors go."""
+    """graphs/dapo.yaml with its policy trained by one actor instead of a 2-worker DDP group, and
+    old logprobs recomputed by it (a model node; with `source: rollout` it runs in the driver):
+    the placement tests below are about where single actors and their nodes go."""
     text = DAPO.read_text()
-    assert GROUP_LINE in text
-    return text.replace(GROUP_LINE, "train: {workers: 1}")
+    assert GROUP_LINE in text and ROLLOUT_LOGP_LINE in text
+    return text.replace(GROUP_LINE, "train: {workers: 1}").replace(ROLLOUT_LOGP_LINE, "params: {role: actor}")
 
 
 def _plan(path: Path | None = None):
@@ -252,14 +256,15 @@ def test_rewrites_are_pure():
 
 
 def test_the_default_graph_trains_on_a_ddp_group_of_two():
-    """graphs/dapo.yaml as shipped: two 1-thread DDP workers hold the policy; the advantage
-    (whole-batch statistics for some estimators) runs in the driver between two group calls."""
+    """graphs/dapo.yaml as shipped: two 1-thread DDP workers hold the policy; old logprobs taken
+    from the generator need no model, so they and the advantage run in the driver, and the train
+    phase is one call to the group."""
     placed = place(plan(validate(load(DAPO))), Cluster(cpus=2))
     actor = placed.stage("model:policy")
     assert actor.is_group and (actor.workers, actor.strategy) == (2, "ddp")
-    assert actor.nodes == ("rollout", "old_logp", "train")
-    assert placed.calls["train"] == (Call("model:policy", ("old_logp",)), Call("driver", ("adv",)),
-                                     Call("model:policy", ("train",)))
+    assert actor.nodes == ("rollout", "train")
+    assert placed.calls["train"] == (Call("driver", ("old_logp", "adv")), Call("model:policy", ("train",)))
+    assert "policy" not in placed.stage("driver").models
 
 
 def test_colocated_on_two_cpus():

@@ -16,7 +16,7 @@ import pyarrow as pa
 from dapo_flow.graph import columns as C
 from dapo_flow.graph import fit
 from dapo_flow.graph.checks import validate
-from dapo_flow.graph.contract import produces, requires, role
+from dapo_flow.graph.contract import produces, requires, role, uses_model
 from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import load
 from dapo_flow.graph.plan import (DRIVER, IN_ACTOR, TRANSFER, Call, Cluster, PlacedPlan, Plan, PlanNode, Stage,
@@ -58,7 +58,7 @@ def plan(valid: ValidGraph) -> Plan:
 
 
 def _stage_name(node: PlanNode, mode: str) -> str:
-    if not getattr(node.op_cls, "NEEDS_MODEL", False):
+    if not uses_model(node.op_cls, node.params):
         return DRIVER
     if mode == "disaggregated" and node.role == "generate":
         return f"rollout:{node.model}"

@@ -14,6 +14,9 @@ An operator is a plain class (no base class to inherit from):
   to "whatever upstream provides" (e.g. advantage's ``reward_column: auto``). The resolved
   params are what explain shows, MLflow logs and the runtime runs.
 - ``NEEDS_MODEL``: whether the node must name a model (``model:``) and runs in its actor.
+  Optionally ``uses_model(params) -> bool``: a classmethod saying that with these params the
+  node does not touch its model after all (e.g. logprob's ``source: rollout`` copies a column),
+  so it is placed in the driver instead of a round trip to the model's actor.
 - ``ROLE``: what the operator is to the compiler and the runtime, one of :data:`ROLES` (default
   ``transform``). The compiler, checks and runtime read roles, never op names, so a custom
   operator declaring ``ROLE = "generate"`` is placed, weight-synced and validated with like the
@@ -112,6 +115,15 @@ def resolve(op_cls: type, params: BaseModel, available: Mapping[str, pa.DataType
     """``params`` with the op's upstream-dependent values filled in (unchanged without a hook)."""
     fn = getattr(op_cls, "resolve", None)
     return fn(params, dict(available)) if callable(fn) else params
+
+
+def uses_model(op_cls: type, params: BaseModel) -> bool:
+    """Whether a node of ``op_cls`` with ``params`` runs on its model (``NEEDS_MODEL``, unless
+    the op's ``uses_model(params)`` hook says these params need none)."""
+    if not getattr(op_cls, "NEEDS_MODEL", False):
+        return False
+    fn = getattr(op_cls, "uses_model", None)
+    return bool(fn(params)) if callable(fn) else True
 
 
 def requires(op_cls: type, params: BaseModel) -> dict[str, pa.DataType]:

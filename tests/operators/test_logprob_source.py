@@ -38,6 +38,12 @@ def test_rollout_source_declares_its_columns_and_is_the_actors_only():
         Params(role="ref", source="rollout")
 
 
-def test_the_main_job_takes_it_as_a_one_line_edit():
-    placed = edit_file(DAPO, parse_cli_edits([("set", "old_logp.source=rollout")])).compile(Cluster(cpus=2))
-    assert placed.plan.node("old_logp").params.source == "rollout"
+def test_the_source_is_a_one_line_edit_and_decides_where_the_node_runs():
+    """graphs/dapo.yaml takes rollout logprobs: a column copy, placed in the driver (no round trip
+    to the model's workers); recomputing them is a forward pass, placed with the model."""
+    rollout = edit_file(DAPO, []).compile(Cluster(cpus=2))
+    assert rollout.plan.node("old_logp").params.source == "rollout"
+    assert rollout.node_stage["old_logp"] == "driver"
+    recompute = edit_file(DAPO, parse_cli_edits([("set", "old_logp.source=recompute")])).compile(Cluster(cpus=2))
+    assert recompute.plan.node("old_logp").params.source == "recompute"
+    assert recompute.node_stage["old_logp"] == "model:policy"
