@@ -280,7 +280,7 @@ class Update:
         return [mb[mb >= 0] for mb in (local[whole] for whole in np.array_split(order, count))]
 
     def _group_max(self, values) -> list[float]:
-        """Maxima over the training group's workers."""
+        """Maxima over the training group's workers (the values themselves without a group)."""
         if self.ctx.world_size == 1:
             return [float(v) for v in values]
         from dapo_flow.models import fsdp
@@ -309,9 +309,7 @@ class Update:
         else:
             parts = token_budget_micro_batches(tokens, budget)
         if self.ctx.world_size > 1 and self.policy.sharded:
-            from dapo_flow.models import fsdp
-
-            count = int(fsdp.all_reduce_max([len(parts)])[0])
+            count = int(self._group_max([len(parts)])[0])
             if len(parts) < count:
                 parts = balanced_partitions(tokens, count)
         return [mb[part] for part in parts]
