@@ -1,7 +1,7 @@
 """score: verify each response against its ground truth and emit score / acc columns.
 
-Reward functions: ``builtin:addition``, ``builtin:math`` (boxed / final answer, DAPO's
-+1 / -1, equivalent forms through math-verify), or user code ``module:fn`` / ``file.py:fn`` taking
+Reward functions: ``builtin:addition``, ``builtin:chain`` (the last line must be ``Answer: N``),
+``builtin:math`` (boxed / final answer, DAPO's +1 / -1, equivalent forms through math-verify), or user code ``module:fn`` / ``file.py:fn`` taking
 ``(response_text, ground_truth, extra_info)`` (extra_info holds the row's ``data_source``) and
 returning a float or a dict with ``score`` (and optionally ``acc`` plus the declared
 ``extra_columns``). verl reward files work unchanged: a function with verl's signature
@@ -54,7 +54,7 @@ class Params(BaseModel):
     model_config = PARAMS_CONFIG
 
     reward: str = Field("builtin:addition", min_length=1)
-    """`builtin:addition`, `builtin:math`, `module:fn` or `file.py:fn`."""
+    """`builtin:addition`, `builtin:chain`, `builtin:math`, `module:fn` or `file.py:fn`."""
     correct: float = Field(1.0, ge=-1e6, le=1e6)
     """Score of a correct answer (built-in verifiers; DAPO uses +1)."""
     wrong: float = Field(-1.0, ge=-1e6, le=1e6)

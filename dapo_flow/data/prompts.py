@@ -1,6 +1,7 @@
 """Prompt data sources -> an Arrow table with ``columns.prompt_schema()``.
 
-Sources: ``builtin:addition`` (see ``dapo_flow.data.tasks``), ``.parquet``, ``.jsonl`` and ``.json``
+Sources: ``builtin:addition`` (see ``dapo_flow.data.tasks``), ``builtin:chain`` (chat messages,
+see ``dapo_flow.data.chain_task``), ``.parquet``, ``.jsonl`` and ``.json``
 (a list of records). verl-format rows are understood: ``prompt`` as a chat message list
 ``[{role, content}]`` or a string, the answer at ``reward_model.ground_truth`` (a struct or a
 flattened column), ``data_source``, ``extra_info.index``.
@@ -18,10 +19,16 @@ import pyarrow as pa
 
 from dapo_flow.graph import columns as C
 from dapo_flow.errors import DataError
+from dapo_flow.data.chain_task import CHAIN, CHAIN_OPTIONS, ChainTask, question
 from dapo_flow.data.tasks import ADDITION, AdditionTask
 
 ANSWER_KEYS = ("reward_model.ground_truth", "ground_truth", "answer")  # tried in order
 ADDITION_OPTIONS = ("low", "high", "train_size", "val_size")
+# builtin source -> (task class, its options, the row's prompt from the problem's prompt)
+BUILTIN_TASKS: dict[str, tuple[type, tuple[str, ...], Callable[[str], Any]]] = {
+    ADDITION: (AdditionTask, ADDITION_OPTIONS, lambda prompt: prompt),
+    CHAIN: (ChainTask, CHAIN_OPTIONS, lambda prompt: [{"role": "user", "content": question(prompt)}]),
+}
 FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
@@ -70,7 +77,7 @@ def load_prompts(
     if on_bad_row not in ("error", "skip"):
         raise DataError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
     if source.startswith("builtin:"):
-        records, default_source = _builtin_records(source, split, seed, options or {}), "addition"
+        records, default_source = _builtin_records(source, split, seed, options or {}), source[len("builtin:"):]
         prompt_key, answer_key = "prompt", "ground_truth"
     else:
         if options:
@@ -165,14 +172,15 @@ def _no_rows_message(source: str, read: int, skipped: Counter[str]) -> str:
 
 
 def _builtin_records(source: str, split: str, seed: int, options: dict[str, Any]) -> list[_Record]:
-    if source != ADDITION:
-        raise DataError(f"unknown builtin data source '{source}'; builtins: {ADDITION}")
-    unknown = sorted(set(options) - set(ADDITION_OPTIONS))
+    if source not in BUILTIN_TASKS:
+        raise DataError(f"unknown builtin data source '{source}'; builtins: {', '.join(BUILTIN_TASKS)}")
+    task_class, allowed, as_prompt = BUILTIN_TASKS[source]
+    unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise DataError(f"{source}: unknown options {unknown}; allowed: {list(ADDITION_OPTIONS)}")
-    task = AdditionTask(seed=seed, **options)
+        raise DataError(f"{source}: unknown options {unknown}; allowed: {list(allowed)}")
+    task = task_class(seed=seed, **options)
     return [
-        _Record(p.index, f"problem {p.index}", {"prompt": p.prompt, "ground_truth": p.answer,
+        _Record(p.index, f"problem {p.index}", {"prompt": as_prompt(p.prompt), "ground_truth": p.answer,
                                        "extra_info": {"index": p.index}})
         for p in task.problems(split)
     ]
