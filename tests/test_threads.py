@@ -136,13 +136,13 @@ def test_the_driver_gets_its_stages_cpus():
 
 
 def test_the_tiny_adder_build_gets_its_one_thread_after_vllm_made_the_setter_a_no_op(monkeypatch):
-    from dapo_flow.models.tiny_adder import _deterministic_torch
+    from dapo_flow.models.tiny_adder import deterministic_torch
 
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # an in-process vLLM engine ran
     before = torch.get_num_threads()
     threads.configure(2)
     try:
-        with _deterministic_torch(seed=0):
+        with deterministic_torch(seed=0):
             assert torch.get_num_threads() == 1  # the recipe's weights depend on it
         assert torch.get_num_threads() == 2
     finally:

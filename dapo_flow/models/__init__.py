@@ -1,6 +1,6 @@
 """Policy backends and model resolution.
 
-``resolve_model("builtin:tiny-adder")`` builds the tiny model on first use and caches it under
+``resolve_model("builtin:tiny-adder")`` (or ``builtin:tiny-chat``) builds the model on first use and caches it under
 ``dapo_flow_home()/models``; any other string must be a local Hugging Face causal-LM directory
 (nothing is downloaded from the Hub). Backends: ``models.hf.HFPolicy`` (torch) and
 ``models.vllm_engine.VLLMGenerator``. Importing this package loads neither torch nor vLLM.
@@ -35,9 +35,22 @@ def _tiny_adder_version() -> int:
     return RECIPE_VERSION
 
 
+def _tiny_chat(out_dir: Path, progress: bool) -> Path:
+    from dapo_flow.models.tiny_chat import build_tiny_chat
+
+    return build_tiny_chat(out_dir, progress=progress)
+
+
+def _tiny_chat_version() -> int:
+    from dapo_flow.models.tiny_chat import RECIPE_VERSION
+
+    return RECIPE_VERSION
+
+
 # name -> (builder(out_dir, progress), recipe version); the version is part of the cache path
 BUILTINS: dict[str, tuple[Callable[[Path, bool], Path], Callable[[], int]]] = {
     "tiny-adder": (_tiny_adder, _tiny_adder_version),
+    "tiny-chat": (_tiny_chat, _tiny_chat_version),
 }
 
 
@@ -79,7 +92,7 @@ def model_config(path: str) -> dict | None:
     """A model's config.json as a dict without building or loading anything: a builtin's declared
     shape, a local directory's file; None when there is none to read (loading reports why)."""
     if path.startswith(BUILTIN_PREFIX):
-        shapes = {"tiny-adder": _tiny_adder_shape}
+        shapes = {"tiny-adder": _tiny_adder_shape, "tiny-chat": _tiny_chat_shape}
         name = path[len(BUILTIN_PREFIX):]
         return shapes[name]() if name in shapes else None
     try:
@@ -91,6 +104,12 @@ def model_config(path: str) -> dict | None:
 
 def _tiny_adder_shape() -> dict:
     from dapo_flow.models.tiny_adder import shape_config
+
+    return shape_config()
+
+
+def _tiny_chat_shape() -> dict:
+    from dapo_flow.models.tiny_chat import shape_config
 
     return shape_config()
 

@@ -78,7 +78,7 @@ def build_tiny_adder(out_dir: Path, *, seed: int = 0, progress: bool = True, rec
     task = AdditionTask()  # the same default splits `builtin:addition` serves
     tokenizer = build_char_tokenizer(model_max_length=recipe.max_position_embeddings)
     start = time.perf_counter()
-    with _deterministic_torch(seed):
+    with deterministic_torch(seed):
         config = LlamaConfig(
             vocab_size=len(tokenizer),
             hidden_size=recipe.hidden_size,
@@ -123,17 +123,30 @@ def build_tiny_adder(out_dir: Path, *, seed: int = 0, progress: bool = True, rec
 
 def _warm_start(model: Any, tokenizer: Any, task: AdditionTask, recipe: Recipe, seed: int, progress: bool) -> None:
     """Teacher forcing on "<s>a+b=" -> answer + EOS, loss on the answer tokens only."""
+    problems = task.problems("train")
+    prompts = tokenizer([p.prompt for p in problems], add_special_tokens=True)["input_ids"]
+    answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
+    supervised_fit(model, prompts, [a + [tokenizer.eos_token_id] for a in answers], recipe,
+                   pad_id=tokenizer.pad_token_id, seed=seed, label="builtin:tiny-adder", progress=progress)
+
+
+def supervised_fit(model: Any, prompts: list[list[int]], responses: list[list[int]], recipe: Any, *,
+                   pad_id: int, seed: int, label: str, progress: bool, trim_padding: bool = False,
+                   on_step: Any = None) -> None:
+    """Teacher forcing on prompt + response, loss (label-smoothed cross-entropy) on the response
+    tokens only: ``recipe.steps`` AdamW steps of ``recipe.batch_size`` random rows, linear warmup
+    then cosine decay. ``trim_padding``: cut each batch to its longest row and apply the LM head
+    only at response positions (the same loss, faster; off for tiny-adder, whose cached bytes
+    were built the plain way; the model must expose ``.model`` and ``.lm_head``, as HF's do). ``on_step(step)``
+    (optional) runs after each step, e.g. to evaluate."""
     import torch
     import torch.nn.functional as F
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dapo_flow.models.hf import right_pad
 
-    problems = task.problems("train")
-    prompts = tokenizer([p.prompt for p in problems], add_special_tokens=True)["input_ids"]
-    answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
-    seqs = [p + a + [tokenizer.eos_token_id] for p, a in zip(prompts, answers)]
-    ids, mask = right_pad(seqs, tokenizer.pad_token_id)
+    seqs = [p + a for p, a in zip(prompts, responses)]
+    ids, mask = right_pad(seqs, pad_id)
     labels = ids.masked_fill(mask == 0, -100)
     for i, p in enumerate(prompts):
         labels[i, : len(p)] = -100  # no loss on the prompt
@@ -144,23 +157,33 @@ def _warm_start(model: Any, tokenizer: Any, task: AdditionTask, recipe: Recipe, 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, recipe))
     model.train()
     with Progress(
-        TextColumn("building builtin:tiny-adder"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TextColumn(f"building {label}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), disable=not progress, transient=True,
     ) as bar:
         job = bar.add_task("train", total=recipe.steps, loss=float("nan"))
         for step in range(recipe.steps):
             idx = torch.randint(len(seqs), (recipe.batch_size,), generator=gen)
-            logits = model(input_ids=ids[idx], attention_mask=mask[idx]).logits[:, :-1]
-            loss = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), targets[idx].reshape(-1),
-                label_smoothing=recipe.label_smoothing,
-            )
+            if trim_padding:  # the batch's longest row; the LM head only where there is a loss
+                width = int(mask[idx].sum(-1).max())
+                hidden = model.model(input_ids=ids[idx, :width], attention_mask=mask[idx, :width]).last_hidden_state
+                batch_targets = targets[idx, : width - 1]
+                scored = batch_targets != -100
+                loss = F.cross_entropy(model.lm_head(hidden[:, :-1][scored]), batch_targets[scored],
+                                       label_smoothing=recipe.label_smoothing)
+            else:
+                logits = model(input_ids=ids[idx], attention_mask=mask[idx]).logits[:, :-1]
+                loss = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), targets[idx].reshape(-1),
+                    label_smoothing=recipe.label_smoothing,
+                )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
             if step % 50 == 0 or step + 1 == recipe.steps:
                 bar.update(job, completed=step + 1, loss=loss.item())
+            if on_step is not None:
+                on_step(step)
     model.eval()
 
 
@@ -188,7 +211,7 @@ def sampled_accuracy(model_dir: Path, task: AdditionTask, recipe: Recipe = RECIP
 
 
 @contextmanager
-def _deterministic_torch(seed: int) -> Iterator[None]:
+def deterministic_torch(seed: int) -> Iterator[None]:
     """One thread, deterministic kernels, a fixed seed, no HF progress bars; restores the caller's settings."""
     import torch
 
