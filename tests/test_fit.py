@@ -9,6 +9,7 @@ import pytest
 
 import cli
 from dapo_flow.errors import GraphError
+from dapo_flow.graph.compiler import explain
 from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.memory import GiB
 from dapo_flow.graph.plan import Cluster
@@ -114,7 +115,7 @@ def test_unknown_gpu_size_or_shape_is_not_checked(tmp_path, capsys):
 
 def test_a_ddp_group_holds_the_whole_state_on_every_worker(qwen_7b):
     """strategy: ddp places a training group (a worker per GPU) whose every worker budgets the
-    full parameters, gradients and moments, with nothing gathered; FSDP2-only settings are errors."""
+    full parameters, gradients and moments, with nothing gathered; cpu_offload (FSDP2's) is an error."""
     placed = _placed(DAPO, *SHORT, f"models.policy.path={qwen_7b}", "models.policy.train.workers=4",
                      "models.policy.train.strategy=ddp", cluster=Cluster(cpus=64, gpus=8, gpu_mem_gib=1000))
     stage = next(s for s in placed.stages if s.name == "model:policy")
@@ -122,8 +123,30 @@ def test_a_ddp_group_holds_the_whole_state_on_every_worker(qwen_7b):
     terms = {t.name: t.bytes for t in placed.budgets["model:policy"].terms}
     assert terms["parameters"] == 7_615_616_512 * 4 and "whole model gathered to generate" not in terms
     assert not any("gathered" in name for name in terms)
-    with pytest.raises(GraphError, match="FSDP2 setting"):
+    with pytest.raises(GraphError, match="cpu_offload is an FSDP2 setting"):
         _placed(DAPO, "models.policy.train.workers=2", "models.policy.train.strategy=ddp",
-                "models.policy.train.mixed_precision=bf16", cluster=Cluster(cpus=2))
+                "models.policy.train.cpu_offload=true", cluster=Cluster(cpus=2))
     one = _placed(DAPO, "models.policy.train.strategy=ddp", cluster=Cluster(cpus=2))
     assert not next(s for s in one.stages if s.name == "model:policy").is_group  # ddp of one: a plain worker
+
+
+def test_bf16_mixed_precision_without_fsdp2_budgets_float32_state_and_bf16_compute(qwen_7b):
+    """train.mixed_precision: bf16 on a DDP group (and one plain worker): torch.autocast, so every
+    worker holds float32 parameters, gradients and moments, a bf16 copy of the weights its
+    matmuls use, and smaller activations than in float32; explain says what runs."""
+    def terms(*sets: str) -> dict[str, int]:
+        placed = _placed(DAPO, *SHORT, f"models.policy.path={qwen_7b}", "models.policy.train.workers=4",
+                         "models.policy.train.strategy=ddp", *sets, cluster=Cluster(cpus=64, gpus=8, gpu_mem_gib=1000))
+        return {t.name: t.bytes for t in placed.budgets["model:policy"].terms}
+
+    plain, mixed = terms(), terms("models.policy.train.mixed_precision=bf16")
+    for name in ("parameters", "gradients", "AdamW moments"):
+        assert mixed[name] == plain[name] == 7_615_616_512 * 4 * (2 if name == "AdamW moments" else 1)
+    assert "bf16 weight copies (autocast)" in mixed and "bf16 weight copies (autocast)" not in plain
+    assert mixed["activations saved for backward"] < plain["activations saved for backward"]
+    assert not any("gathered" in name for name in mixed)
+    placed = _placed(DAPO, "models.policy.train.mixed_precision=bf16", cluster=Cluster(cpus=2))
+    text = explain(placed)
+    assert "bf16 mixed precision (torch.autocast; weights, gradients and AdamW state float32)" in text
+    with pytest.raises(GraphError, match="set dtype: float32"):
+        _placed(DAPO, "models.policy.train.mixed_precision=bf16", "models.policy.dtype=bfloat16", cluster=Cluster(cpus=2))

@@ -91,8 +91,9 @@ def _measure(args: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         n_tokens = sum(int(m.sum()) for _, _, m in batches)
         for inputs, resp, resp_mask in batches:  # HFPolicy's logprob pass, chunked or not
-            logp, entropy = response_logprobs_of(model, inputs, resp, resp_mask, with_entropy=True,
-                                                 chunk_tokens=args["chunk"])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args["mixed_precision"])):
+                logp, entropy = response_logprobs_of(model, inputs, resp, resp_mask, with_entropy=True,
+                                                     chunk_tokens=args["chunk"])
             adv = torch.ones(logp.shape[0], 1).expand(-1, logp.shape[1])
             loss, _ = algos.policy_loss(logp.detach() + 0.01, logp, adv, resp_mask, agg="token-mean",
                                         num_tokens=n_tokens, num_seqs=len(resp))
@@ -122,9 +123,9 @@ def _measure(args: dict) -> dict:
 
 def measure(config: dict, *, rows: int = 4, prompt: int = 64, response: int = 192,
             checkpointing: bool = False, pad: bool = False, dtype: str = "float32",
-            entropy_coef: float = 0.0, chunk: int | None = None) -> dict:
+            entropy_coef: float = 0.0, chunk: int | None = None, mixed_precision: str | None = None) -> dict:
     args = dict(config=config, rows=rows, prompt=prompt, response=response, checkpointing=checkpointing,
-                pad=pad, dtype=dtype, entropy_coef=entropy_coef, chunk=chunk)
+                pad=pad, dtype=dtype, entropy_coef=entropy_coef, chunk=chunk, mixed_precision=mixed_precision)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-W", "ignore", __file__, json.dumps(args)], env=env, cwd=REPO,
@@ -134,8 +135,10 @@ def measure(config: dict, *, rows: int = 4, prompt: int = 64, response: int = 19
 
 
 def estimate(config: dict, measured: dict, *, checkpointing: bool = False, rows: int = 4, pad: bool = False,
-             dtype: str = "float32", entropy_coef: float = 0.0, chunk: int | None = None) -> Budget:
+             dtype: str = "float32", entropy_coef: float = 0.0, chunk: int | None = None,
+             mixed_precision: str | None = None) -> Budget:
     return estimate_training(ModelShape.from_config(config), micro_batch_tokens=measured["tokens"], dtype=dtype,
+                             mixed_precision=mixed_precision,
                              entropy_in_loss=entropy_coef > 0, logprob_chunk_tokens=chunk,
                              response_tokens_per_micro_batch=measured["response_tokens"],
                              grad_checkpointing=checkpointing, rows_per_micro_batch=rows, padded=pad, on_gpu=False)
@@ -320,7 +323,8 @@ def _check(config: dict, measured_args: dict, tolerance: float = 0.25) -> tuple[
     budget = estimate(config, measured, checkpointing=measured_args.get("checkpointing", False),
                       rows=measured_args.get("rows", 4), pad=measured_args.get("pad", False),
                       dtype=measured_args.get("dtype", "float32"),
-                      entropy_coef=measured_args.get("entropy_coef", 0.0), chunk=measured_args.get("chunk"))
+                      entropy_coef=measured_args.get("entropy_coef", 0.0), chunk=measured_args.get("chunk"),
+                      mixed_precision=measured_args.get("mixed_precision"))
     ratio = budget.total / measured["peak"]
     print(f"{measured['params']} params, {measured['tokens']} tokens ({measured['response_tokens']} "
           f"response), {measured_args}: estimate {budget.total / 2**20:.1f} MiB, measured "
@@ -373,6 +377,39 @@ def test_estimate_matches_measured_with_an_entropy_bonus(config, extra):
 @pytest.mark.parametrize("config, checkpointing", [(LLAMA_1M, False), (NARROW_VOCAB, True)])
 def test_estimate_matches_measured_bfloat16(config, checkpointing):
     _check(config, dict(dtype="bfloat16", checkpointing=checkpointing))
+
+
+@needs_proc
+@pytest.mark.parametrize("config, extra", [
+    (LLAMA_1M, {}),  # bf16 matmuls on CPU are slow: the others are in the slow set
+    pytest.param(NARROW_VOCAB, dict(checkpointing=True), marks=pytest.mark.slow),
+    pytest.param(LLAMA_1M, dict(chunk=64), marks=pytest.mark.slow),
+    pytest.param(LLAMA_5M, dict(pad=True), marks=pytest.mark.slow),
+    pytest.param(LLAMA_20M, {}, marks=pytest.mark.slow),
+])
+def test_estimate_matches_measured_under_autocast(config, extra):
+    """train.mixed_precision: bf16 without FSDP2: float32 weights and state, the forward under
+    torch.autocast(bf16) (measured 0.5-5% above the estimate; docs/memory.md)."""
+    budget, _ = _check(config, dict(mixed_precision="bf16", **extra))
+    assert "bf16 weight copies (autocast)" in {t.name for t in budget.terms}
+
+
+def test_mixed_precision_without_fsdp2_keeps_float32_state():
+    common = dict(micro_batch_tokens=16384, response_tokens_per_micro_batch=8192)
+    for strategy, workers in (("none", 1), ("ddp", 8)):
+        plain = estimate_training(_8b(), strategy=strategy, workers=workers, **common)
+        mixed = estimate_training(_8b(), strategy=strategy, workers=workers, mixed_precision="bf16", **common)
+        state = lambda b: {t.name: t.bytes for t in b.terms if t.name in ("parameters", "gradients", "AdamW moments")}
+        assert state(mixed) == state(plain) and state(mixed)["parameters"] == _8b().num_params() * 4
+        copies = next(t for t in mixed.terms if t.name == "bf16 weight copies (autocast)")
+        assert _8b().num_params() * 2 * 0.9 < copies.bytes < _8b().num_params() * 2  # not the embeddings
+        assert mixed.total < plain.total
+        act = lambda b: next(t.bytes for t in b.terms if t.name.startswith("activations"))
+        assert act(mixed) < act(plain)
+    with pytest.raises(ValueError, match="dtype must be float32"):
+        estimate_training(_8b(), strategy="ddp", workers=8, dtype="bfloat16", mixed_precision="bf16", **common)
+    sharded = estimate_training(_8b(), workers=8, dtype="bfloat16", mixed_precision="bf16", **common)
+    assert not any("autocast" in t.name for t in sharded.terms)  # FSDP2's own policy
 
 
 @needs_proc

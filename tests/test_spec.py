@@ -130,3 +130,31 @@ def test_a_bad_rollout_setting_is_a_graph_error_with_its_line(tmp_path, capsys):
     err = capsys.readouterr().err
     line = graph.splitlines().index("  policy:") + 1
     assert f"{path}:{line}: models.policy" in err and "rollout.kv_cache_gib is a setting of the rollout engine" in err
+
+
+@pytest.mark.parametrize("train, dtype", [
+    ({"mixed_precision": "bf16"}, "float32"),  # one worker: torch.autocast over float32 state
+    ({"mixed_precision": "bf16", "workers": 2, "strategy": "ddp"}, "float32"),
+    ({"mixed_precision": "bf16", "strategy": "ddp"}, "float32"),  # ddp of one: a plain worker
+    ({"mixed_precision": "bf16", "workers": 2}, "float32"),  # fsdp2
+    ({"mixed_precision": "bf16", "strategy": "fsdp2"}, "bfloat16"),  # FSDP2's policy over bf16 shards
+])
+def test_mixed_precision_is_accepted_with_every_strategy(train, dtype):
+    spec = ModelSpec(path="builtin:tiny-adder", dtype=dtype, train=train)
+    assert spec.train.mixed_precision == "bf16"
+
+
+@pytest.mark.parametrize("strategy", ["none", "ddp"])
+def test_mixed_precision_without_fsdp2_needs_float32_weights(strategy):
+    train = {"mixed_precision": "bf16", "strategy": strategy, "workers": 2 if strategy == "ddp" else 1}
+    with pytest.raises(pydantic.ValidationError) as info:
+        ModelSpec(path="builtin:tiny-adder", dtype="bfloat16", train=train)
+    text = str(info.value)
+    assert "train.mixed_precision: bf16 computes in bf16 over float32 weights" in text
+    assert f"but dtype is bfloat16 (strategy {strategy}" in text and "set dtype: float32" in text
+
+
+def test_cpu_offload_stays_an_fsdp2_setting():
+    with pytest.raises(pydantic.ValidationError, match="cpu_offload is an FSDP2 setting"):
+        ModelSpec(path="builtin:tiny-adder", train={"cpu_offload": True, "workers": 2, "strategy": "ddp"})
+    assert ModelSpec(path="builtin:tiny-adder", train={"cpu_offload": True, "strategy": "fsdp2"}).train.cpu_offload

@@ -92,12 +92,18 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
     logits, takes their gradient through the same logprob / entropy functions (autograd on the
     chunk alone), and applies the head's backward by hand: the hidden states' gradient chunk by
     chunk into one (N, h) tensor, the weight's summed over chunks in float32. An output that
-    gets no gradient (entropy only logged) is not differentiated: no buffers, no work."""
+    gets no gradient (entropy only logged) is not differentiated: no buffers, no work.
+
+    Under ``torch.autocast`` (mixed precision) the backward recomputes the chunks in the
+    forward's autocast state (as ``torch.amp.custom_bwd`` does), so their logits are the
+    forward's bf16 ones and the head's backward matmuls run in bf16, as the unchunked path's."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy):
         ctx.save_for_backward(hidden, weight, bias, labels)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        device = hidden.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
         ctx.set_materialize_grads(False)
         parts = [_linear_logprobs(hidden[s:e], weight, bias, labels[s:e], temperature, with_entropy)
                  for s, e in _chunks(hidden.shape[0], chunk_tokens)]
@@ -106,6 +112,14 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        if ctx.autocast is None:
+            return _ChunkedLinearLogprobs._backward(ctx, grad_logp, grad_entropy)
+        device, dtype = ctx.autocast
+        with torch.autocast(device_type=device, dtype=dtype):
+            return _ChunkedLinearLogprobs._backward(ctx, grad_logp, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, labels = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
@@ -118,7 +132,10 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
                                        None if grad_logp is None else grad_logp[s:e],
                                        None if grad_entropy is None else grad_entropy[s:e])  # (c, V)
             if grad_hidden is not None:
-                torch.mm(grad_logits, weight, out=grad_hidden[s:e])
+                if grad_logits.dtype == weight.dtype == grad_hidden.dtype:
+                    torch.mm(grad_logits, weight, out=grad_hidden[s:e])
+                else:  # autocast: bf16 logits' gradient, the matmul in bf16, stored in hidden's dtype
+                    grad_hidden[s:e] = grad_logits @ weight
             if grad_weight is not None:
                 if grad_weight.dtype == grad_logits.dtype:
                     grad_weight.addmm_(grad_logits.T, h)

@@ -351,14 +351,25 @@ def _explain_memory(placed: PlacedPlan) -> list[str]:
 
 
 def _group_settings(plan: Plan, model: str) -> str:
-    """How a trained model's group trains it (nothing for one plain worker)."""
-    train = plan.spec.models[model].train
-    if not train.grouped or model not in plan.trained_models:
+    """How a trained model's group trains it (its size and strategy: nothing for one plain
+    worker), and in what precision when mixed."""
+    spec = plan.spec.models[model]
+    train = spec.train
+    if model not in plan.trained_models:
         return ""
-    extras = [x for x, on in (("bf16 mixed precision", train.mixed_precision == "bf16"),
-                              ("CPU offload", train.cpu_offload)) if on]
-    return f", trained by {train.workers} worker(s) with {train.resolved_strategy}" + "".join(
-        f", {x}" for x in extras)
+    group = f", trained by {train.workers} worker(s) with {train.resolved_strategy}" if train.grouped else ""
+    extras = [x for x in (_precision(spec), "CPU offload" if train.cpu_offload else "") if x]
+    return group + "".join(f", {x}" for x in extras)
+
+
+def _precision(spec) -> str:
+    """What runs under ``train.mixed_precision`` (empty without it)."""
+    if spec.train.mixed_precision != "bf16":
+        return ""
+    if spec.train.sharded:
+        return (f"bf16 mixed precision (FSDP2: parameters gathered in bf16, gradients reduced in "
+                f"float32 into {spec.dtype} shards)")
+    return "bf16 mixed precision (torch.autocast; weights, gradients and AdamW state float32)"
 
 
 def _rollout_settings(plan: Plan, model: str) -> str:

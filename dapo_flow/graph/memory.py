@@ -205,7 +205,8 @@ def _when(phases: tuple[str, ...]) -> str:
     return "forward/backward" if set(phases) == set(FWD_BWD) else ", ".join(phases)
 
 
-def layer_activation_bytes(shape: ModelShape, compute_bytes: int, *, repeated_kv: bool = False) -> int:
+def layer_activation_bytes(shape: ModelShape, compute_bytes: int, *, repeated_kv: bool = False,
+                           autocast: bool = False) -> int:
     """Bytes one decoder layer saves for its backward, per token (HF Llama/Qwen2 block, SDPA
     with a flash / memory-efficient kernel: no (seq, seq) score matrix).
 
@@ -213,11 +214,13 @@ def layer_activation_bytes(shape: ModelShape, compute_bytes: int, *, repeated_kv
     after RoPE and v (SDPA's inputs), SDPA's output and its contiguous (tokens, q_dim) copy that
     o_proj saves, float32 logsumexp per head; MLP: gate, silu(gate), up and their product.
     ``repeated_kv``: k and v are saved at q width (HF repeats the kv heads when a padding mask
-    keeps SDPA from its GQA path).
+    keeps SDPA from its GQA path). ``autocast``: float32 weights under torch.autocast, so the
+    residual stream and the norms' outputs stay float32 and each projection saves its own bf16
+    cast of its input (q, k, v of the first norm's output, gate and up of the second's).
     """
     h, c = shape.hidden_size, compute_bytes
     kv = shape.q_dim if repeated_kv else shape.kv_dim
-    norms = 2 * h * (FP32 + c)
+    norms = 2 * h * (FP32 + FP32) + 5 * h * c if autocast else 2 * h * (FP32 + c)
     attention = c * (3 * shape.q_dim + 2 * kv) + FP32 * shape.num_attention_heads
     mlp = 4 * shape.intermediate_size * c
     return norms + attention + mlp
@@ -252,7 +255,10 @@ def estimate_training(
     update has an entropy bonus (entropy_coef > 0), so the logits' backward is wider.
     ``logprob_chunk_tokens``: ``train.logprob_chunk_tokens`` (logits of at most that many tokens
     at a time). ``strategy`` None: fsdp2 when workers > 1 (as ``train.strategy``); ddp: every
-    worker holds the whole state (as one worker). ``on_gpu``: add
+    worker holds the whole state (as one worker). ``mixed_precision`` ``"bf16"``: computed values
+    (activations, gathered parameters) in bf16; the state stays in ``dtype``. Without FSDP2 that
+    is torch.autocast over float32 state (``dtype`` must be float32), which also keeps a bf16 copy
+    of the weights its matmuls use. ``on_gpu``: add
     the fixed CUDA overhead and price the step as torch's foreach AdamW (CPU: per-tensor).
     """
     if dtype not in DTYPE_BYTES:
@@ -265,8 +271,13 @@ def estimate_training(
         raise ValueError("logprob_chunk_tokens must be >= 1 (or None: all at once)")
     resolved = strategy or ("fsdp2" if workers > 1 else "none")
     sharded = resolved == "fsdp2"
-    if not sharded and ((workers > 1 and resolved != "ddp") or mixed_precision or cpu_offload):
-        raise ValueError("workers > 1 need strategy fsdp2 or ddp; mixed_precision and cpu_offload fsdp2")
+    if not sharded and ((workers > 1 and resolved != "ddp") or cpu_offload):
+        raise ValueError("workers > 1 need strategy fsdp2 or ddp; cpu_offload fsdp2")
+    if mixed_precision not in (None, "bf16"):
+        raise ValueError(f"mixed_precision {mixed_precision!r}: use None or bf16")
+    if mixed_precision and not sharded and dtype != "float32":
+        raise ValueError(f"mixed_precision without fsdp2 (torch.autocast) keeps float32 master weights: "
+                         f"dtype must be float32, not {dtype}")
     store = DTYPE_BYTES[dtype]  # parameters, gradients, AdamW moments (torch keeps them alike)
     compute = 2 if mixed_precision == "bf16" else store
     shard = workers if sharded else 1
@@ -285,10 +296,12 @@ def estimate_training(
         terms.append(Term("CUDA context and workspaces", GPU_OVERHEAD_BYTES))
     if sharded:
         terms += _gathered(shape, compute, store, mixed_precision)
+    elif mixed_precision:
+        terms += _autocast_weights(shape, compute, grad_checkpointing)
     padded = rows_per_micro_batch > 1 if padded is None else padded
     terms += _activations(shape, compute, micro_batch_tokens, response_tokens_per_micro_batch,
                           rows_per_micro_batch, padded, grad_checkpointing, mixed_precision, entropy_in_loss,
-                          logprob_chunk_tokens)
+                          logprob_chunk_tokens, autocast=bool(mixed_precision) and not sharded)
     return Budget(title, tuple(t for t in terms if t.bytes > 0))
 
 
@@ -314,24 +327,41 @@ def _gathered(shape: ModelShape, compute: int, store: int, mixed_precision: str 
     ]
 
 
+def _autocast_weights(shape: ModelShape, compute: int, checkpointing: bool) -> list[Term]:
+    """torch.autocast's bf16 copies of the weights its matmuls use (every decoder layer's
+    projections and the lm_head; not the embeddings or norms), cast once per forward and saved
+    for the backward. With gradient checkpointing a layer's copies are recomputed with the
+    layer: the lm_head's and one layer's stay."""
+    h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
+    layer = 2 * h * q + 2 * h * kv + 3 * h * i
+    kept = 1 if checkpointing else shape.num_hidden_layers
+    return [Term("bf16 weight copies (autocast)", (kept * layer + shape.vocab_size * h) * compute,
+                 phases=FWD_BWD, fix="train.grad_checkpointing: true (recomputes a layer's copies)"
+                 if not checkpointing else "more train.workers with strategy fsdp2")]
+
+
 def _activations(shape: ModelShape, compute: int, tokens: int, response: int, rows: int, padded: bool,
                  checkpointing: bool, mixed_precision: str | None, entropy_in_loss: bool,
-                 chunk: int | None) -> list[Term]:
+                 chunk: int | None, autocast: bool = False) -> list[Term]:
     """What one micro-batch's forward keeps for its backward, and the logits.
 
     Per token: each layer's saved tensors (:func:`layer_activation_bytes`); with gradient
     checkpointing only each layer's input, plus one layer recomputed in its backward. Always:
     the final norm's input and output, the lm_head input (copied when rows > 1; chunked: see
     :func:`_logits`), and a layer's gradient temporaries in its backward (~2 x intermediate per
-    token).
+    token). ``autocast`` (mixed precision without FSDP2): the residual stream, so the layers'
+    inputs and the final norm's output, stays float32; the lm_head saves its bf16 cast of its input.
     """
-    per_layer = layer_activation_bytes(shape, compute, repeated_kv=padded and shape.kv_dim != shape.q_dim)
+    per_layer = layer_activation_bytes(shape, compute, repeated_kv=padded and shape.kv_dim != shape.q_dim,
+                                       autocast=autocast)
     h, layers = shape.hidden_size, shape.num_hidden_layers
-    tail = tokens * h * (FP32 + compute) + (response * h * compute if rows > 1 and chunk is None else 0)
+    resid = FP32 if autocast else compute  # the hidden states between layers
+    head_input = rows > 1 or autocast  # a copy (of the kept positions; autocast: its bf16 cast)
+    tail = tokens * h * (FP32 + resid) + (response * h * compute if head_input and chunk is None else 0)
     budget_fix = "a smaller train.max_tokens_per_micro_batch (or fewer rows per micro-batch)"
     act_fix = (budget_fix if checkpointing else "train.grad_checkpointing: true") + (
         "" if mixed_precision or compute == 2 else ", or train.mixed_precision: bf16")
-    saved = tokens * (layers * (h * compute if checkpointing else per_layer)) + tail
+    saved = tokens * (layers * (h * resid if checkpointing else per_layer)) + tail
     name = "activations (layer inputs)" if checkpointing else "activations saved for backward"
     terms = [Term(name, saved, phases=FWD_BWD, fix=act_fix)]
     if checkpointing:
@@ -343,10 +373,10 @@ def _activations(shape: ModelShape, compute: int, tokens: int, response: int, ro
         kept = 1 if checkpointing else layers
         terms.append(Term("attention masks (padded rows)", rows * seq * seq * (kept * compute + 1),
                           phases=FWD_BWD, fix=budget_fix))
-    return terms + _logits(shape, compute, response, entropy_in_loss, chunk, budget_fix)
+    return terms + _logits(shape, resid, response, entropy_in_loss, chunk, budget_fix)
 
 
-def _logits(shape: ModelShape, compute: int, response: int, entropy_in_loss: bool, chunk: int | None,
+def _logits(shape: ModelShape, hidden_bytes: int, response: int, entropy_in_loss: bool, chunk: int | None,
             budget_fix: str) -> list[Term]:
     """The float32 logits of the response positions and what their backward adds.
 
@@ -372,9 +402,9 @@ def _logits(shape: ModelShape, compute: int, response: int, entropy_in_loss: boo
     return [
         Term("logits of one chunk and their gradients (float32)", int(peak * logits), phases=(LOGITS_BACKWARD,),
              fix="a smaller train.logprob_chunk_tokens"),
-        Term("response hidden states (chunked logprobs)", response * h * compute, phases=(LOGITS_BACKWARD,),
+        Term("response hidden states (chunked logprobs)", response * h * hidden_bytes, phases=(LOGITS_BACKWARD,),
              fix=budget_fix),
-        Term("hidden-state and lm_head gradients over the chunks", response * h * compute + v * h * FP32,
+        Term("hidden-state and lm_head gradients over the chunks", response * h * hidden_bytes + v * h * FP32,
              phases=(LOGITS_BACKWARD,), fix=budget_fix),
     ]
 

@@ -36,8 +36,13 @@ class TrainSpec(_Frozen):
         "collectives, for models that fit one worker) or `none` (one unsharded worker; only with "
         "workers: 1). null: fsdp2 when workers > 1, else none.")
     mixed_precision: Literal["bf16"] | None = Field(
-        None, description="fsdp2 only. `bf16`: parameters and compute in bf16, gradient reductions "
-        "and the sharded master weights in fp32; null: the model's dtype throughout.")
+        None, description="`bf16`: forwards and backwards compute in bf16 while the weights, "
+        "gradients and AdamW state stay in the model's dtype, the master copy. Strategies none and "
+        "ddp: torch.autocast(bf16) around the policy's forwards (update, logprob recomputation and hf "
+        "generation alike, so importance ratios start at 1); the model's dtype must be float32. "
+        "fsdp2: FSDP2's MixedPrecisionPolicy (parameters gathered in bf16, gradients reduced in "
+        "fp32 into the sharded master weights, fp32 with dtype float32). null: the model's dtype "
+        "throughout.")
     cpu_offload: bool = Field(False, description="fsdp2 only: keep sharded parameters, gradients "
                               "and optimizer state in host memory (slower; for models that do not "
                               "fit otherwise).")
@@ -66,11 +71,9 @@ class TrainSpec(_Frozen):
         if self.strategy == "none" and self.workers > 1:
             raise ValueError(f"strategy none trains one unsharded copy, but workers is {self.workers}: "
                              "use strategy: fsdp2 (or leave it null) or ddp, or workers: 1")
-        if self.resolved_strategy != "fsdp2":
-            used = [k for k in ("mixed_precision", "cpu_offload") if getattr(self, k)]
-            if used:
-                raise ValueError(f"{used[0]} is an FSDP2 setting: set strategy: fsdp2 (it runs at "
-                                 "workers: 1 too), or remove it")
+        if self.cpu_offload and self.resolved_strategy != "fsdp2":
+            raise ValueError("cpu_offload is an FSDP2 setting: set strategy: fsdp2 (it runs at "
+                             "workers: 1 too), or remove it")
         return self
 
     @property
@@ -119,7 +122,8 @@ class ModelSpec(_Frozen):
         "Hugging Face causal-LM directory."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights and compute dtype."
+        "float32", description="Weights and compute dtype (compute in bf16 over float32 weights: "
+        "train.mixed_precision: bf16)."
     )
     backend: str = Field(
         "hf", description="Generation engine, a key of dapo_flow.models.engines.BACKENDS: `hf` (torch, "
@@ -130,6 +134,17 @@ class ModelSpec(_Frozen):
     )
     train: TrainSpec = Field(default_factory=TrainSpec, description="How the model is trained.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="The rollout engine's settings.")
+
+    @model_validator(mode="after")
+    def _mixed_precision_keeps_float32(self) -> "ModelSpec":
+        train = self.train
+        if train.mixed_precision and not train.sharded and self.dtype != "float32":
+            raise ValueError(
+                f"train.mixed_precision: {train.mixed_precision} computes in bf16 over float32 weights, "
+                f"gradients and AdamW state, but dtype is {self.dtype} (strategy "
+                f"{train.resolved_strategy}: the weights would stay {self.dtype}, with no float32 master "
+                f"copy): set dtype: float32, or remove mixed_precision to train in {self.dtype} throughout")
+        return self
 
     @field_validator("backend")
     @classmethod
@@ -174,7 +189,7 @@ def _attention_heads(path: str) -> int | None:
 
 class DataSourceSpec(_Frozen):
     source: str = Field(
-        description="`builtin:addition`, a .parquet / .jsonl / .json file, or a folder of .parquet "
+        description="`builtin:addition`, `builtin:chain`, a .parquet / .jsonl / .json file, or a folder of .parquet "
         "shards read in name order (verl format accepted). It must yield at least one usable row."
     )
     split: str = Field("train", description="Split name for built-in tasks.")

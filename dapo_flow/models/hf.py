@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -22,6 +22,7 @@ from dapo_flow.errors import ModelError
 from dapo_flow.models.sampling import Rollouts, SamplingConfig, sample_keys, uniforms
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIXED_PRECISION = {"bf16": torch.bfloat16}  # train.mixed_precision -> the autocast compute dtype
 
 
 NONFINITE_LOGITS = (
@@ -184,17 +185,26 @@ class HFPolicy:
         trainable: bool = False,
         grad_checkpointing: bool = False,
         logprob_chunk_tokens: int | None = None,
+        mixed_precision: str | None = None,
     ) -> None:
         """``grad_checkpointing``: gradient passes recompute each decoder layer's activations in
         the backward pass (HF gradient checkpointing, non-reentrant) instead of storing them.
         ``logprob_chunk_tokens``: logprobs and entropy over at most this many response tokens
-        at a time, each chunk's logits recomputed in the backward (:func:`response_logprobs_of`)."""
+        at a time, each chunk's logits recomputed in the backward (:func:`response_logprobs_of`).
+        ``mixed_precision`` ``"bf16"``: every forward of the policy (gradient passes, logprobs,
+        sampling) computes under ``torch.autocast(bf16)`` while the weights, their gradients and
+        the optimizer's state stay in ``dtype`` (float32: the master copy); logits are cast to
+        float32 before any log-softmax. Not with :meth:`shard` (FSDP2 casts the parameters
+        itself: pass ``mixed_precision`` there)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from dapo_flow.models import resolve_model
 
         if dtype not in DTYPES:
             raise ModelError(f"unknown dtype '{dtype}'; use one of {sorted(DTYPES)}")
+        if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
+            raise ModelError(f"mixed_precision {mixed_precision!r}: use None or one of {sorted(MIXED_PRECISION)}")
+        self.mixed_precision = mixed_precision
         self.path = resolve_model(str(path))
         self.device = torch.device(device)
         self.seed = seed
@@ -231,6 +241,10 @@ class HFPolicy:
 
         from dapo_flow.models import fsdp
 
+        if self.mixed_precision is not None:
+            raise ModelError("a policy made with mixed_precision computes under torch.autocast; FSDP2 "
+                             "has its own policy: make it without, and pass mixed_precision to shard()")
+
         fsdp.shard_model(self.model, mixed_precision=mixed_precision, cpu_offload=cpu_offload)
         self.sharded, self.world_size = True, dist.get_world_size()
 
@@ -263,6 +277,13 @@ class HFPolicy:
         flat /= self.world_size
         for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
             p.grad = g
+
+    def compute_precision(self) -> AbstractContextManager:
+        """The context every forward of the policy runs in: ``torch.autocast`` to the
+        mixed-precision dtype on this policy's device, or nothing (the weights' dtype)."""
+        if self.mixed_precision is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=MIXED_PRECISION[self.mixed_precision])
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -321,6 +342,15 @@ class HFPolicy:
 
     @torch.inference_mode()
     def _generate_batch(
+        self, prompts: list[list[int]], cfg: SamplingConfig, keys: np.ndarray
+    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """Sampled in the precision of the update's forwards (:meth:`compute_precision`): under
+        bf16 autocast the sampled tokens' logprobs (``source: rollout`` old logprobs) are the
+        trainer's up to bf16 rounding of the KV-cached decoding (docs/semantics.md)."""
+        with self.compute_precision():
+            return self._generate_batch_in(prompts, cfg, keys)
+
+    def _generate_batch_in(
         self, prompts: list[list[int]], cfg: SamplingConfig, keys: np.ndarray
     ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         ids, mask = left_pad(prompts, self.pad_id)
@@ -453,9 +483,10 @@ class HFPolicy:
         self, batch: dict[str, torch.Tensor], rows: slice, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         inputs = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "position_ids")}
-        return response_logprobs_of(self.model, inputs, batch["response_ids"][rows], batch["response_mask"][rows],
-                                    temperature=temperature, with_entropy=with_entropy,
-                                    chunk_tokens=self.logprob_chunk_tokens)
+        with self.compute_precision():  # the same precision with and without gradients: ratios start at 1
+            return response_logprobs_of(self.model, inputs, batch["response_ids"][rows],
+                                        batch["response_mask"][rows], temperature=temperature,
+                                        with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens)
 
     # --- weights ----------------------------------------------------------------------------------
 

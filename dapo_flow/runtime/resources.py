@@ -81,9 +81,13 @@ def load_resource(
     backend = BACKENDS[spec.backend]
     policy = None
     if scores or trainable or (generates and backend.generates_with_trainer):
+        # mixed precision: FSDP2's policy casts a shard's parameters; anywhere else (one worker, a
+        # DDP replica, a rollout actor's copy) the policy's forwards run under torch.autocast, so
+        # every copy of the model computes in the precision the trainer does
         policy = HFPolicy(model_path, dtype=spec.dtype, device=device, seed=seed, trainable=trainable,
                           grad_checkpointing=trainable and spec.train.grad_checkpointing,
-                          logprob_chunk_tokens=spec.train.logprob_chunk_tokens)
+                          logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
+                          mixed_precision=None if strategy == "fsdp2" else spec.train.mixed_precision)
         if strategy == "fsdp2":
             policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
         elif strategy == "ddp":
