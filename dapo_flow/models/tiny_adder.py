@@ -12,18 +12,15 @@ Heavy imports live inside functions: importing this module for RECIPE_VERSION st
 
 from __future__ import annotations
 
-import json
-import math
 import time
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dapo_flow.data.tasks import AdditionTask, verify_addition
+from dapo_flow.models.warm_start import BUILD_INFO, save_model_dir, supervised_fit, write_build_info  # noqa: F401 (BUILD_INFO: for callers)
 
 RECIPE_VERSION = 5  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
-BUILD_INFO = "dapo_flow_build.json"
 
 
 @dataclass(frozen=True)
@@ -73,6 +70,7 @@ def build_tiny_adder(out_dir: Path, *, seed: int = 0, progress: bool = True, rec
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     from dapo_flow.models.tokenizer import build_char_tokenizer
+    from dapo_flow.models.warm_start import deterministic_torch
 
     out_dir = Path(out_dir)
     task = AdditionTask()  # the same default splits `builtin:addition` serves
@@ -100,24 +98,13 @@ def build_tiny_adder(out_dir: Path, *, seed: int = 0, progress: bool = True, rec
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+        save_model_dir(out_dir, model, tokenizer)
         train_seconds = time.perf_counter() - start
         accuracy = sampled_accuracy(out_dir, task, recipe)
-    info = {
-        "name": "tiny-adder",
-        "recipe_version": RECIPE_VERSION,
-        "recipe": asdict(recipe),
-        "seed": seed,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "val_sampled_accuracy": accuracy,
-        "val_accuracy_protocol": f"{len(task.problems('val'))} val prompts x "
-        f"{recipe.eval_samples_per_prompt} samples, temperature 1.0, seed {recipe.eval_seed}",
-        "train_seconds": round(train_seconds, 2),
-        "torch_version": torch.__version__,
-    }
-    (out_dir / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    write_build_info(out_dir, name="tiny-adder", recipe_version=RECIPE_VERSION, recipe=recipe, seed=seed,
+                     model=model, accuracy=accuracy, train_seconds=train_seconds,
+                     protocol=f"{len(task.problems('val'))} val prompts x {recipe.eval_samples_per_prompt} "
+                     f"samples, temperature 1.0, seed {recipe.eval_seed}")
     return out_dir
 
 
@@ -128,71 +115,6 @@ def _warm_start(model: Any, tokenizer: Any, task: AdditionTask, recipe: Recipe, 
     answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
     supervised_fit(model, prompts, [a + [tokenizer.eos_token_id] for a in answers], recipe,
                    pad_id=tokenizer.pad_token_id, seed=seed, label="builtin:tiny-adder", progress=progress)
-
-
-def supervised_fit(model: Any, prompts: list[list[int]], responses: list[list[int]], recipe: Any, *,
-                   pad_id: int, seed: int, label: str, progress: bool, trim_padding: bool = False,
-                   on_step: Any = None) -> None:
-    """Teacher forcing on prompt + response, loss (label-smoothed cross-entropy) on the response
-    tokens only: ``recipe.steps`` AdamW steps of ``recipe.batch_size`` random rows, linear warmup
-    then cosine decay. ``trim_padding``: cut each batch to its longest row and apply the LM head
-    only at response positions (the same loss, faster; off for tiny-adder, whose cached bytes
-    were built the plain way; the model must expose ``.model`` and ``.lm_head``, as HF's do). ``on_step(step)``
-    (optional) runs after each step, e.g. to evaluate."""
-    import torch
-    import torch.nn.functional as F
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from dapo_flow.models.hf import right_pad
-
-    seqs = [p + a for p, a in zip(prompts, responses)]
-    ids, mask = right_pad(seqs, pad_id)
-    labels = ids.masked_fill(mask == 0, -100)
-    for i, p in enumerate(prompts):
-        labels[i, : len(p)] = -100  # no loss on the prompt
-    targets = labels[:, 1:]
-
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, recipe))
-    model.train()
-    with Progress(
-        TextColumn(f"building {label}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), disable=not progress, transient=True,
-    ) as bar:
-        job = bar.add_task("train", total=recipe.steps, loss=float("nan"))
-        for step in range(recipe.steps):
-            idx = torch.randint(len(seqs), (recipe.batch_size,), generator=gen)
-            if trim_padding:  # the batch's longest row; the LM head only where there is a loss
-                width = int(mask[idx].sum(-1).max())
-                hidden = model.model(input_ids=ids[idx, :width], attention_mask=mask[idx, :width]).last_hidden_state
-                batch_targets = targets[idx, : width - 1]
-                scored = batch_targets != -100
-                loss = F.cross_entropy(model.lm_head(hidden[:, :-1][scored]), batch_targets[scored],
-                                       label_smoothing=recipe.label_smoothing)
-            else:
-                logits = model(input_ids=ids[idx], attention_mask=mask[idx]).logits[:, :-1]
-                loss = F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), targets[idx].reshape(-1),
-                    label_smoothing=recipe.label_smoothing,
-                )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            if step % 50 == 0 or step + 1 == recipe.steps:
-                bar.update(job, completed=step + 1, loss=loss.item())
-            if on_step is not None:
-                on_step(step)
-    model.eval()
-
-
-def _lr_factor(step: int, recipe: Recipe) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak."""
-    if step < recipe.warmup_steps:
-        return (step + 1) / recipe.warmup_steps
-    progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
-    return recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def sampled_accuracy(model_dir: Path, task: AdditionTask, recipe: Recipe = RECIPE) -> float:
@@ -208,25 +130,3 @@ def sampled_accuracy(model_dir: Path, task: AdditionTask, recipe: Recipe = RECIP
     texts = policy.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
     right = [verify_addition(t, val[i].answer) > 0 for t, i in zip(texts, out.prompt_index)]
     return round(sum(right) / len(right), 4)
-
-
-@contextmanager
-def deterministic_torch(seed: int) -> Iterator[None]:
-    """One thread, deterministic kernels, a fixed seed, no HF progress bars; restores the caller's settings."""
-    import torch
-
-    from dapo_flow.models.hf import hf_progress_bars_off
-    from dapo_flow.threads import set_torch_threads  # torch's own setter, even after vLLM's no-op
-
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    rng = torch.get_rng_state()
-    set_torch_threads(1)
-    torch.use_deterministic_algorithms(True)
-    torch.manual_seed(seed)
-    try:
-        with hf_progress_bars_off():  # our rich bar is the only one shown
-            yield
-    finally:
-        set_torch_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
-        torch.set_rng_state(rng)

@@ -16,16 +16,15 @@ type, Python and torch versions (the BPE corpus includes Python's bundled docume
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dapo_flow.data.chain_task import ChainTask, question, solution, verify_chain
+from dapo_flow.models.warm_start import BUILD_INFO, save_model_dir, write_build_info
 
 RECIPE_VERSION = 1  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
-BUILD_INFO = "dapo_flow_build.json"
 
 
 @dataclass(frozen=True)
@@ -74,13 +73,11 @@ def corpus(task: ChainTask) -> list[str]:
 
 def build_tiny_chat(out_dir: Path, *, seed: int = 0, progress: bool = True, recipe: Recipe = RECIPE) -> Path:
     """Train the tokenizer, build, warm-start, save and evaluate the model into ``out_dir``."""
-    import platform
-
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     from dapo_flow.models.chat_tokenizer import train_chat_tokenizer
-    from dapo_flow.models.tiny_adder import deterministic_torch
+    from dapo_flow.models.warm_start import deterministic_torch
 
     out_dir = Path(out_dir)
     task = ChainTask()  # the default splits `builtin:chain` serves
@@ -107,26 +104,13 @@ def build_tiny_chat(out_dir: Path, *, seed: int = 0, progress: bool = True, reci
         warm_start(model, tokenizer, task, recipe, seed, progress)
         model.generation_config = GenerationConfig(
             eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id], pad_token_id=tokenizer.pad_token_id)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+        save_model_dir(out_dir, model, tokenizer)
         train_seconds = time.perf_counter() - start
         accuracy = sampled_accuracy(out_dir, task, recipe)
-    info = {
-        "name": "tiny-chat",
-        "recipe_version": RECIPE_VERSION,
-        "recipe": asdict(recipe),
-        "seed": seed,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "tokenizer_size": len(tokenizer),
-        "val_sampled_accuracy": accuracy,
-        "val_accuracy_protocol": f"first {recipe.eval_prompts} val prompts x {recipe.eval_samples_per_prompt} "
-        f"samples, temperature 1.0, at most {recipe.eval_max_tokens} tokens, seed {recipe.eval_seed}",
-        "train_seconds": round(train_seconds, 2),
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-    }
-    (out_dir / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    write_build_info(out_dir, name="tiny-chat", recipe_version=RECIPE_VERSION, recipe=recipe, seed=seed,
+                     model=model, accuracy=accuracy, train_seconds=train_seconds, tokenizer_size=len(tokenizer),
+                     protocol=f"first {recipe.eval_prompts} val prompts x {recipe.eval_samples_per_prompt} samples, "
+                     f"temperature 1.0, at most {recipe.eval_max_tokens} tokens, seed {recipe.eval_seed}")
     return out_dir
 
 
@@ -140,7 +124,7 @@ def chat_prompt_ids(tokenizer: Any, expressions: list[str]) -> list[list[int]]:
 def warm_start(model: Any, tokenizer: Any, task: ChainTask, recipe: Recipe, seed: int, progress: bool,
                on_step: Any = None) -> None:
     """Teacher forcing on the ChatML prompt -> worked solution + <|im_end|>, loss on the response."""
-    from dapo_flow.models.tiny_adder import supervised_fit
+    from dapo_flow.models.warm_start import supervised_fit
 
     problems = task.problems("train")
     prompts = chat_prompt_ids(tokenizer, [p.prompt for p in problems])
