@@ -147,6 +147,31 @@ def test_bf16_mixed_precision_without_fsdp2_budgets_float32_state_and_bf16_compu
     assert not any("gathered" in name for name in mixed)
     placed = _placed(DAPO, "models.policy.train.mixed_precision=bf16", cluster=Cluster(cpus=2))
     text = explain(placed)
-    assert "bf16 mixed precision (torch.autocast; weights, gradients and AdamW state float32)" in text
-    with pytest.raises(GraphError, match="set dtype: float32"):
-        _placed(DAPO, "models.policy.train.mixed_precision=bf16", "models.policy.dtype=bfloat16", cluster=Cluster(cpus=2))
+    assert "bf16 mixed precision (torch.autocast over fp32 master weights; gradients and AdamW state float32)" in text
+    # a bfloat16 model: the trained copy still holds float32 master state (dtype is the other copies')
+    bf16 = terms("models.policy.train.mixed_precision=bf16", "models.policy.dtype=bfloat16")
+    assert {k: bf16[k] for k in ("parameters", "gradients", "AdamW moments")} == {
+        k: mixed[k] for k in ("parameters", "gradients", "AdamW moments")}
+    text = explain(_placed(DAPO, "models.policy.train.mixed_precision=bf16", "models.policy.dtype=bfloat16",
+                           cluster=Cluster(cpus=2)))
+    assert "torch.autocast over fp32 master weights; gradients and AdamW state float32; copies not trained in bfloat16" in text
+
+
+def test_fsdp2_mixed_precision_over_a_bfloat16_model_budgets_float32_shards(qwen_7b):
+    """The 7B recipe's setting (dtype bfloat16, fsdp2, mixed_precision bf16): float32 master
+    shards, gradients and AdamW moments (verl's actor), gathers in bf16; explain says so."""
+    def placed(*sets: str):
+        return _placed(DAPO, *SHORT, f"models.policy.path={qwen_7b}", "models.policy.train.workers=4",
+                       "models.policy.train.strategy=fsdp2", "models.policy.dtype=bfloat16", *sets,
+                       cluster=Cluster(cpus=64, gpus=8, gpu_mem_gib=1000))
+
+    def terms(*sets: str) -> dict[str, int]:
+        return {t.name: t.bytes for t in placed(*sets).budgets["model:policy"].terms}
+
+    mixed, plain = terms("models.policy.train.mixed_precision=bf16"), terms()
+    assert mixed["parameters (1/4 shard)"] == 7_615_616_512 * 4 // 4
+    assert mixed["AdamW moments (1/4 shard)"] == 2 * 7_615_616_512 * 4 // 4
+    assert plain["parameters (1/4 shard)"] == 7_615_616_512 * 2 // 4  # no mixed precision: bf16 throughout
+    assert mixed["gathered decoder layers (2)"] == plain["gathered decoder layers (2)"]  # bf16 gathers
+    text = explain(placed("models.policy.train.mixed_precision=bf16"))
+    assert "FSDP2: fp32 master weights, gradients and AdamW state sharded; parameters gathered in bf16" in text

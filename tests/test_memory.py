@@ -406,10 +406,27 @@ def test_mixed_precision_without_fsdp2_keeps_float32_state():
         assert mixed.total < plain.total
         act = lambda b: next(t.bytes for t in b.terms if t.name.startswith("activations"))
         assert act(mixed) < act(plain)
-    with pytest.raises(ValueError, match="dtype must be float32"):
-        estimate_training(_8b(), strategy="ddp", workers=8, dtype="bfloat16", mixed_precision="bf16", **common)
     sharded = estimate_training(_8b(), workers=8, dtype="bfloat16", mixed_precision="bf16", **common)
     assert not any("autocast" in t.name for t in sharded.terms)  # FSDP2's own policy
+
+
+@pytest.mark.parametrize("strategy, workers", [("none", 1), ("ddp", 8), ("fsdp2", 8)])
+def test_mixed_precision_budgets_float32_master_state_whatever_the_dtype(strategy, workers):
+    """Under mixed_precision: bf16 the trained copy holds float32 parameters, gradients and AdamW
+    moments (4 bytes each) whatever the model's dtype, which is then only the other copies'; the
+    computed values are bf16 either way, so the budget is the float32 model's."""
+    common = dict(micro_batch_tokens=16384, response_tokens_per_micro_batch=8192, strategy=strategy,
+                  workers=workers, mixed_precision="bf16")
+    bf16 = estimate_training(_8b(), dtype="bfloat16", **common)
+    assert bf16.terms == estimate_training(_8b(), dtype="float32", **common).terms
+    shard = workers if strategy == "fsdp2" else 1
+    state = {t.name.split(" (")[0]: t.bytes for t in bf16.terms}
+    assert state["parameters"] == state["gradients"] == _8b().num_params() * 4 // shard
+    assert state["AdamW moments"] == 2 * _8b().num_params() * 4 // shard
+    plain = {t.name.split(" (")[0]: t.bytes for t in
+             estimate_training(_8b(), dtype="bfloat16", **{**common, "mixed_precision": None}).terms}
+    assert plain["parameters"] == _8b().num_params() * 2 // shard  # no mixed precision: dtype throughout
+    assert ("bf16 weight copies" in state) == (strategy != "fsdp2")  # autocast's, not FSDP2's
 
 
 @needs_proc

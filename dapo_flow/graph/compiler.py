@@ -366,10 +366,11 @@ def _precision(spec) -> str:
     """What runs under ``train.mixed_precision`` (empty without it)."""
     if spec.train.mixed_precision != "bf16":
         return ""
+    others = f"; copies not trained in {spec.dtype}" if spec.dtype != "float32" else ""
     if spec.train.sharded:
-        return (f"bf16 mixed precision (FSDP2: parameters gathered in bf16, gradients reduced in "
-                f"float32 into {spec.dtype} shards)")
-    return "bf16 mixed precision (torch.autocast; weights, gradients and AdamW state float32)"
+        return (f"bf16 mixed precision (FSDP2: fp32 master weights, gradients and AdamW state "
+                f"sharded; parameters gathered in bf16, gradients reduced in float32{others})")
+    return f"bf16 mixed precision (torch.autocast over fp32 master weights; gradients and AdamW state float32{others})"
 
 
 def _rollout_settings(plan: Plan, model: str) -> str:

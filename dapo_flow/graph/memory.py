@@ -256,9 +256,9 @@ def estimate_training(
     ``logprob_chunk_tokens``: ``train.logprob_chunk_tokens`` (logits of at most that many tokens
     at a time). ``strategy`` None: fsdp2 when workers > 1 (as ``train.strategy``); ddp: every
     worker holds the whole state (as one worker). ``mixed_precision`` ``"bf16"``: computed values
-    (activations, gathered parameters) in bf16; the state stays in ``dtype``. Without FSDP2 that
-    is torch.autocast over float32 state (``dtype`` must be float32), which also keeps a bf16 copy
-    of the weights its matmuls use. ``on_gpu``: add
+    (activations, gathered parameters) in bf16 over float32 state, the master weights, whatever
+    ``dtype`` (which is then the copies' that are not trained). Without FSDP2 that is
+    torch.autocast, which also keeps a bf16 copy of the weights its matmuls use. ``on_gpu``: add
     the fixed CUDA overhead and price the step as torch's foreach AdamW (CPU: per-tensor).
     """
     if dtype not in DTYPE_BYTES:
@@ -275,10 +275,9 @@ def estimate_training(
         raise ValueError("workers > 1 need strategy fsdp2 or ddp; cpu_offload fsdp2")
     if mixed_precision not in (None, "bf16"):
         raise ValueError(f"mixed_precision {mixed_precision!r}: use None or bf16")
-    if mixed_precision and not sharded and dtype != "float32":
-        raise ValueError(f"mixed_precision without fsdp2 (torch.autocast) keeps float32 master weights: "
-                         f"dtype must be float32, not {dtype}")
-    store = DTYPE_BYTES[dtype]  # parameters, gradients, AdamW moments (torch keeps them alike)
+    # parameters, gradients, AdamW moments (torch keeps them alike): float32 master weights under
+    # mixed precision, whatever dtype
+    store = FP32 if mixed_precision else DTYPE_BYTES[dtype]
     compute = 2 if mixed_precision == "bf16" else store
     shard = workers if sharded else 1
     p = shape.num_params()

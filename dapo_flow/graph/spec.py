@@ -36,13 +36,14 @@ class TrainSpec(_Frozen):
         "collectives, for models that fit one worker) or `none` (one unsharded worker; only with "
         "workers: 1). null: fsdp2 when workers > 1, else none.")
     mixed_precision: Literal["bf16"] | None = Field(
-        None, description="`bf16`: forwards and backwards compute in bf16 while the weights, "
-        "gradients and AdamW state stay in the model's dtype, the master copy. Strategies none and "
-        "ddp: torch.autocast(bf16) around the policy's forwards (update, logprob recomputation and hf "
-        "generation alike, so importance ratios start at 1); the model's dtype must be float32. "
-        "fsdp2: FSDP2's MixedPrecisionPolicy (parameters gathered in bf16, gradients reduced in "
-        "fp32 into the sharded master weights, fp32 with dtype float32). null: the model's dtype "
-        "throughout.")
+        None, description="`bf16`: the trained copy of the model holds float32 master weights, "
+        "gradients and AdamW state whatever the model's dtype (verl's actor), and its forwards and "
+        "backwards compute in bf16; every copy that is not trained (the rollout engine, a rollout "
+        "actor's, a reference's) stays in the model's dtype and weight syncs cast to it. Strategies "
+        "none and ddp: torch.autocast(bf16) around the policy's forwards (update, logprob "
+        "recomputation and hf generation alike, so importance ratios start at 1). fsdp2: FSDP2's "
+        "MixedPrecisionPolicy (parameters gathered in bf16, gradients reduced in fp32 into the "
+        "float32 shards). Checkpoints then hold float32 weights. null: the model's dtype throughout.")
     cpu_offload: bool = Field(False, description="fsdp2 only: keep sharded parameters, gradients "
                               "and optimizer state in host memory (slower; for models that do not "
                               "fit otherwise).")
@@ -122,8 +123,9 @@ class ModelSpec(_Frozen):
         "Hugging Face causal-LM directory."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights and compute dtype (compute in bf16 over float32 weights: "
-        "train.mixed_precision: bf16)."
+        "float32", description="Weights and compute dtype of every copy of the model. Under "
+        "train.mixed_precision: bf16 only of the copies not trained (rollout engine, reference, a "
+        "rollout actor's copy): the trained copy then keeps float32 master weights and computes in bf16."
     )
     backend: str = Field(
         "hf", description="Generation engine, a key of dapo_flow.models.engines.BACKENDS: `hf` (torch, "
@@ -134,17 +136,6 @@ class ModelSpec(_Frozen):
     )
     train: TrainSpec = Field(default_factory=TrainSpec, description="How the model is trained.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="The rollout engine's settings.")
-
-    @model_validator(mode="after")
-    def _mixed_precision_keeps_float32(self) -> "ModelSpec":
-        train = self.train
-        if train.mixed_precision and not train.sharded and self.dtype != "float32":
-            raise ValueError(
-                f"train.mixed_precision: {train.mixed_precision} computes in bf16 over float32 weights, "
-                f"gradients and AdamW state, but dtype is {self.dtype} (strategy "
-                f"{train.resolved_strategy}: the weights would stay {self.dtype}, with no float32 master "
-                f"copy): set dtype: float32, or remove mixed_precision to train in {self.dtype} throughout")
-        return self
 
     @field_validator("backend")
     @classmethod

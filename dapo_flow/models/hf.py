@@ -193,7 +193,8 @@ class HFPolicy:
         at a time, each chunk's logits recomputed in the backward (:func:`response_logprobs_of`).
         ``mixed_precision`` ``"bf16"``: every forward of the policy (gradient passes, logprobs,
         sampling) computes under ``torch.autocast(bf16)`` while the weights, their gradients and
-        the optimizer's state stay in ``dtype`` (float32: the master copy); logits are cast to
+        the optimizer's state stay in ``dtype``: float32 for a trained copy, the master weights
+        (``load_resource`` loads it so whatever the model's ``dtype``); logits are cast to
         float32 before any log-softmax. Not with :meth:`shard` (FSDP2 casts the parameters
         itself: pass ``mixed_precision`` there)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -515,7 +516,8 @@ class HFPolicy:
 
     def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
         """Copy ``weights`` (a mapping, as from :meth:`named_weights`, or (name, tensor) pairs,
-        as from :meth:`iter_weights`) into the model, in place; every weight must come."""
+        as from :meth:`iter_weights`) into the model, in place; every weight must come. Each is
+        cast to this model's own dtype (float32 master weights into a bfloat16 rollout copy)."""
         if self.sharded:
             raise ModelError("a training group's sharded policy takes no weights from outside "
                              "(it is the source of weight syncs, not a target)")

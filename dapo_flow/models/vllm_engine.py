@@ -132,7 +132,9 @@ class VLLMGenerator:
         ``reload_weights`` as an iterator, each copied into its parameter as it comes: no disk,
         no copy of the model, about one tensor of extra memory. Tensor-parallel engines (worker
         processes) take them through a safetensors file. Tied-embedding models must include
-        ``lm_head.weight`` (both sources do).
+        ``lm_head.weight`` (both sources do). vLLM's weight loaders ``copy_`` each into its
+        parameter, so a float32 trainer's weights (``train.mixed_precision``) are cast to the
+        engine's dtype, the model's ``dtype``.
         """
         from dapo_flow.models.hf import weight_tensor
 

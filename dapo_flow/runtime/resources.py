@@ -54,6 +54,13 @@ def _device(spec: ModelSpec) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def trained_dtype(spec: ModelSpec) -> str:
+    """The dtype of the copy of a model that an update trains: float32 (the master weights)
+    under ``train.mixed_precision``, else the model's ``dtype``. Every copy that is not trained
+    (a rollout engine, a reference, a rollout actor's torch copy) loads ``dtype``."""
+    return "float32" if spec.train.mixed_precision else spec.dtype
+
+
 def load_resource(
     name: str, spec: ModelSpec, *, path: Path | None, trainable: bool, generates: bool,
     scores: bool, seed: int, max_model_len: int | None = None, strategy: str = "none",
@@ -65,7 +72,9 @@ def load_resource(
     rolls out with it, through the engine of the model's backend (:data:`BACKENDS`), set up with
     the model's `rollout:` settings (``max_model_len``: the default the plan derived).
     ``strategy``: how the model's training group holds it on this worker: `fsdp2` (a shard),
-    `ddp` (a full replica, gradients averaged across the group), `none` (no group).
+    `ddp` (a full replica, gradients averaged across the group), `none` (no group). The copy an
+    update trains here (``trainable``) loads :func:`trained_dtype`, float32 master weights under
+    ``train.mixed_precision``; any other copy (the engine, a scorer, a rollout actor's) ``dtype``.
 
     A sharded checkpoint holds no HF weights: the model is built from the spec's path and the
     worker loads the shards into it (StageWorker), or a weight sync brings them (a rollout actor).
@@ -83,8 +92,11 @@ def load_resource(
     if scores or trainable or (generates and backend.generates_with_trainer):
         # mixed precision: FSDP2's policy casts a shard's parameters; anywhere else (one worker, a
         # DDP replica, a rollout actor's copy) the policy's forwards run under torch.autocast, so
-        # every copy of the model computes in the precision the trainer does
-        policy = HFPolicy(model_path, dtype=spec.dtype, device=device, seed=seed, trainable=trainable,
+        # every copy of the model computes in the precision the trainer does. The trained copy
+        # holds float32 master weights (its gradients and AdamW state follow) whatever `dtype`,
+        # which is every other copy's (verl's actor: fp32 parameters, bf16 compute)
+        policy = HFPolicy(model_path, dtype=trained_dtype(spec) if trainable else spec.dtype, device=device,
+                          seed=seed, trainable=trainable,
                           grad_checkpointing=trainable and spec.train.grad_checkpointing,
                           logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
                           mixed_precision=None if strategy == "fsdp2" else spec.train.mixed_precision)

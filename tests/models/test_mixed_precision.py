@@ -1,7 +1,9 @@
-"""`train.mixed_precision: bf16` without FSDP2 (strategy none / ddp): the policy's forwards run
-under torch.autocast(bf16) while its weights, gradients and AdamW state stay float32; old
-logprobs recomputed in the same precision as the update's, so importance ratios start at 1;
-and a bf16 run learns."""
+"""`train.mixed_precision: bf16`: the trained copy holds float32 master weights whatever the
+model's dtype (which every copy not trained keeps), and weight syncs cast into those copies.
+Without FSDP2 (strategy none / ddp) the policy's forwards run under torch.autocast(bf16) while
+its weights, gradients and AdamW state stay float32; old logprobs recomputed in the same
+precision as the update's, so importance ratios start at 1; and a bf16 run learns. FSDP2: a
+one-process gloo group (a subprocess) checks its float32 shards under a bfloat16 dtype."""
 
 from __future__ import annotations
 
@@ -194,6 +196,100 @@ def test_the_spec_setting_reaches_the_policy_and_fsdp2_keeps_its_own(tiny_adder_
         res.policy.shard(mixed_precision="bf16")  # refused before any process group is needed
     with pytest.raises(ModelError, match="mixed_precision 'fp8'"):
         HFPolicy(tiny_adder_path, mixed_precision="fp8")
+
+
+def test_a_bfloat16_model_trains_float32_master_weights_and_its_other_copies_stay_bfloat16(tiny_adder_path):
+    """dtype: bfloat16 with mixed_precision: bf16 (strategy none), as verl's actor: the copy an
+    update trains is loaded in float32, so its parameters, gradients and AdamW state are float32
+    and its forwards compute in bf16; a copy that is not trained (a rollout actor's, a
+    reference's) loads bfloat16."""
+    from dapo_flow.runtime.resources import load_resource, trained_dtype
+
+    spec = ModelSpec(path="builtin:tiny-adder", dtype="bfloat16", train={"mixed_precision": "bf16"})
+    unmixed = ModelSpec(path="builtin:tiny-adder", dtype="bfloat16")
+    assert trained_dtype(spec) == "float32" and trained_dtype(unmixed) == "bfloat16"
+    res = load_resource("policy", spec, path=None, trainable=True, generates=True, scores=True, seed=0)
+    trainer = res.policy
+    assert res.generator is trainer and trainer.mixed_precision == "bf16"  # hf: the hybrid engine
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in trainer.model.parameters())
+    seen = []
+    hook = trainer.model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    op = _update(trainer, spec)
+    row = op(_with_old_logp(trainer, _batch(trainer, _problems(4)))).to_pylist()[0]
+    hook.remove()
+    assert row["actor/skipped_steps"] == 0.0 and set(seen) == {torch.bfloat16}
+    params = list(trainer.model.parameters())
+    assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32 for p in params)
+    assert len(op.optimizer.state) == len(params)
+    for state in op.optimizer.state.values():
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+
+    for trainable, generates, scores in ((False, True, False), (False, False, True)):  # rollout actor, scorer
+        other = load_resource("policy", spec, path=None, trainable=trainable, generates=generates,
+                              scores=scores, seed=0).policy
+        assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in other.model.parameters())
+    plain = load_resource("policy", unmixed, path=None, trainable=True,
+                          generates=False, scores=True, seed=0).policy
+    assert all(p.dtype == torch.bfloat16 for p in plain.model.parameters())  # no mixed precision: dtype
+
+
+def test_a_weight_sync_casts_float32_master_weights_into_a_bfloat16_copy(tiny_adder_path):
+    """An fp32 trainer's weights (streamed tensors in one actor, float32 arrays between actors)
+    load into a bfloat16 HFPolicy as its own dtype: each the trainer's weight rounded to bf16."""
+    trainer = HFPolicy(tiny_adder_path, trainable=True)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)  # weights no bf16 copy of the original holds
+    for weights in (trainer.iter_weights(), trainer.named_weights()):
+        copy = HFPolicy(tiny_adder_path, dtype="bfloat16")
+        copy.load_weights(weights)
+        got = copy.model.state_dict()
+        for name, value in trainer.model.state_dict().items():
+            assert got[name].dtype == torch.bfloat16
+            assert torch.equal(got[name], value.to(torch.bfloat16)), name
+    prompts = [trainer.tokenizer.encode(p.prompt) for p in _problems(4, "val")]
+    assert len(copy.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_tokens=4)).response_ids) == 4
+
+
+FSDP2_WORLD_OF_ONE = """
+import socket, sys, torch
+torch.set_num_threads(1)
+from dapo_flow.graph.spec import ModelSpec
+from dapo_flow.models import fsdp
+from dapo_flow.runtime.resources import load_resource
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+fsdp.init_group(0, 1, "127.0.0.1", port)
+spec = ModelSpec(path="builtin:tiny-adder", dtype="bfloat16",
+                 train={"mixed_precision": "bf16", "strategy": "fsdp2"})
+policy = load_resource("policy", spec, path=None, trainable=True, generates=False, scores=True,
+                       seed=0, strategy="fsdp2").policy
+assert policy.sharded and policy.mixed_precision is None  # FSDP2's own policy, not autocast
+params = list(policy.model.parameters())
+assert all(p.to_local().dtype == torch.float32 for p in params), {p.dtype for p in params}
+seen = []
+policy.model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+logp, _, mask = policy.response_logprobs([[1, 5, 6]], [[7, 8]], grad=True)
+logp[mask].sum().backward()
+optimizer = torch.optim.AdamW(params, lr=1e-3)
+optimizer.step()
+assert set(seen) == {torch.bfloat16}, seen
+assert all(p.grad.to_local().dtype == torch.float32 for p in params)
+assert all(st["exp_avg"].to_local().dtype == torch.float32 for st in optimizer.state.values())
+fsdp.destroy_group()
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_of_a_bfloat16_model_are_float32_master_weights(tiny_adder_path):
+    """strategy fsdp2, dtype bfloat16, mixed_precision bf16 (the 7B recipe's setting): a one-worker
+    gloo group in a subprocess; its shards, gradients and AdamW state are float32, its compute bf16."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", FSDP2_WORLD_OF_ONE], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.slow
