@@ -8,12 +8,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from dapo_flow.errors import ModelError
 from dapo_flow.home import dapo_flow_home
@@ -23,34 +24,33 @@ FIX = "point `path:` at a local Hugging Face model directory (config.json + weig
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # e.g. LlamaForCausalLM, GPT2LMHeadModel
 
 
-def _tiny_adder(out_dir: Path, progress: bool) -> Path:
-    from dapo_flow.models.tiny_adder import build_tiny_adder
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in model: ``module`` builds it (its ``builder`` function, ``RECIPE_VERSION`` and
+    ``shape_config()``), imported only when one of these is used, so that importing this package
+    loads neither torch nor transformers."""
 
-    return build_tiny_adder(out_dir, progress=progress)
+    module: str
+    builder: str
+
+    def build(self, out_dir: Path, progress: bool) -> Path:
+        return getattr(self._module(), self.builder)(out_dir, progress=progress)
+
+    def version(self) -> int:
+        """The recipe version: part of the cache path, so a new recipe builds anew."""
+        return self._module().RECIPE_VERSION
+
+    def shape(self) -> dict | None:
+        """The config.json keys that size the model, known before it is built."""
+        return self._module().shape_config()
+
+    def _module(self):
+        return importlib.import_module(self.module)
 
 
-def _tiny_adder_version() -> int:
-    from dapo_flow.models.tiny_adder import RECIPE_VERSION
-
-    return RECIPE_VERSION
-
-
-def _tiny_chat(out_dir: Path, progress: bool) -> Path:
-    from dapo_flow.models.tiny_chat import build_tiny_chat
-
-    return build_tiny_chat(out_dir, progress=progress)
-
-
-def _tiny_chat_version() -> int:
-    from dapo_flow.models.tiny_chat import RECIPE_VERSION
-
-    return RECIPE_VERSION
-
-
-# name -> (builder(out_dir, progress), recipe version); the version is part of the cache path
-BUILTINS: dict[str, tuple[Callable[[Path, bool], Path], Callable[[], int]]] = {
-    "tiny-adder": (_tiny_adder, _tiny_adder_version),
-    "tiny-chat": (_tiny_chat, _tiny_chat_version),
+BUILTINS: dict[str, Builtin] = {
+    "tiny-adder": Builtin("dapo_flow.models.tiny_adder", "build_tiny_adder"),
+    "tiny-chat": Builtin("dapo_flow.models.tiny_chat", "build_tiny_chat"),
 }
 
 
@@ -58,7 +58,7 @@ def builtin_dir(name: str) -> Path:
     """Cache directory of a builtin model (it may not exist yet)."""
     if name not in BUILTINS:
         raise ModelError(f"unknown builtin model '{BUILTIN_PREFIX}{name}'; builtins: {_builtin_names()}")
-    return dapo_flow_home() / "models" / f"{name}-v{BUILTINS[name][1]()}"
+    return dapo_flow_home() / "models" / f"{name}-v{BUILTINS[name].version()}"
 
 
 def build_builtin(name: str, *, force: bool = False, progress: bool = True) -> Path:
@@ -76,7 +76,7 @@ def build_builtin(name: str, *, force: bool = False, progress: bool = True) -> P
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
         try:
-            BUILTINS[name][0](tmp, progress)
+            BUILTINS[name].build(tmp, progress)
             tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache is meant to be shared
             if final.exists():  # force: move the old build aside first, rename is atomic
                 old = Path(tempfile.mkdtemp(prefix=f".{final.name}-old-", dir=final.parent))
@@ -92,26 +92,13 @@ def model_config(path: str) -> dict | None:
     """A model's config.json as a dict without building or loading anything: a builtin's declared
     shape, a local directory's file; None when there is none to read (loading reports why)."""
     if path.startswith(BUILTIN_PREFIX):
-        shapes = {"tiny-adder": _tiny_adder_shape, "tiny-chat": _tiny_chat_shape}
         name = path[len(BUILTIN_PREFIX):]
-        return shapes[name]() if name in shapes else None
+        return BUILTINS[name].shape() if name in BUILTINS else None
     try:
         config = json.loads((Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return config if isinstance(config, dict) else None
-
-
-def _tiny_adder_shape() -> dict:
-    from dapo_flow.models.tiny_adder import shape_config
-
-    return shape_config()
-
-
-def _tiny_chat_shape() -> dict:
-    from dapo_flow.models.tiny_chat import shape_config
-
-    return shape_config()
 
 
 def resolve_model(path: str, *, progress: bool = True) -> Path:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from dapo_flow.data.tasks import AdditionTask, verify_addition
-from dapo_flow.models.warm_start import BUILD_INFO, save_model_dir, supervised_fit, write_build_info  # noqa: F401 (BUILD_INFO: for callers)
+from dapo_flow.models.warm_start import (BUILD_INFO, deterministic_torch, sampled_accuracy_of,  # noqa: F401 (BUILD_INFO: for callers)
+                                         save_model_dir, supervised_fit, write_build_info)
 
 RECIPE_VERSION = 5  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
 
@@ -70,7 +71,6 @@ def build_tiny_adder(out_dir: Path, *, seed: int = 0, progress: bool = True, rec
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     from dapo_flow.models.tokenizer import build_char_tokenizer
-    from dapo_flow.models.warm_start import deterministic_torch
 
     out_dir = Path(out_dir)
     task = AdditionTask()  # the same default splits `builtin:addition` serves
@@ -119,14 +119,6 @@ def _warm_start(model: Any, tokenizer: Any, task: AdditionTask, recipe: Recipe, 
 
 def sampled_accuracy(model_dir: Path, task: AdditionTask, recipe: Recipe = RECIPE) -> float:
     """Fraction of temperature-1 samples on the val split that verify as correct."""
-    from dapo_flow.models.hf import HFPolicy
-    from dapo_flow.models.sampling import SamplingConfig
-
-    policy = HFPolicy(model_dir)
-    val = task.problems("val")
-    prompt_ids = policy.tokenizer([p.prompt for p in val], add_special_tokens=True)["input_ids"]
-    cfg = SamplingConfig(n=recipe.eval_samples_per_prompt, temperature=1.0, max_tokens=6, seed=recipe.eval_seed)
-    out = policy.generate(prompt_ids, cfg)
-    texts = policy.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-    right = [verify_addition(t, val[i].answer) > 0 for t, i in zip(texts, out.prompt_index)]
-    return round(sum(right) / len(right), 4)
+    return sampled_accuracy_of(
+        model_dir, task.problems("val"), lambda tok, prompts: tok(prompts, add_special_tokens=True)["input_ids"],
+        verify_addition, samples_per_prompt=recipe.eval_samples_per_prompt, max_tokens=6, seed=recipe.eval_seed)

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from dapo_flow.data.chain_task import ChainTask, question, solution, verify_chain
-from dapo_flow.models.warm_start import BUILD_INFO, save_model_dir, write_build_info
+from dapo_flow.models.warm_start import (BUILD_INFO, deterministic_torch, sampled_accuracy_of, save_model_dir,
+                                         supervised_fit, write_build_info)
 
 RECIPE_VERSION = 1  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
 
@@ -77,7 +78,6 @@ def build_tiny_chat(out_dir: Path, *, seed: int = 0, progress: bool = True, reci
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     from dapo_flow.models.chat_tokenizer import train_chat_tokenizer
-    from dapo_flow.models.warm_start import deterministic_torch
 
     out_dir = Path(out_dir)
     task = ChainTask()  # the default splits `builtin:chain` serves
@@ -121,29 +121,18 @@ def chat_prompt_ids(tokenizer: Any, expressions: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-def warm_start(model: Any, tokenizer: Any, task: ChainTask, recipe: Recipe, seed: int, progress: bool,
-               on_step: Any = None) -> None:
+def warm_start(model: Any, tokenizer: Any, task: ChainTask, recipe: Recipe, seed: int, progress: bool) -> None:
     """Teacher forcing on the ChatML prompt -> worked solution + <|im_end|>, loss on the response."""
-    from dapo_flow.models.warm_start import supervised_fit
-
     problems = task.problems("train")
     prompts = chat_prompt_ids(tokenizer, [p.prompt for p in problems])
     answers = tokenizer([solution(p.prompt) for p in problems], add_special_tokens=False)["input_ids"]
     supervised_fit(model, prompts, [a + [tokenizer.eos_token_id] for a in answers], recipe,
                    pad_id=tokenizer.pad_token_id, seed=seed, label="builtin:tiny-chat",
-                   progress=progress, trim_padding=True, on_step=on_step)
+                   progress=progress, trim_padding=True)
 
 
-def sampled_accuracy(model_dir: Path, task: ChainTask, recipe: Recipe = RECIPE, policy: Any = None) -> float:
+def sampled_accuracy(model_dir: Path, task: ChainTask, recipe: Recipe = RECIPE) -> float:
     """Fraction of temperature-1 samples on the first val prompts that verify as correct."""
-    from dapo_flow.models.hf import HFPolicy
-    from dapo_flow.models.sampling import SamplingConfig
-
-    policy = policy or HFPolicy(model_dir)
-    val = task.problems("val")[: recipe.eval_prompts]
-    cfg = SamplingConfig(n=recipe.eval_samples_per_prompt, temperature=1.0, max_tokens=recipe.eval_max_tokens,
-                         seed=recipe.eval_seed)
-    out = policy.generate(chat_prompt_ids(policy.tokenizer, [p.prompt for p in val]), cfg)
-    texts = policy.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-    right = [verify_chain(t, val[i].answer) > 0 for t, i in zip(texts, out.prompt_index)]
-    return round(sum(right) / len(right), 4)
+    return sampled_accuracy_of(
+        model_dir, task.problems("val")[: recipe.eval_prompts], chat_prompt_ids, verify_chain,
+        samples_per_prompt=recipe.eval_samples_per_prompt, max_tokens=recipe.eval_max_tokens, seed=recipe.eval_seed)

@@ -14,7 +14,7 @@ import platform
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 BUILD_INFO = "dapo_flow_build.json"
 
@@ -47,15 +47,30 @@ def write_build_info(out_dir: Path, *, name: str, recipe_version: int, recipe: A
     (out_dir / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 
+def sampled_accuracy_of(model_dir: Path, problems: list, prompt_ids: Callable[[Any, list[str]], list[list[int]]],
+                     verify: Callable[[str, str], float], *, samples_per_prompt: int, max_tokens: int,
+                     seed: int) -> float:
+    """Fraction of temperature-1 samples of the model in ``model_dir`` on ``problems`` (each with
+    ``.prompt`` and ``.answer``) that ``verify(text, answer)`` scores above 0. ``prompt_ids``:
+    (tokenizer, prompts) -> token ids, as the model is prompted."""
+    from dapo_flow.models.hf import HFPolicy
+    from dapo_flow.models.sampling import SamplingConfig
+
+    policy = HFPolicy(model_dir)
+    cfg = SamplingConfig(n=samples_per_prompt, temperature=1.0, max_tokens=max_tokens, seed=seed)
+    out = policy.generate(prompt_ids(policy.tokenizer, [p.prompt for p in problems]), cfg)
+    texts = policy.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+    right = [verify(t, problems[i].answer) > 0 for t, i in zip(texts, out.prompt_index)]
+    return round(sum(right) / len(right), 4)
+
+
 def supervised_fit(model: Any, prompts: list[list[int]], responses: list[list[int]], recipe: Any, *,
-                   pad_id: int, seed: int, label: str, progress: bool, trim_padding: bool = False,
-                   on_step: Any = None) -> None:
+                   pad_id: int, seed: int, label: str, progress: bool, trim_padding: bool = False) -> None:
     """Teacher forcing on prompt + response, loss (label-smoothed cross-entropy) on the response
     tokens only: ``recipe.steps`` AdamW steps of ``recipe.batch_size`` random rows, linear warmup
     then cosine decay. ``trim_padding``: cut each batch to its longest row and apply the LM head
     only at response positions (the same loss, faster; off for tiny-adder, whose cached bytes
-    were built the plain way; the model must expose ``.model`` and ``.lm_head``, as HF's do). ``on_step(step)``
-    (optional) runs after each step, e.g. to evaluate."""
+    were built the plain way; the model must expose ``.model`` and ``.lm_head``, as HF's do)."""
     import torch
     import torch.nn.functional as F
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -99,8 +114,6 @@ def supervised_fit(model: Any, prompts: list[list[int]], responses: list[list[in
             sched.step()
             if step % 50 == 0 or step + 1 == recipe.steps:
                 bar.update(job, completed=step + 1, loss=loss.item())
-            if on_step is not None:
-                on_step(step)
     model.eval()
 
 

@@ -80,14 +80,18 @@ def fake_builtin(monkeypatch, tmp_path):
     monkeypatch.setenv("DAPO_FLOW_HOME", str(tmp_path))
     calls: list[Path] = []
 
-    def build(out: Path, progress: bool) -> Path:
-        calls.append(out)
-        (out / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "n": len(calls)}))
-        if len(calls) == 3:
-            raise RuntimeError("boom")
-        return out
+    class FakeBuiltin:
+        def build(self, out: Path, progress: bool) -> Path:
+            calls.append(out)
+            (out / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "n": len(calls)}))
+            if len(calls) == 3:
+                raise RuntimeError("boom")
+            return out
 
-    monkeypatch.setitem(models.BUILTINS, "fake", (build, lambda: 7))
+        def version(self) -> int:
+            return 7
+
+    monkeypatch.setitem(models.BUILTINS, "fake", FakeBuiltin())
     return calls
 
 
