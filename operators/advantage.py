@@ -1,5 +1,5 @@
 """advantage: outcome advantages (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline, GRPO pass@k, OPO
-per sequence; REINFORCE++ per token).
+per sequence; REINFORCE++ per token; GAE per token over a critic's values, with its returns).
 
 GRPO: (r - group mean) / (unbiased group std + 1e-6), or r - mean with
 `norm_by_std: false` (Dr.GRPO). Groups are prompt ids by value. A per-sequence value
@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel, Field, field_validator
 
 from dapo_flow import algos
-from dapo_flow.data.arrow_utils import float_column, group_codes, padded_to_ragged, with_columns
+from dapo_flow.data.arrow_utils import float_column, group_codes, padded_to_ragged, ragged_to_padded, with_columns
 from dapo_flow.graph import columns as C
 from dapo_flow.graph.contract import PARAMS_CONFIG, OpContext, registered
 
@@ -32,7 +32,9 @@ class Params(BaseModel):
     norm_by_std: bool = True
     """grpo / grpo_passk: divide by the group std (false = Dr.GRPO)."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
-    """reinforce_pp: discount of the return-to-go per valid token (verl algorithm.gamma)."""
+    """reinforce_pp, gae: discount per valid token (verl algorithm.gamma)."""
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    """gae: the GAE lambda (verl algorithm.lam; 1: advantages are returns minus values)."""
     reward_column: Literal["auto", "reward", "score"] = "auto"
     """Sequence reward to use: `reward` (after overlong shaping), the raw `score`, or `auto`:
     `reward` when an upstream node produces it, else `score` (resolved when the graph compiles)."""
@@ -57,12 +59,15 @@ class Advantage:
 
     @classmethod
     def requires(cls, params: Params) -> dict[str, pa.DataType]:
-        return C.typed(C.PROMPT_ID, C.RESPONSE_LEN, C.reward_source(params.reward_column))
+        reads = algos.ESTIMATORS[params.estimator].reads
+        return C.typed(C.PROMPT_ID, C.RESPONSE_LEN, C.reward_source(params.reward_column), *([reads] if reads else []))
 
     @classmethod
     def produces(cls, params: Params) -> dict[str, pa.DataType]:
-        token_level = algos.ESTIMATORS[params.estimator].sequence is None
-        return C.typed(C.TOKEN_ADVANTAGE if token_level else C.ADVANTAGE)
+        estimator = algos.ESTIMATORS[params.estimator]
+        if estimator.with_input is not None:  # a critic's: its targets too
+            return C.typed(C.TOKEN_ADVANTAGE, C.RETURNS)
+        return C.typed(C.TOKEN_ADVANTAGE if estimator.sequence is None else C.ADVANTAGE)
 
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params
@@ -83,16 +88,25 @@ class Advantage:
 
     def _token_level(self, batch: pa.Table, rewards: np.ndarray, lengths: np.ndarray) -> pa.Table:
         """A token-level estimator (REINFORCE++: returns-to-go whitened over every valid token of
-        the batch) on token rewards = each sequence's reward on its last response token.
+        the batch; GAE over the critic's values, which also gives the critic's returns) on token
+        rewards = each sequence's reward on its last response token.
         Shape: rewards, lengths (batch,) -> (batch, ragged)."""
         width = int(lengths.max()) if len(lengths) else 0
         valid = torch.arange(width)[None, :] < torch.from_numpy(lengths.astype(np.int64))[:, None]
         token_rewards = torch.zeros(len(lengths), width, dtype=torch.float32)
         rows = np.flatnonzero(lengths > 0)
         token_rewards[rows, lengths[rows] - 1] = torch.from_numpy(rewards[rows].astype(np.float32))
-        adv, _ = algos.ESTIMATORS[self.params.estimator].token(token_rewards, valid, self.params.gamma)
+        p = self.params
+        estimator = algos.ESTIMATORS[p.estimator]
+        out = {}
+        if estimator.with_input is not None:
+            extra = torch.from_numpy(ragged_to_padded(batch.column(estimator.reads), dtype=np.float32)[0][:, :width])
+            adv, returns = estimator.with_input(token_rewards, extra, valid, p.gamma, p.lam)
+            out[C.RETURNS] = padded_to_ragged(returns.numpy(), lengths, C.TOKEN_FLOATS)
+        else:
+            adv, _ = estimator.token(token_rewards, valid, p.gamma)
         self._record(adv[valid].numpy())
-        return with_columns(batch, {C.TOKEN_ADVANTAGE: padded_to_ragged(adv.numpy(), lengths, C.TOKEN_FLOATS)})
+        return with_columns(batch, {C.TOKEN_ADVANTAGE: padded_to_ragged(adv.numpy(), lengths, C.TOKEN_FLOATS), **out})
 
     def _record(self, adv: np.ndarray) -> None:
         if len(adv):

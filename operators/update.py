@@ -34,7 +34,9 @@ LossAgg = Literal[algos.LOSS_AGG_MODES]  # type: ignore[valid-type]
 KLType = Literal[algos.KL_KINDS]  # type: ignore[valid-type]
 
 
-class Params(BaseModel):
+class OptimizerParams(BaseModel):
+    """The optimisation settings every training operator takes (`update`, `critic-update`)."""
+
     model_config = PARAMS_CONFIG
 
     lr: float = Field(1e-6, gt=0.0, le=1.0)
@@ -52,6 +54,27 @@ class Params(BaseModel):
     model sets `train.max_tokens_per_micro_batch`."""
     shuffle: bool = False
     """Shuffle rows before splitting into mini-batches (seeded)."""
+    loss_agg_mode: LossAgg = "token-mean"
+    """How token losses become one number (DAPO: token-mean)."""
+    norm_len: int | None = Field(None, ge=1)
+    """Constant length for seq-mean-token-sum-norm (Dr.GRPO): set max response length."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Max global grad norm."""
+    max_nonfinite_steps: int = Field(3, ge=0, le=1_000_000)
+    """Stop the run after this many optimizer steps in a row with a nan/inf gradient norm (each
+    is skipped, so the run would train nothing); 0 never stops (they are only counted)."""
+    max_empty_steps: int = Field(3, ge=0, le=1_000_000)
+    """Stop the run after this many steps in a row with no token left to train on (every response
+    masked: truncated under mask_truncated, or loss_mask false); 0 never stops."""
+
+    @model_validator(mode="after")
+    def _norm_len_for_drgrpo(self) -> "OptimizerParams":
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.norm_len is None:
+            raise ValueError("loss_agg_mode seq-mean-token-sum-norm needs norm_len (set it to max_tokens)")
+        return self
+
+
+class Params(OptimizerParams):
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)
     """Lower ratio clip: r >= 1 - clip_low."""
     clip_high: float = Field(0.28, ge=0.0, le=10.0)
@@ -66,12 +89,6 @@ class Params(BaseModel):
     ranges are ~1e-4 scale, verl's example 3e-4 / 4e-4); `cispo`: REINFORCE weighted by the clipped
     token ratio under stop-gradient, so clipped tokens still get a gradient (MiniMax-M1); `gpg`:
     plain -A * logp, no ratio, no clip (GPG). All aggregate with loss_agg_mode."""
-    loss_agg_mode: LossAgg = "token-mean"
-    """How token losses become one number (DAPO: token-mean)."""
-    norm_len: int | None = Field(None, ge=1)
-    """Constant length for seq-mean-token-sum-norm (Dr.GRPO): set max response length."""
-    grad_clip: float = Field(1.0, gt=0.0)
-    """Max global grad norm."""
     kl_coef: float = Field(0.0, ge=0.0)
     """KL loss coefficient against ref_logp (0 = no KL; DAPO uses none)."""
     kl_type: KLType = "low_var_kl"
@@ -89,18 +106,9 @@ class Params(BaseModel):
     get no loss), `ignore` it, or `auto`: use it when an upstream node produces it."""
     temperature: float = Field(1.0, gt=0.0, le=10.0)
     """Divide logits by this (set it to generate's temperature)."""
-    max_nonfinite_steps: int = Field(3, ge=0, le=1_000_000)
-    """Stop the run after this many optimizer steps in a row with a nan/inf gradient norm (each
-    is skipped, so the run would train nothing); 0 never stops (they are only counted)."""
-    max_empty_steps: int = Field(3, ge=0, le=1_000_000)
-    """Stop the run after this many steps in a row with no token left to train on (every response
-    masked: truncated under mask_truncated, or loss_mask false); 0 never stops."""
-
-    @model_validator(mode="after")
-    def _norm_len_for_drgrpo(self) -> "Params":
-        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.norm_len is None:
-            raise ValueError("loss_agg_mode seq-mean-token-sum-norm needs norm_len (set it to max_tokens)")
-        return self
+    critic_warmup: int = Field(0, ge=0)
+    """Leave the policy as it is for the first this many RL steps, while a critic learns the
+    values its advantages come from (verl's trainer.critic_warmup)."""
 
     @model_validator(mode="after")
     def _dual_clip_is_vanilla_only(self) -> "Params":
@@ -116,49 +124,30 @@ METRICS = (
     "actor/entropy", "actor/lr", "actor/kl_loss", "actor/skipped_minibatches",
     "actor/skipped_steps", "actor/skipped_steps_total",
 )
-# per-step counts, reported as sums over the step's mini-batches, not as means
-COUNTS = ("actor/skipped_minibatches", "actor/skipped_steps")
 # statistics each worker of a group computes for its share of a mini-batch (already divided by
 # the group's token count): the group's value is their sum
 GROUP_SUMMED = ("actor/pg_loss", "actor/entropy", "actor/clipfrac", "actor/clipfrac_lower",
                 "actor/ppo_kl", "actor/kl_loss")
 
 
-class Update:
-    """Trains the node's model on the batch; emits one row of metrics."""
+class Optimization:
+    """What every training operator does around its loss: AdamW with linear warm-up over RL
+    steps, ``ppo_epochs`` passes over ``mini_batches`` optimizer steps cut as one worker cuts
+    them (also in a training group), micro-batches whose losses are partial sums of the
+    mini-batch's, grad-norm clipping, skipped nan/inf steps and the counters that stop a run
+    training nothing, checkpointable state. A subclass says which columns it reads
+    (:meth:`_arrays`) and what one micro-batch's loss is (:meth:`_micro_loss`); its metrics are
+    ``METRICS``, named ``PREFIX/...``."""
 
-    Params = Params
     CARDINALITY = "sink"
     NEEDS_MODEL = True
     ROLE = "train"
-    PRODUCES = {name: pa.float32() for name in METRICS}
+    OP = "update"  # the op's name, in messages
+    PREFIX = "actor"
+    METRICS: tuple[str, ...] = ()
+    GROUP_SUMMED: tuple[str, ...] = ()
 
-    @classmethod
-    def upstream_problems(cls, params: Params, generator_id: str, generator_params) -> list:
-        from dapo_flow.models.sampling import temperature_problems
-
-        return temperature_problems(params.temperature, generator_id, generator_params.temperature)
-
-    @classmethod
-    def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:
-        update = {}
-        if params.loss_mask == "auto":
-            update["loss_mask"] = "use" if C.LOSS_MASK in available else "ignore"
-        if params.advantage_column == "auto":
-            token_only = C.TOKEN_ADVANTAGE in available and C.ADVANTAGE not in available
-            update["advantage_column"] = C.TOKEN_ADVANTAGE if token_only else C.ADVANTAGE
-        return params.model_copy(update=update) if update else params
-
-    @classmethod
-    def requires(cls, params: Params) -> dict[str, pa.DataType]:
-        cols = [C.PROMPT_IDS, C.RESPONSE_IDS, C.OLD_LOGP,
-                C.TOKEN_ADVANTAGE if params.advantage_column == C.TOKEN_ADVANTAGE else C.ADVANTAGE]
-        cols += [C.TRUNCATED] if params.mask_truncated else []
-        cols += [C.LOSS_MASK] if params.loss_mask == "use" else []
-        cols += [C.REF_LOGP] if params.kl_coef > 0 else []
-        return C.typed(*cols)
-
-    def __init__(self, params: Params, ctx: OpContext):
+    def __init__(self, params: OptimizerParams, ctx: OpContext):
         self.params = params
         self.ctx = ctx
         self.policy = ctx.model.policy  # stays in eval mode: no dropout in RL (HFPolicy)
@@ -167,9 +156,12 @@ class Update:
         )
         self.steps_done = 0
         self.nonfinite_in_a_row = 0  # optimizer steps skipped for a nan/inf grad norm, in a row
-        self.skipped_total = 0  # all optimizer steps skipped so far, for actor/skipped_steps_total
+        self.skipped_total = 0  # all optimizer steps skipped so far, for PREFIX/skipped_steps_total
         self.empty_in_a_row = 0  # steps in a row with every response masked out
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+
+    def _key(self, name: str) -> str:
+        return f"{self.PREFIX}/{name}"
 
     def _lr_factor(self, step: int) -> float:
         w = self.params.warmup_steps
@@ -203,38 +195,25 @@ class Update:
         self.empty_in_a_row = int(state.get("empty_in_a_row", 0))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        p = self.params
         total_rows = int(self._group_sum([batch.num_rows])[0])
         if total_rows == 0:
             raise algos.AlgoError(
-                f"update '{self.ctx.node_id}' got an empty batch: a node between the group-filter "
-                "(or generate) and this update dropped every row. Fix: let that node keep rows, or "
+                f"{self.OP} '{self.ctx.node_id}' got an empty batch: a node between the group-filter "
+                "(or generate) and this node dropped every row. Fix: let that node keep rows, or "
                 "move it before the group-filter so dynamic sampling refills the batch")
-        prompts = token_lists(batch.column(C.PROMPT_IDS))
-        responses = token_lists(batch.column(C.RESPONSE_IDS))
-        old_logp, lengths = ragged_to_padded(batch.column(C.OLD_LOGP), dtype=np.float32)
-        ref_logp = ragged_to_padded(batch.column(C.REF_LOGP), dtype=np.float32)[0] if p.kl_coef > 0 else None
-        mask = np.arange(old_logp.shape[1])[None, :] < lengths[:, None]
-        if p.mask_truncated:
-            mask &= ~batch.column(C.TRUNCATED).to_numpy(zero_copy_only=False)[:, None]
-        if p.loss_mask == "use":
-            mask &= batch.column(C.LOSS_MASK).to_numpy(zero_copy_only=False).astype(bool)[:, None]
-        if p.advantage_column == C.TOKEN_ADVANTAGE:  # (batch, width), 0 past each response
-            adv = ragged_to_padded(batch.column(C.TOKEN_ADVANTAGE), dtype=np.float32)[0]  # as old_logp: same lengths
-        else:  # (batch,): broadcast over the tokens per micro-batch
-            adv = batch.column(C.ADVANTAGE).to_numpy().astype(np.float32)
-
+        data = self._arrays(batch)
+        mask = data["mask"]
         rng = np.random.default_rng([self.ctx.seed, self.steps_done])
         positions = self._batch_positions(batch)
-        sums: dict[str, float] = {name: 0.0 for name in METRICS}
+        sums: dict[str, float] = {name: 0.0 for name in self.METRICS}
         n_opt_steps = 0
-        for _epoch in range(p.ppo_epochs):
+        for _epoch in range(self.params.ppo_epochs):
             for mb in self._mini_batches(rng, positions, batch.num_rows, total_rows):
                 n_tokens, n_seqs = (int(x) for x in self._group_sum([mask[mb].sum(), len(mb)]))
                 if n_tokens == 0:  # e.g. every response truncated under overlong filtering
-                    sums["actor/skipped_minibatches"] += 1
+                    sums[self._key("skipped_minibatches")] += 1
                     continue
-                stats = self._minibatch(mb, prompts, responses, old_logp, ref_logp, mask, adv, n_tokens, n_seqs)
+                stats = self._minibatch(mb, data, n_tokens, n_seqs)
                 for key, value in stats.items():
                     sums[key] += value
                 n_opt_steps += 1
@@ -245,10 +224,30 @@ class Update:
             self.scheduler.step()
         self.steps_done += 1
         out = {k: v / max(n_opt_steps, 1) for k, v in sums.items()}
-        out.update({k: sums[k] for k in COUNTS})
-        out["actor/skipped_steps_total"] = float(self.skipped_total)
-        out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        return pa.table({k: pa.array([out[k]], pa.float32()) for k in METRICS})
+        counts = (self._key("skipped_minibatches"), self._key("skipped_steps"))  # sums, not means
+        out.update({k: sums[k] for k in counts})
+        out[self._key("skipped_steps_total")] = float(self.skipped_total)
+        out[self._key("lr")] = self.optimizer.param_groups[0]["lr"]
+        return self._metrics_row(out)
+
+    def _metrics_row(self, values: dict[str, float]) -> pa.Table:
+        return pa.table({k: pa.array([values.get(k, 0.0)], pa.float32()) for k in self.METRICS})
+
+    def _arrays(self, batch: pa.Table) -> dict:
+        """What the loss reads, per row of ``batch``: at least ``prompts`` and ``responses``
+        (token lists) and ``mask`` ((rows, width) bool: the tokens that take part in the loss)."""
+        raise NotImplementedError
+
+    def _micro_loss(self, rows: np.ndarray, data: dict, n_tokens: int, n_seqs: int
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of micro-batch ``rows`` as its part of the mini-batch's (``n_tokens`` /
+        ``n_seqs`` count the whole mini-batch over the group), and its statistics (shares of the
+        mini-batch's: they are added up)."""
+        raise NotImplementedError
+
+    def _zero_loss_pass(self) -> None:
+        """A forward/backward of one token with zero loss (see :meth:`_empty_pass`)."""
+        raise NotImplementedError
 
     def _batch_positions(self, batch: pa.Table) -> np.ndarray | None:
         """Each local row's position in the whole batch the group trains on (rows of a filter
@@ -314,90 +313,55 @@ class Update:
                 parts = balanced_partitions(tokens, count)
         return [mb[part] for part in parts]
 
-    def _minibatch(self, mb, prompts, responses, old_logp, ref_logp, mask, adv, n_tokens,
-                   n_seqs) -> dict[str, float]:
+    def _minibatch(self, mb: np.ndarray, data: dict, n_tokens: int, n_seqs: int) -> dict[str, float]:
         """One optimizer step over mini-batch rows ``mb`` (micro-batched). ``n_tokens`` and
         ``n_seqs`` count the whole mini-batch, over every worker of a group: each worker's loss is
         its share of the group's loss, times the world size since the group averages gradients
         (FSDP2 in the backward, DDP in ``reduce_gradients``)."""
-        p = self.params
         world = self.ctx.world_size
         self.optimizer.zero_grad(set_to_none=True)
-        stats = {name: 0.0 for name in METRICS}
+        stats = {name: 0.0 for name in self.METRICS}
         lr = self.optimizer.param_groups[0]["lr"]
-        for rows in self._micro_batches(mb, prompts, responses):
+        for rows in self._micro_batches(mb, data["prompts"], data["responses"]):
             if len(rows) == 0:  # this worker has no rows for a pass the others make
                 self._empty_pass()
                 continue
-            logp, entropy, resp_mask = self.policy.response_logprobs(
-                [prompts[i] for i in rows],
-                [responses[i] for i in rows],
-                temperature=p.temperature,
-                with_entropy=True,
-                grad=True,
-            )
-            width = logp.shape[1]
-            m = torch.from_numpy(mask[rows, :width]) & resp_mask
-            old = torch.from_numpy(old_logp[rows, :width])
-            a = torch.from_numpy(adv[rows, :width]) if adv.ndim == 2 else torch.from_numpy(adv[rows])[:, None].expand(-1, width)
-            agg = dict(num_tokens=n_tokens, num_seqs=n_seqs)
-            extra = {"clip_c": p.clip_c} if p.policy_loss == "vanilla" else {}  # dual clip: vanilla only
-            pg_loss, pg_stats = algos.POLICY_LOSSES[p.policy_loss](
-                old, logp, a, m, clip_low=p.clip_low, clip_high=p.clip_high,
-                agg=p.loss_agg_mode, norm_len=p.norm_len, **extra, **agg,
-            )
-            loss = pg_loss
-            ent = algos.agg_loss(entropy.detach(), m, "token-sum") / n_tokens
-            if p.entropy_coef > 0:
-                loss = loss - p.entropy_coef * algos.agg_loss(entropy, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
-            if p.kl_coef > 0:
-                kl = algos.kl_penalty(logp, torch.from_numpy(ref_logp[rows, :width]), p.kl_type)
-                kl_loss = algos.agg_loss(kl, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
-                loss = loss + p.kl_coef * kl_loss
-                stats["actor/kl_loss"] += float(kl_loss.detach())
+            loss, part = self._micro_loss(rows, data, n_tokens, n_seqs)
             (loss * world if world > 1 else loss).backward()
-            # token-weighted share of this micro-batch in the mini-batch's token statistics
-            share = float(m.sum()) / n_tokens
-            stats["actor/pg_loss"] += float(pg_loss.detach())
-            stats["actor/entropy"] += float(ent)
-            for key in ("clipfrac", "clipfrac_lower", "ppo_kl"):
-                stats[f"actor/{key}"] += pg_stats[key] * share
+            for key, value in part.items():
+                stats[key] += value
         if world > 1:  # each worker's statistics are its share of the group's: add them up
-            summed = self._group_sum([stats[k] for k in GROUP_SUMMED])
-            stats.update(zip(GROUP_SUMMED, summed))
+            summed = self._group_sum([stats[k] for k in self.GROUP_SUMMED])
+            stats.update(zip(self.GROUP_SUMMED, summed))
             self.policy.reduce_gradients()  # DDP: one all-reduce per optimizer step (FSDP2: done)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), p.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.model.parameters(), self.params.grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # sharded: a DTensor holding the global norm
             grad_norm = grad_norm.full_tensor()
         finite = bool(torch.isfinite(grad_norm))
         if finite:  # a nan/inf step would poison the weights and Adam's moments for good
             self.optimizer.step()
-        stats["actor/skipped_steps"] = float(not finite)
-        stats["actor/grad_norm"] = float(grad_norm)
-        stats["actor/lr"] = lr
+        stats[self._key("skipped_steps")] = float(not finite)
+        stats[self._key("grad_norm")] = float(grad_norm)
+        stats[self._key("lr")] = lr
         return stats
 
     def _empty_pass(self) -> None:
         """A forward/backward pass of one token with zero loss: a worker with no rows left takes
         part in the group's collectives (FSDP gathers and reduces in every pass; DDP has none
         there, so it skips it)."""
-        if not self.policy.sharded:
-            return
-        eos = self.policy.eos_id
-        logp, _, _ = self.policy.response_logprobs([[eos]], [[eos]], temperature=self.params.temperature,
-                                                   grad=True)
-        (logp.sum() * 0.0).backward()
+        if self.policy.sharded:
+            self._zero_loss_pass()
 
     def _count_nonfinite(self, stats: dict[str, float]) -> None:
         """Track skipped (non-finite) optimizer steps; stop after max_nonfinite_steps in a row."""
-        if not stats["actor/skipped_steps"]:
+        if not stats[self._key("skipped_steps")]:
             self.nonfinite_in_a_row = 0
             return
         self.skipped_total += 1
         self.nonfinite_in_a_row += 1
         limit = self.params.max_nonfinite_steps
         if limit and self.nonfinite_in_a_row >= limit:
-            raise RunError(_nonfinite_message(self.ctx.node_id, stats["actor/grad_norm"], limit,
+            raise RunError(_nonfinite_message(f"{self.OP} '{self.ctx.node_id}'", stats[self._key("grad_norm")], limit,
                                               self.steps_done + 1))
 
     def _count_empty(self, trained_tokens: bool) -> None:
@@ -406,16 +370,133 @@ class Update:
         limit = self.params.max_empty_steps
         if limit and self.empty_in_a_row >= limit:
             raise RunError(
-                f"update '{self.ctx.node_id}': no token was left to train on in {limit} steps in "
+                f"{self.OP} '{self.ctx.node_id}': no token was left to train on in {limit} steps in "
                 "a row: every response was masked out (truncated under mask_truncated, or "
                 "loss_mask false from an overlong-filter node), so the run was training nothing.\n"
                 "    fix: raise generate's max_tokens so responses can finish, or stop masking "
                 "truncated responses (max_empty_steps: 0 never stops)")
 
 
-def _nonfinite_message(node_id: str, grad_norm: float, limit: int, update_step: int) -> str:
+class Update(Optimization):
+    """Trains the node's model (the policy) on the batch; emits one row of metrics."""
+
+    Params = Params
+    ROLE = "train"
+    METRICS = METRICS
+    GROUP_SUMMED = GROUP_SUMMED
+    PRODUCES = {name: pa.float32() for name in METRICS}
+
+    @classmethod
+    def upstream_problems(cls, params: Params, generator_id: str, generator_params) -> list:
+        from dapo_flow.models.sampling import temperature_problems
+
+        return temperature_problems(params.temperature, generator_id, generator_params.temperature)
+
+    @classmethod
+    def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:
+        update = {}
+        if params.loss_mask == "auto":
+            update["loss_mask"] = "use" if C.LOSS_MASK in available else "ignore"
+        if params.advantage_column == "auto":
+            token_only = C.TOKEN_ADVANTAGE in available and C.ADVANTAGE not in available
+            update["advantage_column"] = C.TOKEN_ADVANTAGE if token_only else C.ADVANTAGE
+        return params.model_copy(update=update) if update else params
+
+    @classmethod
+    def requires(cls, params: Params) -> dict[str, pa.DataType]:
+        cols = [C.PROMPT_IDS, C.RESPONSE_IDS, C.OLD_LOGP,
+                C.TOKEN_ADVANTAGE if params.advantage_column == C.TOKEN_ADVANTAGE else C.ADVANTAGE]
+        cols += [C.TRUNCATED] if params.mask_truncated else []
+        cols += [C.LOSS_MASK] if params.loss_mask == "use" else []
+        cols += [C.REF_LOGP] if params.kl_coef > 0 else []
+        return C.typed(*cols)
+
+    def __init__(self, params: Params, ctx: OpContext):
+        super().__init__(params, ctx)
+        self.rl_steps = 0  # calls, warm-up ones included (critic_warmup counts them)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "rl_steps": self.rl_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.rl_steps = int(state.get("rl_steps", self.steps_done))
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        self.rl_steps += 1
+        if self.rl_steps <= self.params.critic_warmup:  # the critic learns first; nothing moves
+            return self._metrics_row({"actor/lr": self.optimizer.param_groups[0]["lr"],
+                                      "actor/skipped_steps_total": float(self.skipped_total)})
+        return super().__call__(batch)
+
+    def _arrays(self, batch: pa.Table) -> dict:
+        p = self.params
+        old_logp, lengths = ragged_to_padded(batch.column(C.OLD_LOGP), dtype=np.float32)
+        mask = np.arange(old_logp.shape[1])[None, :] < lengths[:, None]
+        if p.mask_truncated:
+            mask &= ~batch.column(C.TRUNCATED).to_numpy(zero_copy_only=False)[:, None]
+        if p.loss_mask == "use":
+            mask &= batch.column(C.LOSS_MASK).to_numpy(zero_copy_only=False).astype(bool)[:, None]
+        if p.advantage_column == C.TOKEN_ADVANTAGE:  # (batch, width), 0 past each response
+            adv = ragged_to_padded(batch.column(C.TOKEN_ADVANTAGE), dtype=np.float32)[0]  # as old_logp: same lengths
+        else:  # (batch,): broadcast over the tokens per micro-batch
+            adv = batch.column(C.ADVANTAGE).to_numpy().astype(np.float32)
+        return {
+            "prompts": token_lists(batch.column(C.PROMPT_IDS)),
+            "responses": token_lists(batch.column(C.RESPONSE_IDS)),
+            "old_logp": old_logp,
+            "ref_logp": ragged_to_padded(batch.column(C.REF_LOGP), dtype=np.float32)[0] if p.kl_coef > 0 else None,
+            "mask": mask,
+            "adv": adv,
+        }
+
+    def _micro_loss(self, rows: np.ndarray, data: dict, n_tokens: int, n_seqs: int
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+        p = self.params
+        adv, ref_logp = data["adv"], data["ref_logp"]
+        logp, entropy, resp_mask = self.policy.response_logprobs(
+            [data["prompts"][i] for i in rows],
+            [data["responses"][i] for i in rows],
+            temperature=p.temperature,
+            with_entropy=True,
+            grad=True,
+        )
+        width = logp.shape[1]
+        m = torch.from_numpy(data["mask"][rows, :width]) & resp_mask
+        old = torch.from_numpy(data["old_logp"][rows, :width])
+        a = torch.from_numpy(adv[rows, :width]) if adv.ndim == 2 else torch.from_numpy(adv[rows])[:, None].expand(-1, width)
+        agg = dict(num_tokens=n_tokens, num_seqs=n_seqs)
+        extra = {"clip_c": p.clip_c} if p.policy_loss == "vanilla" else {}  # dual clip: vanilla only
+        pg_loss, pg_stats = algos.POLICY_LOSSES[p.policy_loss](
+            old, logp, a, m, clip_low=p.clip_low, clip_high=p.clip_high,
+            agg=p.loss_agg_mode, norm_len=p.norm_len, **extra, **agg,
+        )
+        loss = pg_loss
+        stats = {"actor/pg_loss": float(pg_loss.detach()),
+                 "actor/entropy": float(algos.agg_loss(entropy.detach(), m, "token-sum") / n_tokens)}
+        if p.entropy_coef > 0:
+            loss = loss - p.entropy_coef * algos.agg_loss(entropy, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
+        if p.kl_coef > 0:
+            kl = algos.kl_penalty(logp, torch.from_numpy(ref_logp[rows, :width]), p.kl_type)
+            kl_loss = algos.agg_loss(kl, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
+            loss = loss + p.kl_coef * kl_loss
+            stats["actor/kl_loss"] = float(kl_loss.detach())
+        # token-weighted share of this micro-batch in the mini-batch's token statistics
+        share = float(m.sum()) / n_tokens
+        for key in ("clipfrac", "clipfrac_lower", "ppo_kl"):
+            stats[f"actor/{key}"] = pg_stats[key] * share
+        return loss, stats
+
+    def _zero_loss_pass(self) -> None:
+        eos = self.policy.eos_id
+        logp, _, _ = self.policy.response_logprobs([[eos]], [[eos]], temperature=self.params.temperature,
+                                                   grad=True)
+        (logp.sum() * 0.0).backward()
+
+
+def _nonfinite_message(node: str, grad_norm: float, limit: int, update_step: int) -> str:
     return (
-        f"update '{node_id}': the gradient norm was {grad_norm} (not finite) in {limit} optimizer "
+        f"{node}: the gradient norm was {grad_norm} (not finite) in {limit} optimizer "
         f"steps in a row, the last in update step {update_step}; each such step is skipped, so the "
         "run was training nothing.\n"
         "    likely causes: lr, entropy_coef or kl_coef too large; clip settings (clip_high, clip_c, "

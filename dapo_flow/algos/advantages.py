@@ -27,6 +27,8 @@ from dapo_flow.algos.masked import (
     masked_whiten,
 )
 
+from dapo_flow.algos.value import gae
+
 GRPO_EPS = 1e-6  # verl's `epsilon` of the GRPO-family estimators
 
 
@@ -175,6 +177,9 @@ def outcome_advantages(
         raise AlgoError(f"gamma must be in [0, 1], got {gamma}")
     if out is not None and (out.shape != token_rewards.shape or out.dtype != token_rewards.dtype):
         raise AlgoError(f"out must have shape {tuple(token_rewards.shape)} and dtype {token_rewards.dtype}")
+    if ESTIMATORS[estimator].with_input is not None:
+        raise AlgoError(f"estimator {estimator!r} also needs {ESTIMATORS[estimator].reads!r}, which "
+                        "outcome_advantages does not take: call it from algos (e.g. algos.gae)")
     with torch.no_grad():
         token_fn = ESTIMATORS[estimator].token
         if token_fn is not None:
@@ -237,6 +242,14 @@ SequenceFn = Callable[[np.ndarray, Segments, bool, "np.ndarray | None"], np.ndar
 TokenFn = Callable[[Tensor, Tensor, float], "tuple[Tensor, Tensor]"]
 
 
+#: (token_rewards (batch, T), input, mask (batch, T), gamma, lam) -> (advantages, returns) (batch, T)
+InputFn = Callable[[Tensor, Tensor, Tensor, float, float], "tuple[Tensor, Tensor]"]
+
+
+def _gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    return gae(token_rewards, values, mask, gamma=gamma, lam=lam)
+
+
 class Estimator(NamedTuple):
     """One advantage estimator: what it computes, and how (exactly one of the two functions)."""
 
@@ -244,6 +257,8 @@ class Estimator(NamedTuple):
     sequence: SequenceFn | None = None  # (scores, groups, norm_by_std, lengths) -> advantages (batch,)
     needs_lengths: bool = False  # `sequence` needs the valid response tokens per sequence
     token: TokenFn | None = None  # (token_rewards, mask, gamma) -> (advantages, returns) (batch, T)
+    with_input: InputFn | None = None  # token-level from the rewards and one more column, `reads`
+    reads: str | None = None  # that column: "values" (per token, a critic's)
 
 
 #: Every advantage estimator, in the order docs list them: the `advantage` operator's choices and
@@ -258,6 +273,9 @@ ESTIMATORS: dict[str, Estimator] = {
     "grpo_passk": Estimator("pass@k: only each group's best sample gets its gap to the runner-up (n >= 2)",
                             _adv_grpo_passk),
     "opo": Estimator("r - length-weighted group mean (optimal baseline)", _adv_opo, needs_lengths=True),
+    "gae": Estimator("PPO's GAE over a critic's per-token `values` (from a `values` node; `gamma`, `lam`), "
+                     "whitened over the batch's valid tokens; token-level, no groups", with_input=_gae,
+                     reads="values"),
 }
 #: The built-in estimators of :func:`sequence_advantages` (the token-level ones discount per token);
 #: code that must see estimators registered later reads ESTIMATORS itself.

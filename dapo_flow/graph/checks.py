@@ -71,6 +71,8 @@ def validate(doc: GraphDoc) -> ValidGraph:
         found.raise_if_any()
         raise AssertionError("unreachable: GraphSpec failed without errors")
     _check_models(found, nodes, declared)
+    heads = {name: m.resolved_head for name, m in spec.models.items()} if spec is not None else {}
+    _check_heads(found, nodes, heads)
     graph = _check_edges(found, nodes)
     order: tuple[str, ...] = ()
     schemas: dict[str, _Rows] = {}
@@ -78,7 +80,7 @@ def validate(doc: GraphDoc) -> ValidGraph:
         index = {n.id: n.index for n in nodes}
         topo = nx.lexicographical_topological_sort(graph, key=lambda n: index.get(n, -1))
         order = tuple(n for n in topo if n != PROMPTS_SOURCE)
-        _check_training(found, nodes)
+        _check_training(found, nodes, {m for m, h in heads.items() if h == "value"})
         schemas = _propagate(found, nodes, order)
         _check_group_filter(found, nodes, graph, schemas)
         _check_greedy_groups(found, nodes, graph)
@@ -223,8 +225,33 @@ def _check_cycles(found: Found, nodes: list[_Node], graph: nx.DiGraph) -> bool:
     return ok
 
 
-def _check_training(found: Found, nodes: list[_Node]) -> None:
-    """One trainer per model; trained models feed a generator; refs stay frozen."""
+#: what each model head is, in messages
+HEAD_WORDS = {"lm": "a causal LM (it generates and gives token logprobs)",
+              "value": "a value model (a critic: one value per token)"}
+
+
+def _check_heads(found: Found, nodes: list[_Node], heads: dict[str, str]) -> None:
+    """Each node's model is what its operator works on (``MODEL_HEAD``, default `lm`): a critic's
+    nodes (`values`, `critic-update`) need a value model, every other model op a causal LM."""
+    for node in nodes:
+        model = node.spec.model
+        if node.cls is None or model not in heads or not getattr(node.cls, "NEEDS_MODEL", False):
+            continue
+        wanted = getattr(node.cls, "MODEL_HEAD", "lm")
+        if heads[model] == wanted:
+            continue
+        if wanted == "value":
+            fix = (f"declare a critic under `models:` with `head: value` (e.g. `critic: {{path: "
+                   f"builtin:tiny-adder-critic}}`, or your policy's path with `head: value`) and name it here")
+        else:
+            fix = f"name a causal-LM model here (the policy or a reference), not the critic '{model}'"
+        found.add(node.path + ("model",), f"op '{node.spec.op}' needs {HEAD_WORDS[wanted]}, but model "
+                  f"'{model}' is {HEAD_WORDS[heads[model]]}", fix)
+
+
+def _check_training(found: Found, nodes: list[_Node], value_models: set[str]) -> None:
+    """One trainer per model; trained models feed a generator (a critic's values feed the
+    advantages instead); refs stay frozen."""
     if any(n.cls is None for n in nodes):
         return  # a typo'd op may be the update: don't guess
     updates: dict[str, _Node] = {}
@@ -244,7 +271,7 @@ def _check_training(found: Found, nodes: list[_Node]) -> None:
                   "add an `update` node fed by an `advantage` node", field_name="nodes")
     generated = {n.spec.model for n in nodes if role(n.cls) == "generate"}
     for model, node in updates.items():
-        if model not in generated:
+        if model not in generated and model not in value_models:
             found.add(node.path + ("model",), f"model '{model}' is updated but no `generate` node "
                       "uses it, so the new weights never reach a rollout",
                       f"generate with `model: {model}`, or update the model you generate with")

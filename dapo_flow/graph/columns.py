@@ -43,6 +43,8 @@ REF_LOGP = "ref_logp"
 ENTROPY = "entropy"
 ADVANTAGE = "advantage"  # per sequence; broadcast over response tokens by `update`
 TOKEN_ADVANTAGE = "token_advantage"  # per response token (token-level estimators: REINFORCE++)
+VALUES = "values"  # per response token: a critic's V of the state each token is sampled from
+RETURNS = "returns"  # per response token: the critic's regression targets (GAE: advantages + values)
 LOSS_MASK = "loss_mask"  # per sequence; False rows contribute no loss (overlong filtering)
 BATCH_ROW = "batch_row"  # a row's position in the whole batch a training group shares out to its
 # workers for an update (set by the executor), so the group cuts mini-batches as one worker would
@@ -70,6 +72,8 @@ SCHEMA: dict[str, pa.DataType] = {
     ADVANTAGE: pa.float32(),
     LOSS_MASK: pa.bool_(),
     TOKEN_ADVANTAGE: TOKEN_FLOATS,
+    VALUES: TOKEN_FLOATS,
+    RETURNS: TOKEN_FLOATS,
     BATCH_ROW: pa.int64(),
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 from operators.advantage import Advantage
+from operators.critic_update import CriticUpdate
 from operators.generate import Generate
 from operators.group_filter import GroupFilter
 from operators.kl import KL
@@ -13,6 +14,7 @@ from operators.overlong_filter import OverlongFilter
 from operators.overlong_shape import OverlongShape
 from operators.score import Score
 from operators.update import Update
+from operators.values import Values
 
 OPERATORS: dict[str, type] = {
     "generate": Generate,
@@ -24,6 +26,8 @@ OPERATORS: dict[str, type] = {
     "kl": KL,
     "advantage": Advantage,
     "update": Update,
+    "values": Values,
+    "critic-update": CriticUpdate,
 }
 
 CUSTOM_OP = "custom"  # a node whose class is named by its `impl:` field

@@ -119,13 +119,21 @@ class RolloutSpec(_Frozen):
 
 class ModelSpec(_Frozen):
     path: str = Field(
-        description="`builtin:tiny-adder` (built and cached on first use) or a local "
-        "Hugging Face causal-LM directory."
+        description="`builtin:tiny-adder`, `builtin:tiny-chat`, `builtin:tiny-adder-critic` (built and "
+        "cached on first use) or a local Hugging Face model directory (a causal LM, or a critic's)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and compute dtype of every copy of the model. Under "
         "train.mixed_precision: bf16 only of the copies not trained (rollout engine, reference, a "
         "rollout actor's copy): the trained copy then keeps float32 master weights and computes in bf16."
+    )
+    head: Literal["lm", "value"] | None = Field(
+        None, description="What the model is: `lm`, a causal LM (generates, gives token logprobs: a "
+        "policy or a reference), or `value`, a PPO critic: one value per token (Hugging Face "
+        "AutoModelForTokenClassification with one label on the directory's architecture; a causal-LM "
+        "directory keeps its backbone and gets a new zero-initialised value head, as verl's critic "
+        "starts from the actor). null: read from the directory's config.json (a token classifier, "
+        "e.g. `builtin:tiny-adder-critic` or a critic checkpoint, is `value`; anything else `lm`)."
     )
     backend: str = Field(
         "hf", description="Generation engine, a key of dapo_flow.models.engines.BACKENDS: `hf` (torch, "
@@ -136,6 +144,13 @@ class ModelSpec(_Frozen):
     )
     train: TrainSpec = Field(default_factory=TrainSpec, description="How the model is trained.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="The rollout engine's settings.")
+
+    @property
+    def resolved_head(self) -> str:
+        """`lm` or `value`: ``head``, else what the directory's config.json says."""
+        from dapo_flow.models import model_head
+
+        return model_head(self.path, self.head)
 
     @field_validator("backend")
     @classmethod

@@ -186,8 +186,11 @@ class HFPolicy:
         grad_checkpointing: bool = False,
         logprob_chunk_tokens: int | None = None,
         mixed_precision: str | None = None,
+        head: str = "lm",
     ) -> None:
-        """``grad_checkpointing``: gradient passes recompute each decoder layer's activations in
+        """``head``: `lm` loads the causal LM (sampling, logprobs); `value` the value model of a
+        PPO critic (:mod:`dapo_flow.models.heads`: :meth:`response_values`; it does not sample).
+        ``grad_checkpointing``: gradient passes recompute each decoder layer's activations in
         the backward pass (HF gradient checkpointing, non-reentrant) instead of storing them.
         ``logprob_chunk_tokens``: logprobs and entropy over at most this many response tokens
         at a time, each chunk's logits recomputed in the backward (:func:`response_logprobs_of`).
@@ -197,9 +200,10 @@ class HFPolicy:
         (``load_resource`` loads it so whatever the model's ``dtype``); logits are cast to
         float32 before any log-softmax. Not with :meth:`shard` (FSDP2 casts the parameters
         itself: pass ``mixed_precision`` there)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from dapo_flow.models import resolve_model
+        from dapo_flow.models.heads import load_torch_model
 
         if dtype not in DTYPES:
             raise ModelError(f"unknown dtype '{dtype}'; use one of {sorted(DTYPES)}")
@@ -211,7 +215,8 @@ class HFPolicy:
         self.seed = seed
         torch.manual_seed(seed)  # anything stochastic inside the model (none for Llama: no dropout)
         with hf_progress_bars_off():
-            self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype]).to(self.device)
+            self.model = load_torch_model(self.path, head, DTYPES[dtype]).to(self.device)
+        self.head = head
         self.model.eval()  # no dropout in RL: rollout and training must see the same function
         self.model.requires_grad_(trainable)
         self.grad_checkpointing = grad_checkpointing
@@ -466,6 +471,43 @@ class HFPolicy:
             ent = torch.cat([p[1] for p in parts]) if with_entropy and parts else None
         return logp, ent, batch["response_mask"]
 
+    def response_values(
+        self,
+        prompt_ids: list[list[int]],
+        response_ids: list[list[int]],
+        *,
+        micro_batch_size: int = 64,
+        grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A value model's value of each response token's state: V_t is read at the position
+        before token t (the prompt's last token for the first), as verl's critic reads
+        ``values[:, -R-1:-1]``: the value of the context the token is sampled from.
+
+        ``grad=True``: one autograd pass over all rows; otherwise inference mode,
+        ``micro_batch_size`` rows at a time.
+        Shape: -> values (B, R) float32 (0 at padding), response_mask (B, R) bool.
+        """
+        if self.head != "value":
+            raise ModelError(f"{self.path} is loaded as a causal LM, which has no values: declare the "
+                             "model with `head: value` (a critic)")
+        batch = {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
+        if grad:
+            with self._grad_mode():
+                return self._values_pass(batch, slice(None)), batch["response_mask"]
+        with self.gathered(), torch.inference_mode():
+            parts = [self._values_pass(batch, slice(i, i + micro_batch_size))
+                     for i in range(0, len(prompt_ids), micro_batch_size)]
+        values = torch.cat(parts) if parts else batch["response_mask"].float()
+        return values, batch["response_mask"]
+
+    def _values_pass(self, batch: dict[str, torch.Tensor], rows: slice) -> torch.Tensor:
+        inputs = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "position_ids")}
+        start, mask = int(batch["response_start"]), batch["response_mask"][rows]
+        with self.compute_precision():
+            out = self.model(**inputs, use_cache=False).logits  # (b, P+R, 1)
+        values = out[:, start - 1 : start - 1 + mask.shape[1], 0].float()
+        return values.masked_fill(~mask, 0.0)
+
     @contextmanager
     def _grad_mode(self) -> Iterator[None]:
         """Train mode for a gradient pass when checkpointing (HF recomputes layers only in train
@@ -496,7 +538,7 @@ class HFPolicy:
         every worker of the group must call it (each gets the full weights)."""
         out = {k: _full(v).detach().to("cpu", torch.float32, copy=True).numpy()
                for k, v in self.model.state_dict().items()}
-        if "lm_head.weight" not in out:  # tied embeddings: engines such as vLLM still want it
+        if self.head == "lm" and "lm_head.weight" not in out:  # tied embeddings: engines such as vLLM still want it
             head = self.model.get_output_embeddings().weight
             out["lm_head.weight"] = _full(head).detach().to("cpu", torch.float32, copy=True).numpy()
         return out
@@ -511,7 +553,7 @@ class HFPolicy:
         for name, value in self.model.state_dict().items():
             names.add(name)
             yield name, _full(value).detach()
-        if "lm_head.weight" not in names:  # tied embeddings: engines such as vLLM still want it
+        if self.head == "lm" and "lm_head.weight" not in names:  # tied embeddings: engines such as vLLM still want it
             yield "lm_head.weight", _full(self.model.get_output_embeddings().weight).detach()
 
     def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:

@@ -99,7 +99,8 @@ def load_resource(
                           seed=seed, trainable=trainable,
                           grad_checkpointing=trainable and spec.train.grad_checkpointing,
                           logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
-                          mixed_precision=None if strategy == "fsdp2" else spec.train.mixed_precision)
+                          mixed_precision=None if strategy == "fsdp2" else spec.train.mixed_precision,
+                          head=spec.resolved_head)
         if strategy == "fsdp2":
             policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
         elif strategy == "ddp":

@@ -1,0 +1,82 @@
+"""critic-update: trains a PPO critic (a value model) to regress the returns, with verl's
+clipped value loss.
+
+loss = 0.5 * agg(max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2)) over the response
+tokens (``algos.value_loss``; verl ``compute_value_loss`` / ``dp_critic.update_critic``): V the
+critic's new values, V_old the `values` column the batch was scored with, R the `returns` (GAE:
+advantages + values). The critic's own AdamW, warm-up, epochs, mini-batches, micro-batches and
+grad clip (the same loop as `update`'s: operators/update.py ``Optimization``); checkpointed and
+resumed with its model like the policy. Emits one row of ``critic/*`` metrics.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+from pydantic import Field
+
+from dapo_flow import algos
+from dapo_flow.data.arrow_utils import ragged_to_padded, token_lists
+from dapo_flow.graph import columns as C
+from operators.update import Optimization, OptimizerParams
+
+METRICS = (
+    "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
+    "critic/skipped_minibatches", "critic/skipped_steps", "critic/skipped_steps_total",
+)
+
+
+class Params(OptimizerParams):
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    """AdamW learning rate (verl's critic default: 1e-5)."""
+    clip: float = Field(0.5, ge=0.0)
+    """Value clip: a new value counts at most this far from the old one where that loses less
+    (verl's critic.cliprange_value, 0.5)."""
+
+
+class CriticUpdate(Optimization):
+    """Trains the node's value model on the batch's returns; emits one row of metrics."""
+
+    Params = Params
+    CARDINALITY = "sink"
+    NEEDS_MODEL = True
+    ROLE = "train"
+    MODEL_HEAD = "value"
+    OP = "critic-update"
+    PREFIX = "critic"
+    METRICS = METRICS
+    # each worker's share of the group's statistics: summed over the group
+    GROUP_SUMMED = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
+    REQUIRES = C.typed(C.PROMPT_IDS, C.RESPONSE_IDS, C.VALUES, C.RETURNS)
+    PRODUCES = {name: pa.float32() for name in METRICS}
+
+    def _arrays(self, batch: pa.Table) -> dict:
+        values, lengths = ragged_to_padded(batch.column(C.VALUES), dtype=np.float32)
+        return {
+            "prompts": token_lists(batch.column(C.PROMPT_IDS)),
+            "responses": token_lists(batch.column(C.RESPONSE_IDS)),
+            "values": values,
+            "returns": ragged_to_padded(batch.column(C.RETURNS), dtype=np.float32)[0],
+            "mask": np.arange(values.shape[1])[None, :] < lengths[:, None],
+        }
+
+    def _micro_loss(self, rows: np.ndarray, data: dict, n_tokens: int, n_seqs: int
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+        p = self.params
+        vpreds, resp_mask = self.policy.response_values(
+            [data["prompts"][i] for i in rows], [data["responses"][i] for i in rows], grad=True)
+        width = vpreds.shape[1]
+        m = torch.from_numpy(data["mask"][rows, :width]) & resp_mask
+        loss, stats = algos.value_loss(
+            vpreds, torch.from_numpy(data["returns"][rows, :width]), torch.from_numpy(data["values"][rows, :width]),
+            m, clip=p.clip, agg=p.loss_agg_mode, num_tokens=n_tokens, num_seqs=n_seqs, norm_len=p.norm_len)
+        share = float(m.sum()) / n_tokens  # this micro-batch's part of the mini-batch's tokens
+        return loss, {"critic/vf_loss": float(loss.detach()),
+                      "critic/vf_clipfrac": stats["vf_clipfrac"] * share,
+                      "critic/vpred_mean": float(vpreds.detach()[m].sum()) / n_tokens}
+
+    def _zero_loss_pass(self) -> None:
+        eos = self.policy.eos_id
+        values, _ = self.policy.response_values([[eos]], [[eos]], grad=True)
+        (values.sum() * 0.0).backward()
