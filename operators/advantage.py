@@ -1,5 +1,6 @@
 """advantage: outcome advantages (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline, GRPO pass@k, OPO
-per sequence; REINFORCE++ per token; GAE per token over a critic's values, with its returns).
+per sequence; REINFORCE++ per token; GAE per token over a critic's values, with its returns; ReMax
+per token against a baseline reward).
 
 GRPO: (r - group mean) / (unbiased group std + 1e-6), or r - mean with
 `norm_by_std: false` (Dr.GRPO). Groups are prompt ids by value. A per-sequence value
@@ -100,7 +101,11 @@ class Advantage:
         estimator = algos.ESTIMATORS[p.estimator]
         out = {}
         if estimator.with_input is not None:
-            extra = torch.from_numpy(ragged_to_padded(batch.column(estimator.reads), dtype=np.float32)[0][:, :width])
+            column = batch.column(estimator.reads)
+            if pa.types.is_list(column.type):  # per token (a critic's values)
+                extra = torch.from_numpy(ragged_to_padded(column, dtype=np.float32)[0][:, :width])
+            else:  # per sequence (a baseline reward)
+                extra = torch.from_numpy(float_column(batch, estimator.reads).astype(np.float32))
             adv, returns = estimator.with_input(token_rewards, extra, valid, p.gamma, p.lam)
             out[C.RETURNS] = padded_to_ragged(returns.numpy(), lengths, C.TOKEN_FLOATS)
         else:

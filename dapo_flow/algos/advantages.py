@@ -27,7 +27,7 @@ from dapo_flow.algos.masked import (
     masked_whiten,
 )
 
-from dapo_flow.algos.value import gae
+from dapo_flow.algos.value import gae, remax_advantages
 
 GRPO_EPS = 1e-6  # verl's `epsilon` of the GRPO-family estimators
 
@@ -250,6 +250,10 @@ def _gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam:
     return gae(token_rewards, values, mask, gamma=gamma, lam=lam)
 
 
+def _remax(token_rewards: Tensor, baselines: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    return remax_advantages(token_rewards, baselines, mask)
+
+
 class Estimator(NamedTuple):
     """One advantage estimator: what it computes, and how (exactly one of the two functions)."""
 
@@ -258,7 +262,7 @@ class Estimator(NamedTuple):
     needs_lengths: bool = False  # `sequence` needs the valid response tokens per sequence
     token: TokenFn | None = None  # (token_rewards, mask, gamma) -> (advantages, returns) (batch, T)
     with_input: InputFn | None = None  # token-level from the rewards and one more column, `reads`
-    reads: str | None = None  # that column: "values" (per token, a critic's)
+    reads: str | None = None  # that column: "values" (per token, a critic's) or "baseline" (per sequence)
 
 
 #: Every advantage estimator, in the order docs list them: the `advantage` operator's choices and
@@ -276,6 +280,8 @@ ESTIMATORS: dict[str, Estimator] = {
     "gae": Estimator("PPO's GAE over a critic's per-token `values` (from a `values` node; `gamma`, `lam`), "
                      "whitened over the batch's valid tokens; token-level, no groups", with_input=_gae,
                      reads="values"),
+    "remax": Estimator("ReMax: reward-to-go minus the `baseline` reward (the greedy response's, joined by a "
+                       "`baseline` node); token-level, no groups, not whitened", with_input=_remax, reads="baseline"),
 }
 #: The built-in estimators of :func:`sequence_advantages` (the token-level ones discount per token);
 #: code that must see estimators registered later reads ESTIMATORS itself.

@@ -307,6 +307,9 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...]) -> dict
         if (node.params is None or not inputs or any(i not in rows for i in inputs)
                 or any(by_id[i].cardinality == "sink" for i in inputs if i in by_id)):
             continue  # broken here or upstream: already reported, don't cascade
+        if callable(getattr(node.cls, "combine", None)):  # joins its inputs itself, by key
+            _propagate_join(found, node, rows)
+            continue
         origins = {i: rows[i].rows_from for i in inputs}
         if len(set(origins.values())) > 1:
             found.add(node.path + ("inputs",), "inputs carry different rows ("
@@ -355,6 +358,34 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...]) -> dict
         rows[nid] = _Rows(pa.schema(list(cols.items())), pa.schema(list(out.items())), out_src,
                           rows_from, rows_in)
     return rows
+
+
+def _propagate_join(found: Found, node: _Node, rows: dict[str, _Rows]) -> None:
+    """A node that combines its inputs itself (``combine``: e.g. `baseline` joins by prompt id):
+    each input must bring its own columns (``input_requires``); the rows and columns going on
+    are the first input's, plus what the node produces."""
+    inputs = node.spec.inputs
+    wanted = node.cls.input_requires(node.params)
+    if len(inputs) != len(wanted):
+        found.add(node.path + ("inputs",), f"op '{node.spec.op}' takes {len(wanted)} inputs, got "
+                  f"{len(inputs)}", f"inputs: {getattr(node.cls, 'INPUTS', 'see `dapo-flow ops`')}")
+        return
+    for nth, (i, need) in enumerate(zip(inputs, wanted)):
+        schema = rows[i].out_schema
+        for name, typ in need.items():
+            if name not in schema.names:
+                found.add(node.path + ("inputs", nth), f"input '{i}' lacks column '{name}' "
+                          f"({type_name(typ)})", _producer_hint(name), kind=SchemaError)
+            elif schema.field(name).type != typ:
+                found.add(node.path + ("inputs", nth), f"input '{i}' gives column '{name}' as "
+                          f"{type_name(schema.field(name).type)}, not {type_name(typ)}",
+                          f"make '{rows[i].source[name]}' produce {type_name(typ)}", kind=SchemaError)
+    first = rows[inputs[0]]
+    out, out_src = dict(zip(first.out_schema.names, first.out_schema.types)), dict(first.source)
+    for name, typ in produces(node.cls, node.params).items():
+        out[name], out_src[name] = typ, node.id
+    rows[node.id] = _Rows(first.out_schema, pa.schema(list(out.items())), out_src, first.rows_from,
+                          first.rows_from)
 
 
 def _producer_hint(column: str) -> str:

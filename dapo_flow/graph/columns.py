@@ -44,6 +44,7 @@ ENTROPY = "entropy"
 ADVANTAGE = "advantage"  # per sequence; broadcast over response tokens by `update`
 TOKEN_ADVANTAGE = "token_advantage"  # per response token (token-level estimators: REINFORCE++)
 VALUES = "values"  # per response token: a critic's V of the state each token is sampled from
+BASELINE = "baseline"  # per sequence: the reward of its prompt's baseline response (ReMax: the greedy one)
 RETURNS = "returns"  # per response token: the critic's regression targets (GAE: advantages + values)
 LOSS_MASK = "loss_mask"  # per sequence; False rows contribute no loss (overlong filtering)
 BATCH_ROW = "batch_row"  # a row's position in the whole batch a training group shares out to its
@@ -74,6 +75,7 @@ SCHEMA: dict[str, pa.DataType] = {
     TOKEN_ADVANTAGE: TOKEN_FLOATS,
     VALUES: TOKEN_FLOATS,
     RETURNS: TOKEN_FLOATS,
+    BASELINE: pa.float32(),
     BATCH_ROW: pa.int64(),
 }
 

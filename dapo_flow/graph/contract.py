@@ -34,6 +34,13 @@ An operator is a plain class (no base class to inherit from):
 - optionally ``upstream_problems(params, generator_id, generator_params) -> [(field, message,
   fix)]``: a classmethod validate calls with the nearest ``generate``-role node upstream, for
   params that must agree with it (e.g. a logprob temperature equal to the sampling temperature).
+- optionally ``MODEL_HEAD``: what its model must be, `lm` (a causal LM, the default) or `value`
+  (a critic: ``values``, ``critic-update``); validate checks it against the model's ``head``.
+- optionally ``combine(params, tables) -> pa.Table`` and ``input_requires(params) -> (dict, ...)``
+  (classmethods): a node that joins its several inputs itself (e.g. ``baseline`` joins a
+  per-prompt table onto the samples by prompt id), instead of the default row-by-row merge of
+  inputs that share their rows; each input must bring its ``input_requires`` columns, and the
+  rows going on are the first input's.
 - ``__init__(params, ctx)``, ``__call__(batch: pa.Table) -> pa.Table``, and optionally
   ``last_metrics() -> dict[str, float]`` for what the last call measured.
 """

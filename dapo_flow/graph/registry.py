@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 from operators.advantage import Advantage
+from operators.baseline import Baseline
 from operators.critic_update import CriticUpdate
 from operators.generate import Generate
 from operators.group_filter import GroupFilter
@@ -24,6 +25,7 @@ OPERATORS: dict[str, type] = {
     "group-filter": GroupFilter,
     "logprob": Logprob,
     "kl": KL,
+    "baseline": Baseline,
     "advantage": Advantage,
     "update": Update,
     "values": Values,

@@ -75,7 +75,10 @@ class Runner:
         return table
 
     def _input(self, nid: str, outs: dict[str, pa.Table]) -> pa.Table:
-        tables = [outs[i] for i in self.nodes[nid].inputs]
+        node = self.nodes[nid]
+        tables = [outs[i] for i in node.inputs]
+        if callable(getattr(node.op_cls, "combine", None)):  # a keyed join (e.g. baseline)
+            return node.op_cls.combine(node.params, tables)
         merged = tables[0]
         for other in tables[1:]:  # row-aligned join: add the columns the first lacks
             for name in other.column_names:
