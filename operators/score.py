@@ -36,10 +36,12 @@ import os
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, Field, model_validator
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from dapo_flow.graph import columns as C
-from dapo_flow.data.arrow_utils import with_columns
+from dapo_flow.data.arrow_utils import token_lists, with_columns
 from dapo_flow.data.reward_pool import (  # as_number: re-exported, tests and plugins use it here
     BadReward, LoadFailed, RewardPool, RewardSpec, Row, WorkerDied, as_number, evaluate,
     exit_text, resolve_reward, short as _short,
@@ -50,11 +52,34 @@ from dapo_flow.errors import RunError
 __all__ = ["Params", "Score", "as_number"]
 
 
+class ModelReward(BaseModel):
+    """A reward model's score (a model declared in `models:` with a reward head), optionally
+    combined with a rule reward."""
+
+    model_config = PARAMS_CONFIG
+
+    model: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+    """Name of the reward model in `models:` (e.g. `builtin:tiny-adder-rm`, or any sequence
+    classifier's directory); the node runs in its actor."""
+    rule: str | None = Field(None, min_length=1)
+    """A rule reward also applied (`builtin:addition`, `module:fn`, ...; `correct` / `wrong`,
+    `workers` and `timeout_s` are its): `acc` is then the rule's, the true accuracy."""
+    combine: Literal["sum", "rule-gated", "rm-only"] = "sum"
+    """With a rule: `sum`: score = RM score + rule score; `rule-gated`: the RM score where the rule
+    passes (acc 1), the rule's `wrong` where it fails (a format or correctness gate); `rm-only`:
+    score = the RM score, the rule only measures (acc), e.g. to see whether RL against the RM
+    raises true accuracy."""
+    micro_batch_size: int = Field(64, ge=1, le=65536)
+    """Rows per reward-model forward pass."""
+
+
 class Params(BaseModel):
     model_config = PARAMS_CONFIG
 
-    reward: str = Field("builtin:addition", min_length=1)
-    """`builtin:addition`, `builtin:chain`, `builtin:math`, `module:fn` or `file.py:fn`."""
+    reward: str | ModelReward = Field("builtin:addition")
+    """`builtin:addition`, `builtin:chain`, `builtin:math`, `module:fn` or `file.py:fn`; or
+    `{model: NAME, rule: ..., combine: ...}`: a reward model's score (without a rule, `acc` is the
+    model's verdict, score > 0)."""
     correct: float = Field(1.0, ge=-1e6, le=1e6)
     """Score of a correct answer (built-in verifiers; DAPO uses +1)."""
     wrong: float = Field(-1.0, ge=-1e6, le=1e6)
@@ -68,6 +93,18 @@ class Params(BaseModel):
     timeout_s: float | None = Field(None, gt=0, le=3600)
     """Seconds a reward function may take on one sample; past it the sample gets `wrong`, acc 0
     and counts in score/timeouts, and its worker is killed and replaced. Needs workers >= 1."""
+
+    @field_validator("reward")
+    @classmethod
+    def _not_empty(cls, value):
+        if isinstance(value, str) and not value:
+            raise ValueError("names no reward: use builtin:addition, module:fn, or {model: NAME}")
+        return value
+
+    @property
+    def rule(self) -> str | None:
+        """The rule reward's reference, if any."""
+        return self.reward.rule if isinstance(self.reward, ModelReward) else self.reward
 
     @model_validator(mode="after")
     def _timeout_needs_workers(self) -> "Params":
@@ -84,10 +121,24 @@ class Score:
     """Adds score, acc (and declared extras) to every rollout row."""
 
     Params = Params
-    REQUIRES = C.typed(C.RESPONSE_TEXT, C.GROUND_TRUTH)
     CARDINALITY = "map"
-    NEEDS_MODEL = False
+    NEEDS_MODEL = True  # a reward model's, with `reward: {model: NAME}` only (uses_model)
+    MODEL_HEAD = "reward"
     ROLE = "reward"
+
+    @classmethod
+    def uses_model(cls, params: Params) -> bool:
+        return isinstance(params.reward, ModelReward)
+
+    @classmethod
+    def model_in_params(cls, params: Params) -> str | None:
+        return params.reward.model if isinstance(params.reward, ModelReward) else None
+
+    @classmethod
+    def requires(cls, params: Params) -> dict[str, pa.DataType]:
+        cols = [C.RESPONSE_TEXT, C.GROUND_TRUTH] if params.rule is not None else []
+        cols += [C.PROMPT_IDS, C.RESPONSE_IDS] if isinstance(params.reward, ModelReward) else []
+        return C.typed(*cols)
 
     @classmethod
     def produces(cls, params: Params) -> dict[str, pa.DataType]:
@@ -96,13 +147,38 @@ class Score:
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params
         self.ctx = ctx
-        self.spec = RewardSpec(params.reward, params.correct, params.wrong, params.extra_columns,
+        self.spec = RewardSpec(params.rule or "", params.correct, params.wrong, params.extra_columns,
                                base_dir=os.getcwd())
-        self.fn = resolve_reward(self.spec)  # in the driver too: a bad reference fails here
+        # in the driver too: a bad reference fails here
+        self.fn = resolve_reward(self.spec) if params.rule is not None else None
         self._pool: RewardPool | None = None
         self._metrics: dict[str, float] = {}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        reward = self.params.reward
+        if not isinstance(reward, ModelReward):
+            return self._rule(batch)
+        rm = self.ctx.model.policy.response_scores(
+            token_lists(batch.column(C.PROMPT_IDS)), token_lists(batch.column(C.RESPONSE_IDS)),
+            micro_batch_size=reward.micro_batch_size).numpy().astype(np.float32)
+        if reward.rule is None:  # the model's own verdict
+            score, acc, extras = rm, (rm > 0).astype(np.float32), {}
+            self._metrics = {}
+        else:
+            ruled = self._rule(batch)
+            rule_score, acc = (ruled.column(c).to_numpy().astype(np.float32) for c in (C.SCORE, C.ACC))
+            extras = {name: ruled.column(name) for name in self.params.extra_columns}
+            score = {"sum": rm + rule_score, "rm-only": rm,
+                     "rule-gated": np.where(acc > 0, rm, np.float32(self.params.wrong))}[reward.combine]
+            self._metrics["score/rule_mean"] = float(rule_score.mean()) if len(rule_score) else 0.0
+        score = score.astype(np.float32)
+        self._metrics.update({"score/mean": float(score.mean()) if len(score) else 0.0,
+                              "acc/mean": float(acc.mean()) if len(acc) else 0.0,
+                              "score/rm_mean": float(rm.mean()) if len(rm) else 0.0})
+        return with_columns(batch, {C.SCORE: score, C.ACC: acc, **extras})
+
+    def _rule(self, batch: pa.Table) -> pa.Table:
+        """score / acc (and extras) of the rule reward, row by row or in the worker pool."""
         texts = batch.column(C.RESPONSE_TEXT).to_pylist()
         truths = batch.column(C.GROUND_TRUTH).to_pylist()
         extras = _extra_infos(batch)
@@ -151,7 +227,7 @@ class Score:
             where = (f"while scoring {_sample_name(batch, died.row)}" if died.row is not None
                      else "outside the function (starting up, or between rows)")
             raise RunError(
-                f"reward function '{self.params.reward}' (node '{self.ctx.node_id}'): its worker "
+                f"reward function '{self.params.rule}' (node '{self.ctx.node_id}'): its worker "
                 f"process died ({exit_text(died.exitcode)}) {where}, in a chunk of "
                 f"{len(died.rows)} rows ({_sample_name(batch, died.rows[0])} to "
                 f"{_sample_name(batch, died.rows[-1])})\n"
@@ -162,7 +238,7 @@ class Score:
             ) from None
         except LoadFailed as failed:
             raise RunError(
-                f"reward function '{self.params.reward}' (node '{self.ctx.node_id}') cannot be "
+                f"reward function '{self.params.rule}' (node '{self.ctx.node_id}') cannot be "
                 f"loaded in a worker process: {failed}\n"
                 "    fix: make it importable from a fresh Python process (workers are spawned: "
                 "they see the package path and working directory, not the driver's runtime state)"
@@ -173,7 +249,7 @@ class Score:
         sample = _sample_name(batch, row)
         response = _short(batch.column(C.RESPONSE_TEXT)[row].as_py())
         return (
-            f"reward function '{self.params.reward}' (node '{self.ctx.node_id}') {what} for "
+            f"reward function '{self.params.rule}' (node '{self.ctx.node_id}') {what} for "
             f"{sample} (response {response})\n"
             "    a reward must be a finite number, or a dict with a finite number under 'score' "
             "(and optionally 'acc' and the declared extra_columns)\n"

@@ -66,10 +66,10 @@ def test_every_builtin_declares_a_known_role(name):
 
 
 def test_an_unknown_or_modelless_role_is_a_contract_problem():
-    from operators.score import Score
+    from operators.overlong_shape import OverlongShape
 
-    odd = type("Odd", (Score,), {"ROLE": "judge"})
+    odd = type("Odd", (OverlongShape,), {"ROLE": "judge"})
     assert any("`ROLE` must be one of" in p for p in contract_problems(odd))
-    cpu_trainer = type("CpuTrainer", (Score,), {"ROLE": "train"})
+    cpu_trainer = type("CpuTrainer", (OverlongShape,), {"ROLE": "train"})
     assert any("set `NEEDS_MODEL = True`" in p for p in contract_problems(cpu_trainer))
     assert role(type("Plain", (), {})) == "transform"

@@ -19,7 +19,8 @@ import pyarrow as pa
 from pydantic import BaseModel, ValidationError
 
 from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import contract_problems, produces, requires, resolve, role, upstream_problems
+from dapo_flow.graph.contract import (contract_problems, node_model, produces, requires, resolve, role,
+                                     upstream_problems, uses_model)
 from dapo_flow.errors import DapoFlowError, OperatorContractError, SchemaError, UnknownOperatorError
 from dapo_flow.graph.imports import load_object
 from dapo_flow.graph.loader import GraphDoc, PathKey
@@ -52,6 +53,11 @@ class _Node:
     @property
     def cardinality(self) -> str | None:
         return getattr(self.cls, "CARDINALITY", None)
+
+    @property
+    def model(self) -> str | None:
+        """Its `model:`, else the model its params name (contract.node_model)."""
+        return node_model(self.cls, self.spec.model, self.params)
 
 
 def validate(doc: GraphDoc) -> ValidGraph:
@@ -161,19 +167,24 @@ def _check_models(found: Found, nodes: list[_Node], declared: set[str]) -> None:
             found.add(node.path + ("id",), f"duplicate node id '{node.id}' (first used on line "
                       f"{found.doc.line_of(('nodes', first[node.id]))})", "node ids must be unique")
         first.setdefault(node.id, node.index)
-        model = node.spec.model
+        model = node.model
         if model is not None and model not in declared:
-            found.add(node.path + ("model",), f"model '{model}' is not declared in `models:`",
+            where = ("model",) if node.spec.model is not None else ("params", "reward", "model")
+            found.add(node.path + where, f"model '{model}' is not declared in `models:`",
                       did_you_mean(model, declared) if declared else "declare it under `models:`")
         if node.cls is None:
             continue
         needs = bool(getattr(node.cls, "NEEDS_MODEL", False))
-        if needs and model is None:
+        if needs and model is None and (node.params is None or uses_model(node.cls, node.params)):
             found.add(node.path, f"op '{node.spec.op}' runs a model but names none",
                       "add `model: NAME` with a name from `models:`", field_name="model")
         if not needs and model is not None:
             found.add(node.path + ("model",), f"op '{node.spec.op}' does not use a model",
                       "remove `model:`")
+        elif (node.spec.model is not None and callable(getattr(node.cls, "model_in_params", None))
+              and node.params is not None and not uses_model(node.cls, node.params)):
+            found.add(node.path + ("model",), f"op '{node.spec.op}' does not use a model with these params",
+                      "remove `model:` (a reward model is named in the params: `reward: {model: NAME}`)")
     placement = found.doc.get(("placement", "models"))
     for name in placement if isinstance(placement, dict) else ():
         if name not in declared:
@@ -227,20 +238,25 @@ def _check_cycles(found: Found, nodes: list[_Node], graph: nx.DiGraph) -> bool:
 
 #: what each model head is, in messages
 HEAD_WORDS = {"lm": "a causal LM (it generates and gives token logprobs)",
-              "value": "a value model (a critic: one value per token)"}
+              "value": "a value model (a critic: one value per token)",
+              "reward": "a reward model (one score per response)"}
 
 
 def _check_heads(found: Found, nodes: list[_Node], heads: dict[str, str]) -> None:
     """Each node's model is what its operator works on (``MODEL_HEAD``, default `lm`): a critic's
     nodes (`values`, `critic-update`) need a value model, every other model op a causal LM."""
     for node in nodes:
-        model = node.spec.model
-        if node.cls is None or model not in heads or not getattr(node.cls, "NEEDS_MODEL", False):
+        model = node.model
+        if (node.cls is None or model not in heads or not getattr(node.cls, "NEEDS_MODEL", False)
+                or (node.params is not None and not uses_model(node.cls, node.params))):
             continue
         wanted = getattr(node.cls, "MODEL_HEAD", "lm")
         if heads[model] == wanted:
             continue
-        if wanted == "value":
+        if wanted == "reward":
+            fix = (f"declare a reward model under `models:` (e.g. `rm: {{path: builtin:tiny-adder-rm}}`, or "
+                   f"a sequence classifier's directory) and name it in `reward: {{model: NAME}}`")
+        elif wanted == "value":
             fix = (f"declare a critic under `models:` with `head: value` (e.g. `critic: {{path: "
                    f"builtin:tiny-adder-critic}}`, or your policy's path with `head: value`) and name it here")
         else:

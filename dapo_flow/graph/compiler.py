@@ -12,11 +12,12 @@ from types import MappingProxyType
 from typing import Mapping
 
 import pyarrow as pa
+from pydantic import BaseModel
 
 from dapo_flow.graph import columns as C
 from dapo_flow.graph import fit
 from dapo_flow.graph.checks import validate
-from dapo_flow.graph.contract import produces, requires, role, uses_model
+from dapo_flow.graph.contract import node_model, produces, requires, role, uses_model
 from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import load
 from dapo_flow.graph.plan import (DRIVER, IN_ACTOR, TRANSFER, Call, Cluster, PlacedPlan, Plan, PlanNode, Stage,
@@ -45,7 +46,8 @@ def plan(valid: ValidGraph) -> Plan:
         s = valid.spec.nodes[index[nid]]
         cls = valid.op_cls[nid]
         nodes.append(PlanNode(
-            id=nid, op=s.op, op_cls=cls, params=valid.params[nid], model=s.model,
+            id=nid, op=s.op, op_cls=cls, params=valid.params[nid],
+            model=node_model(cls, s.model, valid.params[nid]),
             inputs=tuple(s.inputs), in_schema=valid.in_schema[nid],
             out_schema=valid.out_schema[nid], cardinality=cls.CARDINALITY,
             line=valid.doc.line_of(("nodes", index[nid])), role=role(cls),
@@ -403,8 +405,18 @@ def _explain_syncs(placed: PlacedPlan, after: str) -> list[str]:
     return lines
 
 
+def _param_text(value) -> str:
+    """A param as explain shows it; a nested one (e.g. score's `reward: {model: rm}`) as the
+    YAML flow mapping the user wrote, with only the keys set."""
+    if isinstance(value, BaseModel):
+        inner = ", ".join(f"{k}: {_param_text(getattr(value, k))}" for k in type(value).model_fields
+                          if k in value.model_fields_set)
+        return "{" + inner + "}"
+    return str(value)
+
+
 def _explain_node(node: PlanNode, stage: str) -> list[str]:
-    given = " ".join(f"{k}={getattr(node.params, k)}" for k in type(node.params).model_fields
+    given = " ".join(f"{k}={_param_text(getattr(node.params, k))}" for k in type(node.params).model_fields
                      if k in node.params.model_fields_set)
     kind = node.op if node.op == node.cardinality else f"{node.op}, {node.cardinality}"
     lines = [f"    {node.id} [{kind}] @ {stage}  (line {node.line})"]

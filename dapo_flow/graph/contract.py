@@ -14,9 +14,12 @@ An operator is a plain class (no base class to inherit from):
   to "whatever upstream provides" (e.g. advantage's ``reward_column: auto``). The resolved
   params are what explain shows, MLflow logs and the runtime runs.
 - ``NEEDS_MODEL``: whether the node must name a model (``model:``) and runs in its actor.
-  Optionally ``uses_model(params) -> bool``: a classmethod saying that with these params the
-  node does not touch its model after all (e.g. logprob's ``source: rollout`` copies a column),
-  so it is placed in the driver instead of a round trip to the model's actor.
+  Optionally ``uses_model(params) -> bool``: a classmethod saying whether with these params the
+  node touches its model (e.g. logprob's ``source: rollout`` copies a column, so it is placed in
+  the driver instead of a round trip to the model's actor; `score` runs a reward model only with
+  `reward: {model: NAME}`): the model is required exactly when it does. Optionally
+  ``model_in_params(params) -> str | None``: the model the params name, used when the node's
+  `model:` is left out.
 - ``ROLE``: what the operator is to the compiler and the runtime, one of :data:`ROLES` (default
   ``transform``). The compiler, checks and runtime read roles, never op names, so a custom
   operator declaring ``ROLE = "generate"`` is placed, weight-synced and validated with like the
@@ -131,6 +134,15 @@ def uses_model(op_cls: type, params: BaseModel) -> bool:
         return False
     fn = getattr(op_cls, "uses_model", None)
     return bool(fn(params)) if callable(fn) else True
+
+
+def node_model(op_cls: type | None, model: str | None, params: BaseModel | None) -> str | None:
+    """The model a node runs on: its `model:`, else the one its params name (an op's
+    ``model_in_params(params)`` hook: `score` with `reward: {model: rm}`), else None."""
+    if model is not None or op_cls is None or params is None:
+        return model
+    fn = getattr(op_cls, "model_in_params", None)
+    return fn(params) if callable(fn) else None
 
 
 def requires(op_cls: type, params: BaseModel) -> dict[str, pa.DataType]:

@@ -119,21 +119,24 @@ class RolloutSpec(_Frozen):
 
 class ModelSpec(_Frozen):
     path: str = Field(
-        description="`builtin:tiny-adder`, `builtin:tiny-chat`, `builtin:tiny-adder-critic` (built and "
-        "cached on first use) or a local Hugging Face model directory (a causal LM, or a critic's)."
+        description="`builtin:tiny-adder`, `builtin:tiny-chat`, `builtin:tiny-adder-critic`, "
+        "`builtin:tiny-adder-rm` (built and cached on first use) or a local Hugging Face model directory (a causal LM, a critic's or a reward model's)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and compute dtype of every copy of the model. Under "
         "train.mixed_precision: bf16 only of the copies not trained (rollout engine, reference, a "
         "rollout actor's copy): the trained copy then keeps float32 master weights and computes in bf16."
     )
-    head: Literal["lm", "value"] | None = Field(
+    head: Literal["lm", "value", "reward"] | None = Field(
         None, description="What the model is: `lm`, a causal LM (generates, gives token logprobs: a "
         "policy or a reference), or `value`, a PPO critic: one value per token (Hugging Face "
         "AutoModelForTokenClassification with one label on the directory's architecture; a causal-LM "
         "directory keeps its backbone and gets a new zero-initialised value head, as verl's critic "
-        "starts from the actor). null: read from the directory's config.json (a token classifier, "
-        "e.g. `builtin:tiny-adder-critic` or a critic checkpoint, is `value`; anything else `lm`)."
+        "starts from the actor), or `reward`, a reward model: one score per response (AutoModelForSequenceClassification "
+        "with one label, read at the response's last token; `score` uses it with `reward: {model: NAME}`). "
+        "null: read from the directory's config.json (a token classifier, e.g. `builtin:tiny-adder-critic` or "
+        "a critic checkpoint, is `value`; a sequence classifier, e.g. `builtin:tiny-adder-rm`, `reward`; "
+        "anything else `lm`)."
     )
     backend: str = Field(
         "hf", description="Generation engine, a key of dapo_flow.models.engines.BACKENDS: `hf` (torch, "

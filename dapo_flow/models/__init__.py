@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dapo_flow.errors import ModelError
 from dapo_flow.home import dapo_flow_home
-from dapo_flow.models.heads import VALUE_SUFFIXES  # a critic's directory (a checkpoint) loads too
+from dapo_flow.models.heads import SCALAR_SUFFIXES  # a critic's or reward model's directory loads too
 
 BUILTIN_PREFIX = "builtin:"
 FIX = "point `path:` at a local Hugging Face model directory (config.json + weights)"
@@ -53,6 +53,7 @@ BUILTINS: dict[str, Builtin] = {
     "tiny-adder": Builtin("dapo_flow.models.tiny_adder", "build_tiny_adder"),
     "tiny-chat": Builtin("dapo_flow.models.tiny_chat", "build_tiny_chat"),
     "tiny-adder-critic": Builtin("dapo_flow.models.tiny_adder_critic", "build_tiny_adder_critic"),
+    "tiny-adder-rm": Builtin("dapo_flow.models.tiny_adder_rm", "build_tiny_adder_rm"),
 }
 
 
@@ -104,8 +105,9 @@ def model_config(path: str) -> dict | None:
 
 
 def model_head(path: str, head: str | None = None) -> str:
-    """What a model is: ``head`` when given (`lm` or `value`), else read from its config
-    (``models.heads.head_of_config``: a token classifier is a value model); `lm` when no config
+    """What a model is: ``head`` when given (`lm`, `value` or `reward`), else read from its config
+    (``models.heads.head_of_config``: a token classifier is a value model, a sequence classifier
+    a reward model); `lm` when no config
     can be read yet (loading reports why)."""
     from dapo_flow.models.heads import head_of_config
 
@@ -153,7 +155,7 @@ def _fix_for(model_dir: Path) -> str:
 def _not_causal_lm(config: dict) -> str | None:
     """Why ``config`` does not describe a causal LM, or None when it does."""
     archs = config.get("architectures") or []
-    if any(a.endswith(CAUSAL_LM_SUFFIXES + VALUE_SUFFIXES) for a in archs):
+    if any(a.endswith(CAUSAL_LM_SUFFIXES + SCALAR_SUFFIXES) for a in archs):
         return None
     model_type = config.get("model_type")
     if not archs and model_type:

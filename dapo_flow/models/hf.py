@@ -500,6 +500,34 @@ class HFPolicy:
         values = torch.cat(parts) if parts else batch["response_mask"].float()
         return values, batch["response_mask"]
 
+    def response_scores(self, prompt_ids: list[list[int]], response_ids: list[list[int]], *,
+                        micro_batch_size: int = 64, grad: bool = False) -> torch.Tensor:
+        """A reward model's score of each response: its head read at the sequence's last real
+        token (the response's last, EOS included; the prompt's for an empty response), as HF's
+        sequence classifiers and verl's RM worker read it. Read here rather than through the
+        model's own forward, which finds the last token from the pad id and so misreads
+        left-padded prompts. ``grad=True``: one autograd pass over all rows (training a reward
+        model); otherwise inference mode, ``micro_batch_size`` rows at a time.
+        Shape: -> scores (B,) float32."""
+        if self.head != "reward":
+            raise ModelError(f"{self.path} is loaded as a {self.head} model, which gives no sequence scores: "
+                             "declare the model with `head: reward` (a reward model)")
+        from dapo_flow.models.heads import value_head
+
+        batch = {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
+        last = int(batch["response_start"]) + batch["response_mask"].sum(1) - 1  # (B,)
+        backbone = getattr(self.model, self.model.base_model_prefix)
+        parts = []
+        step = len(prompt_ids) if grad else micro_batch_size
+        with (nullcontext() if grad else torch.inference_mode()), self.compute_precision():
+            for i in range(0, len(prompt_ids), max(step, 1)):
+                rows = slice(i, i + step)
+                hidden = backbone(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
+                                  position_ids=batch["position_ids"][rows], use_cache=False).last_hidden_state
+                at_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last[rows]]
+                parts.append(value_head(self.model)(at_last)[:, 0].float())
+        return torch.cat(parts) if parts else torch.zeros(0)
+
     def _values_pass(self, batch: dict[str, torch.Tensor], rows: slice) -> torch.Tensor:
         inputs = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "position_ids")}
         start, mask = int(batch["response_start"]), batch["response_mask"][rows]
