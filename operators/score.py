@@ -69,6 +69,11 @@ class ModelReward(BaseModel):
     passes (acc 1), the rule's `wrong` where it fails (a format or correctness gate); `rm-only`:
     score = the RM score, the rule only measures (acc), e.g. to see whether RL against the RM
     raises true accuracy."""
+    output: Literal["logit", "probability"] = "logit"
+    """What the model's scalar becomes: `logit`, as it is (verl's RM score), or `probability`:
+    its sigmoid, the model's probability that the response is good, for a reward model trained
+    with binary cross-entropy (builtin:tiny-adder-rm). Probabilities squash the differences
+    among responses the model rejects, which a group-relative advantage would otherwise amplify."""
     micro_batch_size: int = Field(64, ge=1, le=65536)
     """Rows per reward-model forward pass."""
 
@@ -161,8 +166,11 @@ class Score:
         rm = self.ctx.model.policy.response_scores(
             token_lists(batch.column(C.PROMPT_IDS)), token_lists(batch.column(C.RESPONSE_IDS)),
             micro_batch_size=reward.micro_batch_size).numpy().astype(np.float32)
+        if reward.output == "probability":
+            rm = (1.0 / (1.0 + np.exp(-rm.astype(np.float64)))).astype(np.float32)
         if reward.rule is None:  # the model's own verdict
-            score, acc, extras = rm, (rm > 0).astype(np.float32), {}
+            threshold = 0.5 if reward.output == "probability" else 0.0
+            score, acc, extras = rm, (rm > threshold).astype(np.float32), {}
             self._metrics = {}
         else:
             ruled = self._rule(batch)

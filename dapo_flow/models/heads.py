@@ -47,7 +47,12 @@ def load_torch_model(path: Path, head: str, dtype) -> Any:
     config.num_labels = 1
     # no dropout: values (the critic's targets) and their gradients must come from one function
     config.classifier_dropout = 0.0
-    model = auto.from_pretrained(path, config=config, dtype=dtype)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # a new head's "newly initialized" report is expected
+    try:
+        model = auto.from_pretrained(path, config=config, dtype=dtype)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     if new_head:
         import torch
 

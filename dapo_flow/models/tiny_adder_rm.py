@@ -1,6 +1,5 @@
-"""``builtin:tiny-adder-rm``: a reward model for ``builtin:tiny-adder`` on ``a+b=``, trained from
-the policy's own samples, so that RL against it is a real test (verl's RM worker scores with such
-a sequence classifier).
+"""``builtin:tiny-adder-rm``: a reward model for ``builtin:tiny-adder`` on ``a+b=``, trained on the
+policy's own right and wrong samples (verl's RM worker scores with such a sequence classifier).
 
 tiny-adder's backbone under a sequence-classification head of one logit, trained with binary
 cross-entropy to say whether a response is the right sum. Each batch pairs a right and a wrong
@@ -8,9 +7,16 @@ response to the same prompts, so the verdict has to come from the answer: the ri
 gold answers and tiny-adder's right samples, the wrong ones its wrong temperature-1 samples on the
 train split (the mistakes a policy really makes, unfinished ones included), near misses of the
 sum, and the right answers of other prompts (so that no answer is liked for itself: a policy
-trained against a reward model without those found one answer it scored high for every prompt). Its agreement with the verifier on samples for
-held-out val prompts is written to the build info (``val_agreement``). Fixed seeds, one thread and
-deterministic kernels make the bytes the same on every build; it takes about a minute.
+trained against an RM built without them answered 108 to every prompt).
+
+How good it is, in the build info: agreement with the rule verifier on tiny-adder's samples for
+held-out val prompts, 0.87 (0.90 on the right ones, 0.86 on the wrong); within a prompt's
+samples it ranks a right one above a wrong one 93% of the time. That is not enough to train
+against alone: GRPO on its score lowers the true accuracy (near misses such as 47 for 12+34 score
+almost as high as the sum, and the policy drifts to them), which is why graphs/rm.yaml adds it to
+the rule reward. Verifying a sum at the last token is harder for this 2-layer model than writing
+it digit by digit. Fixed seeds, one thread and deterministic kernels make the bytes the same on
+every build; it takes about 3.5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ RECIPE_VERSION = 100 * tiny_adder.RECIPE_VERSION + 2
 class Recipe:
     train_prompts: int = 4000  # sampled from the train split
     samples_per_prompt: int = 4
-    steps: int = 3000
+    steps: int = 6000
     batch_size: int = 64
     lr: float = 1e-3
     warmup_steps: int = 50
@@ -98,9 +104,9 @@ def build_tiny_adder_rm(out_dir: Path, *, seed: int = 0, progress: bool = True, 
 def _answers_per_prompt(policy_dir: Path, problems: list, recipe: Recipe, seed: int
                         ) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
     """Per prompt, its right responses (the gold answer, and tiny-adder's right samples) and its
-    wrong ones: tiny-adder's wrong samples (unfinished ones included) and near misses of the sum
-    (off by 1, 2, 9, 10 or 11, or its digits reversed), each response ending in EOS unless it
-    was cut off."""
+    wrong ones: tiny-adder's wrong samples (unfinished ones included), three near misses of the
+    sum (off by 1, 2, 9, 10 or 11, or its digits reversed) and other prompts' answers, each
+    response ending in EOS unless it was cut off."""
     import numpy as np
 
     prompts, responses, labels, index = _labelled_samples(policy_dir, problems, recipe.samples_per_prompt, seed)
@@ -115,12 +121,11 @@ def _answers_per_prompt(policy_dir: Path, problems: list, recipe: Recipe, seed: 
     for i, problem in enumerate(problems):
         answer = int(problem.answer)
         right[i].append(tok.encode(problem.answer, add_special_tokens=False) + [tok.eos_token_id])
-        # every near miss (a digit off by one or two, the digits reversed): the answers a policy
-        # drifts to, and a reward model that cannot tell them from the sum is hacked by them
-        misses = {answer + d for d in (-10, -2, -1, 1, 2, 10)} | {int(str(answer)[::-1])}
+        misses = {answer + d for d in (-11, -10, -9, -2, -1, 1, 2, 9, 10, 11)} | {int(str(answer)[::-1])}
+        misses = sorted(m for m in misses if m >= 0 and m != answer)
         # the right answers of other prompts: a reward model must not like an answer for itself
-        others = {int(problems[j].answer) for j in rng.integers(len(problems), size=2)}
-        picked = sorted(m for m in misses | others if m >= 0 and m != answer)
+        others = [int(problems[j].answer) for j in rng.integers(len(problems), size=4)]
+        picked = [*rng.choice(misses, size=min(3, len(misses)), replace=False), *(o for o in others if o != answer)]
         for m in picked:
             wrong[i].append(tok.encode(str(m), add_special_tokens=False) + [tok.eos_token_id])
     return right, wrong
