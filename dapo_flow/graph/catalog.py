@@ -31,7 +31,12 @@ def print_catalog(operators: typing.Mapping[str, type], custom_op: str, out: Con
 
 def _print_op(name: str, cls: type, out: Console) -> None:
     doc = inspect.getdoc(sys.modules[cls.__module__]) or inspect.getdoc(cls) or ""
-    model = "runs a model (needs `model:`)" if cls.NEEDS_MODEL else "CPU, in the driver"
+    if not cls.NEEDS_MODEL:
+        model = "CPU, in the driver"
+    elif callable(getattr(cls, "model_in_params", None)):  # e.g. score: a reward model only when its params name one
+        model = "CPU in the driver, or runs the model its params name"
+    else:
+        model = "runs a model (needs `model:`)"
     out.print(f"[bold cyan]{name}[/]  [dim]{cls.CARDINALITY}, {model}[/]")
     out.print(textwrap.indent(doc.split("\n\n")[0], "  "), markup=False)
     defaults = cls.Params()
