@@ -175,3 +175,19 @@ def test_fsdp2_mixed_precision_over_a_bfloat16_model_budgets_float32_shards(qwen
     assert mixed["gathered decoder layers (2)"] == plain["gathered decoder layers (2)"]  # bf16 gathers
     text = explain(placed("models.policy.train.mixed_precision=bf16"))
     assert "FSDP2: fp32 master weights, gradients and AdamW state sharded; parameters gathered in bf16" in text
+
+
+def test_a_critic_is_priced_with_its_one_output_head_and_the_policys_context(qwen_7b):
+    """A 7B critic (the policy's directory with `head: value`) holds the embeddings but a
+    hidden x 1 head instead of the lm_head, has no vocabulary-wide logits, and reads rows as long
+    as the policy generates (not its own 131072-token maximum)."""
+    ppo = str(ROOT / "graphs/ppo.yaml")
+    placed = _placed(ppo, "data.train.max_prompt_tokens=64", "data.val.max_prompt_tokens=64",
+                     f"models.policy.path={qwen_7b}", f"models.critic.path={qwen_7b}", "models.critic.head=value",
+                     cluster=Cluster(cpus=64, gpus=8, gpu_mem_gib=1000))
+    policy = {t.name: t.bytes for t in placed.budgets["model:policy"].terms}
+    critic = {t.name: t.bytes for t in placed.budgets["model:critic"].terms}
+    h, v = QWEN_7B["hidden_size"], QWEN_7B["vocab_size"]
+    assert policy["parameters"] - critic["parameters"] == (v - 1) * h * 4  # float32
+    assert critic.get("logits and their gradients (float32)", 0) < policy["logits and their gradients (float32)"] / 100_000
+    assert critic["activations saved for backward"] == policy["activations saved for backward"]  # same rows

@@ -16,6 +16,8 @@ so the estimate is the worst step, not the average; docs/memory.md states every 
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import Mapping
 
@@ -32,22 +34,33 @@ def shape_of(plan: Plan, model: str) -> ModelShape | None:
     """The model's shape from its config (None when there is none to read yet)."""
     from dapo_flow.models import model_config  # light: no torch
 
-    config = model_config(plan.spec.models[model].path)
+    spec = plan.spec.models[model]
+    config = model_config(spec.path)
     try:
-        return ModelShape.from_config(config) if config else None
+        shape = ModelShape.from_config(config) if config else None
     except (KeyError, TypeError, ValueError):
         return None
+    return dataclasses.replace(shape, head=spec.resolved_head) if shape is not None else None
 
 
 def context_of(plan: Plan, model: str, shape: ModelShape) -> tuple[int, int]:
     """(positions of the longest row, response tokens of it) for ``model``: the rollout's
     ``max_model_len`` when set, else the prompt budget plus the largest ``max_tokens``, else the
-    model's maximum context."""
-    responses = [n.params.max_tokens for n in plan.with_role("generate")
-                 if n.model == model and isinstance(getattr(n.params, "max_tokens", None), int)]
-    derived = plan.engine_context().get(model)
+    model's maximum context. A model that generates nothing (a critic, a reward model) reads the
+    rows the others generate: their largest context."""
+    generators = _generators(plan, model)
+    own = any(n.model == model for n in generators)
+    derived = plan.engine_context().get(model) if own else max(plan.engine_context().values(), default=None)
+    responses = [n.params.max_tokens for n in generators if isinstance(getattr(n.params, "max_tokens", None), int)]
     context = (plan.spec.models[model].rollout.max_model_len or derived or shape.max_position_embeddings)
     return context, min(max(responses, default=context), context)
+
+
+def _generators(plan: Plan, model: str) -> list:
+    """The generate nodes whose rows ``model`` sees: its own, or for a model that generates
+    nothing (a critic, a reward model) every one (it reads the rows the policies generate)."""
+    own = [n for n in plan.with_role("generate") if n.model == model]
+    return own or list(plan.with_role("generate"))
 
 
 def stage_budget(plan: Plan, stage: Stage, cluster: Cluster) -> Budget | None:
@@ -123,7 +136,7 @@ def _training(plan: Plan, stage: Stage, model: str, shape: ModelShape, update, o
     if train.max_tokens_per_micro_batch:
         rows = max(1, train.max_tokens_per_micro_batch // context)
     else:
-        n = max((getattr(g.params, "n", 1) for g in plan.with_role("generate") if g.model == model), default=1)
+        n = max((getattr(g.params, "n", 1) for g in _generators(plan, model)), default=1)
         per_worker = math.ceil(plan.spec.run.prompts_per_step * n
                                / getattr(update.params, "mini_batches", 1) / stage.workers)
         rows = max(1, min(getattr(update.params, "micro_batch_size", per_worker), per_worker))

@@ -65,6 +65,12 @@ class ModelShape:
     qkv_bias: bool = False  # Qwen2: q/k/v projections have biases
     o_bias: bool = False  # Llama attention_bias: o_proj too
     mlp_bias: bool = False
+    head: str = "lm"  # `lm`: the vocabulary-wide output head; `value` / `reward`: one output
+
+    @property
+    def out_features(self) -> int:
+        """Outputs of the head per position: the vocabulary, or 1 for a critic's or reward model's."""
+        return self.vocab_size if self.head == "lm" else 1
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "ModelShape":
@@ -109,9 +115,11 @@ class ModelShape:
         return attn + mlp + 2 * h
 
     def root_params(self) -> int:
-        """What is not in a decoder layer: embeddings, final norm, lm_head unless tied."""
+        """What is not in a decoder layer: embeddings, final norm, the output head (the lm_head
+        unless tied; a value or reward head's hidden x 1)."""
         embed = self.vocab_size * self.hidden_size
-        return embed * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+        tied = self.head == "lm" and self.tie_word_embeddings
+        return embed + (0 if tied else self.out_features * self.hidden_size) + self.hidden_size
 
     def num_params(self) -> int:
         return self.num_hidden_layers * self.layer_params() + self.root_params()
@@ -334,7 +342,7 @@ def _autocast_weights(shape: ModelShape, compute: int, checkpointing: bool) -> l
     h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
     layer = 2 * h * q + 2 * h * kv + 3 * h * i
     kept = 1 if checkpointing else shape.num_hidden_layers
-    return [Term("bf16 weight copies (autocast)", (kept * layer + shape.vocab_size * h) * compute,
+    return [Term("bf16 weight copies (autocast)", (kept * layer + shape.out_features * h) * compute,
                  phases=FWD_BWD, fix="train.grad_checkpointing: true (recomputes a layer's copies)"
                  if not checkpointing else "more train.workers with strategy fsdp2")]
 
@@ -387,7 +395,7 @@ def _logits(shape: ModelShape, hidden_bytes: int, response: int, entropy_in_loss
     during it the hidden states' gradient and the lm_head's gradient, summed over the chunks in
     float32, are alive.
     """
-    v, h = shape.vocab_size, shape.hidden_size
+    v, h = shape.out_features, shape.hidden_size
     peak = LOGITS_PEAK_BUFFERS_ENTROPY if entropy_in_loss else LOGITS_PEAK_BUFFERS
     if chunk is None:
         logits = response * v * FP32
