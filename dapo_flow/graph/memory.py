@@ -397,6 +397,9 @@ def _logits(shape: ModelShape, hidden_bytes: int, response: int, entropy_in_loss
     """
     v, h = shape.out_features, shape.hidden_size
     peak = LOGITS_PEAK_BUFFERS_ENTROPY if entropy_in_loss else LOGITS_PEAK_BUFFERS
+    if shape.head != "lm":  # a critic's values / a reward model's scores: one float per position
+        return [Term("head outputs and their gradients (float32)", int(peak * response * FP32),
+                     phases=(LOGITS_BACKWARD,), fix=budget_fix)]
     if chunk is None:
         logits = response * v * FP32
         fix = f"train.logprob_chunk_tokens (chunked logprobs), or {budget_fix}"
