@@ -28,16 +28,20 @@ other rows of its chunk are scored again (a function with side effects may see t
 A timeout needs ``workers >= 1``: only killing the process it runs in stops a hung function
 for sure (one stuck in C code ignores signals and a thread cannot be killed), and ``workers: 0``
 promises in-process scoring, so the pair is a validation error rather than a silent process.
+
+``reward: {model: NAME, ...}`` scores with a reward model declared in `models:` (a sequence
+classifier, `head: reward`), read at each response's last token; the node then runs in that
+model's actor. With a ``rule`` too, ``combine`` says how the two make the score (``sum``,
+``rule-gated``, ``rm-only``) and ``acc`` is the rule's; without one ``acc`` is the model's verdict.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from typing import Literal
-
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from dapo_flow.graph import columns as C
@@ -129,15 +133,12 @@ class Score:
     CARDINALITY = "map"
     NEEDS_MODEL = True  # a reward model's, with `reward: {model: NAME}` only (uses_model)
     MODEL_HEAD = "reward"
+    MODEL_PARAM = ("reward", "model")  # the reward model a `reward: {model: NAME}` names
     ROLE = "reward"
 
     @classmethod
     def uses_model(cls, params: Params) -> bool:
         return isinstance(params.reward, ModelReward)
-
-    @classmethod
-    def model_in_params(cls, params: Params) -> str | None:
-        return params.reward.model if isinstance(params.reward, ModelReward) else None
 
     @classmethod
     def requires(cls, params: Params) -> dict[str, pa.DataType]:

@@ -33,7 +33,7 @@ def _print_op(name: str, cls: type, out: Console) -> None:
     doc = inspect.getdoc(sys.modules[cls.__module__]) or inspect.getdoc(cls) or ""
     if not cls.NEEDS_MODEL:
         model = "CPU, in the driver"
-    elif callable(getattr(cls, "model_in_params", None)):  # e.g. score: a reward model only when its params name one
+    elif getattr(cls, "MODEL_PARAM", None):  # e.g. score: a reward model only when its params name one
         model = "CPU in the driver, or runs the model its params name"
     else:
         model = "runs a model (needs `model:`)"

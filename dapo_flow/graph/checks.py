@@ -169,7 +169,7 @@ def _check_models(found: Found, nodes: list[_Node], declared: set[str]) -> None:
         first.setdefault(node.id, node.index)
         model = node.model
         if model is not None and model not in declared:
-            where = ("model",) if node.spec.model is not None else ("params", "reward", "model")
+            where = ("model",) if node.spec.model is not None else ("params", *node.cls.MODEL_PARAM)
             found.add(node.path + where, f"model '{model}' is not declared in `models:`",
                       did_you_mean(model, declared) if declared else "declare it under `models:`")
         if node.cls is None:
@@ -181,10 +181,11 @@ def _check_models(found: Found, nodes: list[_Node], declared: set[str]) -> None:
         if not needs and model is not None:
             found.add(node.path + ("model",), f"op '{node.spec.op}' does not use a model",
                       "remove `model:`")
-        elif (node.spec.model is not None and callable(getattr(node.cls, "model_in_params", None))
+        elif (node.spec.model is not None and getattr(node.cls, "MODEL_PARAM", None)
               and node.params is not None and not uses_model(node.cls, node.params)):
             found.add(node.path + ("model",), f"op '{node.spec.op}' does not use a model with these params",
-                      "remove `model:` (a reward model is named in the params: `reward: {model: NAME}`)")
+                      f"remove `model:` (this op names its model in the params: "
+                      f"`{'.'.join(node.cls.MODEL_PARAM)}`)")
     placement = found.doc.get(("placement", "models"))
     for name in placement if isinstance(placement, dict) else ():
         if name not in declared:

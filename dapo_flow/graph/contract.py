@@ -18,8 +18,8 @@ An operator is a plain class (no base class to inherit from):
   node touches its model (e.g. logprob's ``source: rollout`` copies a column, so it is placed in
   the driver instead of a round trip to the model's actor; `score` runs a reward model only with
   `reward: {model: NAME}`): the model is required exactly when it does. Optionally
-  ``model_in_params(params) -> str | None``: the model the params name, used when the node's
-  `model:` is left out.
+  ``MODEL_PARAM``: the path of the param that names the node's model when its `model:` is left
+  out (score's ``("reward", "model")``).
 - ``ROLE``: what the operator is to the compiler and the runtime, one of :data:`ROLES` (default
   ``transform``). The compiler, checks and runtime read roles, never op names, so a custom
   operator declaring ``ROLE = "generate"`` is placed, weight-synced and validated with like the
@@ -137,12 +137,14 @@ def uses_model(op_cls: type, params: BaseModel) -> bool:
 
 
 def node_model(op_cls: type | None, model: str | None, params: BaseModel | None) -> str | None:
-    """The model a node runs on: its `model:`, else the one its params name (an op's
-    ``model_in_params(params)`` hook: `score` with `reward: {model: rm}`), else None."""
+    """The model a node runs on: its `model:`, else the one its params name at the op's
+    ``MODEL_PARAM`` path (`score` with `reward: {model: rm}`), else None."""
     if model is not None or op_cls is None or params is None:
         return model
-    fn = getattr(op_cls, "model_in_params", None)
-    return fn(params) if callable(fn) else None
+    value: object = params
+    for key in getattr(op_cls, "MODEL_PARAM", None) or ():
+        value = getattr(value, key, None)
+    return value if isinstance(value, str) else None
 
 
 def requires(op_cls: type, params: BaseModel) -> dict[str, pa.DataType]:

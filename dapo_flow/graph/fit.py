@@ -17,7 +17,6 @@ so the estimate is the worst step, not the average; docs/memory.md states every 
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from typing import Mapping
 

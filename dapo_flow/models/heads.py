@@ -3,12 +3,13 @@ one scalar per token, a PPO critic) or a reward model (`reward`: one scalar per 
 
 A value model is Hugging Face's ``AutoModelForTokenClassification`` with one label on the
 policy's architecture (``LlamaForTokenClassification``, ``Qwen2ForTokenClassification``: the
-decoder plus a linear ``score`` head), as verl's critic; a reward model is ``AutoModelForSequenceClassification`` with one label (the
-score head read at a sequence's last token), as verl's RM worker. Loaded from a causal-LM directory it
-keeps that model's backbone and gets a new head, initialised to zero, so the critic starts at
-V = 0 everywhere (GAE's first advantages are the whitened returns) and every build of it is the
-same bytes; loaded from a value model's directory (a critic checkpoint) it keeps its head.
-Heavy imports live inside functions.
+decoder plus a linear ``score`` head), as verl's critic; a reward model is
+``AutoModelForSequenceClassification`` with one label (the score head read at a sequence's last
+token), as verl's RM worker. Either, loaded from a causal-LM directory, keeps that model's
+backbone and gets a new head initialised to zero: the critic starts at V = 0 everywhere (GAE's
+first advantages are the whitened returns) and every build of it is the same bytes. Loaded from
+its own kind of directory (a checkpoint, a built reward model) it keeps its head. Heavy imports
+live inside functions.
 """
 
 from __future__ import annotations

@@ -487,18 +487,9 @@ class HFPolicy:
         ``micro_batch_size`` rows at a time.
         Shape: -> values (B, R) float32 (0 at padding), response_mask (B, R) bool.
         """
-        if self.head != "value":
-            raise ModelError(f"{self.path} is loaded as a causal LM, which has no values: declare the "
-                             "model with `head: value` (a critic)")
-        batch = {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
-        if grad:
-            with self._grad_mode():
-                return self._values_pass(batch, slice(None)), batch["response_mask"]
-        with self.gathered(), torch.inference_mode():
-            parts = [self._values_pass(batch, slice(i, i + micro_batch_size))
-                     for i in range(0, len(prompt_ids), micro_batch_size)]
-        values = torch.cat(parts) if parts else batch["response_mask"].float()
-        return values, batch["response_mask"]
+        batch = self._scalar_head_batch("value", prompt_ids, response_ids)
+        empty = batch["response_mask"].float()  # (0, R) when there are no rows
+        return self._by_rows(self._values_pass, batch, micro_batch_size, grad, empty), batch["response_mask"]
 
     def response_scores(self, prompt_ids: list[list[int]], response_ids: list[list[int]], *,
                         micro_batch_size: int = 64, grad: bool = False) -> torch.Tensor:
@@ -509,24 +500,30 @@ class HFPolicy:
         left-padded prompts. ``grad=True``: one autograd pass over all rows (training a reward
         model); otherwise inference mode, ``micro_batch_size`` rows at a time.
         Shape: -> scores (B,) float32."""
-        if self.head != "reward":
-            raise ModelError(f"{self.path} is loaded as a {self.head} model, which gives no sequence scores: "
-                             "declare the model with `head: reward` (a reward model)")
-        from dapo_flow.models.heads import value_head
+        batch = self._scalar_head_batch("reward", prompt_ids, response_ids)
+        return self._by_rows(self._scores_pass, batch, micro_batch_size, grad, torch.zeros(0))
 
-        batch = {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
-        last = int(batch["response_start"]) + batch["response_mask"].sum(1) - 1  # (B,)
-        backbone = getattr(self.model, self.model.base_model_prefix)
-        parts = []
-        step = len(prompt_ids) if grad else micro_batch_size
-        with (nullcontext() if grad else torch.inference_mode()), self.compute_precision():
-            for i in range(0, len(prompt_ids), max(step, 1)):
-                rows = slice(i, i + step)
-                hidden = backbone(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
-                                  position_ids=batch["position_ids"][rows], use_cache=False).last_hidden_state
-                at_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last[rows]]
-                parts.append(value_head(self.model)(at_last)[:, 0].float())
-        return torch.cat(parts) if parts else torch.zeros(0)
+    def _scalar_head_batch(self, head: str, prompt_ids: list[list[int]],
+                           response_ids: list[list[int]]) -> dict[str, torch.Tensor]:
+        """:meth:`pack`'s rows on this device, for a model of ``head`` (`value` or `reward`)."""
+        if self.head != head:
+            gives, what = ("values", "a critic") if head == "value" else ("sequence scores", "a reward model")
+            raise ModelError(f"{self.path} is loaded with `head: {self.head}`, which gives no {gives}: "
+                             f"declare the model with `head: {head}` ({what})")
+        return {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
+
+    def _by_rows(self, one_pass, batch: dict[str, torch.Tensor], micro_batch_size: int, grad: bool,
+                 empty: torch.Tensor) -> torch.Tensor:
+        """``one_pass(batch, rows)`` over all rows: one autograd pass with ``grad``, else
+        ``micro_batch_size`` rows at a time in inference mode on the gathered weights; the
+        results concatenated along the rows (``empty`` when there are none)."""
+        if grad:
+            with self._grad_mode():
+                return one_pass(batch, slice(None))
+        rows = batch["input_ids"].shape[0]
+        with self.gathered(), torch.inference_mode():
+            parts = [one_pass(batch, slice(i, i + micro_batch_size)) for i in range(0, rows, micro_batch_size)]
+        return torch.cat(parts) if parts else empty
 
     def _values_pass(self, batch: dict[str, torch.Tensor], rows: slice) -> torch.Tensor:
         inputs = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "position_ids")}
@@ -535,6 +532,18 @@ class HFPolicy:
             out = self.model(**inputs, use_cache=False).logits  # (b, P+R, 1)
         values = out[:, start - 1 : start - 1 + mask.shape[1], 0].float()
         return values.masked_fill(~mask, 0.0)
+
+    def _scores_pass(self, batch: dict[str, torch.Tensor], rows: slice) -> torch.Tensor:
+        """The score head at each row's last real token. Shape: -> (b,) float32."""
+        from dapo_flow.models.heads import value_head
+
+        last = int(batch["response_start"]) + batch["response_mask"][rows].sum(1) - 1  # (b,)
+        backbone = getattr(self.model, self.model.base_model_prefix)
+        with self.compute_precision():
+            hidden = backbone(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
+                              position_ids=batch["position_ids"][rows], use_cache=False).last_hidden_state
+            at_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+            return value_head(self.model)(at_last)[:, 0].float()
 
     @contextmanager
     def _grad_mode(self) -> Iterator[None]:

@@ -108,14 +108,13 @@ def _answers_per_prompt(policy_dir: Path, problems: list, recipe: Recipe, seed: 
     sum (off by 1, 2, 9, 10 or 11, or its digits reversed) and other prompts' answers, each
     response ending in EOS unless it was cut off."""
     import numpy as np
+    from transformers import AutoTokenizer
 
-    prompts, responses, labels, index = _labelled_samples(policy_dir, problems, recipe.samples_per_prompt, seed)
+    _, responses, labels, index = _labelled_samples(policy_dir, problems, recipe.samples_per_prompt, seed)
     right = [[] for _ in problems]
     wrong = [[] for _ in problems]
     for response, label, i in zip(responses, labels, index):
         (right if label else wrong)[i].append(response)
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(policy_dir)
     rng = np.random.default_rng(seed)
     for i, problem in enumerate(problems):
