@@ -154,7 +154,7 @@ class Score:
         self.params = params
         self.ctx = ctx
         self.spec = RewardSpec(params.rule or "", params.correct, params.wrong, params.extra_columns,
-                               base_dir=os.getcwd())
+                               base_dir=ctx.workdir or os.getcwd())
         # in the driver too: a bad reference fails here
         self.fn = resolve_reward(self.spec) if params.rule is not None else None
         self._pool: RewardPool | None = None

@@ -70,7 +70,7 @@ def load_prompts(
     Bad rows (no ground truth, empty prompt, more than ``max_prompt_tokens`` tokens) raise
     :class:`DataError` with ``on_bad_row="error"`` and are counted and dropped with ``"skip"``.
     ``read_parquet`` replaces pyarrow's reader for .parquet files (the Ray executor passes
-    Ray Data's); it is given one file or the name-ordered list of a folder's ``*.parquet`` shards.
+    its Ray tasks); it is given one file or the name-ordered list of a folder's ``*.parquet`` shards.
     A source that leaves no usable row (empty, or every row bad and skipped) is a DataError:
     training could never draw a prompt from it.
     """
@@ -84,7 +84,23 @@ def load_prompts(
             raise DataError(f"{source}: `options` only apply to builtin sources, got {sorted(options)}")
         records, default_source = _file_records(Path(source), read_parquet), Path(source).stem
     records = records[:size] if size is not None else records
+    table, skipped, _ = prompt_table(records, source=source, default_source=default_source,
+                                  tokenizer=tokenizer, split=split, prompt_key=prompt_key,
+                                  answer_key=answer_key, max_prompt_tokens=max_prompt_tokens,
+                                  on_bad_row=on_bad_row)
+    if table.num_rows == 0:
+        raise DataError(_no_rows_message(source, len(records), skipped))
+    return table, sum(skipped.values())
 
+
+def prompt_table(records: list["_Record"], *, source: str, default_source: str, tokenizer: Any,
+                 split: str, prompt_key: str = "prompt", answer_key: str | None = None,
+                 max_prompt_tokens: int | None = None, on_bad_row: str = "error",
+                 first_id: int | None = None) -> tuple[pa.Table, Counter[str], list[int]]:
+    """Records -> the prompt table of their usable rows (templated, tokenized), why how many
+    were dropped, and the kept records' numbers. ``first_id``: number the rows' prompt ids from
+    here in order (a stream's batches); default: ``extra_info.index`` when distinct, else the
+    row position."""
     rows: list[_Row] = []
     skipped: Counter[str] = Counter()  # why -> how many rows were dropped for it
 
@@ -129,12 +145,12 @@ def load_prompts(
             reject(row.record, prompt_key, f"has {len(row.ids)} tokens > max_prompt_tokens={max_prompt_tokens}",
                    "raise max_prompt_tokens or shorten the prompt", f"over max_prompt_tokens={max_prompt_tokens}")
         rows = [r for r in rows if len(r.ids) <= max_prompt_tokens]
-    if not rows:
-        raise DataError(_no_rows_message(source, len(records), skipped))
 
+    ids = (_prompt_ids(split, [r.record for r in rows]) if first_id is None
+           else [f"{split}-{first_id + k}" for k in range(len(rows))])
     table = pa.table(
         {
-            C.PROMPT_ID: _prompt_ids(split, [r.record for r in rows]),
+            C.PROMPT_ID: ids,
             C.PROMPT_TEXT: [r.text for r in rows],
             C.PROMPT_IDS: [r.ids for r in rows],
             C.GROUND_TRUTH: [_as_text(r.answer) for r in rows],
@@ -142,7 +158,7 @@ def load_prompts(
         },
         schema=C.prompt_schema(),
     )
-    return table, sum(skipped.values())
+    return table, skipped, [r.record.number for r in rows]
 
 
 def _prompt_type_problem(prompt: Any) -> str:

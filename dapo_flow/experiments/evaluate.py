@@ -17,7 +17,6 @@ from rich.table import Table
 
 from dapo_flow import threads
 from dapo_flow.errors import RunError
-from dapo_flow.graph.plan import DRIVER
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.loop import Runner
 from dapo_flow.runtime.export import step_folder
@@ -25,7 +24,7 @@ from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.resume import checkpoint_root
 from dapo_flow.runtime.session import generator_tokenizer, load_source, start_executor
 from dapo_flow.runtime.setup import driver_threads, stage_setups
-from dapo_flow.runtime.worker import StageSetup, StageWorker, quiet_libraries
+from dapo_flow.runtime.worker import quiet_libraries
 from dapo_flow.tracking import EVAL_TAG, PARENT_TAG, PATCH_TAG, Tracker
 
 
@@ -101,18 +100,16 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     tokenizer = generator_tokenizer(placed.plan)
     setups = stage_setups(placed, models)
     seed = spec.seed if seed is None else seed
-    driver = StageWorker(spec, setups.pop(DRIVER, StageSetup(DRIVER, (), ())), seed)
     ex = start_executor(placed, setups, executor, address, console, seed)
     try:
         prompts, skipped = load_source(spec, data, tokenizer, ex.read_parquet)
-        runner = Runner(placed, ex, driver, PromptSampler(prompts, seed))
+        runner = Runner(placed, ex, PromptSampler(prompts, seed))
         start = time.perf_counter()
         with console.status(f"generating {prompts.num_rows} x {n} responses..."):
             metrics, samples = runner.validate(prompts, spec.tracking.log_samples, n=n, temperature=temperature)
         seconds = time.perf_counter() - start
     finally:
         ex.shutdown()
-        driver.close()
     metrics.update({"eval/prompts": float(prompts.num_rows), "eval/skipped_rows": float(skipped)})
 
     tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,

@@ -281,14 +281,17 @@ def explain(placed: PlacedPlan) -> str:
         what = f"loads {', '.join(s.models)}; " if s.models else ""
         out.append(f"  {s.name:<16} {s.kind:<6} cpus={s.num_cpus:g} gpus={s.num_gpus:g}  "
                    f"{what}runs {', '.join(s.nodes) or '-'}")
+        if s.kind == DRIVER and s.nodes:
+            out.append(f"  {'':<16} the model-free operators: in the driver process with --executor local; "
+                       "on Ray in one CPU actor of their own, so tables stay in the object store")
         if s.is_group:
             out.append(f"  {'':<16} group of {s.workers} worker(s) on one {s.placement_strategy} placement "
-                       f"group ({s.strategy}; resources above are per worker): each call splits its rows "
-                       "by whole prompt groups; the update cuts the mini-batches one worker would, each "
-                       "worker training its rows of each")
+                       f"group ({s.strategy}; resources above are per worker): each worker takes its share "
+                       "of a call's rows (whole prompt groups) from the object store; the update cuts "
+                       "the mini-batches one worker would, each worker training its rows of each")
         elif s.workers > 1:
-            out.append(f"  {'':<16} {s.workers} replicas (resources above are per replica): each call "
-                       "splits its prompts across them; per-prompt seeds, so the samples do not depend "
+            out.append(f"  {'':<16} {s.workers} replicas (resources above are per replica): each takes "
+                       "its share of a call's prompts; per-prompt seeds, so the samples do not depend "
                        "on the number")
     out += _explain_memory(placed)
     train = spec.data.train

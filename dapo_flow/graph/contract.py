@@ -102,6 +102,8 @@ class OpContext:
     ``models`` maps every model name the worker hosts to its resource. In a training group
     (``world_size`` > 1) the operator runs on each of the group's ``world_size`` workers, each
     with its share of the rows (whole prompt groups); ``rank`` says which worker this is.
+``workdir``: the driver's working directory when the run started, where a relative file an
+operator names (a reward function's) resolves, in whichever process the operator runs.
     """
 
     node_id: str
@@ -110,6 +112,7 @@ class OpContext:
     models: Mapping[str, Any] = field(default_factory=dict)
     rank: int = 0
     world_size: int = 1
+    workdir: str | None = None  # the driver's working directory at start: where user files resolve
 
 
 @runtime_checkable

@@ -214,6 +214,21 @@ class DataSourceSpec(_Frozen):
     on_bad_row: Literal["error", "skip"] = Field(
         "error", description="`error` stops with the row named; `skip` counts and logs."
     )
+    stream: bool = Field(
+        False, description="Read a parquet source batch by batch while training (tokenized in "
+        "streaming Ray tasks under Ray) instead of whole before the first step: a large file starts at once "
+        "and the driver holds one shuffle buffer. Prompt order: a seeded shuffle buffer, not a "
+        "permutation of the whole file."
+    )
+    shuffle_buffer: int = Field(10_000, ge=1, description="Rows in a streamed source's shuffle buffer.")
+
+    @model_validator(mode="after")
+    def _stream_reads_parquet(self) -> "DataSourceSpec":
+        if self.stream and (self.source.startswith("builtin:") or self.source.lower().endswith((".json", ".jsonl"))):
+            raise ValueError(f"stream: true reads a .parquet file or a folder of .parquet shards, not "
+                             f"{self.source!r}; convert the file to parquet, or drop stream (it is "
+                             "read whole before the first step)")
+        return self
 
 
 class DataSpec(_Frozen):

@@ -12,13 +12,15 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, Protocol, runtime_checkable
 
 import pyarrow as pa
 
 from dapo_flow.errors import RunError
 from dapo_flow.runtime import group
-from dapo_flow.runtime.worker import GroupMember, StageSetup, StageWorker, resolve_op
+from dapo_flow.runtime.tables import TableParts, assemble
+from dapo_flow.runtime.worker import GroupMember, Share, StageSetup, StageWorker, resolve_op
+from dapo_flow.graph.plan import DRIVER
 from dapo_flow.graph.spec import GraphSpec
 
 RESUME_HINT = "`dapo-flow run GRAPH --resume` continues from the last checkpoint"
@@ -42,9 +44,19 @@ class Executor(Protocol):
     #: reads a list of parquet files (or one file) into one table on the executor's side;
     #: None: the driver reads them with pyarrow
     read_parquet: Callable[[Any], pa.Table] | None
+    #: ``stream_parquet(files, tokenize)``: tokenized batches of a streamed source, read and
+    #: tokenized on the executor's side; None: the driver reads and tokenizes them in turn
+    stream_parquet: Callable[[list, Callable], Iterator[pa.Table]] | None
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
         """Start ``StageWorker.method(*args)`` on ``stage``; a handle for :meth:`get`."""
+
+    def rows(self, stage: str, method: str, *args: Any) -> "Rows":
+        """Start a row call (``run_chain`` or ``run_variant``) whose output table stays where
+        it is made: its handle passes on to the next call, and :meth:`fetch` reads it."""
+
+    def fetch(self, table: Any) -> pa.Table:
+        """The table behind a handle, here in the driver."""
 
     def get(self, handle: Any) -> Any:
         """The result of a call (raises its error; a RunError when an actor died or hung)."""
@@ -56,6 +68,7 @@ class Executor(Protocol):
 class LocalExecutor:
     name = "local"
     read_parquet = None  # prompts are read with pyarrow in-process
+    stream_parquet = None  # and streamed prompts read and tokenized in-process
 
     def __init__(self, graph: GraphSpec, setups: Mapping[str, StageSetup], seed: int,
                  resources: Mapping[str, tuple[float, float]] | None = None, address: str | None = None):
@@ -82,6 +95,13 @@ class LocalExecutor:
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
         return getattr(self.workers[stage], method)(*args)
+
+    def rows(self, stage: str, method: str, *args: Any) -> "Rows":
+        out = self.call(stage, method, *args)
+        return Rows(*out) if method == "run_chain" else Rows(out, None)
+
+    def fetch(self, table: Any) -> pa.Table:
+        return assemble(table, list)
 
     def get(self, handle: Any) -> Any:
         return handle
@@ -122,6 +142,36 @@ class ActorStageWorker(StageWorker):
     def niceness(self) -> int:
         return os.getpriority(os.PRIO_PROCESS, 0)
 
+    def resolve(self, parts: list) -> list[pa.Table]:
+        """Tables from the object store (on this node: read in place, not copied)."""
+        import ray
+
+        return resolve_refs(parts, ray.get)
+
+
+def resolve_refs(parts: list, get: Callable[[list], list]) -> list:
+    """``parts`` with every ObjectRef replaced by its value (``get`` fetches them at once); a
+    part that is already a table (a resumed carry, a resolved top-level argument) as it is."""
+    import ray
+
+    refs = [i for i, p in enumerate(parts) if isinstance(p, ray.ObjectRef)]
+    out = list(parts)
+    for i, value in zip(refs, get([parts[i] for i in refs]) if refs else []):
+        out[i] = value
+    return out
+
+
+class DriverStageWorker(ActorStageWorker):
+    """The driver stage's model-free operators (score, shaping, filters, advantages) in an
+    actor of their own, so the tables they read and write stay in the object store. A class of
+    its own so that it shows as such in `ps` and `ray list actors`.
+
+    It asks Ray for no CPU: the placement gives the driver stage its share of the driver's
+    node, and with the tables gone from the driver process this actor is what uses it. Asking
+    Ray for it would put it beside a worker on some node (on two 1-CPU nodes, a driver stage's
+    0.67 and a worker's 0.67 do not fit one node, and the group waited for a node forever). It
+    runs on the driver's node where it can."""
+
 
 class RayExecutor:
     name = "ray"
@@ -141,13 +191,17 @@ class RayExecutor:
             # The raylet reads this when it starts, so it only applies to a cluster we start.
             os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(
-                address=address or os.environ.get("RAY_ADDRESS"),
+                # a cluster of our own unless one is named: Ray would otherwise join the one
+                # recorded in /tmp/ray/ray_current_cluster, which outlives a killed cluster and
+                # made a run wait ~12 minutes for a head that was gone
+                address=address or os.environ.get("RAY_ADDRESS") or "local",
                 include_dashboard=False,
                 log_to_driver=True,
                 logging_level="ERROR",
                 configure_logging=True,
             )
         remote_cls = ray.remote(ActorStageWorker)
+        driver_cls = ray.remote(DriverStageWorker)
         self.actors = {}
         self.groups: dict[str, WorkerGroup] = {}
         self.placement_groups = []
@@ -158,6 +212,13 @@ class RayExecutor:
                 if setup.grouped or setup.workers > 1:
                     self.groups[name] = self._start_group(remote_cls, graph, name, setup, seed, cpus, gpus)
                 else:
+                    if name == DRIVER:  # see DriverStageWorker: the driver's share, not Ray's
+                        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+                        self.actors[name] = driver_cls.options(num_cpus=0, max_restarts=0, scheduling_strategy=here
+                                                               ).remote(graph, setup, seed)
+                        continue
                     self.actors[name] = remote_cls.options(
                         num_cpus=cpus, num_gpus=gpus, name=None, max_restarts=0
                     ).remote(graph, setup, seed)
@@ -213,6 +274,8 @@ class RayExecutor:
         return WorkerGroup(stage, members, sinks, "worker" if setup.grouped else "replica")
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
+        if method in ROW_CALLS:  # the whole result, as a local worker gives it (tests, tools)
+            return self.rows(stage, method, *args)
         # a group's broadcast call passed on (a weight transfer from a training group): its rank
         # 0's result, by reference
         args = tuple(a.refs[0] if isinstance(a, GroupCall) else a for a in args)
@@ -221,21 +284,71 @@ class RayExecutor:
             return group.call(method, *args)
         return getattr(self.actors[stage], method).remote(*args)
 
+    def rows(self, stage: str, method: str, *args: Any) -> "Rows":
+        """A row call: the output table stays in the object store (a reference, or the
+        references of a group's shares in order); only the ChainInfo is for :meth:`get`."""
+        head, inputs, *rest = args
+        inputs = self._by_reference(inputs)
+        group = self.groups.get(stage)
+        if group is not None:
+            return group.rows(method, head, inputs, *rest)
+        fn = getattr(self.actors[stage], method)
+        if method == "run_chain":
+            return Rows(*fn.options(num_returns=2).remote(head, inputs, *rest))
+        return Rows(fn.remote(head, inputs, *rest), None)
+
+    def _by_reference(self, inputs: Any) -> Any:
+        """Tables the driver holds (prompts) put in the object store once, however many
+        workers read them; handles pass as they are."""
+        put = lambda h: self._ray.put(h) if isinstance(h, pa.Table) else h  # noqa: E731
+        return [put(h) for h in inputs] if isinstance(inputs, list) else put(inputs)
+
+    def fetch(self, table: Any) -> pa.Table:
+        return assemble(table, lambda parts: resolve_refs(parts, self.get))
+
     def read_parquet(self, files) -> pa.Table:
-        """Prompts read with Ray Data (parallel reads of one file, or of a folder's shards given
-        as a name-ordered list), rows kept in that order so Ray and local runs see the same prompts."""
-        ctx = self._ray.data.DataContext.get_current()
-        ctx.execution_options.preserve_order = True
-        paths = [str(f) for f in files] if isinstance(files, list) else str(files)
-        ds = self._ray.data.read_parquet(paths)
-        tables = [t for t in self._ray.get(ds.to_arrow_refs()) if t.num_rows]
-        if tables:
-            return pa.concat_tables(tables)
-        schema = ds.schema()  # None when no file holds a row group
-        return schema.base_schema.empty_table() if schema is not None else pa.table({})
+        """Prompts read by Ray tasks, one per file (a folder's shards in parallel), joined in
+        name order so Ray and local runs see the same prompts. The tasks ask for no CPU: the
+        run's actors hold the cluster's, and Ray Data's readers, which want a whole free CPU
+        for their planning tasks, waited forever beside them (Ray 2.60, reproduced with 0.67
+        of 2 CPUs free)."""
+        paths = [str(f) for f in files] if isinstance(files, list) else [str(files)]
+        read = self._ray.remote(num_cpus=0)(_read_parquet_file)
+        return pa.concat_tables(self.get([read.remote(p) for p in paths]))
+
+    def stream_parquet(self, files: list, tokenize: Callable[[pa.Table], pa.Table]) -> Iterator[pa.Table]:
+        """Tokenized batches of parquet ``files``, made ahead of the consumer by one streaming
+        generator task per file (read a batch, template and tokenize it, yield it), a few
+        batches in flight at most, the next file's task started while this one drains. Zero-CPU
+        tasks, as :meth:`read_parquet`'s."""
+        from dapo_flow.data.stream import tokenized_batches
+
+        task = self._ray.remote(num_cpus=0, num_returns="streaming",
+                                _generator_backpressure_num_objects=STREAM_IN_FLIGHT)(tokenized_batches)
+        pending = [task.remote(str(files[0]), tokenize)]
+        for k in range(len(files)):
+            if k + 1 < len(files):
+                pending.append(task.remote(str(files[k + 1]), tokenize))
+            for ref in pending.pop(0):
+                yield self._stream_get(ref)
+
+    def _stream_get(self, ref) -> pa.Table:
+        """One streamed batch; a bad row's DataError (on_bad_row: error) raised as itself."""
+        from dapo_flow.errors import DataError
+
+        try:
+            return self._ray.get(ref, timeout=call_timeout())
+        except self._ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, DataError):
+                raise DataError(str(cause)) from None
+            raise DataError(f"streaming prompts failed in a Ray task: {_root_cause(exc)}") from None
 
     def get(self, handle: Any, timeout: float | None = None) -> Any:
         timeout = call_timeout() if timeout is None else timeout
+        if isinstance(handle, Rows):
+            table = self.fetch(handle.table)
+            return table if handle.info is None else (table, self.get(handle.info, timeout))
         if isinstance(handle, GroupCall):
             return handle.join(self._get_group(handle, timeout))
         return self._get(handle, timeout)
@@ -328,30 +441,52 @@ class WorkerGroup:
         return "training group" if self.member == "worker" else "rollout replicas"
 
     def call(self, method: str, *args: Any) -> GroupCall:
-        if method == "run_chain":
-            node_ids, table = args
-            sink = node_ids[-1] in self.sinks
-            parts = self._split(table, sink)
-            refs = [m.run_chain.remote(node_ids, part) for m, part in zip(self.members, parts)]
-            rows = [p.num_rows for p in parts]
-            return GroupCall(self.stage, refs, member=self.member, kind=self.kind, join=lambda out: (
-                group.join([t for t, _ in out], sink), group.join_reports([r for _, r in out], rows)))
-        if method == "run_variant":
-            node_id, table, overrides = args
-            parts = self._split(table, node_id in self.sinks)
-            refs = [m.run_variant.remote(node_id, part, overrides) for m, part in zip(self.members, parts)]
-            return GroupCall(self.stage, refs, member=self.member, kind=self.kind,
-                             join=lambda out: group.join(out, node_id in self.sinks))
+        """A call every member makes alike (weight syncs, checkpoints: collectives), answered
+        with rank 0's result."""
         refs = [getattr(m, method).remote(*args) for m in self.members]
         return GroupCall(self.stage, refs, member=self.member, kind=self.kind, join=lambda out: out[0])
 
-    def _split(self, table: pa.Table, sink: bool) -> list[pa.Table]:
-        """Each member's share: for a training group's update, prompt groups dealt out with their
-        batch positions (the group cuts the mini-batches one worker would); else contiguous
-        runs, whose outputs join in input order."""
-        if sink and self.member == "worker":
-            return group.split_for_update(table, len(self.members))
-        return group.split(table, len(self.members))
+    def rows(self, method: str, head: Any, inputs: Any, *rest: Any) -> "Rows":
+        """A row call: every member gets the whole input by reference and takes its own share
+        (:class:`~dapo_flow.runtime.worker.Share`): a training group's update prompt groups
+        dealt out with their batch positions, every other call contiguous runs, whose outputs
+        in rank order are in the order of the input. The output: the members' tables by
+        reference, in rank order (a sink's: rank 0's one row of metrics, which the workers
+        reduced together)."""
+        sink = method == "run_chain" and head[-1] in self.sinks
+        n = len(self.members)
+        shares = [Share(rank, n, for_update=sink and self.member == "worker") for rank in range(n)]
+        if method == "run_variant":
+            refs = [m.run_variant.remote(head, inputs, *rest, share) for m, share in zip(self.members, shares)]
+            return Rows(TableParts(tuple(refs)), None)
+        pairs = [m.run_chain.options(num_returns=2).remote(head, inputs, share)
+                 for m, share in zip(self.members, shares)]
+        tables, infos = [t for t, _ in pairs], [i for _, i in pairs]
+        table = tables[0] if sink else TableParts(tuple(tables))
+        return Rows(table, GroupCall(self.stage, infos, member=self.member, kind=self.kind,
+                                     join=lambda out: group.join_infos(out, sink)))
+
+
+@dataclass
+class Rows:
+    """A row call's handles: its output ``table`` (where it was made) and its ``info``
+    (:class:`~dapo_flow.runtime.tables.ChainInfo`; None for ``run_variant``)."""
+
+    table: Any
+    info: Any
+
+
+#: the StageWorker methods whose input and output are tables
+ROW_CALLS = ("run_chain", "run_variant")
+
+
+STREAM_IN_FLIGHT = 4  # tokenized batches a streaming task may run ahead of the consumer
+
+
+def _read_parquet_file(path: str) -> pa.Table:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path)
 
 
 def _rendezvous() -> tuple[str, int]:

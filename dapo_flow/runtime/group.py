@@ -1,11 +1,12 @@
-"""Rows across a training group: each call to a group stage gives every worker a share of the
-table and joins what they return (pure: no Ray).
+"""Rows across a training group (or rollout replicas): each member of a group takes its share
+of a call's whole input, and the members' reports join into one (pure: no Ray).
 
 Shares are CONTIGUOUS runs of rows cut only between prompt groups, balanced by tokens: a group's
-samples stay on one worker (an operator may need a whole group), and the workers' outputs, joined
+samples stay on one worker (an operator may need a whole group), and the workers' outputs, taken
 in rank order, are in the order of the input, for row-aligned and for expanding operators alike
-(generation emits each prompt's samples together), so the driver joins them with other tables
-row by row as if one worker had run them.
+(generation emits each prompt's samples together), so the next stage joins them with other
+tables row by row as if one worker had run them. An update's shares are dealt out instead
+(:func:`split_for_update`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from dapo_flow.graph import columns as C
-
-Report = list[tuple[str, dict[str, float], float]]
+from dapo_flow.runtime.tables import ChainInfo, Report
 
 
 def row_tokens(table: pa.Table) -> np.ndarray:
@@ -89,19 +89,40 @@ def split_for_update(table: pa.Table, workers: int) -> list[pa.Table]:
     its rows' positions in ``table`` as column ``batch_row``. Order does not matter to a sink
     (it returns one row of metrics), and with the positions the group cuts the whole batch into
     the mini-batches one worker would, each worker training its rows of each."""
-    parts = []
-    for rows in interleaved_rows(table, workers):
-        part = table.take(pa.array(rows, pa.int64()))
-        parts.append(part.append_column(C.BATCH_ROW, pa.array(rows, pa.int64())))
-    return parts
+    return [_take_rows(table, rows) for rows in interleaved_rows(table, workers)]
 
 
-def join(tables: Sequence[pa.Table], sink: bool) -> pa.Table:
-    """The group's output: the workers' outputs in rank order; a sink's (one row of metrics the
-    workers agree on, having reduced them together) from the first worker."""
-    if sink:
-        return tables[0]
-    return pa.concat_tables(list(tables), promote_options="default")
+def update_share(table: pa.Table, workers: int, rank: int) -> pa.Table:
+    """Worker ``rank``'s part of :func:`split_for_update`."""
+    return _take_rows(table, interleaved_rows(table, workers)[rank])
+
+
+def share(table: pa.Table, workers: int, rank: int) -> pa.Table:
+    """Worker ``rank``'s part of :func:`split`."""
+    start, stop = share_bounds(table, workers)[rank]
+    return table.slice(start, stop - start)
+
+
+def _take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    positions = pa.array(rows, pa.int64())
+    return table.take(positions).append_column(C.BATCH_ROW, positions)
+
+
+def join_infos(infos: Sequence[ChainInfo], sink: bool) -> ChainInfo:
+    """The group's ChainInfo from its workers', in rank order: reports joined node by node
+    (weighted by the rows each worker took), rows and bytes added (a sink's output is rank
+    0's), prompt groups in rank order (whole groups per worker)."""
+    groups = None
+    if not sink and all(i.groups is not None for i in infos):
+        groups = tuple(g for i in infos for g in i.groups)
+    first = infos[0]
+    return ChainInfo(
+        join_reports([i.report for i in infos], [i.rows_in for i in infos]),
+        rows_in=sum(i.rows_in for i in infos),
+        rows_out=first.rows_out if sink else sum(i.rows_out for i in infos),
+        bytes_out=first.bytes_out if sink else sum(i.bytes_out for i in infos),
+        groups=first.groups if sink else groups,
+    )
 
 
 def _combine(key: str, values: list[float], weights: list[int]) -> float:

@@ -21,16 +21,25 @@ from dapo_flow import algos
 from dapo_flow.graph import columns as C
 from dapo_flow.data.arrow_utils import group_codes
 from dapo_flow.errors import RunError
-from dapo_flow.graph.plan import DRIVER, IN_ACTOR, Call
-from dapo_flow.runtime.metrics import MetricAccumulator, concat, first_row
+from dapo_flow.graph.plan import IN_ACTOR, Call
+from dapo_flow.runtime.metrics import MetricAccumulator, first_row
+from dapo_flow.runtime.tables import ChainInfo, cut, parts_of
 from dapo_flow.runtime.sampler import PromptSampler
-from dapo_flow.runtime.worker import StageWorker
 from dapo_flow.graph.spec import PROMPTS_SOURCE
+
+@dataclass(frozen=True)
+class Kept:
+    """Groups kept by dynamic sampling: their table's handle (where it was made) and their
+    prompt ids in order, which is all the driver needs to decide with."""
+
+    table: Any
+    groups: tuple[str, ...]
+
 
 @dataclass
 class LoopState:
     step: int = 0  # completed steps
-    carry: pa.Table | None = None  # kept groups beyond prompts_per_step (carry_surplus)
+    carry: Kept | None = None  # kept groups beyond prompts_per_step (carry_surplus)
     samples_generated: int = 0
     wall_seconds: float = 0.0
     keep_rate: float | None = None  # gen_prompts_per_batch auto: EMA of kept groups per prompt
@@ -39,80 +48,115 @@ class LoopState:
 
 @dataclass
 class Rollout:
-    batch: pa.Table | None  # None: skip this step
+    batch: Any  # the batch's handle (a prompts table without a group filter); None: skip this step
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class Runner:
-    """Executes a placed plan exactly: per phase its calls, in order, each in its stage (the
-    driver worker or an executor actor), then its weight syncs. ``call_log`` records every
-    call and sync made, as (phase, stage, node ids) and ("sync", source, target, kind)."""
+@dataclass
+class Output:
+    """A call's output: its table's handle and what the call reported (None for a feed)."""
 
-    def __init__(self, placed, executor, driver: StageWorker, sampler: PromptSampler):
+    table: Any
+    info: ChainInfo | None = None
+
+
+@dataclass
+class Traffic:
+    """Bytes of tables per step: ``driver``, those materialized in the driver (prompts it
+    sampled, tables it fetched: sinks' metrics, validation results, a checkpoint's carry);
+    ``made``, those every call produced, which a driver that relays every table would hold;
+    ``largest``, the largest table a call produced (about the trained batch)."""
+
+    driver: int = 0
+    made: int = 0
+    largest: int = 0
+
+    def add_output(self, nbytes: int) -> None:
+        self.made += nbytes
+        self.largest = max(self.largest, nbytes)
+
+    def take(self) -> dict[str, float]:
+        out = {"perf/driver_bytes": float(self.driver), "perf/stage_output_bytes": float(self.made),
+               "perf/largest_table_bytes": float(self.largest)}
+        self.driver = self.made = self.largest = 0
+        return out
+
+
+class Runner:
+    """Executes a placed plan exactly: per phase its calls, in order, each in its stage (an
+    executor's worker: under Ray the driver stage too is an actor), then its weight syncs.
+    Tables stay where a stage made them and pass on by handle; the driver reads only call
+    reports (metrics, row counts, prompt groups), sinks' metrics and validation results.
+    ``call_log`` records every call and sync made, as (phase, stage, node ids) and
+    ("sync", source, target, kind)."""
+
+    def __init__(self, placed, executor, sampler: PromptSampler | None):
         self.placed = placed
         self.plan = placed.plan
         self.run = self.plan.spec.run
         self.ex = executor
-        self.driver = driver
         self.sampler = sampler
         self.nodes = {n.id: n for n in self.plan.nodes}
         self.stage_of = dict(placed.node_stage)
         self.chunk = self.run.chunk_prompts
         self.call_log: list[tuple[str, str, tuple[str, ...]]] = []
+        self.traffic = Traffic()
 
     # --- call execution --------------------------------------------------------
-    def _submit(self, phase: str, call: Call, table: pa.Table):
+    def _submit(self, phase: str, call: Call, inputs: list):
         self.call_log.append((phase, call.stage, call.nodes))
-        if call.stage == DRIVER:
-            return self.driver.run_chain(list(call.nodes), table)
-        return self.ex.call(call.stage, "run_chain", list(call.nodes), table)
+        return self.ex.rows(call.stage, "run_chain", list(call.nodes), inputs)
 
-    def _finish(self, call: Call, handle, acc: MetricAccumulator) -> pa.Table:
-        table, report = handle if call.stage == DRIVER else self.ex.get(handle)
-        for nid, metrics, seconds in report:
+    def _finish(self, handle, acc: MetricAccumulator) -> Output:
+        info = self.ex.get(handle.info)
+        for nid, metrics, seconds in info.report:
             acc.add(metrics)
             acc.add({f"time/{nid}": seconds})
-        return table
+        self.traffic.add_output(info.bytes_out)
+        return Output(handle.table, info)
 
-    def _input(self, nid: str, outs: dict[str, pa.Table]) -> pa.Table:
-        node = self.nodes[nid]
-        tables = [outs[i] for i in node.inputs]
-        if callable(getattr(node.op_cls, "combine", None)):  # a keyed join (e.g. baseline)
-            return node.op_cls.combine(node.params, tables)
-        merged = tables[0]
-        for other in tables[1:]:  # row-aligned join: add the columns the first lacks
-            for name in other.column_names:
-                if name not in merged.column_names:
-                    merged = merged.append_column(name, other.column(name))
-        return merged
+    def fetch(self, table) -> pa.Table:
+        """A table read into the driver (counted in ``perf/driver_bytes``)."""
+        out = self.ex.fetch(table)
+        self.traffic.driver += out.nbytes
+        return out
 
-    def run_calls(self, phase: str, feeds: dict[str, pa.Table], acc: MetricAccumulator,
-                  first_done: Any = None) -> dict[str, pa.Table]:
+    def sample(self, n: int) -> pa.Table:
+        prompts = self.sampler.next(n)
+        self.traffic.driver += prompts.nbytes
+        return prompts
+
+    def _inputs(self, nid: str, outs: dict[str, Output]) -> list:
+        return [outs[i].table for i in self.nodes[nid].inputs]
+
+    def run_calls(self, phase: str, feeds: dict[str, Any], acc: MetricAccumulator,
+                  first_done: Any = None) -> dict[str, Output]:
         """Run the phase's calls; returns each call's output under its last node's id (inner
-        nodes of a call are not returned). ``first_done``: the first call's handle, already
-        submitted (streaming)."""
-        outs = dict(feeds)
+        nodes of a call are not returned). ``feeds``: node id -> table handle. ``first_done``:
+        the first call's handle, already submitted (streaming)."""
+        outs = {k: Output(v) for k, v in feeds.items()}
         for k, call in enumerate(self.placed.calls[phase]):
             handle = first_done if k == 0 and first_done is not None else (
-                self._submit(phase, call, self._input(call.nodes[0], outs)))
-            outs[call.nodes[-1]] = self._finish(call, handle, acc)
+                self._submit(phase, call, self._inputs(call.nodes[0], outs)))
+            outs[call.nodes[-1]] = self._finish(handle, acc)
         return outs
 
     # --- phase 1: rollout with dynamic sampling ---------------------------------
-    def rollout_batch(self, prompts: pa.Table, acc: MetricAccumulator) -> pa.Table:
+    def rollout_batch(self, prompts: pa.Table, acc: MetricAccumulator) -> Kept:
         """One generation batch through the rollout phase, streamed in chunks: every chunk's
         first call (generation, in its actor) is queued at once, and each finished chunk flows
         on to scoring / shaping / filtering while later chunks still generate."""
         head = self.placed.calls["rollout"][0]
         size = self.chunk or prompts.num_rows
         chunks = [prompts.slice(i, size) for i in range(0, prompts.num_rows, size)]
-        stream = head.stage != DRIVER and self.nodes[head.nodes[0]].inputs == (PROMPTS_SOURCE,)
-        handles = [self._submit("rollout", head, c) for c in chunks] if stream else [None] * len(chunks)
-        kept = []
+        stream = self.nodes[head.nodes[0]].inputs == (PROMPTS_SOURCE,)
+        handles = [self._submit("rollout", head, [c]) for c in chunks] if stream else [None] * len(chunks)
+        tables, groups = [], []
         for chunk, handle in zip(chunks, handles):
-            outs = self.run_calls("rollout", {PROMPTS_SOURCE: chunk}, acc, first_done=handle)
-            kept.append(outs[self.plan.group_filter])
-        return concat(kept)
+            out = self.run_calls("rollout", {PROMPTS_SOURCE: chunk}, acc, first_done=handle)[self.plan.group_filter]
+            tables.append(out.table)
+            groups.extend(out.info.groups or ())
+        return Kept(parts_of(tables), tuple(groups))
 
     def collect(self, state: LoopState) -> Rollout:
         acc = MetricAccumulator()
@@ -120,12 +164,12 @@ class Runner:
         if self.plan.group_filter is None:  # no dynamic sampling: the train segment generates
             generated = need * _group_size(self.plan)
             state.samples_generated += generated
-            return Rollout(self.sampler.next(need), {"sampling/samples_generated": float(generated)})
+            return Rollout(self.sample(need), {"sampling/samples_generated": float(generated)})
         fparams = self.nodes[self.plan.group_filter].params
         auto = self.run.gen_prompts_per_batch == "auto"
         kept = [state.carry] if state.carry is not None else []
         state.carry = None
-        groups, batches, generated, empty_in_a_row = _n_groups(concat(kept)), 0, 0, 0
+        groups, batches, generated, empty_in_a_row = _n_groups(kept), 0, 0, 0
         while groups < need:
             if fparams.max_gen_batches and batches >= fparams.max_gen_batches:
                 if fparams.on_cap == "error":
@@ -144,13 +188,13 @@ class Runner:
                 break
             size = (auto_batch_size(need - groups, state.keep_rate, need) if auto
                     else self.run.gen_prompts_per_batch or need)
-            prompts = self.sampler.next(size)
+            prompts = self.sample(size)
             out = self.rollout_batch(prompts, acc)
             generated += prompts.num_rows * _group_size(self.plan)
             batches += 1
             kept.append(out)
             # group ids never repeat across generation batches (the sampler suffixes the epoch)
-            got = _n_groups(out)
+            got = len(out.groups)
             groups += got
             if auto:
                 state.keep_rate = _ema(state.keep_rate, got / max(prompts.num_rows, 1))
@@ -162,17 +206,20 @@ class Runner:
                     f"group-filter '{self.plan.group_filter}' (with max_gen_batches: 0 the step "
                     f"would never end; max_skipped_steps={limit})"))
         state.skipped_in_a_row = 0
-        batch = concat(kept)
-        batch, surplus = _cut_groups(batch, need)
-        if self.run.carry_surplus and surplus is not None and surplus.num_rows:
-            state.carry = surplus
+        # the first `need` whole groups in order of appearance, the rest carried (verl cuts by
+        # rows and can split a group; we never do)
+        order = [g for k in kept for g in k.groups]
+        chosen, surplus = order[:need], order[need:]
+        batch = cut([k.table for k in kept], chosen)
+        if self.run.carry_surplus and surplus:
+            state.carry = Kept(cut([k.table for k in kept], surplus), tuple(surplus))
         state.samples_generated += generated
         metrics = acc.result()
         metrics.update({
             "sampling/gen_batches": float(batches),
-            "sampling/kept_groups": float(_n_groups(batch)),
+            "sampling/kept_groups": float(len(chosen)),
             "sampling/samples_generated": float(generated),
-            "sampling/generated_per_trained": float(generated / max(batch.num_rows, 1)),
+            "sampling/generated_per_trained": float(generated / max(len(chosen) * _group_size(self.plan), 1)),
             "sampling/capped": float(groups < need),
         })
         if state.keep_rate is not None:
@@ -200,7 +247,7 @@ class Runner:
         metrics = acc.result()
         for nid in self.plan.train:  # batch/* came with each sink's report (StageWorker.run)
             if self.nodes[nid].cardinality == "sink":
-                metrics.update(first_row(outs[nid]))
+                metrics.update(first_row(self.fetch(outs[nid].table)))
         return metrics
 
     # --- phase 3: weight sync ---------------------------------------------------
@@ -230,12 +277,10 @@ class Runner:
         overrides = {"temperature": temperature, "n": n}
         stage = self.stage_of[gen.id]
         self.call_log.append(("validate", stage, (gen.id,)))
-        if stage == DRIVER:
-            rolled = self.driver.run_variant(gen.id, val_prompts, overrides)
-        else:
-            rolled = self.ex.get(self.ex.call(stage, "run_variant", gen.id, val_prompts, overrides))
+        rolled = self.ex.rows(stage, "run_variant", gen.id, [val_prompts], overrides)
         grade = Call(self.stage_of[score.id], (score.id,))
-        scored = self._finish(grade, self._submit("validate", grade, rolled), MetricAccumulator())
+        graded = self._finish(self._submit("validate", grade, [rolled.table]), MetricAccumulator())
+        scored = self.fetch(graded.table)
         metrics = {
             "val/acc": float(np.mean(scored.column(C.ACC).to_numpy())),
             "val/score": float(np.mean(scored.column(C.SCORE).to_numpy())),
@@ -284,22 +329,8 @@ def _ema(old: float | None, new: float) -> float:
     return new if old is None else (1 - _EMA_WEIGHT) * old + _EMA_WEIGHT * new
 
 
-def _n_groups(table: pa.Table | None) -> int:
-    if table is None or table.num_rows == 0:
-        return 0
-    return len(np.unique(table.column(C.PROMPT_ID).to_numpy(zero_copy_only=False)))
-
-
-def _cut_groups(batch: pa.Table, need: int) -> tuple[pa.Table, pa.Table | None]:
-    """First ``need`` whole groups (in order of appearance) and the surplus (verl cuts by
-    rows and can split a group; we never do)."""
-    ids = batch.column(C.PROMPT_ID).to_numpy(zero_copy_only=False)
-    uniq, first = np.unique(ids, return_index=True)
-    if len(uniq) <= need:
-        return batch, None
-    chosen = uniq[np.argsort(first)][:need]
-    mask = np.isin(ids, chosen)
-    return batch.filter(pa.array(mask)), batch.filter(pa.array(~mask))
+def _n_groups(kept: list[Kept]) -> int:
+    return sum(len(k.groups) for k in kept)
 
 
 def _group_size(plan) -> int:

@@ -21,16 +21,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dapo_flow.errors import RunError
-from dapo_flow.graph.plan import DRIVER
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.checkpoint_models import SHARDED, checkpoint_format
 from dapo_flow.runtime.executors import executor_class
-from dapo_flow.runtime.loop import LoopState, Runner
+from dapo_flow.runtime.loop import Kept, LoopState, Runner
 from dapo_flow.runtime.resume import checkpoint_root, claim, resume_point
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.setup import graph_hash, stage_setups
-from dapo_flow.runtime.worker import StageSetup, StageWorker, quiet_libraries
+from dapo_flow.runtime.tables import groups_of
+from dapo_flow.runtime.worker import quiet_libraries
 from dapo_flow.tracking import Tracker, flatten, read_run
 
 
@@ -46,12 +46,10 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def generator_tokenizer(plan):
-    """The tokenizer of the model the plan generates with (else its first model); resolving
+def generator_dir(plan):
+    """The directory of the model the plan generates with (else its first model); resolving
     the models first builds a builtin one, with its progress bar here in the driver, before any
     actor asks for it."""
-    from transformers import AutoTokenizer
-
     from dapo_flow.models import resolve_model
 
     spec = plan.spec
@@ -59,7 +57,14 @@ def generator_tokenizer(plan):
     model_name = generator.model if generator is not None and generator.model else next(iter(spec.models))
     for model in spec.models.values():
         resolve_model(model.path)
-    return AutoTokenizer.from_pretrained(str(resolve_model(spec.models[model_name].path)))
+    return resolve_model(spec.models[model_name].path)
+
+
+def generator_tokenizer(plan):
+    """The tokenizer of :func:`generator_dir`'s model."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(generator_dir(plan)))
 
 
 def load_source(spec, src, tokenizer, read_parquet=None):
@@ -75,10 +80,33 @@ def load_source(spec, src, tokenizer, read_parquet=None):
 
 
 def _load_data(spec, tokenizer, read_parquet=None):
-    train, skipped = load_source(spec, spec.data.train, tokenizer, read_parquet)
+    """(train prompts, val prompts, skipped rows); train prompts are None for a streamed source
+    (:func:`train_sampler` reads it as the run goes)."""
+    train, skipped = (None, 0) if spec.data.train.stream else load_source(spec, spec.data.train, tokenizer,
+                                                                           read_parquet)
     val, val_skipped = (load_source(spec, spec.data.val, tokenizer, read_parquet)
                         if spec.data.val is not None else (None, 0))
     return train, val, skipped + val_skipped
+
+
+def train_sampler(plan, train_prompts, ex):
+    """The training prompts' sampler: a seeded permutation per epoch of a table read whole, or a
+    shuffle buffer over a streamed source (read and tokenized by the executor's stream reader,
+    streaming Ray tasks under Ray, else here batch by batch)."""
+    spec = plan.spec
+    src = spec.data.train
+    if not src.stream:
+        return PromptSampler(train_prompts, spec.seed)
+    from dapo_flow.data.stream import StreamSampler, TokenizeBatch, stream_files, tokenized_batches
+
+    files = stream_files(src.source)
+    tokenize = TokenizeBatch(str(generator_dir(plan)), src.source, src.split, src.prompt_key, src.answer_key,
+                             src.max_prompt_tokens, src.on_bad_row)
+    if ex.stream_parquet is not None:
+        open_stream = lambda: ex.stream_parquet(files, tokenize)  # noqa: E731
+    else:
+        open_stream = lambda: (b for f in files for b in tokenized_batches(str(f), tokenize))  # noqa: E731
+    return StreamSampler(open_stream, spec.seed, src.shuffle_buffer, src.split, src.source, src.size)
 
 
 def start_executor(placed, setups: dict, executor: str, address: str | None, console: Console,
@@ -87,9 +115,12 @@ def start_executor(placed, setups: dict, executor: str, address: str | None, con
     random streams seeded with ``seed`` (default: the graph's)."""
     spec = placed.plan.spec
     seed = spec.seed if seed is None else seed
-    resources = {s.name: (s.num_cpus, s.num_gpus) for s in placed.stages if s.kind == "actor"}
+    # every stage, the driver's too: under Ray its operators run in an actor of their own (on
+    # the driver's CPU share), so tables stay in the object store; local: all in-process
+    resources = {s.name: (s.num_cpus, s.num_gpus) for s in placed.stages}
     cls = executor_class(executor)
-    with console.status(f"starting {len(setups)} model actor(s) on {executor}..."):
+    setups = {name: s for name, s in setups.items() if s.nodes or s.models}  # no worker for an empty stage
+    with console.status(f"starting {len(setups)} stage worker(s) on {executor}..."):
         ex = cls(spec, setups, seed, resources, address=address)
     for stage, nodes in getattr(ex, "group_nodes", {}).items():
         what = "rollout replicas" if stage.startswith("rollout:") else "training group"
@@ -138,7 +169,6 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
 
     tokenizer = generator_tokenizer(placed.plan)
     setups = stage_setups(placed, model_paths)
-    driver = StageWorker(spec, setups.pop(DRIVER, StageSetup(DRIVER, (), ())), spec.seed)
     start = time.perf_counter()
     ex = start_executor(placed, setups, executor, address, console)
     startup = time.perf_counter() - start
@@ -164,17 +194,16 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
                     logged = _logged_metrics(tracker)
                     _flush(tracker, driver_state.get("unlogged_metrics", []), logged)
             for stage, states in op_states.items():
-                if stage == DRIVER:
-                    driver.load_op_states(states)
-                else:
+                if states:
                     ex.get(ex.call(stage, "load_op_states", states))
-            runner = Runner(placed, ex, driver, None)
+            runner = Runner(placed, ex, None)
             if any(checkpoint_format(Path(p)) == SHARDED for p in model_paths.values()):
                 runner.sync()  # rollout actors were built from the spec's weights: the checkpoint's now
-            sampler = PromptSampler(train_prompts, spec.seed)
+            sampler = train_sampler(placed.plan, train_prompts, ex)
             if driver_state:
                 sampler.load(driver_state["sampler"])
-            state = LoopState(step=int(driver_state.get("step", 0)), carry=carry,
+            state = LoopState(step=int(driver_state.get("step", 0)),
+                              carry=Kept(carry, groups_of(carry) or ()) if carry is not None else None,
                               samples_generated=int(driver_state.get("samples_generated", 0)),
                               wall_seconds=float(driver_state.get("wall_seconds", 0.0)),
                               keep_rate=driver_state.get("keep_rate"),
@@ -194,8 +223,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
             _mark_ended(tracker, "FAILED", console)
         raise
     finally:
-        ex.shutdown()
-        driver.close()  # the driver's operators (a reward pool)
+        ex.shutdown()  # every stage's workers, the driver stage's operators (a reward pool) too
         if owner is not None:
             owner.release()
 
@@ -221,7 +249,8 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
         val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
         if val:
             first_val = val["val/acc"]
-            pending.append((0, {**val, "time/startup": startup, "data/skipped_rows": float(skipped)}))
+            pending.append((0, {**val, "time/startup": startup, "data/skipped_rows": float(skipped),
+                                **runner.traffic.take()}))
             if samples:
                 with ctrl_c.held():
                     tracker.log_table(samples, "samples/step_000000.json")
@@ -254,6 +283,9 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
                 if samples:
                     with ctrl_c.held():
                         tracker.log_table(samples, f"samples/step_{step:06d}.json")
+            metrics.update(runner.traffic.take())
+            if hasattr(runner.sampler, "skipped"):  # a streamed source finds its bad rows as it goes
+                metrics["data/stream_skipped_rows"] = float(runner.sampler.skipped)
             state.step = step
             pending.append((step, metrics))
             last_metrics = metrics
@@ -283,9 +315,8 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
 def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, trained,
                 unlogged: list[tuple[int, dict]]) -> None:
     ex = runner.ex
-    stages = sorted({s for s in runner.stage_of.values() if s != DRIVER})
+    stages = sorted(set(runner.stage_of.values()))
     op_states = {s: ex.get(ex.call(s, "op_states")) for s in stages}
-    op_states[DRIVER] = runner.driver.op_states()
     driver = {
         "step": state.step, "sampler": runner.sampler.state(), "mlflow_run_id": tracker.run_id,
         "samples_generated": state.samples_generated, "wall_seconds": state.wall_seconds,
@@ -300,7 +331,7 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
             ex.get(ex.call(s, "save_models", str(out)))
 
     checkpoint.save(root, state.step, driver=driver, op_states=op_states, save_models=save_models,
-                    carry=state.carry)
+                    carry=runner.fetch(state.carry.table) if state.carry is not None else None)
     keep = runner.run.keep_checkpoints
     if keep:
         checkpoint.prune(root, keep)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from dapo_flow.graph.plan import DRIVER
@@ -69,6 +70,7 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str,
             max_model_len=plan.engine_context(),
             num_threads=_threads(stage),
             strategy=stage.strategy, workers=stage.workers, placement_strategy=stage.placement_strategy,
+            workdir=os.getcwd(),
         )
     return setups
 

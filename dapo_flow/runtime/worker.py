@@ -15,7 +15,9 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from dapo_flow import threads
+from dapo_flow.runtime import group as group_rows
 from dapo_flow.runtime.metrics import batch_stats
+from dapo_flow.runtime.tables import ChainInfo, assemble, info_of, merge_inputs
 from dapo_flow.graph.contract import OpContext
 from dapo_flow.graph.plan import GROUP_STRATEGIES
 from dapo_flow.graph.spec import GraphSpec
@@ -49,6 +51,7 @@ class StageSetup:
     strategy: str = "none"  # the group's: "fsdp2" (each worker a shard) | "ddp" (each a full copy)
     workers: int = 1  # the group's size
     placement_strategy: str = "PACK"  # the group's placement group strategy
+    workdir: str | None = None  # the driver's working directory at start (OpContext.workdir)
     group: "GroupMember | None" = None  # set by the executor for each worker of a group
 
     @property
@@ -65,6 +68,23 @@ class GroupMember:
     world_size: int
     master_addr: str
     master_port: int
+
+
+@dataclass(frozen=True)
+class Share:
+    """Which rows of a call's input one member of a group takes: a training group's update
+    gets prompt groups dealt out with their batch positions (``for_update``), every other call
+    a contiguous run (dapo_flow.runtime.group). Each member cuts its own share from the whole
+    input, so the input never passes through the driver to be split."""
+
+    rank: int
+    members: int
+    for_update: bool = False
+
+    def of(self, table: pa.Table) -> pa.Table:
+        if self.for_update:
+            return group_rows.update_share(table, self.members, self.rank)
+        return group_rows.share(table, self.members, self.rank)
 
 
 def quiet_libraries() -> None:
@@ -131,7 +151,7 @@ class StageWorker:
             ctx = OpContext(
                 node_id=node.id, seed=seed, model=self.resources.get(node.model or ""),
                 models=self.resources, rank=group.rank if group else 0,
-                world_size=group.world_size if group else 1,
+                world_size=group.world_size if group else 1, workdir=setup.workdir,
             )
             self.op_classes[node.id] = cls
             self.ops[node.id] = cls(params, ctx)
@@ -155,20 +175,39 @@ class StageWorker:
             metrics = {**batch_stats(table), **metrics}
         return out, metrics, seconds
 
-    def run_chain(self, node_ids: list[str], table: pa.Table) -> tuple[pa.Table, list[tuple[str, dict, float]]]:
-        """Run a linear chain of this stage's nodes in one call (one round trip, one table
-        transfer); returns the last output and each node's (id, metrics, seconds)."""
+    def run_chain(self, node_ids: list[str], inputs: Any, share: "Share | None" = None
+                  ) -> tuple[pa.Table, ChainInfo]:
+        """Run a linear chain of this stage's nodes in one call (one round trip); returns the
+        last output and a :class:`ChainInfo` (each node's metrics and seconds, row counts, the
+        output's prompt groups). ``inputs``: the first node's input tables, one per input, as
+        handles (tables, references, TableParts; one handle alone is the only input); a group
+        worker takes its ``share`` of the joined input."""
+        table = self._input(node_ids[0], inputs, share)
+        rows_in = table.num_rows
         report = []
         for nid in node_ids:
             table, metrics, seconds = self.run(nid, table)
             report.append((nid, metrics, seconds))
-        return table, report
+        return table, info_of(report, rows_in, table)
 
-    def run_variant(self, node_id: str, table: pa.Table, overrides: Mapping[str, Any]) -> pa.Table:
+    def run_variant(self, node_id: str, inputs: Any, overrides: Mapping[str, Any],
+                    share: "Share | None" = None) -> pa.Table:
         """Run a node with some params replaced (validation: greedy, n=1), statelessly."""
         op = self.ops[node_id]
         variant = self.op_classes[node_id](op.params.model_copy(update=dict(overrides)), op.ctx)
-        return variant(table)
+        return variant(self._input(node_id, inputs, share))
+
+    def _input(self, node_id: str, inputs: Any, share: "Share | None") -> pa.Table:
+        handles = inputs if isinstance(inputs, list) else [inputs]
+        tables = [assemble(h, self.resolve) for h in handles]
+        table = tables[0] if len(tables) == 1 else merge_inputs(
+            self.op_classes[node_id], self.ops[node_id].params, tables)
+        return share.of(table) if share is not None else table
+
+    def resolve(self, parts: list) -> list[pa.Table]:
+        """Tables from handles' parts: in-process they are the tables (a Ray actor fetches
+        its references from the object store)."""
+        return parts
 
     # --- weights ------------------------------------------------------------
     def sync_generators(self) -> float:

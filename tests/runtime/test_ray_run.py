@@ -169,6 +169,13 @@ def test_cli_run_on_a_ray_head_matches_the_local_executor(workdir, small_graph, 
     # hf backend seeds every generate call, so no float reduction runs in another order.
     assert _deterministic(ray_run["history"]) == _deterministic(local_run["history"])
 
+    # tables by reference: the driver held the prompts it sampled and the update's metrics row,
+    # not the tables the calls made (a relaying driver held them all); steps 2 and 3 also fetch
+    # a checkpoint's carried groups and validation results
+    driver, made = (dict(ray_run["history"][k]) for k in ("perf/driver_bytes", "perf/stage_output_bytes"))
+    assert driver[1] < made[1] / 4, (driver, made)
+    assert all(driver[s] < made[s] for s in (2, 3)), (driver, made)
+
 
 @pytest.mark.timeout(2 * WAIT_S)
 def test_dead_actor_ends_the_run_with_exit_2_and_says_resume(workdir, small_graph, ray_head):

@@ -1,4 +1,4 @@
-"""With the Ray executor, parquet prompts are read with Ray Data, in file order: a Ray run
+"""With the Ray executor, parquet prompts are read in Ray tasks (one per file), in file order: a Ray run
 and a local run of the same graph see the same prompts and log the same numbers."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _verl_parquet(path):
 
 
 @pytest.mark.slow
-def test_ray_reads_parquet_prompts_with_ray_data(workdir, small_graph, monkeypatch):
+def test_ray_reads_parquet_prompts_in_ray_tasks(workdir, small_graph, monkeypatch):
     data = workdir / "prompts.parquet"
     _verl_parquet(data)
     path = small_graph(workdir, name="pq", steps=2, ckpt=0)
