@@ -121,6 +121,22 @@ def test_a_streamed_source_trains_on_the_local_executor(workdir, small_graph):
     assert hist["data/stream_skipped_rows"] == [(1, 0.0), (2, 0.0)]
 
 
+def test_a_streamed_run_resumes_as_if_never_stopped(workdir, small_graph):
+    """Stopped after step 2 and resumed to 4 (past the end of the 20-row file: a new epoch), a
+    streamed run logs what a straight run to 4 logs."""
+    data = workdir / "prompts.parquet"
+    _verl_parquet(data, rows=20, row_group=8)  # 4 steps draw >= 32 prompts
+    path = _streamed_graph(workdir, small_graph, data)
+    path.write_text(path.read_text().replace("steps: 2", "steps: 4").replace("checkpoint_every: 0", "checkpoint_every: 2"))
+    det = lambda h: {k: v for k, v in h.items() if not k.startswith(("time/", "perf/", "gen/"))}  # noqa: E731
+    straight = execute(compile_graph(path, Cluster(cpus=2)), executor="local")
+    first = execute(compile_graph(path, Cluster(cpus=2)), executor="local", steps=2)
+    resumed = execute(compile_graph(path, Cluster(cpus=2)), executor="local", resume=first["run_id"], steps=4)
+    want = read_run(straight["tracking_uri"], straight["run_id"])["history"]
+    got = read_run(resumed["tracking_uri"], resumed["run_id"])["history"]
+    assert det(got) == det(want)
+
+
 def test_stream_reads_parquet_only():
     from pydantic import ValidationError
 
