@@ -61,8 +61,8 @@ def tokenized_batches(path: str, tokenize: Callable[[pa.Table], pa.Table]) -> It
 
 @dataclass(frozen=True)
 class TokenizeBatch:
-    """Raw source rows -> prompt rows, one per input row, with ``_ok`` false where a row is
-    bad (dropped with ``on_bad_row: skip``; an error otherwise). Prompt ids are left for the
+    """Raw source rows -> prompt rows, one per input row, with ``_ok`` false (and nulls) where
+    a row is bad (dropped with ``on_bad_row: skip``; an error otherwise). Prompt ids are left for the
     sampler, which numbers the usable rows in stream order. Picklable: Ray tasks run it, each
     worker process loading the tokenizer once."""
 
@@ -88,18 +88,10 @@ class TokenizeBatch:
                                       on_bad_row=self.on_bad_row, first_id=0)
         ok = np.zeros(len(rows), dtype=bool)
         ok[kept] = True
-        if ok.all():
-            return table.append_column(OK, pa.array(ok))
-        # one output row per input row, a placeholder where a row was dropped
-        at = np.cumsum(ok) - 1
-        parts = [table.slice(int(at[i]), 1) if ok[i] else _BAD_ROW for i in range(len(rows))]
-        merged = pa.concat_tables(parts) if parts else C.prompt_schema().empty_table()
-        return merged.append_column(OK, pa.array(ok))
-
-
-#: the placeholder of a dropped row in TokenizeBatch's output
-_BAD_ROW = pa.table({C.PROMPT_ID: [""], C.PROMPT_TEXT: [""], C.PROMPT_IDS: [[]], C.GROUND_TRUTH: [""],
-                     C.DATA_SOURCE: [""]}, schema=C.prompt_schema())
+        # one output row per input row: a dropped row's is all nulls (the sampler skips it)
+        at = np.where(ok, np.cumsum(ok) - 1, -1)
+        index = pa.array([int(i) if i >= 0 else None for i in at], pa.int64())
+        return table.take(index).append_column(OK, pa.array(ok))
 
 
 def _where(row: dict, prompt_key: str) -> str:

@@ -211,14 +211,13 @@ class RayExecutor:
                 cpus, gpus = resources.get(name, (1.0, 0.0))
                 if setup.grouped or setup.workers > 1:
                     self.groups[name] = self._start_group(remote_cls, graph, name, setup, seed, cpus, gpus)
-                else:
-                    if name == DRIVER:  # see DriverStageWorker: the driver's share, not Ray's
-                        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+                elif name == DRIVER:  # see DriverStageWorker: the driver's CPU share, not Ray's
+                    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-                        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-                        self.actors[name] = driver_cls.options(num_cpus=0, max_restarts=0, scheduling_strategy=here
-                                                               ).remote(graph, setup, seed)
-                        continue
+                    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+                    self.actors[name] = driver_cls.options(num_cpus=0, max_restarts=0, scheduling_strategy=here
+                                                           ).remote(graph, setup, seed)
+                else:
                     self.actors[name] = remote_cls.options(
                         num_cpus=cpus, num_gpus=gpus, name=None, max_restarts=0
                     ).remote(graph, setup, seed)
@@ -329,20 +328,8 @@ class RayExecutor:
         for k in range(len(files)):
             if k + 1 < len(files):
                 pending.append(task.remote(str(files[k + 1]), tokenize))
-            for ref in pending.pop(0):
-                yield self._stream_get(ref)
-
-    def _stream_get(self, ref) -> pa.Table:
-        """One streamed batch; a bad row's DataError (on_bad_row: error) raised as itself."""
-        from dapo_flow.errors import DataError
-
-        try:
-            return self._ray.get(ref, timeout=call_timeout())
-        except self._ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, DataError):
-                raise DataError(str(cause)) from None
-            raise DataError(f"streaming prompts failed in a Ray task: {_root_cause(exc)}") from None
+            for ref in pending.pop(0):  # a bad row's DataError comes as itself (_get)
+                yield self._get(ref, call_timeout(), who="a task streaming prompts")
 
     def get(self, handle: Any, timeout: float | None = None) -> Any:
         timeout = call_timeout() if timeout is None else timeout

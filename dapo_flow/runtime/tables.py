@@ -50,17 +50,9 @@ class ChainInfo:
 
 def parts_of(handles: Sequence[Any]) -> TableParts:
     """Handles (tables, references, TableParts without a cut) as one TableParts, flattened."""
-    flat: list[Any] = []
-    for h in handles:
-        if h is None:
-            continue
-        if isinstance(h, TableParts):
-            if h.keep is not None:
-                raise ValueError("a cut TableParts cannot be flattened; cut after joining")
-            flat.extend(h.parts)
-        else:
-            flat.append(h)
-    return TableParts(tuple(flat))
+    if any(isinstance(h, TableParts) and h.keep is not None for h in handles):
+        raise ValueError("a cut TableParts cannot be flattened; cut after joining")
+    return TableParts(_flat(handles))
 
 
 def cut(handles: Sequence[Any], keep: Sequence[str]) -> TableParts:
@@ -68,13 +60,17 @@ def cut(handles: Sequence[Any], keep: Sequence[str]) -> TableParts:
     that is already cut contributes its parts whole: the cut is only correct because prompt
     ids never repeat across a run's generation batches, so the groups it dropped are not in
     ``keep`` either."""
-    flat: list[Any] = []
+    return TableParts(_flat(handles), tuple(keep))
+
+
+def _flat(handles: Sequence[Any]) -> tuple[Any, ...]:
+    parts: list[Any] = []
     for h in handles:
         if isinstance(h, TableParts):
-            flat.extend(h.parts)
+            parts.extend(h.parts)
         elif h is not None:
-            flat.append(h)
-    return TableParts(tuple(flat), tuple(keep))
+            parts.append(h)
+    return tuple(parts)
 
 
 def assemble(handle: Any, resolve: Callable[[list], list]) -> pa.Table:

@@ -200,8 +200,7 @@ class StageWorker:
     def _input(self, node_id: str, inputs: Any, share: "Share | None") -> pa.Table:
         handles = inputs if isinstance(inputs, list) else [inputs]
         tables = [assemble(h, self.resolve) for h in handles]
-        table = tables[0] if len(tables) == 1 else merge_inputs(
-            self.op_classes[node_id], self.ops[node_id].params, tables)
+        table = merge_inputs(self.op_classes[node_id], self.ops[node_id].params, tables)
         return share.of(table) if share is not None else table
 
     def resolve(self, parts: list) -> list[pa.Table]:
