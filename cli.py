@@ -108,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, help="use at most this many prompts")
     p.add_argument("--seed", type=_seed, help="sampling seed (default the graph's; does not change which "
                    "checkpoint is found)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="PROMPTS",
+                   help="prompts per generation batch: the set streams through generation and grading "
+                        "this many at a time, a parquet source read batch by batch (default 256)")
+    p.add_argument("--save", metavar="FILE.parquet",
+                   help="write every graded sample (prompt, response, ground truth, score, acc) to this "
+                        "parquet file")
     p.add_argument("--executor", choices=list(EXECUTORS), default="local", help="default: local")
     p.add_argument("--address", help="Ray cluster address (with --executor ray)")
     _edit_flags(p)
@@ -303,19 +309,23 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    for flag in ("n", "size"):
+    for flag in ("n", "size", "batch_size"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise DapoFlowError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+            raise DapoFlowError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.temperature is not None and args.temperature < 0:
         raise DapoFlowError(f"--temperature must be >= 0, got {args.temperature}")
     options = dict(which=args.checkpoint, n=args.n, temperature=args.temperature, source=args.source,
-                   split=args.split, size=args.size, seed=args.seed, executor=args.executor, address=args.address)
+                   split=args.split, size=args.size, seed=args.seed, executor=args.executor, address=args.address,
+                   **({"batch_size": args.batch_size} if args.batch_size else {}))
     console = Console(highlight=False)
     if args.sweep:
         from dapo_flow.experiments import sweep
         from dapo_flow.graph.registry import load_plugins
         from dapo_flow.experiments.evaluate import evaluate_sweep
 
+        if args.save:
+            raise DapoFlowError("--save writes one eval's samples; with --sweep each run's samples are "
+                                "logged to its MLflow run: drop --save")
         if args.edits or args.checkpoint != "latest":
             raise DapoFlowError("--sweep evaluates each run's newest checkpoint of the patch's own graphs: "
                                 "drop --set/--drop/--swap/--insert and --checkpoint")
@@ -329,7 +339,7 @@ def _eval(args: argparse.Namespace) -> int:
     placed = _edited(args).compile()
     from dapo_flow.experiments.evaluate import evaluate
 
-    evaluate(placed, console=console, **options)
+    evaluate(placed, console=console, save=args.save, **options)
     return 0
 
 

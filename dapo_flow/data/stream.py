@@ -102,6 +102,41 @@ def _where(row: dict, prompt_key: str) -> str:
     return f"the row whose {prompt_key} is {_clip(str(row.get(prompt_key)))!r}"
 
 
+def numbered_batches(batches: Iterator[pa.Table], split: str, size: int | None = None
+                     ) -> Iterator[tuple[pa.Table, int]]:
+    """:class:`TokenizeBatch` outputs in source order -> (their usable rows as prompt rows, the
+    batch's count of dropped bad rows). Prompt ids number the usable rows in stream order
+    (``{split}-{n}``); ``size`` keeps the first ``size`` raw rows of the stream."""
+    raw_read, usable = 0, 0
+    for batch in batches:
+        if size is not None:
+            batch = batch.slice(0, max(size - raw_read, 0))
+        raw_read += batch.num_rows
+        ok = batch.column(OK).to_numpy(zero_copy_only=False)
+        table = batch.filter(pa.array(ok)).drop_columns([OK])
+        ids = pa.array([f"{split}-{usable + k}" for k in range(table.num_rows)], pa.string())
+        usable += table.num_rows
+        yield table.set_column(table.schema.get_field_index(C.PROMPT_ID), C.PROMPT_ID, ids), int((~ok).sum())
+        if size is not None and raw_read >= size:
+            return
+
+
+def rebatched(tables: Iterator[pa.Table], rows: int) -> Iterator[pa.Table]:
+    """The rows of ``tables`` in order, re-cut into tables of ``rows`` rows (the last one shorter)."""
+    held: list[pa.Table] = []
+    count = 0
+    for table in tables:
+        held.append(table)
+        count += table.num_rows
+        while count >= rows:
+            joined = pa.concat_tables(held)
+            yield joined.slice(0, rows)
+            rest = joined.slice(rows)
+            held, count = [rest], rest.num_rows
+    if count:
+        yield pa.concat_tables(held)
+
+
 class StreamSampler:
     """Generation batches from a stream of tokenized batches (``open_stream()`` starts one
     pass over the source, rows in source order): a seeded shuffle buffer, topped up row by
@@ -126,19 +161,9 @@ class StreamSampler:
         self._exhausted = False
 
     def _usable_rows(self, batches: Iterator[pa.Table]) -> Iterator[dict]:
-        raw_read, usable = 0, 0
-        for batch in batches:
-            if self.size is not None:
-                batch = batch.slice(0, max(self.size - raw_read, 0))
-            raw_read += batch.num_rows
-            ok = batch.column(OK).to_numpy(zero_copy_only=False)
-            self.skipped += int((~ok).sum())
-            for row in batch.filter(pa.array(ok)).drop_columns([OK]).to_pylist():
-                row[C.PROMPT_ID] = f"{self.split}-{usable}"
-                usable += 1
-                yield row
-            if self.size is not None and raw_read >= self.size:
-                return
+        for table, skipped in numbered_batches(batches, self.split, self.size):
+            self.skipped += skipped
+            yield from table.to_pylist()
 
     def _draw(self) -> dict | None:
         while not self._exhausted and len(self._buffer) < self.buffer_rows:

@@ -8,11 +8,13 @@ pass@k for k = 2, 4, ..., n, score and response length. Printed, and logged as a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from dapo_flow import threads
@@ -20,9 +22,9 @@ from dapo_flow.errors import RunError
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.loop import Runner
 from dapo_flow.runtime.export import step_folder
-from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.resume import checkpoint_root
-from dapo_flow.runtime.session import generator_tokenizer, load_source, start_executor
+from dapo_flow.experiments.eval_data import EvalPrompts, ResponseWriter
+from dapo_flow.runtime.session import start_executor
 from dapo_flow.runtime.setup import driver_threads, stage_setups
 from dapo_flow.runtime.worker import quiet_libraries
 from dapo_flow.tracking import EVAL_TAG, PARENT_TAG, PATCH_TAG, Tracker
@@ -68,13 +70,19 @@ def _newest_intact(found: list[Path], warn: Callable[[str], None]) -> Path | Non
     return path
 
 
+EVAL_BATCH_PROMPTS = 256  # prompts per generation batch: big enough to fill an engine, small enough to stream
+
+
 def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature: float | None = None,
              source: str | None = None, split: str | None = None, size: int | None = None,
              seed: int | None = None, executor: str = "local", address: str | None = None,
+             batch_size: int = EVAL_BATCH_PROMPTS, save: str | None = None,
              console: Console | None = None, run_name: str | None = None, parent_run_id: str | None = None,
              extra_params: dict[str, str] | None = None) -> dict:
     """Evaluate and log; returns {"metrics", "run_id", "tracking_uri", "checkpoint", "step", ...}.
-    ``seed`` seeds the sampling (default the graph's; it is not part of the checkpoint lookup)."""
+    ``seed`` seeds the sampling (default the graph's; it is not part of the checkpoint lookup).
+    Prompts stream through generation and grading ``batch_size`` at a time (a parquet source is
+    read batch by batch, never whole); ``save``: a .parquet file that gets every graded sample."""
     quiet_libraries()
     threads.configure(driver_threads(placed))  # as `execute` does for a training run
     spec = placed.plan.spec
@@ -84,6 +92,7 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
         raise RunError(f"graph '{spec.name}' has no {' and no '.join(f'{r}-role' for r in missing)} node "
                        "(e.g. `generate`, `score`): eval samples with the graph's generator and grades "
                        "with its reward node")
+    writer = ResponseWriter(save) if save else None
     step_dir, models, step = resolve_checkpoint(
         spec, which, lambda text: console.print(f"[yellow]warning:[/] {text}", highlight=False))
     data = spec.data.val or spec.data.train
@@ -97,20 +106,29 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     console.print(f"evaluating {label} on {data.source} [{data.split}], {n} sample(s) per prompt at "
                   f"temperature {temperature}", highlight=False, markup=False)
 
-    tokenizer = generator_tokenizer(placed.plan)
     setups = stage_setups(placed, models)
     seed = spec.seed if seed is None else seed
     ex = start_executor(placed, setups, executor, address, console, seed)
     try:
-        prompts, skipped = load_source(spec, data, tokenizer, ex.read_parquet)
-        runner = Runner(placed, ex, PromptSampler(prompts, seed))
+        prompts = EvalPrompts(placed.plan, data, ex, batch_size)
+        runner = Runner(placed, ex, None)
         start = time.perf_counter()
-        with console.status(f"generating {prompts.num_rows} x {n} responses..."):
-            metrics, samples = runner.validate(prompts, spec.tracking.log_samples, n=n, temperature=temperature)
+        with _progress(console, prompts.total_hint, n) as advance:
+            def on_batch(graded, tally) -> None:
+                advance(graded.num_rows // n, tally.result().get("val/acc"))
+                if writer is not None:
+                    writer.write(graded)
+
+            metrics, samples = runner.validate_stream(iter(prompts), spec.tracking.log_samples, n=n,
+                                                      temperature=temperature, on_batch=on_batch)
         seconds = time.perf_counter() - start
+        if writer is not None:
+            writer.close()
     finally:
         ex.shutdown()
-    metrics.update({"eval/prompts": float(prompts.num_rows), "eval/skipped_rows": float(skipped)})
+        if writer is not None:
+            writer.abort()  # a no-op once closed: an interrupted eval leaves no half file
+    metrics.update({"eval/prompts": float(prompts.count), "eval/skipped_rows": float(prompts.skipped)})
 
     tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
                       run_name=run_name or f"eval {spec.name} " + ("base" if step is None else f"step {step}"),
@@ -124,8 +142,25 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
         tracker.log_table(samples, "samples/eval.json")
     tracker.finish()
     _print(console, "base model" if step is None else f"step {step}", metrics, seconds, tracker)
+    if writer is not None:
+        console.print(f"wrote {writer.path}: {writer.rows} graded sample(s)", highlight=False, markup=False)
     return {"metrics": metrics, "run_id": tracker.run_id, "tracking_uri": tracker.uri,
-            "checkpoint": str(step_dir) if step_dir else None, "step": step, "n": n, "seconds": seconds}
+            "checkpoint": str(step_dir) if step_dir else None, "step": step, "n": n, "seconds": seconds,
+            "saved": str(writer.path) if writer is not None else None}
+
+
+@contextlib.contextmanager
+def _progress(console: Console, total: int | None, n: int) -> Iterator[Callable[[int, float | None], None]]:
+    """A progress bar over the prompts graded (``total``: the source's rows, when known)."""
+    columns = [TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts x" + str(n)),
+               TimeRemainingColumn(), TextColumn("{task.fields[acc]}")]
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("eval", total=total, acc="")
+
+        def advance(prompts: int, acc: float | None) -> None:
+            bar.update(task, advance=prompts, acc="" if acc is None else f"acc {acc:.3f}")
+
+        yield advance
 
 
 def _print(console: Console, label: str, metrics: dict, seconds: float, tracker: Tracker) -> None:

@@ -12,18 +12,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-import numpy as np
 import pyarrow as pa
 
-from dapo_flow import algos
 from dapo_flow.graph import columns as C
-from dapo_flow.data.arrow_utils import group_codes
 from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import IN_ACTOR, Call
 from dapo_flow.runtime.metrics import MetricAccumulator, first_row
 from dapo_flow.runtime.tables import ChainInfo, cut, parts_of
+from dapo_flow.runtime.validation import ValidationTally
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.graph.spec import PROMPTS_SOURCE
 
@@ -268,33 +266,47 @@ class Runner:
                  temperature: float | None = None) -> tuple[dict[str, float], list[dict]]:
         """avg@n accuracy (val/acc), score, response length and, for n > 1, unbiased pass@k of
         the generate node on ``val_prompts`` (n, temperature: default run.val_n / val_temperature)."""
+        if val_prompts is None:
+            return {}, []
+        return self.validate_stream([val_prompts], log_samples, n=n, temperature=temperature)
+
+    def validate_stream(self, batches: Iterable[pa.Table], log_samples: int, *, n: int | None = None,
+                        temperature: float | None = None,
+                        on_batch: Callable[[pa.Table, ValidationTally], None] | None = None
+                        ) -> tuple[dict[str, float], list[dict]]:
+        """:meth:`validate` over prompt batches, one batch ahead: batch i+1's generation and
+        grading are queued before batch i's graded rows are read, so that under Ray the engines
+        generate while the driver reads. ``on_batch(graded, tally)`` sees each graded batch."""
         gen, score = self.plan.first("generate"), self.plan.first("reward")
-        if val_prompts is None or gen is None or score is None:
+        if gen is None or score is None:
             return {}, []
         start = time.perf_counter()
         n = n or self.run.val_n
         temperature = self.run.val_temperature if temperature is None else temperature
         overrides = {"temperature": temperature, "n": n}
-        stage = self.stage_of[gen.id]
-        self.call_log.append(("validate", stage, (gen.id,)))
-        rolled = self.ex.rows(stage, "run_variant", gen.id, [val_prompts], overrides)
         grade = Call(self.stage_of[score.id], (score.id,))
-        graded = self._finish(self._submit("validate", grade, [rolled.table]), MetricAccumulator())
-        scored = self.fetch(graded.table)
-        metrics = {
-            "val/acc": float(np.mean(scored.column(C.ACC).to_numpy())),
-            "val/score": float(np.mean(scored.column(C.SCORE).to_numpy())),
-            "val/response_len_mean": float(np.mean(scored.column(C.RESPONSE_LEN).to_numpy())),
-            "time/validate": time.perf_counter() - start,
-        }
-        if n > 1:  # avg@n is val/acc; pass@k (unbiased) for k = 2, 4, ..., n
-            groups = group_codes(scored.column(C.PROMPT_ID))
-            acc = scored.column(C.ACC).to_numpy()
-            for k in sorted({2 ** i for i in range(1, n.bit_length())} | {n}):
-                metrics[f"val/pass_at_{k}"] = algos.pass_at_k(groups, acc, k)
-        cols = [c for c in (C.PROMPT_TEXT, C.RESPONSE_TEXT, C.GROUND_TRUTH, C.SCORE, C.ACC) if c in scored.column_names]
-        samples = scored.select(cols).slice(0, log_samples).to_pylist()
-        return metrics, samples
+        tally = ValidationTally(n, log_samples)
+
+        def read(graded) -> None:
+            table = self.fetch(self._finish(graded, MetricAccumulator()).table)
+            tally.add(table)
+            if on_batch is not None:
+                on_batch(table, tally)
+
+        pending = None
+        for prompts in batches:
+            self.call_log.append(("validate", self.stage_of[gen.id], (gen.id,)))
+            rolled = self.ex.rows(self.stage_of[gen.id], "run_variant", gen.id, [prompts], overrides)
+            queued = self._submit("validate", grade, [rolled.table])
+            if pending is not None:
+                read(pending)
+            pending = queued
+        if pending is not None:
+            read(pending)
+        metrics = tally.result()
+        if metrics:
+            metrics["time/validate"] = time.perf_counter() - start
+        return metrics, tally.samples
 
 
 def _nothing_kept(fparams, what: str) -> str:

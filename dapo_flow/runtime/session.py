@@ -91,22 +91,29 @@ def _load_data(spec, tokenizer, read_parquet=None):
 
 def train_sampler(plan, train_prompts, ex):
     """The training prompts' sampler: a seeded permutation per epoch of a table read whole, or a
-    shuffle buffer over a streamed source (read and tokenized by the executor's stream reader,
-    streaming Ray tasks under Ray, else here batch by batch)."""
+    shuffle buffer over a streamed source (:func:`prompt_stream`)."""
     spec = plan.spec
     src = spec.data.train
     if not src.stream:
         return PromptSampler(train_prompts, spec.seed)
-    from dapo_flow.data.stream import StreamSampler, TokenizeBatch, stream_files, tokenized_batches
+    from dapo_flow.data.stream import StreamSampler
+
+    return StreamSampler(prompt_stream(plan, src, ex), spec.seed, src.shuffle_buffer, src.split, src.source,
+                         src.size)
+
+
+def prompt_stream(plan, src, ex):
+    """``open()`` -> one pass over a parquet source's tokenized batches (:class:`~dapo_flow.data.
+    stream.TokenizeBatch` outputs, in source order): read and tokenized by streaming Ray tasks
+    under Ray, else here batch by batch."""
+    from dapo_flow.data.stream import TokenizeBatch, stream_files, tokenized_batches
 
     files = stream_files(src.source)
     tokenize = TokenizeBatch(str(generator_dir(plan)), src.source, src.split, src.prompt_key, src.answer_key,
                              src.max_prompt_tokens, src.on_bad_row)
     if ex.stream_parquet is not None:
-        open_stream = lambda: ex.stream_parquet(files, tokenize)  # noqa: E731
-    else:
-        open_stream = lambda: (b for f in files for b in tokenized_batches(str(f), tokenize))  # noqa: E731
-    return StreamSampler(open_stream, spec.seed, src.shuffle_buffer, src.split, src.source, src.size)
+        return lambda: ex.stream_parquet(files, tokenize)
+    return lambda: (b for f in files for b in tokenized_batches(str(f), tokenize))
 
 
 def start_executor(placed, setups: dict, executor: str, address: str | None, console: Console,

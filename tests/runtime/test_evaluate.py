@@ -60,6 +60,10 @@ def test_eval_errors_are_exit_2(workdir, small_graph, capsys):
     assert "--n must be >= 1" in capsys.readouterr().err
     assert cli.main(["eval", path]) == 2  # nothing trained yet
     assert "no checkpoint" in capsys.readouterr().err
+    assert cli.main(["eval", path, "--batch-size", "0"]) == 2
+    assert "--batch-size must be >= 1" in capsys.readouterr().err
+    assert cli.main(["eval", path, "--checkpoint", "base", "--save", str(workdir / "out.csv")]) == 2
+    assert "name a .parquet file" in capsys.readouterr().err
 
 
 def test_eval_sweep_compares_every_variant_checkpoint(tmp_path, monkeypatch, capsys, tiny_adder_path):

@@ -5,11 +5,9 @@ epochs, resume and bad rows; a streamed run on the local executor and, identical
 from __future__ import annotations
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from dapo_flow.data.stream import OK, StreamSampler, TokenizeBatch, local_batches
-from dapo_flow.data.tasks import AdditionTask
 from dapo_flow.errors import DataError
 from dapo_flow.graph import columns as C
 from dapo_flow.graph.compiler import compile_graph
@@ -17,6 +15,7 @@ from dapo_flow.graph.plan import Cluster
 from dapo_flow.models import resolve_model
 from dapo_flow.runtime import execute
 from dapo_flow.tracking import read_run
+from prompt_files import verl_parquet
 
 
 def _stream(n: int, batch: int, bad: set[int] = frozenset()):
@@ -77,18 +76,9 @@ def test_bad_rows_are_counted_size_limits_and_an_empty_stream_is_an_error():
         StreamSampler(_stream(3, 2, bad={0, 1, 2}), 0, 10, "train", "s").next(1)
 
 
-def _verl_parquet(path, rows: int = 300, row_group: int = 64) -> None:
-    problems = AdditionTask().problems("train")[:rows]
-    pq.write_table(pa.table({
-        "prompt": [p.prompt for p in problems],
-        "reward_model": [{"ground_truth": p.answer} for p in problems],
-        "data_source": ["addition"] * len(problems),
-    }), path, row_group_size=row_group)
-
-
 def test_tokenize_batch_matches_the_whole_file_loader_and_names_a_bad_row(tmp_path):
     data = tmp_path / "p.parquet"
-    _verl_parquet(data, rows=40)
+    verl_parquet(data, rows=40)
     model = str(resolve_model("builtin:tiny-adder"))
     out = pa.concat_tables(map(TokenizeBatch(model, str(data), "train"), local_batches([data])))
     from dapo_flow.data.prompts import load_prompts
@@ -113,7 +103,7 @@ def _streamed_graph(workdir, small_graph, data):
 
 def test_a_streamed_source_trains_on_the_local_executor(workdir, small_graph):
     data = workdir / "prompts.parquet"
-    _verl_parquet(data)
+    verl_parquet(data)
     summary = execute(compile_graph(_streamed_graph(workdir, small_graph, data), Cluster(cpus=2)),
                       executor="local")
     hist = read_run(summary["tracking_uri"], summary["run_id"])["history"]
@@ -125,7 +115,7 @@ def test_a_streamed_run_resumes_as_if_never_stopped(workdir, small_graph):
     """Stopped after step 2 and resumed to 4 (past the end of the 20-row file: a new epoch), a
     streamed run logs what a straight run to 4 logs."""
     data = workdir / "prompts.parquet"
-    _verl_parquet(data, rows=20, row_group=8)  # 4 steps draw >= 32 prompts
+    verl_parquet(data, rows=20, row_group=8)  # 4 steps draw >= 32 prompts
     path = _streamed_graph(workdir, small_graph, data)
     path.write_text(path.read_text().replace("steps: 2", "steps: 4").replace("checkpoint_every: 0", "checkpoint_every: 2"))
     det = lambda h: {k: v for k, v in h.items() if not k.startswith(("time/", "perf/", "gen/"))}  # noqa: E731
@@ -149,7 +139,7 @@ def test_stream_reads_parquet_only():
 @pytest.mark.slow
 def test_ray_tasks_stream_the_same_prompts_as_the_local_reader(workdir, small_graph):
     data = workdir / "prompts.parquet"
-    _verl_parquet(data)
+    verl_parquet(data)
     path = _streamed_graph(workdir, small_graph, data)
     ray_run = execute(compile_graph(path, Cluster(cpus=2)), executor="ray")
     local_run = execute(compile_graph(path, Cluster(cpus=2)), executor="local")
