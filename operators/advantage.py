@@ -21,7 +21,8 @@ import torch
 from pydantic import BaseModel, Field, field_validator
 
 from dapo_flow import algos
-from dapo_flow.data.arrow_utils import float_column, group_codes, padded_to_ragged, ragged_to_padded, with_columns
+from dapo_flow.data.arrow_utils import (float_column, group_codes, padded_to_ragged, ragged_to_padded,
+                                       response_mask, with_columns)
 from dapo_flow.graph import columns as C
 from dapo_flow.graph.contract import PARAMS_CONFIG, OpContext, registered
 
@@ -93,7 +94,8 @@ class Advantage:
         rewards = each sequence's reward on its last response token.
         Shape: rewards, lengths (batch,) -> (batch, ragged)."""
         width = int(lengths.max()) if len(lengths) else 0
-        valid = torch.arange(width)[None, :] < torch.from_numpy(lengths.astype(np.int64))[:, None]
+        # a loss_mask's 0 tokens (a tool's, in a multi-turn response) are skipped, carried through
+        valid = torch.from_numpy(response_mask(batch, lengths, width))
         token_rewards = torch.zeros(len(lengths), width, dtype=torch.float32)
         rows = np.flatnonzero(lengths > 0)
         token_rewards[rows, lengths[rows] - 1] = torch.from_numpy(rewards[rows].astype(np.float32))

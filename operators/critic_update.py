@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 
 from dapo_flow import algos
-from dapo_flow.data.arrow_utils import ragged_to_padded, token_lists
+from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, token_lists
 from dapo_flow.graph import columns as C
 from operators.update import Optimization, OptimizerParams
 
@@ -58,7 +58,7 @@ class CriticUpdate(Optimization):
             "responses": token_lists(batch.column(C.RESPONSE_IDS)),
             "values": values,
             "returns": ragged_to_padded(batch.column(C.RETURNS), dtype=np.float32)[0],
-            "mask": np.arange(values.shape[1])[None, :] < lengths[:, None],
+            "mask": response_mask(batch, lengths, values.shape[1]),  # not a tool's tokens
         }
 
     def _micro_loss(self, rows: np.ndarray, data: dict, n_tokens: int, n_seqs: int

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from dapo_flow import algos
 from dapo_flow.graph import columns as C
-from dapo_flow.data.arrow_utils import float_column, ragged_to_padded, with_columns
+from dapo_flow.data.arrow_utils import float_column, ragged_to_padded, response_mask, with_columns
 from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
 
 KLType = Literal[algos.KL_BASE_KINDS]  # type: ignore[valid-type]
@@ -76,7 +76,7 @@ class KL:
         ref, ref_lengths = ragged_to_padded(batch.column(C.REF_LOGP), dtype=np.float32)
         if not np.array_equal(lengths, ref_lengths):
             raise algos.AlgoError("old_logp and ref_logp disagree on response lengths")
-        mask = torch.from_numpy(np.arange(logp.shape[1])[None, :] < lengths[:, None])
+        mask = torch.from_numpy(response_mask(batch, lengths, logp.shape[1]))  # not a tool's tokens
         reward, kl, current = algos.kl_in_reward(
             float_column(batch, source), torch.from_numpy(logp), torch.from_numpy(ref), mask, p.kind, self.coef
         )

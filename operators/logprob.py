@@ -21,7 +21,7 @@ import pyarrow as pa
 from pydantic import BaseModel, Field, model_validator
 
 from dapo_flow.graph import columns as C
-from dapo_flow.data.arrow_utils import padded_to_ragged, token_lists, with_columns
+from dapo_flow.data.arrow_utils import padded_to_ragged, response_mask, token_lists, with_columns
 from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
 
 
@@ -104,7 +104,7 @@ class Logprob:
         out = {(C.OLD_LOGP if p.role == "actor" else C.REF_LOGP): _ragged(logp, lengths)}
         if entropy_wanted:
             out[C.ENTROPY] = _ragged(entropy, lengths)
-            valid = mask.numpy()
+            valid = mask.numpy() & response_mask(batch, lengths, mask.shape[1])  # the model's tokens, not a tool's
             self._metrics = {"actor/entropy": float(entropy.numpy()[valid].mean()) if valid.any() else 0.0}
         return with_columns(batch, out)
 

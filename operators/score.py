@@ -1,6 +1,7 @@
 """score: verify each response against its ground truth and emit score / acc columns.
 
 Reward functions: ``builtin:addition``, ``builtin:chain`` (the last line must be ``Answer: N``),
+``builtin:tool-arith`` (the text after the last tool ``</result>``, else the whole response, is the product),
 ``builtin:math`` (boxed / final answer, DAPO's +1 / -1, equivalent forms through math-verify), or user code ``module:fn`` / ``file.py:fn`` taking
 ``(response_text, ground_truth, extra_info)`` (extra_info holds the row's ``data_source``) and
 returning a float or a dict with ``score`` (and optionally ``acc`` plus the declared
@@ -86,7 +87,7 @@ class Params(BaseModel):
     model_config = PARAMS_CONFIG
 
     reward: str | ModelReward = Field("builtin:addition")
-    """`builtin:addition`, `builtin:chain`, `builtin:math`, `module:fn` or `file.py:fn`; or
+    """`builtin:addition`, `builtin:chain`, `builtin:tool-arith`, `builtin:math`, `module:fn` or `file.py:fn`; or
     `{model: NAME, rule: ..., combine: ...}`: a reward model's score (without a rule, `acc` is the
     model's verdict, score > 0)."""
     correct: float = Field(1.0, ge=-1e6, le=1e6)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field, model_validator
 from dapo_flow import algos
 from dapo_flow.algos.balance import balanced_partitions, token_budget_micro_batches
 from dapo_flow.graph import columns as C
-from dapo_flow.data.arrow_utils import ragged_to_padded, token_lists
+from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, token_lists
 from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.errors import RunError
 
@@ -102,8 +102,9 @@ class Params(OptimizerParams):
     per token (`token_advantage`, from a token-level estimator such as reinforce_pp); `auto`:
     whichever reaches this node (resolved when the graph compiles)."""
     loss_mask: Literal["auto", "use", "ignore"] = "auto"
-    """Per-sequence `loss_mask` column (e.g. from an `overlong-filter` node): `use` it (false rows
-    get no loss), `ignore` it, or `auto`: use it when an upstream node produces it."""
+    """Per-token `loss_mask` column (from `agent-generate`: 0 on tool tokens; from an
+    `overlong-filter` node: 0 on a truncated row): `use` it (0 tokens get no loss), `ignore` it
+    (trains on a tool's tokens too), or `auto`: use it when an upstream node produces it."""
     temperature: float = Field(1.0, gt=0.0, le=10.0)
     """Divide logits by this (set it to generate's temperature)."""
     critic_warmup: int = Field(0, ge=0)
@@ -432,11 +433,12 @@ class Update(Optimization):
     def _arrays(self, batch: pa.Table) -> dict:
         p = self.params
         old_logp, lengths = ragged_to_padded(batch.column(C.OLD_LOGP), dtype=np.float32)
-        mask = np.arange(old_logp.shape[1])[None, :] < lengths[:, None]
+        if p.loss_mask == "use":  # the tokens the model generated (not a tool's), rows not filtered out
+            mask = response_mask(batch, lengths, old_logp.shape[1])
+        else:
+            mask = np.arange(old_logp.shape[1])[None, :] < lengths[:, None]
         if p.mask_truncated:
             mask &= ~batch.column(C.TRUNCATED).to_numpy(zero_copy_only=False)[:, None]
-        if p.loss_mask == "use":
-            mask &= batch.column(C.LOSS_MASK).to_numpy(zero_copy_only=False).astype(bool)[:, None]
         if p.advantage_column == C.TOKEN_ADVANTAGE:  # (batch, width), 0 past each response
             adv = ragged_to_padded(batch.column(C.TOKEN_ADVANTAGE), dtype=np.float32)[0]  # as old_logp: same lengths
         else:  # (batch,): broadcast over the tokens per micro-batch

@@ -122,17 +122,20 @@ def test_kl_op_adaptive_coef_follows_verl_and_is_checkpointed():
 
 
 def test_overlong_filter_masks_truncated_rows_and_ands_upstream_masks():
-    batch = _logp_table([1, 1, 1], [[0.0]] * 3, [[0.0]] * 3, truncated=[False, True, False])
+    batch = _logp_table([1, 1, 1], [[0.0, 0.0]] * 3, [[0.0, 0.0]] * 3, truncated=[False, True, False])
+    batch = batch.append_column(C.RESPONSE_LEN, pa.array([2, 2, 1], pa.int32()))
     out = _op("overlong-filter")(batch)
-    assert out.column(C.LOSS_MASK).to_pylist() == [True, False, True]
-    again = _op("overlong-filter")(out.set_column(out.schema.get_field_index(C.LOSS_MASK), C.LOSS_MASK,
-                                                   pa.array([False, True, True])))
-    assert again.column(C.LOSS_MASK).to_pylist() == [False, False, True]
+    assert out.column(C.LOSS_MASK).to_pylist() == [[1, 1], [0, 0], [1]]  # per token, to each length
+    assert out.schema.field(C.LOSS_MASK).type == C.TOKEN_FLAGS
+    # an upstream mask (a multi-turn response's tool token) is kept on the rows that pass
+    upstream = pa.array([[1, 0], [1, 1], [1]], C.TOKEN_FLAGS)
+    again = _op("overlong-filter")(out.set_column(out.schema.get_field_index(C.LOSS_MASK), C.LOSS_MASK, upstream))
+    assert again.column(C.LOSS_MASK).to_pylist() == [[1, 0], [0, 0], [1]]
 
 
 def test_update_uses_loss_mask_when_upstream_makes_it():
     cls = OPERATORS["update"]
-    assert resolve(cls, cls.Params(), {C.LOSS_MASK: pa.bool_()}).loss_mask == "use"
+    assert resolve(cls, cls.Params(), {C.LOSS_MASK: C.TOKEN_FLAGS}).loss_mask == "use"
     assert resolve(cls, cls.Params(), {}).loss_mask == "ignore"
     assert C.LOSS_MASK in requires(cls, cls.Params(loss_mask="use"))
     assert C.LOSS_MASK not in requires(cls, cls.Params(loss_mask="ignore"))

@@ -48,6 +48,18 @@ def padded_to_ragged(values: np.ndarray, lengths: np.ndarray, type_: pa.DataType
     )
 
 
+def response_mask(batch: pa.Table, lengths: np.ndarray, width: int) -> np.ndarray:
+    """The response tokens that count: position < the row's length, and the row's ``loss_mask``
+    where the batch has one (0 on tool / observation tokens of a multi-turn response, and on a
+    row overlong filtering dropped). Shape: lengths (rows,) -> (rows, width) bool."""
+    mask = np.arange(width)[None, :] < np.asarray(lengths)[:, None]
+    if C.LOSS_MASK in batch.column_names:
+        flags = ragged_to_padded(batch.column(C.LOSS_MASK), dtype=np.int8)[0][:, :width]
+        mask[:, : flags.shape[1]] &= flags.astype(bool)
+        mask[:, flags.shape[1]:] = False
+    return mask
+
+
 def token_lists(col: pa.ChunkedArray | pa.Array) -> list[list[int]]:
     """A list<int32> column as Python lists (what model backends take)."""
     return _flat(col).to_pylist()

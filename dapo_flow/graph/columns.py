@@ -14,6 +14,7 @@ import pyarrow as pa
 
 TOKENS = pa.list_(pa.int32())
 TOKEN_FLOATS = pa.list_(pa.float32())
+TOKEN_FLAGS = pa.list_(pa.int8())  # a 0/1 flag per token (loss_mask)
 
 # --- prompt rows (the graph's `prompts` source) -------------------------------
 PROMPT_ID = "prompt_id"  # group id: all samples of one prompt share it (by value)
@@ -46,7 +47,8 @@ TOKEN_ADVANTAGE = "token_advantage"  # per response token (token-level estimator
 VALUES = "values"  # per response token: a critic's V of the state each token is sampled from
 BASELINE = "baseline"  # per sequence: the reward of its prompt's baseline response (ReMax: the greedy one)
 RETURNS = "returns"  # per response token: the critic's regression targets (GAE: advantages + values)
-LOSS_MASK = "loss_mask"  # per sequence; False rows contribute no loss (overlong filtering)
+LOSS_MASK = "loss_mask"  # per response token: 1 where the model generated it and it takes loss; 0 on a
+# tool's / observation's tokens in a multi-turn response, and on a whole row overlong filtering drops
 BATCH_ROW = "batch_row"  # a row's position in the whole batch a training group shares out to its
 # workers for an update (set by the executor), so the group cuts mini-batches as one worker would
 
@@ -71,7 +73,7 @@ SCHEMA: dict[str, pa.DataType] = {
     REF_LOGP: TOKEN_FLOATS,
     ENTROPY: TOKEN_FLOATS,
     ADVANTAGE: pa.float32(),
-    LOSS_MASK: pa.bool_(),
+    LOSS_MASK: TOKEN_FLAGS,
     TOKEN_ADVANTAGE: TOKEN_FLOATS,
     VALUES: TOKEN_FLOATS,
     RETURNS: TOKEN_FLOATS,

@@ -1,0 +1,115 @@
+"""The python sandbox: results come back; loops, huge allocations, network use, floods of output
+and background processes are stopped and reported; the temp dir goes away."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from dapo_flow.tools.sandbox import Config, PythonSandbox
+
+
+def run(code: str, **config):
+    return PythonSandbox(Config(**config)).execute("r0", {"code": code})
+
+
+def test_normal_code_prints_its_result():
+    result = run("print(sum(range(10)) * 6)")
+    assert result.text == "270\n"
+    assert result.metrics == {"error": 0.0, "timeout": 0.0, "oom": 0.0, "killed": 0.0,
+                              "returncode": 0.0, "truncated": 0.0}
+
+
+def test_an_infinite_loop_is_stopped_within_the_timeout_and_what_it_printed_is_kept():
+    start = time.monotonic()
+    result = run("print('started')\nwhile True:\n    pass", timeout_s=1.0)
+    assert time.monotonic() - start < 3.0
+    assert result.metrics["timeout"] == 1.0 and result.metrics["error"] == 1.0
+    assert result.text == "started\nerror: timed out after 1 s; the program was killed"
+
+
+def test_a_child_process_is_killed_with_the_group(tmp_path):
+    marker = tmp_path / "alive"
+    child = f"import time; time.sleep(1); open({str(marker)!r}, 'w')"
+    code = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {child!r}])\n"
+    assert run(code).metrics["error"] == 0.0
+    time.sleep(1.5)
+    assert not marker.exists()  # the background child died with the call
+
+
+def test_allocating_10_gb_is_a_memory_error():
+    result = run("x = bytearray(10 * 2**30)\nprint('allocated')", memory_mib=256)
+    assert result.metrics["oom"] == 1.0 and result.metrics["error"] == 1.0
+    assert "MemoryError" in result.text and "allocated" not in result.text
+    assert result.text.endswith("error: out of memory (the limit is 256 MiB)")
+
+
+def test_the_network_is_blocked():
+    connect = run("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)")
+    raw = run("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_STREAM)")
+    for result in (connect, raw):
+        assert result.metrics["error"] == 1.0
+        assert "OSError: network access is disabled in the sandbox" in result.text
+
+
+def test_runs_in_a_fresh_temp_dir_that_is_removed_afterwards():
+    result = run("import os\nopen('scratch.txt', 'w').write('x')\nprint(os.getcwd())")
+    cwd = Path(result.text.strip())
+    assert cwd.name == "work" and cwd.parent.name.startswith("dapo-flow-python-")
+    assert not cwd.parent.exists()
+
+
+def test_the_environment_is_nearly_empty():
+    os.environ["DAPO_FLOW_SECRET_FOR_TEST"] = "1"
+    try:
+        result = run("import os\nprint(sorted(os.environ))")
+    finally:
+        del os.environ["DAPO_FLOW_SECRET_FOR_TEST"]
+    assert "DAPO_FLOW_SECRET_FOR_TEST" not in result.text and "HOME" in result.text
+
+
+def test_an_exception_shows_its_traceback_from_main_py():
+    result = run("def f():\n    return 1 / 0\nf()")
+    assert result.metrics["returncode"] == 1.0
+    assert result.text.startswith('Traceback (most recent call last):\n  File "main.py", line 3')
+    assert result.text.rstrip().endswith("ZeroDivisionError: division by zero")
+
+
+def test_a_silent_failure_says_its_exit_code():
+    assert run("import sys; sys.exit(3)").text == "error: the program exited with code 3"
+
+
+def test_a_signal_is_reported():
+    result = run("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert result.metrics["killed"] == 1.0 and result.text == "error: the program was killed by SIGKILL"
+
+
+def test_long_output_keeps_head_and_tail():
+    result = run("print('HEAD')\nfor i in range(20000):\n    print(i)\nprint('TAIL')", max_output_chars=200)
+    assert result.metrics["truncated"] == 1.0 and result.metrics["error"] == 0.0
+    assert result.text.startswith("HEAD\n") and result.text.rstrip().endswith("TAIL")
+    assert "output cut" in result.text and len(result.text) < 300
+
+
+def test_a_flood_of_output_hits_the_file_size_limit_not_the_parents_memory():
+    result = run("while True:\n    print('x' * 10**6)", max_file_mib=1, max_output_chars=100, timeout_s=5.0)
+    assert result.metrics["timeout"] == 0.0 and result.metrics["error"] == 1.0
+    assert "size limit of 1 MiB" in result.text and len(result.text) < 300
+
+
+def test_a_missing_code_argument_is_an_error_result():
+    assert PythonSandbox().execute("r0", {}).metrics["error"] == 1.0
+
+
+def test_calls_from_several_threads_run_side_by_side():
+    # the agent loop calls tools from worker threads
+    from concurrent.futures import ThreadPoolExecutor
+
+    tool = PythonSandbox(Config(timeout_s=3.0))
+    codes = [f"import time; time.sleep(0.5); print({i})" for i in range(4)]
+    start = time.monotonic()
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda c: tool.execute("r", {"code": c}), codes))
+    assert [r.text for r in results] == [f"{i}\n" for i in range(4)]
+    assert time.monotonic() - start < 1.9  # overlapped, not 4 x 0.5 s one after another
