@@ -49,6 +49,10 @@ BASELINE = "baseline"  # per sequence: the reward of its prompt's baseline respo
 RETURNS = "returns"  # per response token: the critic's regression targets (GAE: advantages + values)
 LOSS_MASK = "loss_mask"  # per response token: 1 where the model generated it and it takes loss; 0 on a
 # tool's / observation's tokens in a multi-turn response, and on a whole row overlong filtering drops
+NUM_TURNS = "num_turns"  # agent-generate: the model's turns in the response
+NUM_TOOL_CALLS = "num_tool_calls"  # agent-generate: tool calls run
+TOOL_ERRORS = "tool_errors"  # agent-generate: calls that failed (malformed, unknown tool, raised, timed out)
+TOOL_REWARD = "tool_reward"  # agent-generate: the tools' rewards summed (per tool: tool_reward_<name>)
 BATCH_ROW = "batch_row"  # a row's position in the whole batch a training group shares out to its
 # workers for an update (set by the executor), so the group cuts mini-batches as one worker would
 
@@ -78,6 +82,10 @@ SCHEMA: dict[str, pa.DataType] = {
     VALUES: TOKEN_FLOATS,
     RETURNS: TOKEN_FLOATS,
     BASELINE: pa.float32(),
+    NUM_TURNS: pa.int32(),
+    NUM_TOOL_CALLS: pa.int32(),
+    TOOL_ERRORS: pa.int32(),
+    TOOL_REWARD: pa.float32(),
     BATCH_ROW: pa.int64(),
 }
 

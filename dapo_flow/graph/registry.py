@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 from operators.advantage import Advantage
+from operators.agent_generate import AgentGenerate
 from operators.baseline import Baseline
 from operators.critic_update import CriticUpdate
 from operators.generate import Generate
@@ -19,6 +20,7 @@ from operators.values import Values
 
 OPERATORS: dict[str, type] = {
     "generate": Generate,
+    "agent-generate": AgentGenerate,
     "score": Score,
     "overlong-shape": OverlongShape,
     "overlong-filter": OverlongFilter,

@@ -87,7 +87,7 @@ class ToolSpec(BaseModel):
     """The name the model calls the tool by; must equal the name in the tool's schema."""
     impl: str | None = None
     """A built-in tool (`calculator`, `python`) or `package.module:Class` / `path/to/file.py:Class`
-    (relative to the graph's folder). Default: `name`, a built-in."""
+    (relative to the working directory, as a reward file). Default: `name`, a built-in."""
     timeout_s: float = Field(5.0, gt=0, le=600)
     """Wall-clock limit of one call. A tool whose Config has a `timeout_s` field (the `python`
     sandbox) receives it and enforces it itself; the agent loop bounds every call by it too."""

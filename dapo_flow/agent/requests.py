@@ -1,0 +1,116 @@
+"""One sampled conversation's state, and the transitions of its state machine (pure: no engine,
+no tool; :mod:`dapo_flow.agent.rollout` feeds it what they return).
+
+    PENDING --start--> RUNNING --turn(calls)--> TOOL_CALLING --observe--> RUNNING ...
+                          |                          |
+                          +--turn(answer / length / max_turns)--> COMPLETED
+                                                     +--observe(over budget)--> COMPLETED
+
+The response is a flat token list: the model's turns (``loss_mask`` 1, their rollout
+logprobs) and the observations between them (``loss_mask`` 0, logprob 0). A response never
+ends inside an observation: one that would not fit the budget ends the request instead, so the
+last token (where the reward lands) is always the model's.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from dapo_flow.tools.calls import ParsedCalls
+
+
+class Status(enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    TOOL_CALLING = "tool_calling"
+    COMPLETED = "completed"
+
+
+#: why a request completed
+STOPS = ("answer", "length", "max_turns")
+
+
+class TransitionError(RuntimeError):
+    """A transition asked of a request in the wrong state (a bug in the driver, not user input)."""
+
+
+@dataclass
+class Request:
+    """Sample ``sample_idx`` of prompt row ``row``; ``seed`` seeds its turns."""
+
+    row: int
+    sample_idx: int
+    prompt_ids: list[int]
+    seed: int
+    budget: int  # response tokens in all, turns and observations
+    max_turns: int
+    status: Status = Status.PENDING
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turns: int = 0
+    turn_tokens: list[int] = field(default_factory=list)  # tokens of each model turn
+    tool_calls: int = 0  # calls run
+    tool_attempts: int = 0  # calls written: run, or refused (malformed, unknown tool, bad arguments, too many)
+    tool_errors: int = 0  # calls that failed: malformed, unknown tool, bad arguments, raised, timed out
+    calls: ParsedCalls | None = None  # the current turn's, while TOOL_CALLING
+    stop: str = ""  # one of STOPS once COMPLETED
+    truncated: bool = False  # ended by the budget, not by the model
+
+    @property
+    def context(self) -> list[int]:
+        """What the engine continues: the prompt and the response so far."""
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - len(self.response_ids)
+
+    def _expect(self, status: Status, what: str) -> None:
+        if self.status is not status:
+            raise TransitionError(f"request {self.row}/{self.sample_idx}: {what} in state {self.status.value}")
+
+    def start(self) -> None:
+        self._expect(Status.PENDING, "start")
+        self.status = Status.RUNNING
+
+    def turn(self, tokens: list[int], logprobs: list[float], finished: bool, calls: ParsedCalls) -> None:
+        """The model's turn: ``tokens`` as the engine produced them (EOS included when it ended
+        the turn: ``finished``), and the tool calls parsed from their text."""
+        self._expect(Status.RUNNING, "a model turn")
+        finished = finished and len(tokens) <= self.remaining  # a turn past the budget is cut: a length stop
+        tokens, logprobs = list(tokens[: self.remaining]), list(logprobs[: self.remaining])
+        self.response_ids += tokens
+        self.logprobs += logprobs
+        self.loss_mask += [1] * len(tokens)
+        self.turns += 1
+        self.turn_tokens.append(len(tokens))
+        if not finished:
+            self._complete("length", truncated=True)
+        elif not calls.asked_for_tools:
+            self._complete("answer")
+        elif self.turns >= self.max_turns:
+            self._complete("max_turns")
+        else:
+            self.calls = calls
+            self.status = Status.TOOL_CALLING
+
+    def observe(self, tokens: list[int], calls_run: int, errors: int, attempts: int | None = None) -> None:
+        """The tools' responses to the turn's calls, as tokens; over the budget (room must stay
+        for at least one model token after it), the request ends instead."""
+        self._expect(Status.TOOL_CALLING, "an observation")
+        self.calls = None
+        self.tool_calls += calls_run
+        self.tool_attempts += calls_run if attempts is None else attempts
+        self.tool_errors += errors
+        if len(tokens) >= self.remaining:
+            self._complete("length", truncated=True)
+            return
+        self.response_ids += tokens
+        self.logprobs += [0.0] * len(tokens)
+        self.loss_mask += [0] * len(tokens)
+        self.status = Status.RUNNING
+
+    def _complete(self, stop: str, truncated: bool = False) -> None:
+        self.status, self.stop, self.truncated = Status.COMPLETED, stop, truncated

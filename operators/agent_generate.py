@@ -1,0 +1,132 @@
+"""agent-generate: multi-turn, tool-using rollout (the generate role, like `generate`).
+
+For each prompt, n samples, each a conversation: the model writes a turn; tool calls in it
+(``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; ``compact``:
+``<call>TOOL: ARGUMENT</call>``) run, their responses are appended, the model goes on; until a
+turn calls no tool (its answer), ``max_turns``, or ``max_tokens`` response tokens in all. Same
+output columns as ``generate`` (the response holds every turn and observation) plus
+``loss_mask`` (1 on the model's tokens, 0 on the tools'; `update`, `advantage`, `kl` honour
+it), ``num_turns``, ``num_tool_calls``, ``tool_errors``, ``tool_reward`` and per tool
+``tool_reward_<name>``. A malformed call, an unknown tool, bad arguments, a tool that raises or
+times out: the model sees ``error: ...`` and the call counts in ``tool_errors``; the rollout
+goes on. Machinery: :mod:`dapo_flow.agent`; tools: :mod:`dapo_flow.tools`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+from pydantic import Field, field_validator, model_validator
+
+from dapo_flow.agent.rollout import AgentLimits, rollout_metrics, run_agent
+from dapo_flow.data.arrow_utils import token_lists, with_columns
+from dapo_flow.graph import columns as C
+from dapo_flow.graph.contract import OpContext
+from dapo_flow.models.sampling import SamplingConfig
+from dapo_flow.tools.base import ToolSpec
+from operators.generate import Generate, Params as GenerateParams
+
+
+class Params(GenerateParams):
+    tools: list[ToolSpec] = Field(default_factory=lambda: [ToolSpec(name="calculator")], min_length=1)
+    """The tools the model may call: `{name: calculator}` (the default), `{name: python,
+    timeout_s: 10}`, or `{name: NAME, impl: pkg.module:Class, config: {...}}` (see dapo_flow/tools;
+    a `file.py:Class` path resolves against the working directory, as a reward file does)."""
+    format: Literal["hermes", "compact"] = "hermes"
+    """How the model writes a call: `hermes` (Qwen / Hermes `<tool_call>` JSON; tool responses go
+    through the chat template when the tokenizer has one) or `compact` (`<call>TOOL: ARG</call>`,
+    `<result>TEXT</result>`: the built-in tiny models)."""
+    max_turns: int = Field(4, ge=1, le=64)
+    """Model turns per sample; a turn that calls a tool at the limit ends the sample unanswered."""
+    max_tool_calls_per_turn: int = Field(1, ge=1, le=64)
+    """Calls run per turn; more are one error observation."""
+    max_tokens: int = Field(64, ge=1, le=65536)
+    """Response tokens in all (every turn and tool response: verl's response_length)."""
+
+    @field_validator("tools")
+    @classmethod
+    def _loadable_tools(cls, tools: list[ToolSpec]) -> list[ToolSpec]:
+        from dapo_flow.tools.registry import load_tools
+
+        load_tools(tools)  # every problem at once: unknown, unimportable, bad schema, duplicate names
+        return tools
+
+    @model_validator(mode="after")
+    def _callable_in_format(self) -> "Params":
+        from dapo_flow.tools.calls import CALL_FORMATS
+        from dapo_flow.tools.registry import load_tools
+
+        problems = CALL_FORMATS[self.format].tool_problems(
+            {name: tool.schema for name, tool in load_tools(self.tools).items()})
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class AgentGenerate(Generate):
+    """Prompt rows in, n multi-turn sample rows per prompt out."""
+
+    Params = Params
+    REQUIRES = C.typed(C.PROMPT_ID, C.PROMPT_IDS)
+    CARDINALITY = "expand"
+    NEEDS_MODEL = True
+    ROLE = "generate"
+
+    @classmethod
+    def produces(cls, params: Params) -> dict[str, pa.DataType]:
+        return {**C.typed(C.SAMPLE_IDX, C.RESPONSE_IDS, C.RESPONSE_TEXT, C.RESPONSE_LEN, C.TRUNCATED,
+                          C.ROLLOUT_LOGP, C.LOSS_MASK, C.NUM_TURNS, C.NUM_TOOL_CALLS, C.TOOL_ERRORS,
+                          C.TOOL_REWARD),
+                **{tool_reward_column(t.name): pa.float32() for t in params.tools}}
+
+    def __init__(self, params: Params, ctx: OpContext):
+        super().__init__(params, ctx)
+        self._tools = None
+
+    def _loaded_tools(self):
+        if self._tools is None:  # built once per worker: a tool may hold state across calls
+            from dapo_flow.tools.registry import load_tools
+
+            self._tools = load_tools(self.params.tools)
+        return self._tools
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        p = self.params
+        cfg = SamplingConfig(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens)
+        seeds = self._prompt_seeds(batch)
+        self.calls += 1
+        model = self.ctx.model
+        rows = batch.select([c for c in (C.GROUND_TRUTH, C.DATA_SOURCE, C.PROMPT_ID) if c in batch.column_names])
+        kwargs = rows.to_pylist()  # each tool's create(instance, ground_truth=..., data_source=..., prompt_id=...)
+        out = run_agent(model.generator, model.tokenizer, self._loaded_tools(), {t.name: t.timeout_s for t in p.tools},
+                        token_lists(batch.column(C.PROMPT_IDS)), kwargs, list(seeds), cfg,
+                        AgentLimits(p.max_turns, p.max_tool_calls_per_turn, p.max_tokens, p.format))
+        reqs = out.requests
+        responses = [r.response_ids for r in reqs]
+        self._metrics = {
+            "gen/tokens": float(out.tokens_generated),
+            "gen/seconds": out.engine_seconds,
+            "gen/tokens_per_s": float(out.tokens_generated / max(out.engine_seconds, 1e-9)),
+            **rollout_metrics(out, p.max_turns),
+        }
+        total = sum(out.tool_rewards.values()) if out.tool_rewards else np.zeros(len(reqs))
+        return with_columns(batch.take(pa.array([r.row for r in reqs], pa.int32())), {
+            C.SAMPLE_IDX: np.array([r.sample_idx for r in reqs], dtype=np.int32),
+            C.RESPONSE_IDS: pa.array(responses, C.TOKENS),
+            C.RESPONSE_TEXT: model.tokenizer.batch_decode(responses, skip_special_tokens=True),
+            C.RESPONSE_LEN: np.array([len(ids) for ids in responses], dtype=np.int32),
+            C.TRUNCATED: np.array([r.truncated for r in reqs], dtype=bool),
+            C.ROLLOUT_LOGP: pa.array([r.logprobs for r in reqs], C.TOKEN_FLOATS),
+            C.LOSS_MASK: pa.array([r.loss_mask for r in reqs], C.TOKEN_FLAGS),
+            C.NUM_TURNS: np.array([r.turns for r in reqs], dtype=np.int32),
+            C.NUM_TOOL_CALLS: np.array([r.tool_calls for r in reqs], dtype=np.int32),
+            C.TOOL_ERRORS: np.array([r.tool_errors for r in reqs], dtype=np.int32),
+            C.TOOL_REWARD: np.asarray(total, dtype=np.float32),
+            **{tool_reward_column(name): v.astype(np.float32) for name, v in out.tool_rewards.items()},
+        })
+
+
+def tool_reward_column(tool: str) -> str:
+    return f"{C.TOOL_REWARD}_{tool}"
