@@ -7,9 +7,9 @@ turn calls no tool (its answer), ``max_turns``, or ``max_tokens`` response token
 output columns as ``generate`` (the response holds every turn and observation) plus
 ``loss_mask`` (1 on the model's tokens, 0 on the tools'; `update`, `advantage`, `kl` honour
 it), ``num_turns``, ``num_tool_calls``, ``tool_errors``, ``tool_reward`` and per tool
-``tool_reward_<name>``. A malformed call, an unknown tool, bad arguments, a tool that raises or
-times out: the model sees ``error: ...`` and the call counts in ``tool_errors``; the rollout
-goes on. Machinery: :mod:`dapo_flow.agent`; tools: :mod:`dapo_flow.tools`.
+``tool_reward_<name>``, and ``conversation`` (the turns as text, for the logged samples). A
+malformed call, an unknown tool, bad arguments, a tool that raises or times out: the model
+sees ``error: ...`` and the call counts in ``tool_errors``; the rollout goes on. Machinery: :mod:`dapo_flow.agent`; tools: :mod:`dapo_flow.tools`.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class AgentGenerate(Generate):
     def produces(cls, params: Params) -> dict[str, pa.DataType]:
         return {**C.typed(C.SAMPLE_IDX, C.RESPONSE_IDS, C.RESPONSE_TEXT, C.RESPONSE_LEN, C.TRUNCATED,
                           C.ROLLOUT_LOGP, C.LOSS_MASK, C.NUM_TURNS, C.NUM_TOOL_CALLS, C.TOOL_ERRORS,
-                          C.TOOL_REWARD),
+                          C.TOOL_REWARD, C.CONVERSATION),
                 **{tool_reward_column(t.name): pa.float32() for t in params.tools}}
 
     def __init__(self, params: Params, ctx: OpContext):
@@ -124,8 +124,15 @@ class AgentGenerate(Generate):
             C.NUM_TOOL_CALLS: np.array([r.tool_calls for r in reqs], dtype=np.int32),
             C.TOOL_ERRORS: np.array([r.tool_errors for r in reqs], dtype=np.int32),
             C.TOOL_REWARD: np.asarray(total, dtype=np.float32),
+            C.CONVERSATION: [conversation(r, model.tokenizer) for r in reqs],
             **{tool_reward_column(name): v.astype(np.float32) for name, v in out.tool_rewards.items()},
         })
+
+
+def conversation(request, tokenizer) -> str:
+    """The response turn by turn, for people: ``[assistant] ...`` and ``[tool] ...`` lines."""
+    return "\n".join(f"[{role}] {tokenizer.decode(request.response_ids[a:b], skip_special_tokens=True).strip()}"
+                     for role, a, b in request.segments)
 
 
 def tool_reward_column(tool: str) -> str:

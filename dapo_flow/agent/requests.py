@@ -54,6 +54,7 @@ class Request:
     tool_calls: int = 0  # calls run
     tool_attempts: int = 0  # calls written: run, or refused (malformed, unknown tool, bad arguments, too many)
     tool_errors: int = 0  # calls that failed: malformed, unknown tool, bad arguments, raised, timed out
+    segments: list[tuple[str, int, int]] = field(default_factory=list)  # ("assistant" | "tool", start, end) spans
     calls: ParsedCalls | None = None  # the current turn's, while TOOL_CALLING
     stop: str = ""  # one of STOPS once COMPLETED
     truncated: bool = False  # ended by the budget, not by the model
@@ -81,6 +82,7 @@ class Request:
         self._expect(Status.RUNNING, "a model turn")
         finished = finished and len(tokens) <= self.remaining  # a turn past the budget is cut: a length stop
         tokens, logprobs = list(tokens[: self.remaining]), list(logprobs[: self.remaining])
+        self.segments.append(("assistant", len(self.response_ids), len(self.response_ids) + len(tokens)))
         self.response_ids += tokens
         self.logprobs += logprobs
         self.loss_mask += [1] * len(tokens)
@@ -107,6 +109,7 @@ class Request:
         if len(tokens) >= self.remaining:
             self._complete("length", truncated=True)
             return
+        self.segments.append(("tool", len(self.response_ids), len(self.response_ids) + len(tokens)))
         self.response_ids += tokens
         self.logprobs += [0.0] * len(tokens)
         self.loss_mask += [0] * len(tokens)

@@ -18,7 +18,8 @@ from dapo_flow.graph import columns as C
 from dapo_flow.runtime.session import generator_tokenizer, load_source, prompt_stream
 
 SAVED_COLUMNS = (C.PROMPT_ID, C.SAMPLE_IDX, C.DATA_SOURCE, C.PROMPT_TEXT, C.RESPONSE_TEXT, C.GROUND_TRUTH,
-                 C.SCORE, C.ACC, C.RESPONSE_LEN, C.TRUNCATED)
+                 C.SCORE, C.ACC, C.RESPONSE_LEN, C.TRUNCATED, C.NUM_TURNS, C.NUM_TOOL_CALLS, C.TOOL_ERRORS,
+                 C.CONVERSATION)  # the last four: agent-generate's
 
 
 def streams(source: str) -> bool:

@@ -52,6 +52,7 @@ LOSS_MASK = "loss_mask"  # per response token: 1 where the model generated it an
 NUM_TURNS = "num_turns"  # agent-generate: the model's turns in the response
 NUM_TOOL_CALLS = "num_tool_calls"  # agent-generate: tool calls run
 TOOL_ERRORS = "tool_errors"  # agent-generate: calls that failed (malformed, unknown tool, raised, timed out)
+CONVERSATION = "conversation"  # agent-generate: the response turn by turn, "[assistant] ..." / "[tool] ..." lines
 TOOL_REWARD = "tool_reward"  # agent-generate: the tools' rewards summed (per tool: tool_reward_<name>)
 BATCH_ROW = "batch_row"  # a row's position in the whole batch a training group shares out to its
 # workers for an update (set by the executor), so the group cuts mini-batches as one worker would
@@ -86,6 +87,7 @@ SCHEMA: dict[str, pa.DataType] = {
     NUM_TOOL_CALLS: pa.int32(),
     TOOL_ERRORS: pa.int32(),
     TOOL_REWARD: pa.float32(),
+    CONVERSATION: pa.string(),
     BATCH_ROW: pa.int64(),
 }
 

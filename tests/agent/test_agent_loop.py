@@ -77,6 +77,9 @@ def test_a_call_then_an_answer_masks_the_tool_tokens():
     assert (r.status, r.stop, r.turns, r.tool_calls, r.tool_errors, r.truncated) == (
         Status.COMPLETED, "answer", 2, 1, 0, False)
     assert engine.contexts[-1] == "6*7=<call>calculator: 6*7</call><result>42</result>"  # what turn 2 saw
+    from operators.agent_generate import conversation
+
+    assert conversation(r, TOK) == "[assistant] <call>calculator: 6*7</call>\n[tool] <result>42</result>\n[assistant] 42"
     m = rollout_metrics(out, 4)
     assert (m["agent/turns_mean"], m["agent/tool_call_success"], m["agent/stop_answer"]) == (2.0, 1.0, 1.0)
     assert m["agent/turn2_requests"] == 1 and m["agent/turn2_tokens_mean"] == 3
