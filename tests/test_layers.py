@@ -25,6 +25,11 @@ FORBIDDEN = {
     "dapo_flow.data": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "ray", "mlflow"),
     "dapo_flow.tracking": ("dapo_flow.graph", "dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.models",
                            "ray", "torch"),
+    # the agent loop drives an engine and tools through their interfaces: no Ray, no tables
+    "dapo_flow.agent": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "dapo_flow.graph",
+                        "ray", "mlflow", "pyarrow", "operators"),
+    "dapo_flow.tools": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "dapo_flow.agent",
+                        "dapo_flow.models", "dapo_flow.data", "ray", "mlflow", "pyarrow", "torch", "operators"),
     "operators": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "ray", "mlflow"),
 }
 
