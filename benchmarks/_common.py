@@ -1,5 +1,6 @@
 """Shared pieces of the benchmark scripts: a scratch working directory, running a graph
-with edits, reading per-step timings back from MLflow, and writing the result JSON.
+with edits, reading per-step timings back from MLflow, writing the result JSON, and a
+random-init Qwen2 model built from a config.
 
 Not a public API: only `benchmarks/*.py` import it.
 """
@@ -136,3 +137,45 @@ class LoadSampler:
     @property
     def mean(self) -> float | None:
         return sum(self.samples) / len(self.samples) if self.samples else None
+
+
+def random_qwen2(out_dir: Path, shape: dict, tokenizer: Any, *, dtype: str = "float32",
+                 max_positions: int = 512, seed: int = 0) -> dict:
+    """A random-init (``seed``) Qwen2ForCausalLM of ``shape`` (hidden_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads, intermediate_size, vocab_size), tied embeddings,
+    saved with ``tokenizer`` into ``out_dir`` as a Hugging Face directory; returns its facts
+    (parameters and bytes count the tied embedding once). vLLM's Qwen2 takes head_dim as
+    hidden_size / num_attention_heads: keep it a size its CPU attention accepts (64, 128, ...)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        **shape,
+        max_position_embeddings=max_positions,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    params = {id(p): p for p in model.parameters()}.values()  # tied embeddings once
+    return {
+        "architecture": "Qwen2ForCausalLM", **shape,
+        "head_dim": shape["hidden_size"] // shape["num_attention_heads"],
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": True, "dtype": dtype, "init": f"random, seed {seed}",
+        "tokenizer_size": len(tokenizer),
+        "num_parameters": sum(p.numel() for p in params),
+        "model_bytes": sum(p.numel() * p.element_size() for p in params),
+        "largest_tensor_bytes": max(p.numel() * p.element_size() for p in params),
+    }

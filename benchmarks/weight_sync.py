@@ -65,7 +65,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import LoadSampler, fmt, make_console, write_json
+from _common import LoadSampler, fmt, make_console, random_qwen2, write_json
 
 PATHS = ("floor", "new", "old")
 PROMPTS = ["1+2=", "37+45=", "999+1=", "12-3=", "7 7 7"]
@@ -145,44 +145,14 @@ class PeakRSS:
 # ------------------------------------------------------------------------------ model
 
 def build_model(out_dir: Path, shape: dict, dtype: str, console) -> dict:
-    """A random-init (seed 0) Qwen2 causal LM of ``shape`` saved with a tokenizer; returns info."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
+    """A random-init (seed 0) Qwen2 causal LM of ``shape`` saved with the character tokenizer
+    (``_common.random_qwen2``); returns its info."""
     from dapo_flow.models.tokenizer import build_char_tokenizer
 
     start = time.perf_counter()
-    tokenizer = build_char_tokenizer(model_max_length=512)
-    config = Qwen2Config(
-        **shape,
-        max_position_embeddings=512,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        architectures=["Qwen2ForCausalLM"],
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    params = {id(p): p for p in model.parameters()}.values()  # tied embeddings once
-    info = {
-        "architecture": "Qwen2ForCausalLM", **shape, "head_dim": shape["hidden_size"] // shape["num_attention_heads"],
-        "tie_word_embeddings": True, "dtype": dtype, "init": "random, seed 0",
-        "tokenizer_size": len(tokenizer),
-        "num_parameters": sum(p.numel() for p in params),
-        "model_bytes": sum(p.numel() * p.element_size() for p in params),
-        "largest_tensor_bytes": max(p.numel() * p.element_size() for p in params),
-        "build_seconds": time.perf_counter() - start,
-    }
-    del model
+    info = random_qwen2(out_dir, shape, build_char_tokenizer(model_max_length=512), dtype=dtype,
+                        max_positions=512)
+    info["build_seconds"] = time.perf_counter() - start
     settle()
     console.print(f"built {info['num_parameters'] / 1e6:.1f}M-parameter Qwen2 ({dtype}, "
                   f"{info['model_bytes'] / 2**20:,.0f} MiB) in {info['build_seconds']:.1f} s")

