@@ -14,6 +14,8 @@ sees ``error: ...`` and the call counts in ``tool_errors``; the rollout goes on.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -48,9 +50,13 @@ class Params(GenerateParams):
     @field_validator("tools")
     @classmethod
     def _loadable_tools(cls, tools: list[ToolSpec]) -> list[ToolSpec]:
+        from dapo_flow.tools.base import ToolError
         from dapo_flow.tools.registry import load_tools
 
-        load_tools(tools)  # every problem at once: unknown, unimportable, bad schema, duplicate names
+        try:
+            load_tools(tools)  # every problem at once: unknown, unimportable, bad schema, duplicate names
+        except ToolError as exc:  # a ValueError: validate reports it at the node's params.tools line
+            raise ValueError(str(exc).replace("\n", "; ")) from None
         return tools
 
     @model_validator(mode="after")
@@ -89,7 +95,8 @@ class AgentGenerate(Generate):
         if self._tools is None:  # built once per worker: a tool may hold state across calls
             from dapo_flow.tools.registry import load_tools
 
-            self._tools = load_tools(self.params.tools)
+            # a file.py:Class resolves where the driver started, not in the actor's cwd (as score's reward files)
+            self._tools = load_tools(self.params.tools, base_dir=Path(self.ctx.workdir or os.getcwd()))
         return self._tools
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -1,7 +1,8 @@
 """Prompt data sources -> an Arrow table with ``columns.prompt_schema()``.
 
 Sources: ``builtin:addition`` (see ``dapo_flow.data.tasks``), ``builtin:chain`` (chat messages,
-see ``dapo_flow.data.chain_task``), ``.parquet``, ``.jsonl`` and ``.json``
+see ``dapo_flow.data.chain_task``), ``builtin:tool-arith`` (``a*b=`` for a calculator-using agent,
+see ``dapo_flow.data.tool_arith``), ``.parquet``, ``.jsonl`` and ``.json``
 (a list of records). verl-format rows are understood: ``prompt`` as a chat message list
 ``[{role, content}]`` or a string, the answer at ``reward_model.ground_truth`` (a struct or a
 flattened column), ``data_source``, ``extra_info.index``.
@@ -21,6 +22,7 @@ from dapo_flow.graph import columns as C
 from dapo_flow.errors import DataError
 from dapo_flow.data.chain_task import CHAIN, CHAIN_OPTIONS, ChainTask, question
 from dapo_flow.data.tasks import ADDITION, AdditionTask
+from dapo_flow.data.tool_arith import TOOL_ARITH, TOOL_ARITH_OPTIONS, ToolArithTask
 
 ANSWER_KEYS = ("reward_model.ground_truth", "ground_truth", "answer")  # tried in order
 ADDITION_OPTIONS = ("low", "high", "train_size", "val_size")
@@ -28,6 +30,7 @@ ADDITION_OPTIONS = ("low", "high", "train_size", "val_size")
 BUILTIN_TASKS: dict[str, tuple[type, tuple[str, ...], Callable[[str], Any]]] = {
     ADDITION: (AdditionTask, ADDITION_OPTIONS, lambda prompt: prompt),
     CHAIN: (ChainTask, CHAIN_OPTIONS, lambda prompt: [{"role": "user", "content": question(prompt)}]),
+    TOOL_ARITH: (ToolArithTask, TOOL_ARITH_OPTIONS, lambda prompt: prompt),
 }
 FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 

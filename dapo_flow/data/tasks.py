@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Protocol
+
 import numpy as np
 
 from dapo_flow.errors import DataError
@@ -45,29 +47,7 @@ class AdditionTask:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("low", "high", "val_size", "train_size", "seed"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool)) and not (
-                name == "train_size" and value is None
-            ):
-                raise DataError(f"{ADDITION}: option {name} must be a whole number, got "
-                                f"{type(value).__name__} {value!r}")
-        if not 0 <= self.low <= self.high:
-            raise DataError(f"{ADDITION}: need 0 <= low <= high, got low={self.low} high={self.high}")
-        total, train = self.num_pairs, self.train_size
-        if total > MAX_ADDITION_PAIRS:
-            raise DataError(
-                f"{ADDITION}: [{self.low}, {self.high}] gives {total:,} pairs, over the "
-                f"{MAX_ADDITION_PAIRS:,} the task can draw splits from; narrow the range "
-                f"(high - low <= {int(MAX_ADDITION_PAIRS ** 0.5) - 1})"
-            )
-        if self.val_size < 0 or (train is not None and train < 0):
-            raise DataError(f"{ADDITION}: train_size and val_size must be >= 0")
-        if self.val_size + (train or 0) > total:
-            raise DataError(
-                f"{ADDITION}: train_size + val_size = {self.val_size + (train or 0)} exceeds the "
-                f"{total} distinct pairs in [{self.low}, {self.high}]; lower them or widen the range"
-            )
+        check_pair_options(ADDITION, self)
 
     @property
     def num_pairs(self) -> int:
@@ -75,20 +55,60 @@ class AdditionTask:
 
     def problems(self, split: str) -> list[Problem]:
         """The split's problems in a fixed, seeded order."""
-        if split not in SPLITS:
-            raise DataError(f"{ADDITION}: unknown split '{split}'; use one of {SPLITS}")
-        order = np.random.default_rng(self.seed).permutation(self.num_pairs)
-        if split == "val":
-            picked = order[: self.val_size]
-        else:
-            end = None if self.train_size is None else self.val_size + self.train_size
-            picked = order[self.val_size : end]
-        width = self.high - self.low + 1
-        out = []
-        for i, k in enumerate(picked.tolist()):
-            a, b = self.low + k // width, self.low + k % width
-            out.append(Problem(prompt=f"{a}+{b}=", answer=str(a + b), index=i))
-        return out
+        return [Problem(prompt=f"{a}+{b}=", answer=str(a + b), index=i)
+                for i, (a, b) in enumerate(pair_split(ADDITION, self, split))]
+
+
+class PairOptions(Protocol):
+    """The options of a task over pairs (a, b) in [low, high]^2 (``AdditionTask``, ``ToolArithTask``)."""
+
+    low: int
+    high: int
+    train_size: int | None
+    val_size: int
+    seed: int
+
+
+def check_pair_options(source: str, task: PairOptions) -> None:
+    """DataError (naming ``source``) unless the options give valid, disjoint splits."""
+    for name in ("low", "high", "val_size", "train_size", "seed"):
+        value = getattr(task, name)
+        if not (isinstance(value, int) and not isinstance(value, bool)) and not (
+            name == "train_size" and value is None
+        ):
+            raise DataError(f"{source}: option {name} must be a whole number, got "
+                            f"{type(value).__name__} {value!r}")
+    if not 0 <= task.low <= task.high:
+        raise DataError(f"{source}: need 0 <= low <= high, got low={task.low} high={task.high}")
+    total, train = (task.high - task.low + 1) ** 2, task.train_size
+    if total > MAX_ADDITION_PAIRS:
+        raise DataError(
+            f"{source}: [{task.low}, {task.high}] gives {total:,} pairs, over the "
+            f"{MAX_ADDITION_PAIRS:,} the task can draw splits from; narrow the range "
+            f"(high - low <= {int(MAX_ADDITION_PAIRS ** 0.5) - 1})"
+        )
+    if task.val_size < 0 or (train is not None and train < 0):
+        raise DataError(f"{source}: train_size and val_size must be >= 0")
+    if task.val_size + (train or 0) > total:
+        raise DataError(
+            f"{source}: train_size + val_size = {task.val_size + (train or 0)} exceeds the "
+            f"{total} distinct pairs in [{task.low}, {task.high}]; lower them or widen the range"
+        )
+
+
+def pair_split(source: str, task: PairOptions, split: str) -> list[tuple[int, int]]:
+    """The split's pairs (a, b) in a fixed, seeded order: one permutation of all pairs, val
+    cut first, so val pairs never reach train, whatever ``train_size``."""
+    if split not in SPLITS:
+        raise DataError(f"{source}: unknown split '{split}'; use one of {SPLITS}")
+    width = task.high - task.low + 1
+    order = np.random.default_rng(task.seed).permutation(width ** 2)
+    if split == "val":
+        picked = order[: task.val_size]
+    else:
+        end = None if task.train_size is None else task.val_size + task.train_size
+        picked = order[task.val_size : end]
+    return [(task.low + k // width, task.low + k % width) for k in picked.tolist()]
 
 
 # --- verifiers -----------------------------------------------------------------------------

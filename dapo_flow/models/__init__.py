@@ -1,6 +1,6 @@
 """Policy backends and model resolution.
 
-``resolve_model("builtin:tiny-adder")`` (or ``builtin:tiny-chat``) builds the model on first use and caches it under
+``resolve_model("builtin:tiny-adder")`` (or ``builtin:tiny-chat``, ``builtin:tiny-agent``) builds the model on first use and caches it under
 ``dapo_flow_home()/models``; any other string must be a local Hugging Face causal-LM directory
 (nothing is downloaded from the Hub). Backends: ``models.hf.HFPolicy`` (torch) and
 ``models.vllm_engine.VLLMGenerator``. Importing this package loads neither torch nor vLLM.
@@ -54,6 +54,7 @@ BUILTINS: dict[str, Builtin] = {
     "tiny-chat": Builtin("dapo_flow.models.tiny_chat", "build_tiny_chat"),
     "tiny-adder-critic": Builtin("dapo_flow.models.tiny_adder_critic", "build_tiny_adder_critic"),
     "tiny-adder-rm": Builtin("dapo_flow.models.tiny_adder_rm", "build_tiny_adder_rm"),
+    "tiny-agent": Builtin("dapo_flow.models.tiny_agent", "build_tiny_agent"),
 }
 
 

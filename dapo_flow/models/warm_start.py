@@ -65,26 +65,29 @@ def sampled_accuracy_of(model_dir: Path, problems: list, prompt_ids: Callable[[A
 
 
 def supervised_fit(model: Any, prompts: list[list[int]], responses: list[list[int]], recipe: Any, *,
-                   pad_id: int, seed: int, label: str, progress: bool, trim_padding: bool = False) -> None:
+                   pad_id: int, seed: int, label: str, progress: bool, trim_padding: bool = False,
+                   loss_masks: list[list[int]] | None = None, groups: list[int] | None = None) -> None:
     """Teacher forcing on prompt + response, loss (label-smoothed cross-entropy) on the response
-    tokens only: ``recipe.steps`` AdamW steps of ``recipe.batch_size`` random rows, linear warmup
-    then cosine decay. ``trim_padding``: cut each batch to its longest row and apply the LM head
-    only at response positions (the same loss, faster; off for tiny-adder, whose cached bytes
-    were built the plain way; the model must expose ``.model`` and ``.lm_head``, as HF's do)."""
+    tokens only (:func:`supervised_labels`; ``loss_masks``: also not on a response's 0 tokens,
+    e.g. a tool's output): ``recipe.steps`` AdamW steps of ``recipe.batch_size`` random rows,
+    linear warmup then cosine decay. ``trim_padding``: cut each batch to its longest row and apply
+    the LM head only at response positions (the same loss, faster; off for tiny-adder, whose
+    cached bytes were built the plain way; the model must expose ``.model`` and ``.lm_head``, as
+    HF's do). ``groups``: a group id per row; each step's rows all come from one group, each group
+    as often (rows of one length together: with ``trim_padding``, short rows are not padded to
+    the long ones' width), its loss weighed so that every token weighs what it would in mixed
+    batches (:func:`group_weights`)."""
     import torch
     import torch.nn.functional as F
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from dapo_flow.models.hf import right_pad
-
-    seqs = [p + a for p, a in zip(prompts, responses)]
-    ids, mask = right_pad(seqs, pad_id)
-    labels = ids.masked_fill(mask == 0, -100)
-    for i, p in enumerate(prompts):
-        labels[i, : len(p)] = -100  # no loss on the prompt
+    ids, mask, labels = supervised_labels(prompts, responses, pad_id=pad_id, loss_masks=loss_masks)
     targets = labels[:, 1:]
 
     gen = torch.Generator().manual_seed(seed)
+    members = [torch.tensor([i for i, g in enumerate(groups) if g == k]) for k in sorted(set(groups))] if groups else []
+    weights = group_weights([len(m) for m in members], int((targets != -100).sum()), recipe.batch_size)
+    reduction = "sum" if groups else "mean"
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, recipe))
     model.train()
@@ -94,20 +97,26 @@ def supervised_fit(model: Any, prompts: list[list[int]], responses: list[list[in
     ) as bar:
         job = bar.add_task("train", total=recipe.steps, loss=float("nan"))
         for step in range(recipe.steps):
-            idx = torch.randint(len(seqs), (recipe.batch_size,), generator=gen)
+            if groups:
+                k = int(torch.randint(len(members), (1,), generator=gen))
+                idx = members[k][torch.randint(len(members[k]), (recipe.batch_size,), generator=gen)]
+            else:
+                idx = torch.randint(len(ids), (recipe.batch_size,), generator=gen)
             if trim_padding:  # the batch's longest row; the LM head only where there is a loss
                 width = int(mask[idx].sum(-1).max())
                 hidden = model.model(input_ids=ids[idx, :width], attention_mask=mask[idx, :width]).last_hidden_state
                 batch_targets = targets[idx, : width - 1]
                 scored = batch_targets != -100
                 loss = F.cross_entropy(model.lm_head(hidden[:, :-1][scored]), batch_targets[scored],
-                                       label_smoothing=recipe.label_smoothing)
+                                       label_smoothing=recipe.label_smoothing, reduction=reduction)
             else:
                 logits = model(input_ids=ids[idx], attention_mask=mask[idx]).logits[:, :-1]
                 loss = F.cross_entropy(
                     logits.reshape(-1, logits.shape[-1]), targets[idx].reshape(-1),
-                    label_smoothing=recipe.label_smoothing,
+                    label_smoothing=recipe.label_smoothing, reduction=reduction,
                 )
+            if groups:
+                loss = loss * weights[k]
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -115,6 +124,38 @@ def supervised_fit(model: Any, prompts: list[list[int]], responses: list[list[in
             if step % 50 == 0 or step + 1 == recipe.steps:
                 bar.update(job, completed=step + 1, loss=loss.item())
     model.eval()
+
+
+def group_weights(sizes: list[int], scored_tokens: int, batch_size: int) -> list[float]:
+    """The loss weight of a step on each group (its rows' summed token losses times this): a
+    group drawn as often as any other (1/G of the steps) but holding its share of the rows
+    (size / total) is weighed share * G, and the sum is divided by an average mixed batch's
+    scored tokens; the expected step is then the mixed batches' token mean (in a group's own
+    token mean, a short row's tokens would weigh more: the tool-call choice would skew)."""
+    total, per_batch = sum(sizes), scored_tokens * batch_size / max(sum(sizes), 1)
+    return [size / total * len(sizes) / per_batch for size in sizes]
+
+
+def supervised_labels(prompts: list[list[int]], responses: list[list[int]], *, pad_id: int,
+                      loss_masks: list[list[int]] | None = None) -> tuple[Any, Any, Any]:
+    """Right-padded prompt + response rows and their labels: the token where it is trained on,
+    -100 (ignored) on the prompt, on padding and where the response's loss mask is 0.
+    Shape: ids, attention mask, labels (rows, longest row) long."""
+    import torch
+
+    from dapo_flow.models.hf import right_pad
+
+    ids, mask = right_pad([p + r for p, r in zip(prompts, responses)], pad_id)
+    labels = ids.masked_fill(mask == 0, -100)
+    for i, p in enumerate(prompts):
+        labels[i, : len(p)] = -100  # no loss on the prompt
+    if loss_masks is not None and len(loss_masks) != len(responses):
+        raise ValueError(f"{len(loss_masks)} loss masks for {len(responses)} responses")
+    for i, (p, r, m) in enumerate(zip(prompts, responses, loss_masks or ())):
+        if len(m) != len(r):
+            raise ValueError(f"row {i}: a loss mask of {len(m)} tokens for a response of {len(r)}")
+        labels[i, len(p) : len(p) + len(r)][torch.as_tensor(m) == 0] = -100  # a view: set in place
+    return ids, mask, labels
 
 
 def lr_factor(step: int, recipe: Any) -> float:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import threading
+import warnings
 from typing import Any, Callable
 
 from pydantic import BaseModel, Field
@@ -103,7 +105,7 @@ def evaluate(expression: str, config: Config | None = None) -> Number:
     if not expression.strip():
         raise CalcError("the expression is empty")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        tree = _parse(expression.strip())
     except SyntaxError as exc:
         raise CalcError(f"cannot parse the expression ({exc.msg})") from None
     except (ValueError, MemoryError, RecursionError) as exc:
@@ -116,6 +118,17 @@ def evaluate(expression: str, config: Config | None = None) -> Number:
         raise CalcError("a number is too large for a float (floats reach about 1e308)") from None
     except RecursionError:
         raise CalcError("the expression is nested too deeply") from None
+
+
+_PARSE_LOCK = threading.Lock()  # warnings.catch_warnings swaps process-wide state; calls run in threads
+
+
+def _parse(expression: str) -> ast.Expression:
+    """``ast.parse`` in eval mode, without the SyntaxWarnings it prints for model-written text
+    such as ``12*34a`` ("invalid decimal literal"): the model gets the error, not the console."""
+    with _PARSE_LOCK, warnings.catch_warnings():
+        warnings.simplefilter("error", SyntaxWarning)  # a warning is a parse failure (SyntaxError)
+        return ast.parse(expression, mode="eval")
 
 
 _UNARY: dict[type, Callable[[Number], Number]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dapo_flow.tools.calculator import Calculator, Config, evaluate
+from dapo_flow.tools.calculator import CalcError, Calculator, Config, evaluate
 
 
 def run(expression: str, **config) -> tuple[str, float]:
@@ -96,3 +96,14 @@ def test_lifecycle_methods_are_no_ops():
 def test_evaluate_returns_numbers():
     assert evaluate("2**64") == 2**64 and isinstance(evaluate("2**64"), int)
     assert evaluate("3/4") == 0.75
+
+
+def test_text_python_warns_about_is_an_error_for_the_model_not_console_noise():
+    """``12*34a`` makes ast.parse print a SyntaxWarning ("invalid decimal literal") to stderr;
+    in a run that is noise on the console, once per malformed sample: it is a parse error here."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning escaping evaluate fails the test
+        with pytest.raises(CalcError, match="cannot parse the expression"):
+            evaluate("12*34a")
