@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from dapo_flow.data.tasks import AdditionTask, verify_addition
-from dapo_flow.models.warm_start import (BUILD_INFO, deterministic_torch, sampled_accuracy_of,  # noqa: F401 (BUILD_INFO: for callers)
-                                         save_model_dir, supervised_fit, write_build_info)
+from dapo_flow.models.warm_start import (BUILD_INFO, char_llama, deterministic_torch, sampled_accuracy_of,  # noqa: F401 (BUILD_INFO: for callers)
+                                         save_model_dir, set_generation_config, supervised_fit, write_build_info)
 
 RECIPE_VERSION = 5  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
 
@@ -67,9 +67,6 @@ def shape_config(recipe: Recipe = RECIPE) -> dict[str, Any]:
 
 def build_tiny_adder(out_dir: Path, *, seed: int = 0, progress: bool = True, recipe: Recipe = RECIPE) -> Path:
     """Build, warm-start, save and evaluate the model into ``out_dir``; returns ``out_dir``."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
     from dapo_flow.models.tokenizer import build_char_tokenizer
 
     out_dir = Path(out_dir)
@@ -77,27 +74,9 @@ def build_tiny_adder(out_dir: Path, *, seed: int = 0, progress: bool = True, rec
     tokenizer = build_char_tokenizer(model_max_length=recipe.max_position_embeddings)
     start = time.perf_counter()
     with deterministic_torch(seed):
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=recipe.hidden_size,
-            intermediate_size=recipe.intermediate_size,
-            num_hidden_layers=recipe.num_layers,
-            num_attention_heads=recipe.num_heads,
-            num_key_value_heads=recipe.num_heads,
-            max_position_embeddings=recipe.max_position_embeddings,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            tie_word_embeddings=False,
-            architectures=["LlamaForCausalLM"],
-        )
-        model = LlamaForCausalLM(config)
+        model = char_llama(tokenizer, recipe)
         _warm_start(model, tokenizer, task, recipe, seed, progress)
-        model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        set_generation_config(model, tokenizer)
         save_model_dir(out_dir, model, tokenizer)
         train_seconds = time.perf_counter() - start
         accuracy = sampled_accuracy(out_dir, task, recipe)

@@ -33,8 +33,8 @@ import numpy as np
 
 from dapo_flow.data.tasks import Problem
 from dapo_flow.data.tool_arith import ToolArithTask, call_text, observation_text, verify_tool_arith
-from dapo_flow.models.warm_start import (BUILD_INFO, deterministic_torch,  # noqa: F401 (BUILD_INFO: for callers)
-                                         save_model_dir, supervised_fit, write_build_info)
+from dapo_flow.models.warm_start import (BUILD_INFO, char_llama, deterministic_torch,  # noqa: F401 (BUILD_INFO: for callers)
+                                         save_model_dir, set_generation_config, supervised_fit, write_build_info)
 
 RECIPE_VERSION = 1  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
 # tiny-adder's characters (models/tokenizer.ARITHMETIC_CHARS, same ids) then what the compact
@@ -89,38 +89,19 @@ def build_tokenizer(recipe: Recipe = RECIPE) -> Any:
 
 def build_tiny_agent(out_dir: Path, *, seed: int = 0, progress: bool = True, recipe: Recipe = RECIPE) -> Path:
     """Build, warm-start, save and evaluate the model into ``out_dir``; returns ``out_dir``."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
     task = ToolArithTask()  # the same default splits `builtin:tool-arith` serves
     tokenizer = build_tokenizer(recipe)
     start = time.perf_counter()
     with deterministic_torch(seed):
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=recipe.hidden_size,
-            intermediate_size=recipe.intermediate_size,
-            num_hidden_layers=recipe.num_layers,
-            num_attention_heads=recipe.num_heads,
-            num_key_value_heads=recipe.num_heads,
-            max_position_embeddings=recipe.max_position_embeddings,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            tie_word_embeddings=False,
-            architectures=["LlamaForCausalLM"],
-        )
-        model = LlamaForCausalLM(config)
+        model = char_llama(tokenizer, recipe)
         demos = demonstrations(tokenizer, task.problems("train"), recipe.tool_fraction, seed)
         supervised_fit(model, [d.prompt_ids for d in demos], [d.response_ids for d in demos], recipe,
                        pad_id=tokenizer.pad_token_id, seed=seed, label="builtin:tiny-agent",
                        progress=progress, trim_padding=True, loss_masks=[d.loss_mask for d in demos],
                        groups=[int(d.uses_tool) for d in demos])
-        model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        set_generation_config(model, tokenizer)
         save_model_dir(out_dir, model, tokenizer)
         train_seconds = time.perf_counter() - start
         figures = sampled_tool_accuracy(out_dir, task.problems("val")[: recipe.eval_prompts],

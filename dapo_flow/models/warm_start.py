@@ -26,6 +26,38 @@ def save_model_dir(out_dir: Path, model: Any, tokenizer: Any) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def char_llama(tokenizer: Any, recipe: Any) -> Any:
+    """A fresh LlamaForCausalLM for a character-tokenizer built-in (tiny-adder, tiny-agent):
+    ``recipe``'s hidden_size, intermediate_size, num_layers, num_heads (as many KV heads),
+    max_position_embeddings; untied embeddings. Its initialisation draws from torch's global
+    generator: build it inside :func:`deterministic_torch` for reproducible bytes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_heads,
+        max_position_embeddings=recipe.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+    ))
+
+
+def set_generation_config(model: Any, tokenizer: Any) -> None:
+    """The tokenizer's BOS / EOS / PAD ids as the model's generation config (what HF and vLLM read)."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+
+
 def write_build_info(out_dir: Path, *, name: str, recipe_version: int, recipe: Any, seed: int, model: Any,
                      accuracy: float, protocol: str, train_seconds: float, **extra: Any) -> None:
     """``dapo_flow_build.json``: the recipe, the seed, the size and the sampled accuracy of a build."""
