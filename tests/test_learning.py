@@ -75,16 +75,23 @@ def test_readme_chat_figures_are_parsed():
 def test_dapo_chat_graph_learns_as_the_readme_says(tmp_path, monkeypatch):
     """graphs/dapo-chat.yaml (builtin:tiny-chat on builtin:chain, built on first use: ~5-10 min
     on 2 cores, cached after) gains >= 10 points of val acc on Ray, the README's figures exactly."""
+    _learns_as_the_readme_says(CHAT_GRAPH, "builtin:tiny-chat", CHAT_FIGURES, tmp_path, monkeypatch)
+
+
+def _learns_as_the_readme_says(graph: Path, model: str, figures: re.Pattern, tmp_path, monkeypatch) -> dict:
+    """Build ``model`` if needed, run ``graph`` on Ray in ``tmp_path``, check a gain of >= 10
+    points and the README's start -> end figures to the printed digit; the run's summary."""
     from dapo_flow.models import resolve_model
 
-    resolve_model("builtin:tiny-chat", progress=False)
+    resolve_model(model, progress=False)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     log = Console(file=open(tmp_path / "log.txt", "w"))
-    summary = execute(compile_graph(CHAT_GRAPH, Cluster(cpus=2)), executor="ray", console=log)
+    summary = execute(compile_graph(graph, Cluster(cpus=2)), executor="ray", console=log)
     assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.10, summary
-    start, end = CHAT_FIGURES.search((ROOT / "README.md").read_text(encoding="utf-8")).groups()
+    start, end = figures.search((ROOT / "README.md").read_text(encoding="utf-8")).groups()
     assert (f"{summary['val_acc_start']:.3f}", f"{summary['val_acc_end']:.3f}") == (start, end)
+    return summary
 
 
 AGENT_GRAPH = ROOT / "graphs" / "agent.yaml"
@@ -101,18 +108,9 @@ def test_agent_graph_learns_to_call_the_calculator_as_the_readme_says(tmp_path, 
     """graphs/agent.yaml (builtin:tiny-agent on builtin:tool-arith, a multi-turn rollout with the
     calculator) gains >= 10 points of val acc on Ray, the README's figures exactly, by calling
     the tool more: from ~30% of the first step's samples to nearly all, the calls succeeding."""
-    from dapo_flow.models import resolve_model
     from dapo_flow.tracking import read_run
 
-    resolve_model("builtin:tiny-agent", progress=False)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    log = Console(file=open(tmp_path / "log.txt", "w"))
-    summary = execute(compile_graph(AGENT_GRAPH, Cluster(cpus=2)), executor="ray", console=log)
-    assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.10, summary
-    start, end = AGENT_FIGURES.search((ROOT / "README.md").read_text(encoding="utf-8")).groups()
-    assert (f"{summary['val_acc_start']:.3f}", f"{summary['val_acc_end']:.3f}") == (start, end)
-
+    summary = _learns_as_the_readme_says(AGENT_GRAPH, "builtin:tiny-agent", AGENT_FIGURES, tmp_path, monkeypatch)
     history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
     used = [v for _, v in sorted(history["agent/used_tool_frac"])]
     assert used[0] < 0.5 < 0.9 < used[-1], used  # RL learnt to call the tool
