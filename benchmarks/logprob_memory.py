@@ -7,7 +7,11 @@ What it measures (issue 14, item 3): the peak memory and the time of one trainin
   logits (``dapo_flow.models.hf.response_logprobs_of`` with ``chunk_tokens`` None);
 - chunked: ``chunked_linear_logprobs(hidden, weight, labels, chunk_tokens=C, with_entropy=True)``
   (at most C positions' logits at a time, each chunk's logits recomputed in the backward;
-  ``response_logprobs_of`` with ``train.logprob_chunk_tokens: C``);
+  ``response_logprobs_of`` with ``train.logprob_chunk_tokens: C``). A float32 head takes its
+  fused path: one reused chunk buffer, the logits' gradient written in place from the saved
+  logsumexp and entropy;
+- generic (``--generic``): the same chunked call forced onto the path a bf16 head or autocast
+  takes (autograd through each recomputed chunk, fresh buffers per chunk), for comparison;
 
 each followed by ``loss.backward()`` of a random upstream loss, ``(logp * a).sum() + (entropy *
 b).sum()`` (a, b fixed standard-normal vectors: the entropy-bonus case, the widest backward; with
@@ -48,6 +52,7 @@ Targets from the issue: chunked peak <= 25% of naive, chunked time <= 1.2x naive
 
 Run: python benchmarks/logprob_memory.py [--quick] [--json PATH] [--rows R --tokens T]
      [--chunk-tokens C] [--dtype D] [--reps N] [--max-gib G] [--threads N] [--entropy-metric-only]
+     [--generic]
 ``--quick``: vocab 32000, hidden 256, 4 x 128 (chunk 128), float32, 2 timed calls: seconds (a smoke
 run: at a quarter of the positions per chunk and this small a head its ratios say little).
 """
@@ -128,6 +133,10 @@ def worker(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.worker == "generic":  # the chunked call without its fused float32 path (autograd per chunk)
+        import dapo_flow.algos.logprobs as logprobs_module
+
+        logprobs_module._fused_applies = lambda *_: False
     cuda = args.device == "cuda"
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -317,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--entropy-metric-only", action="store_true",
                     help="loss of logp only; the entropy is computed and kept as a metric")
-    ap.add_argument("--worker", choices=("naive", "chunked"), help=argparse.SUPPRESS)
+    ap.add_argument("--generic", action="store_true",
+                    help="also time the chunked call's generic path (autograd on each recomputed chunk, what "
+                         "a bf16 head or autocast takes) as a third variant")
+    ap.add_argument("--worker", choices=("naive", "chunked", "generic"), help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--worker-tensors", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -360,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             if naive_skip:
                 console.print(f"[yellow]naive skipped: {naive_skip}[/]")
         res["chunked"] = run_worker("chunked", args, Path(tmp), console)
+        if args.generic:
+            res["generic"] = run_worker("generic", args, Path(tmp), console)
         if res["chunked"].get("skipped"):
             raise SystemExit(f"chunked skipped: {res['chunked']['skipped']}")
         diffs = compare(res["naive"], res["chunked"]) if not naive_skip else None
@@ -371,12 +385,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"vocab {args.vocab}, hidden {args.hidden}, {args.dtype}, {args.device}")
     for col in ("variant", "peak MiB", "x logits", "forward s", "backward s", "total s (median)", "min-max"):
         t.add_column(col, justify="right")
-    for name in ("naive", "chunked"):
+    for name in ("naive", "chunked", "generic"):
+        if name == "generic" and not args.generic:
+            continue
         r = res.get(name)
         if r is None or r.get("skipped"):
             t.add_row(name, "skipped", "", "", "", "", "")
             continue
-        t.add_row(name if name == "naive" else f"chunked ({args.chunk_tokens})", f"{r['peak_bytes'] / 2**20:,.0f}",
+        t.add_row(name if name == "naive" else f"{name} ({args.chunk_tokens})", f"{r['peak_bytes'] / 2**20:,.0f}",
                   f"{r['peak_bytes'] / logits_bytes:.2f}", f"{r['forward_s']:.3f}", f"{r['backward_s']:.3f}",
                   f"{r['seconds']:.3f}", f"{r['seconds_min']:.3f}-{r['seconds_max']:.3f}")
     console.print(t)
@@ -396,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"time chunked/naive {time_ratio:.3f} (target <= {TARGET_TIME_RATIO}): "
                       f"{'met' if met_t else 'NOT met'}  (forward {ch['forward_s'] / nv['forward_s']:.2f}x, "
                       f"backward {ch['backward_s'] / nv['backward_s']:.2f}x)")
+        if args.generic:
+            gen = res["generic"]
+            console.print(f"generic path (autograd per chunk): peak {gen['peak_bytes'] / nv['peak_bytes']:.3f} "
+                          f"of naive, time {gen['seconds'] / nv['seconds']:.3f} of naive; the fused path takes "
+                          f"{ch['seconds'] / gen['seconds']:.3f} of its time")
         console.print("max |naive - chunked|: " + ", ".join(
             f"{k} {d['max_abs_diff']:.2e} (max |value| {d['max_abs']:.2e})" for k, d in diffs.items()))
     else:
@@ -425,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         "estimates": {"naive_peak_bytes": est_naive, "chunked_peak_bytes": est_chunked, "naive_budget_bytes": budget},
         "naive": {k: v for k, v in nv.items() if k != "tensors"} if nv else None,
         "chunked": {k: v for k, v in ch.items() if k != "tensors"},
+        "generic": {k: v for k, v in res["generic"].items() if k != "tensors"} if args.generic else None,
+        "generic_time_ratio": res["generic"]["seconds"] / nv["seconds"] if args.generic and nv else None,
         "quick": args.quick, "reps": args.reps, "load_avg": load.mean, "mem_available_bytes": avail,
         "torch": torch.__version__,
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},

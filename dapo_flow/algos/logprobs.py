@@ -55,7 +55,9 @@ def chunked_linear_logprobs(
 
     With gradients, no chunk's logits are kept for the backward: each chunk's are recomputed
     there, one chunk at a time (:class:`_ChunkedLinearLogprobs`); the values and gradients are
-    those of the whole (tokens, vocab) computation up to float rounding.
+    those of the whole (tokens, vocab) computation up to float rounding. A float32 head outside
+    autocast takes the fused path (:func:`_fused_forward`, :func:`_fused_backward`): one chunk
+    buffer reused, the logits' gradient written in place from the saved logsumexp and entropy.
     Shape: hidden (N, h), weight (V, h), bias (V,) or None, labels (N,) int -> logp (N,) float32,
     entropy (N,) float32 or None.
     """
@@ -67,6 +69,9 @@ def chunked_linear_logprobs(
     needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if torch.is_grad_enabled() and needs_grad:
         return _ChunkedLinearLogprobs.apply(hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy)
+    if _fused_applies(hidden, weight, bias):
+        logp, _, ent = _fused_forward(hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy)
+        return logp, ent
     parts = [_linear_logprobs(hidden[s:e], weight, bias, labels[s:e], temperature, with_entropy)
              for s, e in _chunks(hidden.shape[0], chunk_tokens)]
     logp = torch.cat([p[0] for p in parts])
@@ -105,6 +110,11 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         device = hidden.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
         ctx.set_materialize_grads(False)
+        ctx.fused = ctx.autocast is None and _fused_applies(hidden, weight, bias)
+        if ctx.fused:  # the float32 path: one reused chunk buffer, logsumexp (and entropy) kept
+            logp, lse, ent = _fused_forward(hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy)
+            ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
+            return logp, ent
         parts = [_linear_logprobs(hidden[s:e], weight, bias, labels[s:e], temperature, with_entropy)
                  for s, e in _chunks(hidden.shape[0], chunk_tokens)]
         logp = torch.cat([p[0] for p in parts])
@@ -112,6 +122,8 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        if ctx.fused:
+            return _fused_backward(ctx, grad_logp, grad_entropy)
         if ctx.autocast is None:
             return _ChunkedLinearLogprobs._backward(ctx, grad_logp, grad_entropy)
         device, dtype = ctx.autocast
@@ -165,3 +177,96 @@ def _logits_grad(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Te
             grads.append(grad_entropy)
         del scaled  # autograd keeps what it needs, and frees it as it goes
         return torch.autograd.grad(outputs, logits, grads)[0]
+
+
+# --- the fused float32 path ----------------------------------------------------------------
+# The same values and gradients as the generic path, with the (chunk, vocab) work done in place in
+# buffers allocated once per call (fresh buffers per chunk cost a page fault per 4 KiB on CPU):
+# the forward keeps each position's logsumexp (and entropy), so the backward turns a recomputed
+# chunk of logits into their gradient in two passes over it instead of autograd's graph:
+#   d logp / dz = onehot(label) - p,   d entropy / dz = -p * (log p + entropy),   z = logits / T.
+
+
+def _fused_applies(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """float32 (or float64) head and hidden states of one dtype, outside autocast; a bf16 head
+    or autocast takes the generic path (its logits are bf16, cast per chunk)."""
+    dtype = weight.dtype
+    return (dtype in (torch.float32, torch.float64) and hidden.dtype == dtype
+            and (bias is None or bias.dtype == dtype) and not torch.is_autocast_enabled(hidden.device.type))
+
+
+def _logits_into(out: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """z = (hidden @ weight.T + bias) / temperature written into ``out``. Shape: (c, h) -> (c, V)."""
+    if bias is None:
+        torch.mm(hidden, weight.T, out=out)
+    else:
+        torch.addmm(bias, hidden, weight.T, out=out)
+    return out.div_(temperature) if temperature != 1.0 else out
+
+
+def _fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float,
+                   chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """logp, logsumexp and entropy (or None) of every position, one chunk at a time in reused
+    buffers. Shape: hidden (N, h), labels (N,) -> (N,) each, in the head's dtype."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    with torch.no_grad():
+        logp, lse = hidden.new_empty(n), hidden.new_empty(n)
+        ent = hidden.new_empty(n) if with_entropy else None
+        rows = max(1, min(chunk_tokens, n))
+        z_buf = hidden.new_empty(rows, vocab)
+        e_buf = hidden.new_empty(rows, vocab) if with_entropy else None
+        for s, e in _chunks(n, chunk_tokens):
+            z = _logits_into(z_buf[: e - s], hidden[s:e], weight, bias, temperature)
+            picked = z.gather(1, labels[s:e, None].long()).squeeze(1)
+            top = z.amax(1, keepdim=True)  # (c, 1): exp never overflows
+            shifted = z.sub_(top)  # z - top <= 0, in place
+            if with_entropy:  # e = exp(z - top); entropy = log sum(e) - sum(e * (z - top)) / sum(e)
+                ex = torch.exp(shifted, out=e_buf[: e - s])
+                total = ex.sum(1)
+                ez = shifted.mul_(ex).sum(1)  # z is spent; torch's sum, not a BLAS dot: its
+                # cascade keeps a 150k-term sum at float32's rounding (a dot product's was 25x that)
+                ent[s:e] = total.log() - ez / total
+            else:
+                total = shifted.exp_().sum(1)
+            lse[s:e] = top.squeeze(1) + total.log()
+            logp[s:e] = picked - lse[s:e]
+    return logp, lse, ent
+
+
+def _fused_backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+    """The gradients of hidden, weight and bias: per chunk, recompute z into a reused buffer and
+    turn it in place into d loss / d logits, then the head's three matmuls."""
+    hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    temperature = ctx.temperature
+    n, vocab = hidden.shape[0], weight.shape[0]
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_weight = torch.zeros_like(weight) if need_weight else None
+    grad_bias = torch.zeros_like(bias) if need_bias else None
+    if grad_logp is None and grad_entropy is None:
+        return (None if grad_hidden is None else grad_hidden.zero_()), grad_weight, grad_bias, None, None, None, None
+    rows = max(1, min(ctx.chunk_tokens, n))
+    g_buf = hidden.new_empty(rows, vocab)
+    p_buf = hidden.new_empty(rows, vocab) if grad_entropy is not None else None
+    for s, e in _chunks(n, ctx.chunk_tokens):
+        c, h = e - s, hidden[s:e]
+        g = _logits_into(g_buf[:c], h, weight, bias, temperature).sub_(lse[s:e, None])  # log p
+        if grad_entropy is None:  # -g_logp * p
+            g.exp_().mul_(grad_logp[s:e, None].neg())
+        else:  # -p * (g_logp + g_ent * (log p + entropy))
+            p = torch.exp(g, out=p_buf[:c])
+            g.add_(ent[s:e, None]).mul_(grad_entropy[s:e, None])
+            if grad_logp is not None:
+                g.add_(grad_logp[s:e, None])
+            g.mul_(p).neg_()
+        if grad_logp is not None:  # + g_logp at the label
+            g.scatter_add_(1, labels[s:e, None].long(), grad_logp[s:e, None].to(g.dtype))
+        if temperature != 1.0:
+            g.div_(temperature)
+        if grad_hidden is not None:
+            torch.mm(g, weight, out=grad_hidden[s:e])
+        if grad_weight is not None:
+            grad_weight.addmm_(g.T, h)
+        if grad_bias is not None:
+            grad_bias.add_(g.sum(0))
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None

@@ -37,6 +37,10 @@ LOGITS_PEAK_BUFFERS_ENTROPY = 7.5
 # its graph keeps the scaled logits and probs (operators/update.py keeps `entropy` through
 # loss.backward()); with an entropy bonus that graph has run and freed them
 LOGITS_HELD_BUFFERS = 2
+# chunked logprobs on a float32 head outside autocast take the fused path (algos.logprobs): one
+# (chunk, vocab) buffer reused for the whole call, a second beside it for the entropy (its exp in
+# the forward; the probabilities beside the gradient in an entropy bonus's backward)
+LOGITS_FUSED_BUFFERS = 2.0
 # sampling one token (HFPolicy._sample): float32 (rows, vocab) logits, scaled, filtered
 # (sort values + int64 indices for top-p), softmax
 SAMPLING_BUFFERS = 6
@@ -380,11 +384,12 @@ def _activations(shape: ModelShape, compute: int, tokens: int, response: int, ro
         kept = 1 if checkpointing else layers
         terms.append(Term("attention masks (padded rows)", rows * seq * seq * (kept * compute + 1),
                           phases=FWD_BWD, fix=budget_fix))
-    return terms + _logits(shape, resid, response, entropy_in_loss, chunk, budget_fix)
+    fused = compute == FP32 and not mixed_precision  # the chunked path's fused float32 kernels
+    return terms + _logits(shape, resid, response, entropy_in_loss, chunk, budget_fix, fused)
 
 
 def _logits(shape: ModelShape, hidden_bytes: int, response: int, entropy_in_loss: bool, chunk: int | None,
-            budget_fix: str) -> list[Term]:
+            budget_fix: str, fused: bool = False) -> list[Term]:
     """The float32 logits of the response positions and what their backward adds.
 
     Unchunked: (response, vocab) buffers, LOGITS_PEAK_BUFFERS(_ENTROPY) of them at the logits'
@@ -393,7 +398,8 @@ def _logits(shape: ModelShape, hidden_bytes: int, response: int, entropy_in_loss
     same buffer counts for one chunk, none held after; instead the response positions' hidden
     states (gathered, padding left out: at most response x hidden) are kept for the backward, and
     during it the hidden states' gradient and the lm_head's gradient, summed over the chunks in
-    float32, are alive.
+    float32, are alive. ``fused`` (a float32 head outside autocast): LOGITS_FUSED_BUFFERS of
+    them per chunk instead.
     """
     v, h = shape.out_features, shape.hidden_size
     peak = LOGITS_PEAK_BUFFERS_ENTROPY if entropy_in_loss else LOGITS_PEAK_BUFFERS
@@ -409,6 +415,7 @@ def _logits(shape: ModelShape, hidden_bytes: int, response: int, entropy_in_loss
                               phases=(LAYER_BACKWARD,), fix=fix))
         return terms
     logits = min(response, chunk) * v * FP32
+    peak = LOGITS_FUSED_BUFFERS if fused else peak
     return [
         Term("logits of one chunk and their gradients (float32)", int(peak * logits), phases=(LOGITS_BACKWARD,),
              fix="a smaller train.logprob_chunk_tokens"),
