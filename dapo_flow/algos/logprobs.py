@@ -236,6 +236,8 @@ def _fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: 
 def _fused_backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
     """The gradients of hidden, weight and bias: per chunk, recompute z into a reused buffer and
     turn it in place into d loss / d logits, then the head's three matmuls."""
+    if grad_logp is None and grad_entropy is None:  # neither output reached the loss
+        return None, None, None, None, None, None, None
     hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     temperature = ctx.temperature
@@ -243,8 +245,6 @@ def _fused_backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
     grad_weight = torch.zeros_like(weight) if need_weight else None
     grad_bias = torch.zeros_like(bias) if need_bias else None
-    if grad_logp is None and grad_entropy is None:
-        return (None if grad_hidden is None else grad_hidden.zero_()), grad_weight, grad_bias, None, None, None, None
     rows = max(1, min(ctx.chunk_tokens, n))
     g_buf = hidden.new_empty(rows, vocab)
     p_buf = hidden.new_empty(rows, vocab) if grad_entropy is not None else None
