@@ -4,6 +4,11 @@ A run of graphs/dapo.yaml on Ray (the README's main job, as `dapo-flow run` runs
 avg@4 on 200 val prompts) by a clear margin, and it reproduces, to the printed digit, the figures
 the README shows: the run summary's val acc and the `dapo-flow eval --n 16` table for the base
 model and the trained checkpoint. A change that moves them must update the README with it.
+
+The README names the CPU each figure was measured on. Runs are deterministic on one CPU type,
+but another one's kernels round differently and RL carries the difference. So a figure is checked
+to the printed digit on the CPU type it names (the README may give one per CPU type), and within
+OTHER_CPU_TOLERANCE (about one seed's spread) on a CPU type it does not name.
 """
 
 from __future__ import annotations
@@ -22,6 +27,36 @@ from dapo_flow.experiments.evaluate import evaluate
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH = ROOT / "graphs" / "dapo.yaml"
 EVAL_COLUMNS = ("val/acc", "val/pass_at_2", "val/pass_at_4", "val/pass_at_8", "val/pass_at_16")
+MAIN_MACHINE = re.compile(r"The figures of this section were measured on a 2-core (.+?) VM")
+MAIN_ON_OTHER_CPU = re.compile(r"a\s+2-core\s+(.+?)\s+VM\s+gave\s+([\d.]+)\s+->\s+([\d.]+)\s+on\s+Ray")
+OTHER_CPU_TOLERANCE = 0.1
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name (/proc/cpuinfo), or "" where there is none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def assert_figures(got: tuple[str, ...], printed: dict[str, tuple[str, ...]], what: str) -> None:
+    """``got`` (formatted as printed) equals the README's figures for this CPU type when
+    ``printed`` (CPU type -> figures, in README order) has them; else it is within
+    OTHER_CPU_TOLERANCE of the first CPU type's."""
+    here = _words(cpu_model().replace("(R)", "").replace("(TM)", ""))
+    for machine, figures in printed.items():
+        if _words(machine) <= here:  # "Intel Xeon", "AMD EPYC"
+            assert got == figures, (what, machine)
+            return
+    machine, figures = next(iter(printed.items()))
+    far = [(g, p) for g, p in zip(got, figures) if abs(float(g) - float(p)) > OTHER_CPU_TOLERANCE]
+    assert len(got) == len(figures) and not far, (what, got, figures, f"measured on {machine}, here {cpu_model()}")
 
 
 def readme_figures() -> dict:
@@ -30,13 +65,16 @@ def readme_figures() -> dict:
     start_end = re.search(r"val acc \(start -> end\)\s*│\s*([\d.]+) -> ([\d.]+)", text)
     base = re.search(r"^\| base \(tiny-adder warm start\) \|(.*)\|$", text, re.MULTILINE)
     trained = re.search(r"^\| after 120 DAPO steps \|(.*)\|$", text, re.MULTILINE)
-    assert start_end and base and trained, "README lost the main job's figures (summary box / eval table)"
+    machine = MAIN_MACHINE.search(text)
+    assert start_end and base and trained and machine, "README lost the main job's figures (summary box / eval table / CPU)"
 
     def cells(row):
         return tuple(c.strip() for c in row.group(1).split("|"))
 
-    return {"start": start_end.group(1), "end": start_end.group(2), "eval_base": cells(base),
-            "eval_trained": cells(trained)}
+    start_ends = {machine.group(1): start_end.groups(),
+                  **{m: (a, b) for m, a, b in MAIN_ON_OTHER_CPU.findall(text)}}
+    return {"start_end": start_ends, "eval_base": cells(base), "eval_trained": cells(trained),
+            "machine": machine.group(1)}
 
 
 def test_readme_figures_are_parsed():
@@ -56,14 +94,18 @@ def test_dapo_graph_raises_val_accuracy_as_the_readme_says(tmp_path, monkeypatch
     assert summary["last_metrics"]["actor/entropy"] < 1.4  # the policy sharpened
 
     readme = readme_figures()
-    assert (f"{summary['val_acc_start']:.3f}", f"{summary['val_acc_end']:.3f}") == (readme["start"], readme["end"])
+    assert_figures((f"{summary['val_acc_start']:.3f}", f"{summary['val_acc_end']:.3f}"), readme["start_end"],
+                   "val acc start -> end")
     for which, row in (("base", readme["eval_base"]), ("latest", readme["eval_trained"])):
         metrics = evaluate(placed, which=which, n=16, console=log)["metrics"]
-        assert tuple(f"{metrics[k]:.3f}" for k in EVAL_COLUMNS) == row, which
+        assert_figures(tuple(f"{metrics[k]:.3f}" for k in EVAL_COLUMNS), {readme["machine"]: row}, f"eval {which}")
 
 
 CHAT_GRAPH = ROOT / "graphs" / "dapo-chat.yaml"
-CHAT_FIGURES = re.compile(r"`dapo-flow run graphs/dapo-chat\.yaml`: val acc ([\d.]+) -> ([\d.]+) in")
+# "`dapo-flow run graphs/dapo-chat.yaml` on a 2-core CPU VM: val acc a -> b", and any
+# "dapo-chat on a 2-core CPU VM gives a -> b" for another CPU type
+CHAT_FIGURES = re.compile(r"(?:`dapo-flow run graphs/dapo-chat\.yaml`|dapo-chat)\s+on\s+a\s+2-core\s+(.+?)\s+VM(?::|\s+gives)"
+                          r"\s+(?:val\s+acc\s+)?([\d.]+)\s+->\s+([\d.]+)")
 
 
 def test_readme_chat_figures_are_parsed():
@@ -80,7 +122,7 @@ def test_dapo_chat_graph_learns_as_the_readme_says(tmp_path, monkeypatch):
 
 def _learns_as_the_readme_says(graph: Path, model: str, figures: re.Pattern, tmp_path, monkeypatch) -> dict:
     """Build ``model`` if needed, run ``graph`` on Ray in ``tmp_path``, check a gain of >= 10
-    points and the README's start -> end figures to the printed digit; the run's summary."""
+    points and the README's start -> end figures (:func:`assert_figures`); the run's summary."""
     from dapo_flow.models import resolve_model
 
     resolve_model(model, progress=False)
@@ -89,13 +131,15 @@ def _learns_as_the_readme_says(graph: Path, model: str, figures: re.Pattern, tmp
     log = Console(file=open(tmp_path / "log.txt", "w"))
     summary = execute(compile_graph(graph, Cluster(cpus=2)), executor="ray", console=log)
     assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.10, summary
-    start, end = figures.search((ROOT / "README.md").read_text(encoding="utf-8")).groups()
-    assert (f"{summary['val_acc_start']:.3f}", f"{summary['val_acc_end']:.3f}") == (start, end)
+    printed = {m: (a, b) for m, a, b in figures.findall((ROOT / "README.md").read_text(encoding="utf-8"))}
+    assert_figures((f"{summary['val_acc_start']:.3f}", f"{summary['val_acc_end']:.3f}"), printed,
+                   f"{graph.name} val acc start -> end")
     return summary
 
 
 AGENT_GRAPH = ROOT / "graphs" / "agent.yaml"
-AGENT_FIGURES = re.compile(r"`dapo-flow run graphs/agent\.yaml`: val acc ([\d.]+) -> ([\d.]+) in")
+AGENT_FIGURES = re.compile(r"(?:`dapo-flow run graphs/agent\.yaml`|agent\.yaml)\s+on\s+a\s+2-core\s+(.+?)\s+VM(?::|\s+gives)"
+                           r"\s+(?:val\s+acc\s+)?([\d.]+)\s+->\s+([\d.]+)")
 
 
 def test_readme_agent_figures_are_parsed():
