@@ -102,10 +102,17 @@ def test_dapo_graph_raises_val_accuracy_as_the_readme_says(tmp_path, monkeypatch
 
 
 CHAT_GRAPH = ROOT / "graphs" / "dapo-chat.yaml"
-# "`dapo-flow run graphs/dapo-chat.yaml` on a 2-core CPU VM: val acc a -> b", and any
-# "dapo-chat on a 2-core CPU VM gives a -> b" for another CPU type
-CHAT_FIGURES = re.compile(r"(?:`dapo-flow run graphs/dapo-chat\.yaml`|dapo-chat)\s+on\s+a\s+2-core\s+(.+?)\s+VM(?::|\s+gives)"
-                          r"\s+(?:val\s+acc\s+)?([\d.]+)\s+->\s+([\d.]+)")
+
+
+def figures_of(graph: str) -> re.Pattern:
+    """The README's "`dapo-flow run graphs/GRAPH.yaml` on a 2-core CPU VM: val acc a -> b", and
+    any "GRAPH on a 2-core CPU VM gives a -> b" for another CPU type: (CPU, a, b) matches."""
+    name = re.escape(graph)
+    return re.compile(rf"(?:`dapo-flow run graphs/{name}\.yaml`|{name})\s+on\s+a\s+2-core\s+(.+?)\s+VM(?::|\s+gives)"
+                      r"\s+(?:val\s+acc\s+)?([\d.]+)\s+->\s+([\d.]+)")
+
+
+CHAT_FIGURES = figures_of("dapo-chat")
 
 
 def test_readme_chat_figures_are_parsed():
@@ -138,8 +145,7 @@ def _learns_as_the_readme_says(graph: Path, model: str, figures: re.Pattern, tmp
 
 
 AGENT_GRAPH = ROOT / "graphs" / "agent.yaml"
-AGENT_FIGURES = re.compile(r"(?:`dapo-flow run graphs/agent\.yaml`|agent\.yaml)\s+on\s+a\s+2-core\s+(.+?)\s+VM(?::|\s+gives)"
-                           r"\s+(?:val\s+acc\s+)?([\d.]+)\s+->\s+([\d.]+)")
+AGENT_FIGURES = figures_of("agent")
 
 
 def test_readme_agent_figures_are_parsed():
