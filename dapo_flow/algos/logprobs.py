@@ -110,7 +110,7 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         device = hidden.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
         ctx.set_materialize_grads(False)
-        ctx.fused = ctx.autocast is None and _fused_applies(hidden, weight, bias)
+        ctx.fused = _fused_applies(hidden, weight, bias)  # outside autocast only: it checks
         if ctx.fused:  # the float32 path: one reused chunk buffer, logsumexp (and entropy) kept
             logp, lse, ent = _fused_forward(hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy)
             ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
