@@ -191,3 +191,17 @@ def test_a_critic_is_priced_with_its_one_output_head_and_the_policys_context(qwe
     assert policy["parameters"] - critic["parameters"] == (v - 1) * h * 4  # float32
     assert critic.get("logits and their gradients (float32)", 0) < policy["logits and their gradients (float32)"] / 100_000
     assert critic["activations saved for backward"] == policy["activations saved for backward"]  # same rows
+
+
+def test_a_sleeping_colocated_engine_counts_only_while_it_generates(qwen_7b):
+    """rollout.sleep (auto on GPU beside the trainer) frees vLLM's share during the update."""
+    def budget(*sets: str):
+        placed = _placed(RECIPE, f"models.policy.path={qwen_7b}", *sets,
+                         cluster=Cluster(cpus=128, gpus=16, nodes=2, gpu_mem_gib=80))
+        return placed.budgets["model:policy"]
+
+    asleep, awake = budget(), budget("models.policy.rollout.sleep=false")
+    engine = next(t for t in asleep.terms if t.name.startswith("vLLM engine"))
+    assert engine.phases == ("generation",)
+    assert not next(t for t in awake.terms if t.name.startswith("vLLM engine")).phases
+    assert asleep.peak() < awake.peak()

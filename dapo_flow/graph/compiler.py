@@ -100,6 +100,22 @@ def _replica_problems(plan: Plan, actors: list[str]) -> list[Problem]:
     return problems
 
 
+def _sleep_problems(plan: Plan, actors: list[str]) -> list[Problem]:
+    """`rollout.sleep: true` frees an engine's memory for the trainer beside it: a model whose
+    engine runs in a rollout stage of its own has none there."""
+    problems = []
+    for name, model in plan.spec.models.items():
+        if model.rollout.sleep and f"rollout:{name}" in actors:
+            line = plan.doc.line_of(("models", name, "rollout", "sleep")) if plan.doc is not None else 0
+            problems.append(Problem(
+                plan.file, line, "", f"models.{name}.rollout.sleep",
+                f"sleep frees the rollout engine's memory for a trainer on the same device, but "
+                f"'{name}' rolls out in a stage of its own (placement {plan.spec.placement.mode})",
+                "remove rollout.sleep (null: on wherever the engine shares a device with its trainer), "
+                "or set placement: {mode: colocated}"))
+    return problems
+
+
 def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
     """A cheap CPU map whose inputs and consumers all live in one actor runs in that actor
     (e.g. `advantage` between `logprob` and `update`): two fewer round trips and table
@@ -131,7 +147,7 @@ def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
     model_of = {name: name.split(":", 1)[1] for name in actors}
     workers = {name: _workers_of(plan, name) for name in actors}
     explicit = plan.spec.placement.models
-    problems = _replica_problems(plan, actors) + _placement_problems(plan, cluster, model_of, workers)
+    problems = _replica_problems(plan, actors) + _sleep_problems(plan, actors) + _placement_problems(plan, cluster, model_of, workers)
     if problems:
         raise GraphError(problems)
     default = [a for a in actors if model_of[a] not in explicit]

@@ -176,6 +176,10 @@ def _rollout(plan: Plan, stage: Stage, model: str, shape: ModelShape, cluster: C
                               backend=spec.backend, gpu_memory_utilization=spec.rollout.gpu_memory_utilization,
                               gpu_mem_gib=gpu_mem, kv_cache_gib=spec.rollout.kv_cache_gib, on_gpu=on_gpu)
     if spec.backend == "vllm":
+        if on_gpu and trained and spec.rollout.sleep is not False:
+            # sleep mode (auto on GPU beside the trainer): the engine's share is freed while the
+            # stage trains (its weights wait in host memory), so it counts only in generation
+            return [Term(t.name, t.bytes, t.where, (GENERATION,), t.fix) for t in engine.terms]
         return list(engine.terms)
     # hf generates with the loaded (trained) model: its weights are counted already; the cache
     # lives only while it generates

@@ -115,6 +115,12 @@ class RolloutSpec(_Frozen):
                                        "on CPU (compiling costs more than it gains there), not on GPU.")
     kv_cache_gib: float | None = Field(None, gt=0.0, le=4096.0, description="CPU engines: KV cache space "
                                        "(whole GiB, as vLLM reads it); null: 1.")
+    sleep: bool | None = Field(None, description="Colocated engines: vLLM sleep mode between generate "
+                               "calls (level 1: weights offloaded to CPU memory, KV cache freed) so that "
+                               "logprob and update have the device's memory; woken for the weight sync "
+                               "and the next generate. null: on where the engine shares its actor with "
+                               "the trainer and vLLM's platform has sleep mode (CUDA, ROCm, XPU), off "
+                               "elsewhere; true where the platform has none is an error.")
 
 
 class ModelSpec(_Frozen):

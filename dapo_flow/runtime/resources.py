@@ -33,6 +33,14 @@ class ModelResource:
         self.generator.load_weights(self.policy.iter_weights())  # streamed: no copy of the model
         return time.perf_counter() - start
 
+    def rest_generator(self) -> None:
+        """Between generate calls, an engine that shares this actor with the trained policy
+        frees its device memory, where it can (``sleep``: colocated vLLM)."""
+        if self.policy is not None and self.generator is not None and self.generator is not self.policy:
+            sleep = getattr(self.generator, "sleep", None)  # optional in RolloutEngine
+            if sleep is not None:
+                sleep()
+
     def load_weights(self, weights: dict) -> float:
         """Weights from another actor (disaggregated sync); seconds taken."""
         start = time.perf_counter()

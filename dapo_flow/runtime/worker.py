@@ -145,6 +145,7 @@ class StageWorker:
         }
         self.ops: dict[str, Any] = {}
         self.op_classes: dict[str, type] = {}
+        self.model_of: dict[str, str | None] = {}
         for node in setup.nodes:
             cls = resolve_op(node)
             params = cls.Params.model_validate(dict(node.params))
@@ -154,6 +155,7 @@ class StageWorker:
                 world_size=group.world_size if group else 1, workdir=setup.workdir,
             )
             self.op_classes[node.id] = cls
+            self.model_of[node.id] = node.model
             self.ops[node.id] = cls(params, ctx)
         for name, path in setup.model_paths.items():  # resume: sharded states need the optimizers
             if name in self.resources and checkpoint_format(Path(path)) == SHARDED:
@@ -169,6 +171,7 @@ class StageWorker:
         start = time.perf_counter()
         op = self.ops[node_id]
         out = op(table)
+        self._rest_engine(node_id)
         seconds = time.perf_counter() - start
         metrics = op.last_metrics() if hasattr(op, "last_metrics") else {}
         if self.op_classes[node_id].CARDINALITY == "sink":
@@ -195,7 +198,17 @@ class StageWorker:
         """Run a node with some params replaced (validation: greedy, n=1), statelessly."""
         op = self.ops[node_id]
         variant = self.op_classes[node_id](op.params.model_copy(update=dict(overrides)), op.ctx)
+        # no rest here: validation's (and eval's) generate calls follow one another
         return variant(self._input(node_id, inputs, share))
+
+    def _rest_engine(self, node_id: str) -> None:
+        """After a training step's generate node, let its model's engine free the device for the
+        trainer beside it (colocated vLLM with sleep mode); it wakes for the next weight sync or
+        generate."""
+        if getattr(self.op_classes[node_id], "ROLE", None) == "generate":
+            resource = self.resources.get(self.model_of[node_id] or "")
+            if resource is not None:
+                resource.rest_generator()
 
     def _input(self, node_id: str, inputs: Any, share: "Share | None") -> pa.Table:
         handles = inputs if isinstance(inputs, list) else [inputs]
