@@ -416,7 +416,10 @@ def _explain_syncs(placed: PlacedPlan, after: str) -> list[str]:
         if s.kind == IN_ACTOR:
             lines.append(f"    sync weights: {after} -> rollout engine of '{s.model}' in {s.source} (same actor)")
         else:
-            lines.append(f"    sync weights: {after} @ {s.source} -> {s.target} (transfer between actors)")
+            rollout = placed.plan.spec.models[s.model].rollout
+            how = (f"broadcast in {rollout.sync_bucket_mb:g} MB buckets on Ray (in-process when local)"
+                   if rollout.weight_sync == "broadcast" else "through the object store as float32")
+            lines.append(f"    sync weights: {after} @ {s.source} -> {s.target} (transfer between actors: {how})")
     model = placed.plan.node(after).model
     if not syncs and any(a == after for a, _ in placed.plan.syncs):
         lines.append(f"    no weight sync: '{model}' generates with the policy {after} trains "

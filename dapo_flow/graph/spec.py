@@ -96,6 +96,10 @@ class TrainSpec(_Frozen):
         return self.resolved_strategy in ("fsdp2", "ddp")
 
 
+# defaults written out (a dump) are fine; these are placement and sync, which every backend takes
+PLACEMENT_ROLLOUT_OPTIONS = ("replicas", "weight_sync", "sync_bucket_mb")
+
+
 class RolloutSpec(_Frozen):
     """The rollout engine's settings (backends that take them: `vllm`; `replicas`: any)."""
 
@@ -104,6 +108,15 @@ class RolloutSpec(_Frozen):
                           "and merges the samples in prompt order. A prompt samples the same responses "
                           "whatever the number of replicas (per-prompt seeds).")
 
+    weight_sync: Literal["broadcast", "object-store"] = Field(
+        "broadcast", description="How the trained weights reach rollout actors of their own "
+        "(disaggregated placement, on Ray): `broadcast`, streamed in buckets of `sync_bucket_mb` over "
+        "a process group of the trainer and the engines (gloo on CPU, NCCL on GPU), in the training "
+        "dtype, about one bucket of extra memory on each side; `object-store`, the whole model as "
+        "float32 arrays through Ray's object store (the earlier path). Local runs and colocated "
+        "engines load in-process either way.")
+    sync_bucket_mb: float = Field(256.0, gt=0.0, le=65536.0, description="Bucket size of a `broadcast` "
+                                  "weight sync (a weight bigger than a bucket travels alone).")
     tensor_parallel: int = Field(1, ge=1, le=1024, description="vLLM tensor_parallel_size per engine; "
                                  "must divide the model's attention heads.")
     gpu_memory_utilization: float = Field(0.6, gt=0.0, le=1.0, description="Share of a GPU's memory the "
@@ -175,8 +188,7 @@ class ModelSpec(_Frozen):
 
         backend = BACKENDS[self.backend]
         changed = {k for k, v in self.rollout.model_dump().items() if v != RolloutSpec.model_fields[k].default}
-        # defaults written out (a dump) are fine; replicas is placement, which every backend takes
-        unused = sorted(changed - set(backend.rollout_options) - {"replicas"})
+        unused = sorted(changed - set(backend.rollout_options) - set(PLACEMENT_ROLLOUT_OPTIONS))
         if unused:
             why = " (it generates with the torch policy)" if backend.generates_with_trainer else ""
             raise ValueError(f"rollout.{unused[0]} is a setting of the rollout engine, which backend "

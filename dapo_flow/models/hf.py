@@ -593,6 +593,16 @@ class HFPolicy:
         if self.head == "lm" and "lm_head.weight" not in names:  # tied embeddings: engines such as vLLM still want it
             yield "lm_head.weight", _full(self.model.get_output_embeddings().weight).detach()
 
+    def weight_manifest(self) -> list:
+        """What :meth:`iter_weights` yields, without gathering anything: each weight's name,
+        full shape and dtype, in the same order (a broadcast sync's plan: models.weight_bus)."""
+        from dapo_flow.models.weight_bus import manifest_of
+
+        pairs = list(self.model.state_dict().items())
+        if self.head == "lm" and "lm_head.weight" not in dict(pairs):
+            pairs.append(("lm_head.weight", self.model.get_output_embeddings().weight))
+        return manifest_of(pairs)
+
     def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
         """Copy ``weights`` (a mapping, as from :meth:`named_weights`, or (name, tensor) pairs,
         as from :meth:`iter_weights`) into the model, in place; every weight must come. Each is

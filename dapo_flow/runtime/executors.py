@@ -283,6 +283,23 @@ class RayExecutor:
             return group.call(method, *args)
         return getattr(self.actors[stage], method).remote(*args)
 
+    def members(self, stage: str) -> int:
+        """How many actors serve ``stage`` (a group's workers or replicas; else 1)."""
+        group = self.groups.get(stage)
+        return len(group.members) if group is not None else 1
+
+    def call_each(self, stage: str, method: str, per_member: list[tuple]) -> GroupCall:
+        """``method`` on each actor of ``stage`` with its own arguments (rank order); the
+        handle's result is the list of theirs."""
+        group = self.groups.get(stage)
+        actors = group.members if group is not None else [self.actors[stage]]
+        if len(per_member) != len(actors):
+            raise ValueError(f"{len(per_member)} argument lists for the {len(actors)} actor(s) of {stage}")
+        refs = [getattr(a, method).remote(*args) for a, args in zip(actors, per_member)]
+        if group is not None:
+            return GroupCall(stage, refs, member=group.member, kind=group.kind, join=list)
+        return GroupCall(stage, refs, member="actor", kind="stage", join=list)
+
     def rows(self, stage: str, method: str, *args: Any) -> "Rows":
         """A row call: the output table stays in the object store (a reference, or the
         references of a group's shares in order); only the ChainInfo is for :meth:`get`."""
@@ -478,6 +495,11 @@ def _read_parquet_file(path: str) -> pa.Table:
 
 def _rendezvous() -> tuple[str, int]:
     """Run on rank 0's node: its address and a port free there, for the group's master."""
+    return node_address()
+
+
+def node_address() -> tuple[str, int]:
+    """This Ray node's address and a port free on it now (a process group's master)."""
     import socket
 
     import ray

@@ -19,6 +19,7 @@ import pyarrow as pa
 from dapo_flow.graph import columns as C
 from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import IN_ACTOR, Call
+from dapo_flow.runtime.weight_sync import WeightSyncs
 from dapo_flow.runtime.metrics import MetricAccumulator, first_row
 from dapo_flow.runtime.tables import ChainInfo, cut, parts_of
 from dapo_flow.runtime.validation import ValidationTally
@@ -98,6 +99,7 @@ class Runner:
         self.stage_of = dict(placed.node_stage)
         self.chunk = self.run.chunk_prompts
         self.call_log: list[tuple[str, str, tuple[str, ...]]] = []
+        self.syncs = WeightSyncs(placed, executor)
         self.traffic = Traffic()
 
     # --- call execution --------------------------------------------------------
@@ -257,8 +259,7 @@ class Runner:
             if sync.kind == IN_ACTOR:
                 seconds += self.ex.get(self.ex.call(sync.source, "sync_generators"))
             else:
-                weights = self.ex.call(sync.source, "export_weights", sync.model)
-                seconds += self.ex.get(self.ex.call(sync.target, "import_weights", sync.model, weights))
+                seconds += self.syncs.transfer(sync)
         return {"time/weight_sync": seconds}
 
     # --- phase 4: validation ------------------------------------------------------

@@ -146,6 +146,7 @@ class StageWorker:
         self.ops: dict[str, Any] = {}
         self.op_classes: dict[str, type] = {}
         self.model_of: dict[str, str | None] = {}
+        self.buses: dict[str, Any] = {}  # model -> its WeightBus (broadcast weight sync)
         for node in setup.nodes:
             cls = resolve_op(node)
             params = cls.Params.model_validate(dict(node.params))
@@ -233,6 +234,44 @@ class StageWorker:
     def import_weights(self, model: str, weights: dict) -> float:
         return self.resources[model].load_weights(weights)
 
+    # --- broadcast weight sync (rollout.weight_sync: broadcast; models.weight_bus) -------------
+    def weight_bus_address(self) -> tuple[str, int]:
+        """This worker's node address and a port free there: the bus's rank 0 (the trainer)."""
+        from dapo_flow.runtime.executors import node_address
+
+        return node_address()
+
+    def join_weight_bus(self, model: str, addr: str, port: int, rank: int, world_size: int, backend: str) -> bool:
+        """Join ``model``'s weight bus as ``rank`` (a rendezvous: every member at once). In a
+        training group only rank 0 joins (it sends); the others just gather with it."""
+        from dapo_flow.models.weight_bus import WeightBus
+
+        if self.setup.group is not None and self.setup.group.rank != 0:
+            return False
+        self.buses[model] = WeightBus(addr, port, rank, world_size, backend)
+        return True
+
+    def weight_manifest(self, model: str) -> list:
+        return self.resources[model].policy.weight_manifest()
+
+    def send_weights(self, model: str, bucket_bytes: int) -> float:
+        """Broadcast ``model``'s weights on its bus; seconds taken. A training group's other
+        workers iterate alongside (gathering a sharded weight is a collective of the group)."""
+        start = time.perf_counter()
+        policy = self.resources[model].policy
+        bus = self.buses.get(model)
+        if bus is None:
+            for _ in policy.iter_weights():
+                pass
+        else:
+            bus.send(policy.iter_weights(), policy.weight_manifest(), bucket_bytes)
+        return time.perf_counter() - start
+
+    def receive_weights(self, model: str, manifest: list, bucket_bytes: int) -> float:
+        """Take ``model``'s weights from its bus into this actor's engine (or torch copy), a
+        bucket at a time; seconds taken."""
+        return self.resources[model].load_weights(self.buses[model].receive(manifest, bucket_bytes))
+
     def close(self) -> None:
         """Release what operators hold (a reward pool's processes), rollout engines that are not
         the torch policy itself, and leave the group."""
@@ -241,6 +280,8 @@ class StageWorker:
                 op.close()
         for res in self.resources.values():
             res.close()
+        for bus in self.buses.values():
+            bus.close()
         if self.setup.group is not None:
             from dapo_flow.models import fsdp
 

@@ -91,7 +91,13 @@ def test_a_training_group_syncs_weights_into_every_replica(workdir, small_graph)
     from dapo_flow.tracking import read_run
 
     path = small_graph(workdir, name="both", steps=2, ckpt=2)
-    path.write_text(path.read_text() + "placement: {mode: disaggregated}\n")
+    # the rollout logprobs against the trainer's recomputation: at step 2 they agree only if the
+    # broadcast sync brought the group's updated weights to both replicas
+    check = Path(__file__).with_name("logp_agreement.py")
+    adv = "{id: adv, op: advantage, inputs: [old_logp]}"
+    text = path.read_text().replace(adv, f"{{id: check, op: custom, impl: '{check}:CheckLogp', inputs: [old_logp]}}\n"
+                                         "  - {id: adv, op: advantage, inputs: [check]}")
+    path.write_text(text + "placement: {mode: disaggregated}\n")
     placed = edit_file(path, parse_cli_edits([("set", "models.policy.rollout.replicas=2"),
                                               ("set", "models.policy.train.workers=2")])).compile(Cluster(cpus=2))
     log = Console(file=open(workdir / "log.txt", "w"), width=200)
@@ -102,3 +108,4 @@ def test_a_training_group_syncs_weights_into_every_replica(workdir, small_graph)
     history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
     assert [s for s, _ in history["time/weight_sync"]] == [1, 2]
     assert [s for s, _ in history["actor/pg_loss"]] == [1, 2]
+    assert max(v for _, v in history["check/logp_max_abs_diff"]) < 1e-4, history["check/logp_max_abs_diff"]

@@ -110,3 +110,27 @@ def test_without_sync_the_check_catches_stale_weights(workdir, small_graph, monk
     assert h[METRIC][0] < 1e-4  # step 1: nobody has updated yet
     print(f"\nwithout sync: {METRIC}: {h[METRIC]}")
     assert h[METRIC][1] > 1e-3, h[METRIC]  # step 2: the rollout actor still has step-0 weights
+
+
+def test_disaggregated_vllm_takes_broadcast_weights_on_ray(workdir, small_graph):
+    """The default sync between actors: the trainer broadcasts buckets over a gloo bus straight
+    into the vLLM engine's in-memory reload (models.weight_bus)."""
+    h = _history(_graph(small_graph, workdir, backend="vllm", steps=3, disaggregated=True), "ray", 3)
+    _assert_engine_has_trainer_weights(h, 3)
+
+
+def test_broadcast_and_object_store_syncs_make_the_same_run(workdir, small_graph):
+    """Both carry the float32 weights exactly: every metric of the run is the same."""
+    path = _graph(small_graph, workdir, backend="hf", steps=2, disaggregated=True)
+    from dapo_flow.graph.edits import edit_file, parse_cli_edits
+
+    runs = {}
+    for how in ("broadcast", "object-store"):
+        placed = edit_file(path, parse_cli_edits([("set", f"models.policy.rollout.weight_sync={how}")])).compile(CLUSTER)
+        summary = execute(placed, executor="ray")
+        history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+        runs[how] = {key: [v for _, v in points] for key, points in history.items()}
+    keys = [k for k in runs["broadcast"] if k.startswith(("actor/", "batch/", "val/", "check/"))]
+    assert "actor/pg_loss" in keys and METRIC in keys
+    for key in keys:
+        assert runs["broadcast"][key] == runs["object-store"][key], key

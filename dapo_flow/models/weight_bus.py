@@ -1,0 +1,140 @@
+"""Weight sync by broadcast: a trainer streams its weights to rollout engines in buckets over a
+process group of its own (gloo between CPU processes, NCCL between GPUs).
+
+The trainer is rank 0, the engines ranks 1..R. Both sides know the weights' names, shapes and
+dtypes up front (the manifest, a few KB through the driver) and cut them into the same buckets
+(:func:`bucket_plan`): consecutive weights of one dtype up to ``bucket_bytes``. The trainer
+packs a bucket into one flat buffer and broadcasts it; each engine receives it into a buffer of
+its own and hands the views to its ``load_weights``, which copies them into the model before
+the next bucket comes. So the weights travel in the training dtype, never whole and never
+through the driver, disk or object store, with about one bucket of extra memory on each side
+(verl's disaggregated sync broadcasts the same way over NCCL).
+
+The group is standalone (its own TCPStore and ``ProcessGroupGloo`` / ``ProcessGroupNCCL``),
+so it lives beside a training group's default process group. Pure torch: no Ray here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+DEFAULT_BUCKET_MB = 256  # verl's default update_weights_bucket_megabytes is 512; engines here are smaller
+JOIN_TIMEOUT_S = 300  # every member joins at once: a member that never comes is a RunError, not a hang
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    """One weight as it travels: its HF name, full (unsharded) shape and dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def bucket_plan(manifest: list[WeightEntry], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``manifest`` per bucket, in order: consecutive weights of one dtype while they
+    fit ``bucket_bytes`` (a weight bigger than a bucket travels alone)."""
+    import torch
+
+    buckets: list[list[int]] = []
+    size, dtype = 0, None
+    for i, entry in enumerate(manifest):
+        nbytes = entry.numel * getattr(torch, entry.dtype).itemsize
+        if not buckets or entry.dtype != dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size, dtype = 0, entry.dtype
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def manifest_of(pairs: Iterable[tuple[str, Any]]) -> list[WeightEntry]:
+    """The manifest of (name, tensor) pairs; a DTensor (an FSDP2 shard) gives its full shape."""
+    return [WeightEntry(name, tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."))
+            for name, t in pairs]
+
+
+class WeightBus:
+    """One member of a broadcast group: rank 0 sends (:meth:`send`), the others receive
+    (:meth:`receive`). ``backend``: `gloo` (CPU tensors) or `nccl` (CUDA tensors). Joining is a
+    rendezvous: every member must construct its bus at about the same time."""
+
+    def __init__(self, addr: str, port: int, rank: int, world_size: int, backend: str = "gloo",
+                 timeout_s: float = JOIN_TIMEOUT_S):
+        import torch
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.store = dist.TCPStore(addr, port, world_size, rank == 0, timeout=timeout)
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.group = dist.ProcessGroupNCCL(self.store, rank, world_size)
+        elif backend == "gloo":
+            self.device = torch.device("cpu")
+            self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        else:
+            raise ValueError(f"unknown weight bus backend {backend!r}: use gloo or nccl")
+        self.peak_buffer_bytes = 0  # the largest bucket buffer this member held (the extra memory)
+
+    def _broadcast(self, buffer) -> None:
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.group.broadcast([buffer], options).wait()
+
+    def _buffer(self, entries: list[WeightEntry]):
+        import torch
+
+        dtype = getattr(torch, entries[0].dtype)
+        numel = sum(e.numel for e in entries)
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, numel * dtype.itemsize)
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def send(self, pairs: Iterable[tuple[str, Any]], manifest: list[WeightEntry], bucket_bytes: int) -> int:
+        """Rank 0: broadcast ``pairs`` (in manifest order) bucket by bucket; returns the bytes sent."""
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 of a weight bus sends")
+        stream = iter(pairs)
+        sent = 0
+        for bucket in bucket_plan(manifest, bucket_bytes):
+            entries = [manifest[i] for i in bucket]
+            buffer = self._buffer(entries)
+            offset = 0
+            for entry in entries:
+                name, tensor = next(stream)
+                if name != entry.name or tuple(tensor.shape) != entry.shape:
+                    raise RuntimeError(f"weight bus: sent {name} {tuple(tensor.shape)} where the manifest "
+                                       f"has {entry.name} {entry.shape}")
+                buffer[offset: offset + entry.numel].copy_(tensor.reshape(-1))
+                offset += entry.numel
+            self._broadcast(buffer)
+            sent += buffer.numel() * buffer.element_size()
+            del buffer
+        return sent
+
+    def receive(self, manifest: list[WeightEntry], bucket_bytes: int) -> Iterator[tuple[str, Any]]:
+        """Ranks 1..: the weights as (name, tensor) pairs, a bucket at a time (views of the
+        bucket's buffer: the consumer copies each before asking for the next bucket)."""
+        for bucket in bucket_plan(manifest, bucket_bytes):
+            entries = [manifest[i] for i in bucket]
+            buffer = self._buffer(entries)
+            self._broadcast(buffer)
+            offset = 0
+            for entry in entries:
+                yield entry.name, buffer[offset: offset + entry.numel].view(entry.shape)
+                offset += entry.numel
+            del buffer
+
+    def close(self) -> None:
+        """Leave the group (its sockets close with the objects)."""
+        self.group = None
+        self.store = None

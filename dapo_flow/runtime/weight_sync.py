@@ -1,0 +1,61 @@
+"""The weight syncs between actors (disaggregated placement): the trainer's new weights into
+rollout actors of their own.
+
+``broadcast`` (``rollout.weight_sync``, the default under Ray): at the first sync the trainer
+(rank 0 of its group) and every rollout actor of the model join a weight bus of their own
+(:mod:`dapo_flow.models.weight_bus`: gloo, or NCCL where both sides hold GPUs); each sync then
+streams the weights over it in buckets, in the training dtype, while the driver only waits.
+``object-store`` (and every local run): the trainer exports the whole model as float32 arrays and
+each target imports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dapo_flow.graph.plan import Sync
+
+MB = 1 << 20
+
+
+@dataclass
+class WeightSyncs:
+    """Runs transfer syncs for a :class:`~dapo_flow.runtime.loop.Runner`; remembers each
+    model's bus (joined once) and manifest."""
+
+    placed: Any
+    ex: Any
+    manifests: dict[str, list] = field(default_factory=dict)  # model -> its weights' manifest (bus joined)
+
+    def broadcasts(self, sync: Sync) -> bool:
+        """Whether ``sync`` goes over a weight bus: its setting says so and the executor has
+        actors to form one (local runs transfer in-process)."""
+        spec = self.placed.plan.spec.models[sync.model].rollout
+        return spec.weight_sync == "broadcast" and hasattr(self.ex, "call_each")
+
+    def transfer(self, sync: Sync) -> float:
+        """One transfer sync; the seconds its slowest side took."""
+        if not self.broadcasts(sync):
+            weights = self.ex.call(sync.source, "export_weights", sync.model)
+            return self.ex.get(self.ex.call(sync.target, "import_weights", sync.model, weights))
+        if sync.model not in self.manifests:
+            self._join(sync)
+        bucket = int(self.placed.plan.spec.models[sync.model].rollout.sync_bucket_mb * MB)
+        send = self.ex.call(sync.source, "send_weights", sync.model, bucket)
+        receive = self.ex.call(sync.target, "receive_weights", sync.model, self.manifests[sync.model], bucket)
+        return max(self.ex.get(send), self.ex.get(receive))
+
+    def _join(self, sync: Sync) -> None:
+        """The trainer and every rollout actor of ``sync.model`` form its bus (one rendezvous)."""
+        addr, port = self.ex.get(self.ex.call(sync.source, "weight_bus_address"))
+        targets = self.ex.members(sync.target)
+        on_gpus = self.placed.stage(sync.source).num_gpus > 0 and self.placed.stage(sync.target).num_gpus > 0
+        backend = "nccl" if on_gpus else "gloo"
+        world = 1 + targets
+        sender = self.ex.call(sync.source, "join_weight_bus", sync.model, addr, port, 0, world, backend)
+        receivers = self.ex.call_each(sync.target, "join_weight_bus",
+                                      [(sync.model, addr, port, 1 + i, world, backend) for i in range(targets)])
+        self.ex.get(sender)
+        self.ex.get(receivers)
+        self.manifests[sync.model] = self.ex.get(self.ex.call(sync.source, "weight_manifest", sync.model))
