@@ -32,6 +32,7 @@ class WeightEntry:
     name: str
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    alias_of: str | None = None  # an earlier entry's name whose tensor this is (tied embeddings): not sent twice
 
     @property
     def numel(self) -> int:
@@ -46,6 +47,8 @@ def bucket_plan(manifest: list[WeightEntry], bucket_bytes: int) -> list[list[int
     buckets: list[list[int]] = []
     size, dtype = 0, None
     for i, entry in enumerate(manifest):
+        if entry.alias_of is not None:
+            continue  # travels as its original
         nbytes = entry.numel * getattr(torch, entry.dtype).itemsize
         if not buckets or entry.dtype != dtype or size + nbytes > bucket_bytes:
             buckets.append([])
@@ -56,9 +59,21 @@ def bucket_plan(manifest: list[WeightEntry], bucket_bytes: int) -> list[list[int
 
 
 def manifest_of(pairs: Iterable[tuple[str, Any]]) -> list[WeightEntry]:
-    """The manifest of (name, tensor) pairs; a DTensor (an FSDP2 shard) gives its full shape."""
-    return [WeightEntry(name, tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."))
-            for name, t in pairs]
+    """The manifest of (name, tensor) pairs; a DTensor (an FSDP2 shard) gives its full shape. A
+    tensor met before under another name (a tied embedding and LM head) is an alias of it."""
+    out, first = [], {}
+    for name, t in pairs:
+        key = _storage_key(t)
+        out.append(WeightEntry(name, tuple(int(d) for d in t.shape), str(t.dtype).removeprefix("torch."),
+                               alias_of=first.get(key)))
+        first.setdefault(key, name)
+    return out
+
+
+def _storage_key(t: Any) -> tuple:
+    """What identifies a tensor's memory (a DTensor's by its local shard)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), str(local.dtype)
 
 
 class WeightBus:
@@ -104,33 +119,51 @@ class WeightBus:
         if self.rank != 0:
             raise RuntimeError("only rank 0 of a weight bus sends")
         stream = iter(pairs)
+        at = 0  # the manifest entry the stream is at
+
+        def next_sent(entry: WeightEntry):
+            nonlocal at
+            while True:  # aliases in the stream are passed over (their original carries them)
+                name, tensor = next(stream)
+                expected = manifest[at]
+                at += 1
+                if name != expected.name or tuple(tensor.shape) != expected.shape:
+                    raise RuntimeError(f"weight bus: sent {name} {tuple(tensor.shape)} where the manifest "
+                                       f"has {expected.name} {expected.shape}")
+                if expected is entry:
+                    return tensor
+
         sent = 0
         for bucket in bucket_plan(manifest, bucket_bytes):
             entries = [manifest[i] for i in bucket]
             buffer = self._buffer(entries)
             offset = 0
             for entry in entries:
-                name, tensor = next(stream)
-                if name != entry.name or tuple(tensor.shape) != entry.shape:
-                    raise RuntimeError(f"weight bus: sent {name} {tuple(tensor.shape)} where the manifest "
-                                       f"has {entry.name} {entry.shape}")
-                buffer[offset: offset + entry.numel].copy_(tensor.reshape(-1))
+                buffer[offset: offset + entry.numel].copy_(next_sent(entry).reshape(-1))
                 offset += entry.numel
             self._broadcast(buffer)
             sent += buffer.numel() * buffer.element_size()
             del buffer
+        for _ in stream:  # trailing aliases: a sharded source gathers each, with its whole group
+            pass
         return sent
 
     def receive(self, manifest: list[WeightEntry], bucket_bytes: int) -> Iterator[tuple[str, Any]]:
         """Ranks 1..: the weights as (name, tensor) pairs, a bucket at a time (views of the
         bucket's buffer: the consumer copies each before asking for the next bucket)."""
+        aliases: dict[str, list[str]] = {}
+        for entry in manifest:
+            if entry.alias_of is not None:
+                aliases.setdefault(entry.alias_of, []).append(entry.name)
         for bucket in bucket_plan(manifest, bucket_bytes):
             entries = [manifest[i] for i in bucket]
             buffer = self._buffer(entries)
             self._broadcast(buffer)
             offset = 0
             for entry in entries:
-                yield entry.name, buffer[offset: offset + entry.numel].view(entry.shape)
+                view = buffer[offset: offset + entry.numel].view(entry.shape)
+                for name in (entry.name, *aliases.get(entry.name, ())):  # an alias right after its original
+                    yield name, view
                 offset += entry.numel
             del buffer
 

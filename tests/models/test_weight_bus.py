@@ -26,11 +26,19 @@ def test_buckets_hold_consecutive_weights_of_one_dtype_up_to_the_size():
     assert bucket_plan(manifest, 512) == [[0], [1, 2], [3], [4]]  # q + k = 384 bytes; norm's dtype differs
     assert bucket_plan(manifest, 10**9) == [[0, 1, 2], [3], [4]]
     assert bucket_plan([], 512) == []
+    tied = manifest_of([*_weights().items(), ("lm_head", _weights()["embed"])])
+    assert tied[-1].alias_of is None  # a different tensor of equal values is not an alias
+    embed = _weights()["embed"]
+    tied = manifest_of([("embed", embed), ("q", embed[:8]), ("lm_head", embed)])
+    assert [e.alias_of for e in tied] == [None, None, "embed"]  # a view of part of it is its own weight
+    assert bucket_plan(tied, 10**9) == [[0, 1]]
 
 
-@pytest.mark.parametrize("receivers", [1, 2])
-def test_every_receiver_gets_every_weight_exactly_a_bucket_at_a_time(receivers):
+@pytest.mark.parametrize("receivers,tied", [(1, False), (2, False), (1, True)])
+def test_every_receiver_gets_every_weight_exactly_a_bucket_at_a_time(receivers, tied):
     weights = _weights()
+    if tied:  # an LM head tied to the embedding: one tensor under two names, sent once
+        weights["lm_head"] = weights["embed"]
     manifest = manifest_of(weights.items())
     port, world, bucket = free_port(), 1 + receivers, 512
     got: dict[int, dict] = {}
@@ -43,7 +51,7 @@ def test_every_receiver_gets_every_weight_exactly_a_bucket_at_a_time(receivers):
             for _ in range(2):  # a bus serves every sync of the run
                 if rank == 0:
                     assert bus.send(iter(weights.items()), manifest, bucket) == sum(
-                        t.numel() * t.element_size() for t in weights.values())
+                        t.numel() * t.element_size() for k, t in weights.items() if k != "lm_head")
                 else:
                     got[rank] = {name: t.clone() for name, t in bus.receive(manifest, bucket)}
         except BaseException as exc:  # noqa: BLE001 - reported by the test thread
@@ -56,7 +64,7 @@ def test_every_receiver_gets_every_weight_exactly_a_bucket_at_a_time(receivers):
         t.join(timeout=120)
     assert not errors, errors
     for rank in range(1, world):
-        assert list(got[rank]) == list(weights)
+        assert sorted(got[rank]) == sorted(weights)
         for name, value in weights.items():
             assert got[rank][name].dtype == value.dtype and torch.equal(got[rank][name], value)
         assert buses[rank].peak_buffer_bytes == 1600  # the one weight bigger than a bucket; else <= 512
