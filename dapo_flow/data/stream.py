@@ -121,6 +121,17 @@ def numbered_batches(batches: Iterator[pa.Table], split: str, size: int | None =
             return
 
 
+def numbered_by_row(batch: pa.Table, split: str, first_row: int) -> tuple[pa.Table, int]:
+    """A :class:`TokenizeBatch` output whose first row is source row ``first_row`` -> its usable
+    rows as prompt rows whose ids are their source positions (``{split}-{row}``: an eval's ids,
+    the same however the source is cut into batches or tasks), and its count of dropped rows."""
+    ok = batch.column(OK).to_numpy(zero_copy_only=False)
+    rows = np.flatnonzero(ok) + first_row
+    table = batch.filter(pa.array(ok)).drop_columns([OK])
+    ids = pa.array([f"{split}-{r}" for r in rows.tolist()], pa.string())
+    return table.set_column(table.schema.get_field_index(C.PROMPT_ID), C.PROMPT_ID, ids), int((~ok).sum())
+
+
 def rebatched(tables: Iterator[pa.Table], rows: int) -> Iterator[pa.Table]:
     """The rows of ``tables`` in order, re-cut into tables of ``rows`` rows (the last one shorter)."""
     held: list[pa.Table] = []

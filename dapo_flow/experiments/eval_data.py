@@ -12,7 +12,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dapo_flow.data.stream import numbered_batches, rebatched, stream_files
+from dapo_flow.data.stream import numbered_by_row, rebatched, stream_files
 from dapo_flow.errors import DataError, RunError
 from dapo_flow.graph import columns as C
 from dapo_flow.runtime.session import generator_tokenizer, load_source, prompt_stream
@@ -48,7 +48,7 @@ class EvalPrompts:
         if self._table is not None:
             tables: Iterator[pa.Table] = iter([self._table])
         else:
-            tables = self._usable(numbered_batches(self._open(), self.data.split, self.data.size))
+            tables = self._usable(self._open())
         for batch in rebatched(tables, self.batch_size):
             self.count += batch.num_rows
             yield batch
@@ -56,10 +56,19 @@ class EvalPrompts:
             raise DataError(f"{self.data.source}: no usable prompt row (skipped {self.skipped} bad row(s)): "
                             "nothing to evaluate")
 
-    def _usable(self, numbered: Iterator[tuple[pa.Table, int]]) -> Iterator[pa.Table]:
-        for table, skipped in numbered:
+    def _usable(self, batches: Iterator[pa.Table]) -> Iterator[pa.Table]:
+        """Tokenized batches in source order -> their usable rows, numbered by source row (as
+        the Ray Data eval numbers them: eval_pipeline), the first ``data.size`` rows only."""
+        size, row = self.data.size, 0
+        for batch in batches:
+            if size is not None:
+                batch = batch.slice(0, max(size - row, 0))
+            table, skipped = numbered_by_row(batch, self.data.split, row)
+            row += batch.num_rows
             self.skipped += skipped
             yield table
+            if size is not None and row >= size:
+                return
 
 
 class ResponseWriter:

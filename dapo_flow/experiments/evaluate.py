@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dapo_flow import threads
-from dapo_flow.errors import RunError
+from dapo_flow.errors import DataError, RunError
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.loop import Runner
 from dapo_flow.runtime.export import step_folder
@@ -108,27 +108,17 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
 
     setups = stage_setups(placed, models)
     seed = spec.seed if seed is None else seed
-    ex = start_executor(placed, setups, executor, address, console, seed)
+    grade = _grade_on_ray_data if executor == "ray" else _grade_with_runner
     try:
-        prompts = EvalPrompts(placed.plan, data, ex, batch_size)
-        runner = Runner(placed, ex, None)
-        start = time.perf_counter()
-        with _progress(console, prompts.total_hint, n) as advance:
-            def on_batch(graded, tally) -> None:
-                advance(graded.num_rows // n, tally.result().get("val/acc"))
-                if writer is not None:
-                    writer.write(graded)
-
-            metrics, samples = runner.validate_stream(iter(prompts), spec.tracking.log_samples, n=n,
-                                                      temperature=temperature, on_batch=on_batch)
-        seconds = time.perf_counter() - start
+        metrics, samples, counts, seconds = grade(placed, setups, data, n=n, temperature=temperature, seed=seed,
+                                                  batch_size=batch_size, address=address, console=console,
+                                                  writer=writer, executor=executor)
         if writer is not None:
             writer.close()
     finally:
-        ex.shutdown()
         if writer is not None:
             writer.abort()  # a no-op once closed: an interrupted eval leaves no half file
-    metrics.update({"eval/prompts": float(prompts.count), "eval/skipped_rows": float(prompts.skipped)})
+    metrics.update({"eval/prompts": float(counts[0]), "eval/skipped_rows": float(counts[1])})
 
     tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
                       run_name=run_name or f"eval {spec.name} " + ("base" if step is None else f"step {step}"),
@@ -147,6 +137,73 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     return {"metrics": metrics, "run_id": tracker.run_id, "tracking_uri": tracker.uri,
             "checkpoint": str(step_dir) if step_dir else None, "step": step, "n": n, "seconds": seconds,
             "saved": str(writer.path) if writer is not None else None}
+
+
+def _grade_with_runner(placed, setups, data, *, n, temperature, seed, batch_size, address, console, writer,
+                       executor):
+    """The local eval: the run's stage workers, the training loop's validation over prompt
+    batches. Returns (metrics, logged samples, (prompts, skipped rows), seconds)."""
+    spec = placed.plan.spec
+    ex = start_executor(placed, setups, executor, address, console, seed)
+    try:
+        prompts = EvalPrompts(placed.plan, data, ex, batch_size)
+        runner = Runner(placed, ex, None)
+        start = time.perf_counter()
+        with _progress(console, prompts.total_hint, n) as advance:
+            def on_batch(graded, tally) -> None:
+                advance(graded.num_rows // n, tally.result().get("val/acc"))
+                if writer is not None:
+                    writer.write(graded)
+
+            metrics, samples = runner.validate_stream(iter(prompts), spec.tracking.log_samples, n=n,
+                                                      temperature=temperature, on_batch=on_batch)
+        return metrics, samples, (prompts.count, prompts.skipped), time.perf_counter() - start
+    finally:
+        ex.shutdown()
+
+
+def _grade_on_ray_data(placed, setups, data, *, n, temperature, seed, batch_size, address, console, writer,
+                       executor):
+    """The Ray eval: a Ray Data pipeline (experiments.eval_pipeline) whose graded batches the
+    driver tallies as they come. Returns what :func:`_grade_with_runner` does."""
+    import ray
+
+    from dapo_flow.data.stream import TokenizeBatch, stream_files
+    from dapo_flow.experiments.eval_data import streams
+    from dapo_flow.experiments.eval_pipeline import graded_batches, row_groups
+    from dapo_flow.runtime.executors import connect_ray
+    from dapo_flow.runtime.session import generator_dir, generator_tokenizer, load_source
+    from dapo_flow.runtime.validation import ValidationTally
+
+    plan = placed.plan
+    owns = connect_ray(address)
+    try:
+        if streams(data.source):
+            groups = row_groups(stream_files(data.source), data.size)
+            tokenize = TokenizeBatch(str(generator_dir(plan)), data.source, data.split, data.prompt_key,
+                                     data.answer_key, data.max_prompt_tokens, data.on_bad_row)
+            prompts, total, skipped = (groups, tokenize, data.split), sum(g.rows for g in groups), None
+        else:
+            prompts, skipped = load_source(plan.spec, data, generator_tokenizer(plan))
+            total = prompts.num_rows
+        tally = ValidationTally(n, plan.spec.tracking.log_samples)
+        start = time.perf_counter()
+        with _progress(console, total, n) as advance:
+            for graded in graded_batches(placed, setups, prompts, n=n, temperature=temperature, seed=seed,
+                                         batch_size=batch_size):
+                tally.add(graded)
+                advance(graded.num_rows // n, tally.result().get("val/acc"))
+                if writer is not None:
+                    writer.write(graded)
+        if tally.prompts == 0:
+            raise DataError(f"{data.source}: no usable prompt row (skipped {total} bad row(s)): nothing to evaluate")
+        metrics = tally.result()
+        seconds = time.perf_counter() - start
+        metrics["time/validate"] = seconds
+        return metrics, tally.samples, (tally.prompts, total - tally.prompts if skipped is None else skipped), seconds
+    finally:
+        if owns:
+            ray.shutdown()
 
 
 @contextlib.contextmanager

@@ -173,6 +173,33 @@ class DriverStageWorker(ActorStageWorker):
     runs on the driver's node where it can."""
 
 
+def connect_ray(address: str | None) -> bool:
+    """Join the Ray cluster at ``address`` (or $RAY_ADDRESS), else start one in-process, unless
+    Ray is already up; returns whether this call started it (then its caller shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    # token auth (default in Ray 2.60) is pointless for an embedded local cluster
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray starts its workers at nice 15 (to keep its own daemons responsive). Our
+    # actors ARE the job: at nice 15 beside any nice-0 process (another job, a busy
+    # loop) an actor gets ~3% of a core and a step ran 25-50x slower (issue 10).
+    # The raylet reads this when it starts, so it only applies to a cluster we start.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(
+        # a cluster of our own unless one is named: Ray would otherwise join the one
+        # recorded in /tmp/ray/ray_current_cluster, which outlives a killed cluster and
+        # made a run wait ~12 minutes for a head that was gone
+        address=address or os.environ.get("RAY_ADDRESS") or "local",
+        include_dashboard=False,
+        log_to_driver=True,
+        logging_level="ERROR",
+        configure_logging=True,
+    )
+    return True
+
+
 class RayExecutor:
     name = "ray"
 
@@ -181,25 +208,7 @@ class RayExecutor:
         import ray
 
         self._ray = ray
-        self.owns_cluster = not ray.is_initialized()
-        if self.owns_cluster:
-            # token auth (default in Ray 2.60) is pointless for an embedded local cluster
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            # Ray starts its workers at nice 15 (to keep its own daemons responsive). Our
-            # actors ARE the job: at nice 15 beside any nice-0 process (another job, a busy
-            # loop) an actor gets ~3% of a core and a step ran 25-50x slower (issue 10).
-            # The raylet reads this when it starts, so it only applies to a cluster we start.
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(
-                # a cluster of our own unless one is named: Ray would otherwise join the one
-                # recorded in /tmp/ray/ray_current_cluster, which outlives a killed cluster and
-                # made a run wait ~12 minutes for a head that was gone
-                address=address or os.environ.get("RAY_ADDRESS") or "local",
-                include_dashboard=False,
-                log_to_driver=True,
-                logging_level="ERROR",
-                configure_logging=True,
-            )
+        self.owns_cluster = connect_ray(address)
         remote_cls = ray.remote(ActorStageWorker)
         driver_cls = ray.remote(DriverStageWorker)
         self.actors = {}
