@@ -27,7 +27,9 @@ import pyarrow.parquet as pq
 
 from dapo_flow.graph.plan import DRIVER
 
-READ_CPUS = 0.25  # a read + tokenize task: light, and the pools hold the cluster's CPUs
+# A read + tokenize task asks for no CPU: the pools hold the cluster's, and Ray Data's tasks that
+# want one beside them waited forever (as the executor's prompt readers: runtime/executors.py)
+READ_CPUS = 0.0
 
 
 @dataclass(frozen=True)
@@ -113,20 +115,29 @@ def eval_dataset(placed, setups: dict, prompts, *, n: int, temperature: float, s
         ds = ds.map_batches(read_prompts, fn_kwargs={"tokenize": tokenize, "split": split}, batch_size=1,
                             batch_format="pyarrow", num_cpus=READ_CPUS)
     gen_stage, score_stage = placed.node_stage[gen.id], placed.node_stage[score.id]
+    pools = pool_options(placed, setups, [gen_stage, score_stage], ray.cluster_resources().get("CPU", 1.0))
     ds = ds.map_batches(StageCall, fn_constructor_args=(spec, setups[gen_stage], seed, gen.id,
                                                         {"n": n, "temperature": temperature}),
-                        batch_size=batch_size, batch_format="pyarrow", **_pool(placed, setups, gen_stage))
+                        batch_size=batch_size, batch_format="pyarrow", **pools[0])
     return ds.map_batches(StageCall, fn_constructor_args=(spec, setups[score_stage], seed, score.id, None),
-                          batch_size=None, batch_format="pyarrow", **_pool(placed, setups, score_stage))
+                          batch_size=None, batch_format="pyarrow", **pools[1])
 
 
-def _pool(placed, setups: dict, stage: str) -> dict[str, Any]:
-    """An actor pool of ``stage``'s size and resources: its replicas or workers, each with
-    the stage's CPUs and GPUs (the driver stage's share when it is the driver's)."""
-    info = placed.stage(stage)
-    size = 1 if stage == DRIVER else max(setups[stage].workers, 1)
-    cpus = info.num_cpus if stage != DRIVER else min(info.num_cpus, 0.5)
-    return {"concurrency": size, "num_cpus": cpus, **({"num_gpus": info.num_gpus} if info.num_gpus else {})}
+def pool_options(placed, setups: dict, stages: list[str], cluster_cpus: float) -> list[dict[str, Any]]:
+    """Each stage's actor pool: its replicas or workers (one for the driver stage), each with
+    the stage's CPUs and GPUs; the driver stage asks for no CPU, as its actor in a run does. Pools
+    that would ask for more CPUs than the cluster has are scaled down to fit it (CPUs are Ray's
+    bookkeeping here: each worker's torch threads are set by its stage), so they never wait
+    for each other forever."""
+    sizes = [1 if s == DRIVER else max(setups[s].workers, 1) for s in stages]
+    cpus = [0.0 if s == DRIVER else placed.stage(s).num_cpus for s in stages]
+    asked = sum(size * c for size, c in zip(sizes, cpus))
+    scale = min(1.0, cluster_cpus / asked) if asked else 1.0
+    out = []
+    for stage, size, c in zip(stages, sizes, cpus):
+        gpus = placed.stage(stage).num_gpus
+        out.append({"concurrency": size, "num_cpus": c * scale, **({"num_gpus": gpus} if gpus else {})})
+    return out
 
 
 def graded_batches(placed, setups: dict, prompts, *, n: int, temperature: float, seed: int,

@@ -124,3 +124,15 @@ def test_eval_on_ray_streams_the_numbers_of_the_local_executor(workdir, small_gr
     assert ray_rows.column(C.PROMPT_ID).to_pylist()[::4] == [f"val-{r}" for r in range(17) if r != 3]
     for column in (C.PROMPT_ID, C.RESPONSE_TEXT, C.ACC, C.SCORE):
         assert ray_rows.column(column).to_pylist() == local_rows.column(column).to_pylist(), column
+
+
+def test_eval_pools_fit_the_cluster_they_run_on(workdir, small_graph, tiny_adder_path):
+    from dapo_flow.experiments.eval_pipeline import pool_options
+    from dapo_flow.runtime.setup import stage_setups
+
+    placed = _eval_graph(workdir, small_graph, workdir / "val.parquet")
+    setups = stage_setups(placed)
+    gen, grade = pool_options(placed, setups, ["model:policy", "driver"], cluster_cpus=2)
+    assert gen == {"concurrency": 1, "num_cpus": placed.stage("model:policy").num_cpus} and grade["num_cpus"] == 0
+    small = pool_options(placed, setups, ["model:policy", "model:policy"], cluster_cpus=1)  # e.g. a reward model's
+    assert sum(p["num_cpus"] for p in small) == pytest.approx(1)  # scaled down: else they wait forever
