@@ -87,33 +87,33 @@ def _workers_of(plan: Plan, stage: str) -> int:
 
 def _replica_problems(plan: Plan, actors: list[str]) -> list[Problem]:
     """Rollout replicas need a rollout stage of their own (disaggregated placement)."""
-    problems = []
-    for name, model in plan.spec.models.items():
-        if model.rollout.replicas > 1 and f"rollout:{name}" not in actors:
-            line = plan.doc.line_of(("models", name, "rollout", "replicas")) if plan.doc is not None else 0
-            problems.append(Problem(
-                plan.file, line, "", f"models.{name}.rollout.replicas",
-                f"{model.rollout.replicas} rollout replicas of '{name}', but no stage rolls out "
-                f"'{name}' on its own (placement {plan.spec.placement.mode}: its trainer generates)",
-                "set placement: {mode: disaggregated}, or replicas: 1 (colocated, each worker of a "
-                "training group generates its share: raise train.workers instead)"))
-    return problems
+    return [_rollout_problem(
+        plan, name, "replicas",
+        f"{model.rollout.replicas} rollout replicas of '{name}', but no stage rolls out "
+        f"'{name}' on its own (placement {plan.spec.placement.mode}: its trainer generates)",
+        "set placement: {mode: disaggregated}, or replicas: 1 (colocated, each worker of a "
+        "training group generates its share: raise train.workers instead)")
+        for name, model in plan.spec.models.items()
+        if model.rollout.replicas > 1 and f"rollout:{name}" not in actors]
 
 
 def _sleep_problems(plan: Plan, actors: list[str]) -> list[Problem]:
     """`rollout.sleep: true` frees an engine's memory for the trainer beside it: a model whose
     engine runs in a rollout stage of its own has none there."""
-    problems = []
-    for name, model in plan.spec.models.items():
-        if model.rollout.sleep and f"rollout:{name}" in actors:
-            line = plan.doc.line_of(("models", name, "rollout", "sleep")) if plan.doc is not None else 0
-            problems.append(Problem(
-                plan.file, line, "", f"models.{name}.rollout.sleep",
-                f"sleep frees the rollout engine's memory for a trainer on the same device, but "
-                f"'{name}' rolls out in a stage of its own (placement {plan.spec.placement.mode})",
-                "remove rollout.sleep (null: on wherever the engine shares a device with its trainer), "
-                "or set placement: {mode: colocated}"))
-    return problems
+    return [_rollout_problem(
+        plan, name, "sleep",
+        f"sleep frees the rollout engine's memory for a trainer on the same device, but "
+        f"'{name}' rolls out in a stage of its own (placement {plan.spec.placement.mode})",
+        "remove rollout.sleep (null: on wherever the engine shares a device with its trainer), "
+        "or set placement: {mode: colocated}")
+        for name, model in plan.spec.models.items()
+        if model.rollout.sleep and f"rollout:{name}" in actors]
+
+
+def _rollout_problem(plan: Plan, model: str, key: str, message: str, fix: str) -> Problem:
+    """A problem with ``models.MODEL.rollout.KEY``, at its line."""
+    line = plan.doc.line_of(("models", model, "rollout", key)) if plan.doc is not None else 0
+    return Problem(plan.file, line, "", f"models.{model}.rollout.{key}", message, fix)
 
 
 def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
