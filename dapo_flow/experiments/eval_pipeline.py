@@ -144,4 +144,28 @@ def graded_batches(placed, setups: dict, prompts, *, n: int, temperature: float,
                    batch_size: int) -> Iterator[pa.Table]:
     """The graded tables of :func:`eval_dataset`, streamed into the driver in source order."""
     ds = eval_dataset(placed, setups, prompts, n=n, temperature=temperature, seed=seed, batch_size=batch_size)
-    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1)
+    yield from whole_prompts(ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1))
+
+
+def whole_prompts(tables: Iterator[pa.Table]) -> Iterator[pa.Table]:
+    """Graded tables in source order -> the same rows, each table holding every sample of its
+    prompts (pass@k needs a prompt's samples together; Ray Data may cut a big block in two)."""
+    from dapo_flow.graph import columns as C
+
+    held: pa.Table | None = None
+    for table in tables:
+        if held is not None:
+            table = pa.concat_tables([held, table], promote_options="default")
+            held = None
+        if table.num_rows == 0:
+            continue
+        ids = table.column(C.PROMPT_ID)
+        last = ids[-1]
+        start = table.num_rows
+        while start > 0 and ids[start - 1] == last:
+            start -= 1
+        if start:
+            yield table.slice(0, start)
+        held = table.slice(start)  # the last prompt: its samples may go on in the next table
+    if held is not None and held.num_rows:
+        yield held

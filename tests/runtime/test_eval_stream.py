@@ -136,3 +136,16 @@ def test_eval_pools_fit_the_cluster_they_run_on(workdir, small_graph, tiny_adder
     assert gen == {"concurrency": 1, "num_cpus": placed.stage("model:policy").num_cpus} and grade["num_cpus"] == 0
     small = pool_options(placed, setups, ["model:policy", "model:policy"], cluster_cpus=1)  # e.g. a reward model's
     assert sum(p["num_cpus"] for p in small) == pytest.approx(1)  # scaled down: else they wait forever
+
+
+def test_a_prompt_cut_between_two_pipeline_blocks_is_joined_again():
+    from dapo_flow.experiments.eval_pipeline import whole_prompts
+
+    cut = [_graded([[1, 0, 0, 0], [1, 1]]), _graded([], start=9), _graded([[1, 0], [0, 0, 0, 0]], start=1)]
+    out = list(whole_prompts(iter(cut)))
+    assert [t.column(C.PROMPT_ID).to_pylist() for t in out] == [["p0"] * 4, ["p1"] * 4, ["p2"] * 4]
+    whole, parts = ValidationTally(n=4, log_samples=0), ValidationTally(n=4, log_samples=0)
+    whole.add(_graded([[1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]))
+    for t in out:
+        parts.add(t)
+    assert parts.result() == pytest.approx(whole.result())
