@@ -270,7 +270,7 @@ class RayExecutor:
             return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
 
         if setup.grouped:
-            addr, port = ray.get(ray.remote(_rendezvous).options(num_cpus=0, scheduling_strategy=on(0)).remote(),
+            addr, port = ray.get(ray.remote(node_address).options(num_cpus=0, scheduling_strategy=on(0)).remote(),
                                  timeout=STARTUP_TIMEOUT_S)
         members = [
             remote_cls.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=on(rank)).remote(
@@ -502,13 +502,9 @@ def _read_parquet_file(path: str) -> pa.Table:
     return pq.read_table(path)
 
 
-def _rendezvous() -> tuple[str, int]:
-    """Run on rank 0's node: its address and a port free there, for the group's master."""
-    return node_address()
-
-
 def node_address() -> tuple[str, int]:
-    """This Ray node's address and a port free on it now (a process group's master)."""
+    """This Ray node's address and a port free on it now: a process group's master (run on
+    rank 0's node)."""
     import socket
 
     import ray

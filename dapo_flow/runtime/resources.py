@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.models.engines import BACKENDS, RolloutEngine, Trainer
@@ -41,8 +41,9 @@ class ModelResource:
             if sleep is not None:
                 sleep()
 
-    def load_weights(self, weights: dict) -> float:
-        """Weights from another actor (disaggregated sync); seconds taken."""
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> float:
+        """Weights from another actor (disaggregated sync: a mapping through the object store,
+        or pairs streamed off a weight bus); seconds taken."""
         start = time.perf_counter()
         target = self.policy if self.policy is not None else self.generator
         target.load_weights(weights)
