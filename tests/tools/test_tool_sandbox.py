@@ -102,14 +102,16 @@ def test_a_missing_code_argument_is_an_error_result():
     assert PythonSandbox().execute("r0", {}).metrics["error"] == 1.0
 
 
-def test_calls_from_several_threads_run_side_by_side():
-    # the agent loop calls tools from worker threads
+def test_calls_from_several_threads_run_side_by_side(tmp_path):
+    # the agent loop calls tools from worker threads. Each call checks in, then waits until all
+    # four have: calls made one after another would never all check in (the first times out),
+    # so this proves they overlap without timing them (a timed bound failed on a busy box)
     from concurrent.futures import ThreadPoolExecutor
 
-    tool = PythonSandbox(Config(timeout_s=3.0))
-    codes = [f"import time; time.sleep(0.5); print({i})" for i in range(4)]
-    start = time.monotonic()
+    tool = PythonSandbox(Config(timeout_s=30.0))
+    wait = ("import os, time\nopen(os.path.join({d!r}, '{i}'), 'w').close()\n"
+            "while len(os.listdir({d!r})) < 4:\n    time.sleep(0.01)\nprint({i})")
+    codes = [wait.format(d=str(tmp_path), i=i) for i in range(4)]
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda c: tool.execute("r", {"code": c}), codes))
     assert [r.text for r in results] == [f"{i}\n" for i in range(4)]
-    assert time.monotonic() - start < 1.9  # overlapped, not 4 x 0.5 s one after another
