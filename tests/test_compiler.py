@@ -348,3 +348,17 @@ def test_the_engine_context_is_the_prompt_budget_plus_max_tokens(tmp_path):
     assert "max_model_len 24 (prompt budget + max_tokens)" in explain(placed)
     one_unbounded = edit_file(ROOT / "graphs" / "dapo-vllm.yaml", edits[:1]).compile()
     assert one_unbounded.plan.engine_context() == {}  # val has no budget: the model's own maximum
+
+
+def test_explain_says_how_weights_travel_between_actors():
+    from dapo_flow.graph.edits import edit_file, parse_cli_edits
+
+    def sync_line(*sets: str) -> str:
+        edits = [("set", s) for s in ("placement.mode=disaggregated", "models.policy.train.workers=1",
+                                       "models.policy.train.strategy=null", *sets)]
+        text = explain(edit_file(DAPO, parse_cli_edits(edits)).compile(Cluster(cpus=2)))
+        return next(line for line in text.splitlines() if "sync weights" in line)
+
+    assert "broadcast in 256 MB buckets on Ray, in-process when local" in sync_line()
+    assert "broadcast in 64 MB buckets" in sync_line("models.policy.rollout.sync_bucket_mb=64")
+    assert "through the object store as float32" in sync_line("models.policy.rollout.weight_sync=object-store")

@@ -417,7 +417,7 @@ def _explain_syncs(placed: PlacedPlan, after: str) -> list[str]:
             lines.append(f"    sync weights: {after} -> rollout engine of '{s.model}' in {s.source} (same actor)")
         else:
             rollout = placed.plan.spec.models[s.model].rollout
-            how = (f"broadcast in {rollout.sync_bucket_mb:g} MB buckets on Ray (in-process when local)"
+            how = (f"broadcast in {rollout.sync_bucket_mb:g} MB buckets on Ray, in-process when local"
                    if rollout.weight_sync == "broadcast" else "through the object store as float32")
             lines.append(f"    sync weights: {after} @ {s.source} -> {s.target} (transfer between actors: {how})")
     model = placed.plan.node(after).model
