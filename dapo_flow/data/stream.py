@@ -102,21 +102,22 @@ def _where(row: dict, prompt_key: str) -> str:
     return f"the row whose {prompt_key} is {_clip(str(row.get(prompt_key)))!r}"
 
 
-def numbered_batches(batches: Iterator[pa.Table], split: str, size: int | None = None
-                     ) -> Iterator[tuple[pa.Table, int]]:
+def numbered_batches(batches: Iterator[pa.Table], split: str, size: int | None = None, *,
+                     by_source_row: bool = False) -> Iterator[tuple[pa.Table, int]]:
     """:class:`TokenizeBatch` outputs in source order -> (their usable rows as prompt rows, the
     batch's count of dropped bad rows). Prompt ids number the usable rows in stream order
-    (``{split}-{n}``); ``size`` keeps the first ``size`` raw rows of the stream."""
+    (``{split}-{n}``: the training sampler's), or with ``by_source_row`` are the rows' positions
+    in the source (an eval's: :func:`numbered_by_row`); ``size`` keeps the first ``size`` raw
+    rows of the stream."""
     raw_read, usable = 0, 0
     for batch in batches:
         if size is not None:
             batch = batch.slice(0, max(size - raw_read, 0))
-        raw_read += batch.num_rows
         ok = batch.column(OK).to_numpy(zero_copy_only=False)
-        table = batch.filter(pa.array(ok)).drop_columns([OK])
-        ids = pa.array([f"{split}-{usable + k}" for k in range(table.num_rows)], pa.string())
-        usable += table.num_rows
-        yield table.set_column(table.schema.get_field_index(C.PROMPT_ID), C.PROMPT_ID, ids), int((~ok).sum())
+        positions = np.flatnonzero(ok) + raw_read if by_source_row else np.arange(int(ok.sum())) + usable
+        raw_read += batch.num_rows
+        usable += len(positions)
+        yield _numbered(batch, ok, split, positions)
         if size is not None and raw_read >= size:
             return
 
@@ -126,9 +127,13 @@ def numbered_by_row(batch: pa.Table, split: str, first_row: int) -> tuple[pa.Tab
     rows as prompt rows whose ids are their source positions (``{split}-{row}``: an eval's ids,
     the same however the source is cut into batches or tasks), and its count of dropped rows."""
     ok = batch.column(OK).to_numpy(zero_copy_only=False)
-    rows = np.flatnonzero(ok) + first_row
+    return _numbered(batch, ok, split, np.flatnonzero(ok) + first_row)
+
+
+def _numbered(batch: pa.Table, ok: np.ndarray, split: str, positions: np.ndarray) -> tuple[pa.Table, int]:
+    """``batch``'s usable rows (``ok``) with ids ``{split}-{position}``, and its dropped count."""
     table = batch.filter(pa.array(ok)).drop_columns([OK])
-    ids = pa.array([f"{split}-{r}" for r in rows.tolist()], pa.string())
+    ids = pa.array([f"{split}-{p}" for p in positions.tolist()], pa.string())
     return table.set_column(table.schema.get_field_index(C.PROMPT_ID), C.PROMPT_ID, ids), int((~ok).sum())
 
 

@@ -12,7 +12,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dapo_flow.data.stream import numbered_by_row, rebatched, stream_files
+from dapo_flow.data.stream import numbered_batches, rebatched, stream_files
 from dapo_flow.errors import DataError, RunError
 from dapo_flow.graph import columns as C
 from dapo_flow.runtime.session import generator_tokenizer, load_source, prompt_stream
@@ -59,16 +59,9 @@ class EvalPrompts:
     def _usable(self, batches: Iterator[pa.Table]) -> Iterator[pa.Table]:
         """Tokenized batches in source order -> their usable rows, numbered by source row (as
         the Ray Data eval numbers them: eval_pipeline), the first ``data.size`` rows only."""
-        size, row = self.data.size, 0
-        for batch in batches:
-            if size is not None:
-                batch = batch.slice(0, max(size - row, 0))
-            table, skipped = numbered_by_row(batch, self.data.split, row)
-            row += batch.num_rows
+        for table, skipped in numbered_batches(batches, self.data.split, self.data.size, by_source_row=True):
             self.skipped += skipped
             yield table
-            if size is not None and row >= size:
-                return
 
 
 class ResponseWriter:

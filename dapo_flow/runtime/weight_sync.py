@@ -42,8 +42,9 @@ class WeightSyncs:
         if sync.model not in self.manifests:
             self._join(sync)
         bucket = int(self.placed.plan.spec.models[sync.model].rollout.sync_bucket_mb * MB)
-        send = self.ex.call(sync.source, "send_weights", sync.model, bucket)
-        receive = self.ex.call(sync.target, "receive_weights", sync.model, self.manifests[sync.model], bucket)
+        manifest = self.manifests[sync.model]
+        send = self.ex.call(sync.source, "send_weights", sync.model, manifest, bucket)
+        receive = self.ex.call(sync.target, "receive_weights", sync.model, manifest, bucket)
         return max(self.ex.get(send), self.ex.get(receive))
 
     def _join(self, sync: Sync) -> None:

@@ -254,9 +254,10 @@ class StageWorker:
     def weight_manifest(self, model: str) -> list:
         return self.resources[model].policy.weight_manifest()
 
-    def send_weights(self, model: str, bucket_bytes: int) -> float:
-        """Broadcast ``model``'s weights on its bus; seconds taken. A training group's other
-        workers iterate alongside (gathering a sharded weight is a collective of the group)."""
+    def send_weights(self, model: str, manifest: list, bucket_bytes: int) -> float:
+        """Broadcast ``model``'s weights (``manifest``: :meth:`weight_manifest`'s, fetched once) on
+        its bus; seconds taken. A training group's other workers iterate alongside (gathering a
+        sharded weight is a collective of the group)."""
         start = time.perf_counter()
         policy = self.resources[model].policy
         bus = self.buses.get(model)
@@ -264,7 +265,7 @@ class StageWorker:
             for _ in policy.iter_weights():
                 pass
         else:
-            bus.send(policy.iter_weights(), policy.weight_manifest(), bucket_bytes)
+            bus.send(policy.iter_weights(), manifest, bucket_bytes)
         return time.perf_counter() - start
 
     def receive_weights(self, model: str, manifest: list, bucket_bytes: int) -> float:
