@@ -31,9 +31,11 @@ for sure (one stuck in C code ignores signals and a thread cannot be killed), an
 promises in-process scoring, so the pair is a validation error rather than a silent process.
 
 ``reward: {model: NAME, ...}`` scores with a reward model declared in `models:` (a sequence
-classifier, `head: reward`), read at each response's last token; the node then runs in that
-model's actor. With a ``rule`` too, ``combine`` says how the two make the score (``sum``,
-``rule-gated``, ``rm-only``) and ``acc`` is the rule's; without one ``acc`` is the model's verdict.
+classifier, `head: reward`), read at each response's last token, or with ``output: likelihood``
+with a causal LM (a generative verifier or a teacher: the lowest probability it gives a response
+token); the node then runs in that model's actor. With a ``rule`` too, ``combine`` says how the
+two make the score (``sum``, ``rule-gated``, ``rm-only``) and ``acc`` is the rule's; without one
+``acc`` is the model's verdict.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from dapo_flow.algos import lowest_token_probability
 from dapo_flow.graph import columns as C
 from dapo_flow.data.arrow_utils import token_lists, with_columns
 from dapo_flow.data.reward_pool import (  # as_number: re-exported, tests and plugins use it here
@@ -74,11 +77,16 @@ class ModelReward(BaseModel):
     passes (acc 1), the rule's `wrong` where it fails (a format or correctness gate); `rm-only`:
     score = the RM score, the rule only measures (acc), e.g. to see whether RL against the RM
     raises true accuracy."""
-    output: Literal["logit", "probability"] = "logit"
-    """What the model's scalar becomes: `logit`, as it is (verl's RM score), or `probability`:
-    its sigmoid, the model's probability that the response is good, for a reward model trained
-    with binary cross-entropy (builtin:tiny-adder-rm). Probabilities squash the differences
-    among responses the model rejects, which a group-relative advantage would otherwise amplify."""
+    output: Literal["logit", "probability", "likelihood"] = "logit"
+    """What the model's verdict is. For a reward model (a sequence classifier): `logit`, its
+    scalar as it is (verl's RM score), or `probability`: its sigmoid, the model's probability
+    that the response is good, for a reward model trained with binary cross-entropy
+    (builtin:tiny-adder-rm); probabilities squash the differences among responses the model
+    rejects, which a group-relative advantage would otherwise amplify. `likelihood`: the model is
+    a causal LM (a generative verifier such as builtin:tiny-adder-judge, or a teacher) and the
+    score is the lowest probability it gives any token of the response (EOS included), in
+    [0, 1]: a response it would have written itself scores near 1, one wrong token sinks it.
+    The verdict (acc without a rule) is score > 0.5."""
     micro_batch_size: int = Field(64, ge=1, le=65536)
     """Rows per reward-model forward pass."""
 
@@ -142,6 +150,12 @@ class Score:
         return isinstance(params.reward, ModelReward)
 
     @classmethod
+    def model_head(cls, params: Params) -> str:
+        """A causal LM for `output: likelihood`, else a reward model (a sequence classifier)."""
+        reward = params.reward
+        return "lm" if isinstance(reward, ModelReward) and reward.output == "likelihood" else "reward"
+
+    @classmethod
     def requires(cls, params: Params) -> dict[str, pa.DataType]:
         cols = [C.RESPONSE_TEXT, C.GROUND_TRUTH] if params.rule is not None else []
         cols += [C.PROMPT_IDS, C.RESPONSE_IDS] if isinstance(params.reward, ModelReward) else []
@@ -165,13 +179,10 @@ class Score:
         reward = self.params.reward
         if not isinstance(reward, ModelReward):
             return self._rule(batch)
-        rm = self.ctx.model.policy.response_scores(
-            token_lists(batch.column(C.PROMPT_IDS)), token_lists(batch.column(C.RESPONSE_IDS)),
-            micro_batch_size=reward.micro_batch_size).numpy().astype(np.float32)
-        if reward.output == "probability":
-            rm = (1.0 / (1.0 + np.exp(-rm.astype(np.float64)))).astype(np.float32)
+        rm = self._model_scores(reward, token_lists(batch.column(C.PROMPT_IDS)),
+                                token_lists(batch.column(C.RESPONSE_IDS)))
         if reward.rule is None:  # the model's own verdict
-            threshold = 0.5 if reward.output == "probability" else 0.0
+            threshold = 0.0 if reward.output == "logit" else 0.5
             score, acc, extras = rm, (rm > threshold).astype(np.float32), {}
             self._metrics = {}
         else:
@@ -186,6 +197,17 @@ class Score:
                               "acc/mean": float(acc.mean()) if len(acc) else 0.0,
                               "score/rm_mean": float(rm.mean()) if len(rm) else 0.0})
         return with_columns(batch, {C.SCORE: score, C.ACC: acc, **extras})
+
+    def _model_scores(self, reward: ModelReward, prompts: list[list[int]], responses: list[list[int]]) -> np.ndarray:
+        """The model's score of each response (see ``ModelReward.output``). Shape: -> (B,) float32."""
+        model = self.ctx.model.policy
+        if reward.output == "likelihood":
+            logp, _, mask = model.response_logprobs(prompts, responses, micro_batch_size=reward.micro_batch_size)
+            return lowest_token_probability(logp, mask).numpy()
+        rm = model.response_scores(prompts, responses, micro_batch_size=reward.micro_batch_size).numpy()
+        if reward.output == "probability":
+            rm = 1.0 / (1.0 + np.exp(-rm.astype(np.float64)))
+        return rm.astype(np.float32)
 
     def _rule(self, batch: pa.Table) -> pa.Table:
         """score / acc (and extras) of the rule reward, row by row or in the worker pool."""
@@ -284,3 +306,4 @@ def _extra_infos(batch: pa.Table) -> list[dict]:
     if C.DATA_SOURCE not in batch.column_names:
         return [{} for _ in range(batch.num_rows)]
     return [{"data_source": source} for source in batch.column(C.DATA_SOURCE).to_pylist()]
+

@@ -588,3 +588,14 @@ def test_policy_losses_errors():
     with pytest.raises(AlgoError, match="clip_high"):
         _ours("cispo", old, logp, adv, mask, "token-mean", {}, clip_high=-0.1)
     assert algos.POLICY_LOSSES is POLICY_LOSSES
+
+
+def test_lowest_token_probability_is_the_weakest_response_token():
+    logp = torch.log(torch.tensor([[0.9, 0.2, 0.7], [0.99, 1.0, 0.5], [0.3, 0.3, 0.3]]))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    got = algos.lowest_token_probability(logp, mask)
+    assert_close(got, torch.tensor([0.2, 0.99, 0.0]))  # the padded 0.5 is not read; no tokens: 0
+    logp[1, 2] = float("nan")  # whatever sits under the padding
+    assert_close(algos.lowest_token_probability(logp, mask.bool()), torch.tensor([0.2, 0.99, 0.0]))
+    with pytest.raises(algos.AlgoError, match="same"):
+        algos.lowest_token_probability(logp, mask[:, :2])

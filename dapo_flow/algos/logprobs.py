@@ -1,4 +1,5 @@
-"""Token logprobs and entropy from logits (the trainer's and the update's one implementation)."""
+"""Token logprobs and entropy from logits (the trainer's and the update's one implementation), and
+a generative verifier's verdict from token logprobs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,18 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     Shape: (..., vocab) -> (...)."""
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - torch.sum(probs * logits, dim=-1)
+
+
+def lowest_token_probability(logp: Tensor, mask: Tensor) -> Tensor:
+    """Per row, the lowest probability among its response tokens: a generative verifier's
+    verdict on a response (a causal LM that would write the right answer gives each of its
+    tokens a high probability, and a wrong token a low one); 0 for a row with no tokens, which
+    has nothing to accept. Shape: logp (B, R) log-probabilities, mask (B, R) -> (B,) float32."""
+    if logp.shape != mask.shape or logp.dim() != 2:
+        raise AlgoError(f"logp {tuple(logp.shape)} and mask {tuple(mask.shape)} must be the same (B, R) shape")
+    valid = mask.bool()
+    lowest = torch.where(valid, logp.float(), torch.full_like(logp, float("inf"), dtype=torch.float32)).amin(dim=1)
+    return torch.where(valid.any(dim=1), lowest.clamp(max=0.0).exp(), torch.zeros_like(lowest))
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from dapo_flow.graph import columns as C
 from dapo_flow.graph.contract import (contract_problems, node_model, produces, requires, resolve, role,
-                                     upstream_problems, uses_model)
+                                     model_head, upstream_problems, uses_model)
 from dapo_flow.errors import DapoFlowError, OperatorContractError, SchemaError, UnknownOperatorError
 from dapo_flow.graph.imports import load_object
 from dapo_flow.graph.loader import GraphDoc, PathKey
@@ -251,12 +251,19 @@ def _check_heads(found: Found, nodes: list[_Node], heads: dict[str, str]) -> Non
         if (node.cls is None or model not in heads or not getattr(node.cls, "NEEDS_MODEL", False)
                 or (node.params is not None and not uses_model(node.cls, node.params))):
             continue
-        wanted = getattr(node.cls, "MODEL_HEAD", "lm")
+        wanted = model_head(node.cls, node.params)
         if heads[model] == wanted:
             continue
         if wanted == "reward":
             fix = (f"declare a reward model under `models:` (e.g. `rm: {{path: builtin:tiny-adder-rm}}`, or "
                    f"a sequence classifier's directory) and name it in `reward: {{model: NAME}}`")
+            if heads[model] == "lm":
+                fix += (", or score with this causal LM's likelihood of each response (a generative "
+                        "verifier or a teacher): `reward: {model: " + model + ", output: likelihood}`")
+        elif getattr(node.cls, "MODEL_PARAM", None):  # score with output: likelihood
+            fix = (f"`output: likelihood` scores with a causal LM (e.g. `judge: {{path: "
+                   f"builtin:tiny-adder-judge}}`); a reward model such as '{model}' scores with "
+                   f"`output: logit` or `output: probability`")
         elif wanted == "value":
             fix = (f"declare a critic under `models:` with `head: value` (e.g. `critic: {{path: "
                    f"builtin:tiny-adder-critic}}`, or your policy's path with `head: value`) and name it here")

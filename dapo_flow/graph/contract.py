@@ -37,8 +37,10 @@ An operator is a plain class (no base class to inherit from):
 - optionally ``upstream_problems(params, generator_id, generator_params) -> [(field, message,
   fix)]``: a classmethod validate calls with the nearest ``generate``-role node upstream, for
   params that must agree with it (e.g. a logprob temperature equal to the sampling temperature).
-- optionally ``MODEL_HEAD``: what its model must be, `lm` (a causal LM, the default) or `value`
-  (a critic: ``values``, ``critic-update``); validate checks it against the model's ``head``.
+- optionally ``MODEL_HEAD``: what its model must be, `lm` (a causal LM, the default), `value`
+  (a critic: ``values``, ``critic-update``) or `reward` (a sequence classifier: ``score``);
+  validate checks it against the model's ``head``. An op whose params decide it also has a
+  ``model_head(params)`` classmethod (``score``: `lm` with ``output: likelihood``).
 - optionally ``combine(params, tables) -> pa.Table`` and ``input_requires(params) -> (dict, ...)``
   (classmethods): a node that joins its several inputs itself (e.g. ``baseline`` joins a
   per-prompt table onto the samples by prompt id), instead of the default row-by-row merge of
@@ -137,6 +139,15 @@ def uses_model(op_cls: type, params: BaseModel) -> bool:
         return False
     fn = getattr(op_cls, "uses_model", None)
     return bool(fn(params)) if callable(fn) else True
+
+
+def model_head(op_cls: type, params: BaseModel | None) -> str:
+    """What the model of a node of ``op_cls`` must be (`lm`, `value` or `reward`): its
+    ``model_head(params)`` hook when it has one and ``params`` validated, else ``MODEL_HEAD``."""
+    fn = getattr(op_cls, "model_head", None)
+    if callable(fn) and params is not None:
+        return fn(params)
+    return getattr(op_cls, "MODEL_HEAD", "lm")
 
 
 def node_model(op_cls: type | None, model: str | None, params: BaseModel | None) -> str | None:

@@ -139,7 +139,8 @@ class RolloutSpec(_Frozen):
 class ModelSpec(_Frozen):
     path: str = Field(
         description="`builtin:tiny-adder`, `builtin:tiny-chat`, `builtin:tiny-adder-critic`, "
-        "`builtin:tiny-adder-rm` (built and cached on first use) or a local Hugging Face model directory (a causal LM, a critic's or a reward model's)."
+        "`builtin:tiny-adder-rm`, `builtin:tiny-adder-judge` (built and cached on first use) or a local Hugging Face model "
+        "directory (a causal LM, a critic's or a reward model's)."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and compute dtype of every copy of the model. Under "

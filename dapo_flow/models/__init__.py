@@ -54,6 +54,7 @@ BUILTINS: dict[str, Builtin] = {
     "tiny-chat": Builtin("dapo_flow.models.tiny_chat", "build_tiny_chat"),
     "tiny-adder-critic": Builtin("dapo_flow.models.tiny_adder_critic", "build_tiny_adder_critic"),
     "tiny-adder-rm": Builtin("dapo_flow.models.tiny_adder_rm", "build_tiny_adder_rm"),
+    "tiny-adder-judge": Builtin("dapo_flow.models.tiny_adder_judge", "build_tiny_adder_judge"),
     "tiny-agent": Builtin("dapo_flow.models.tiny_agent", "build_tiny_agent"),
 }
 

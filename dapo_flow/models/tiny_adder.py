@@ -87,13 +87,15 @@ def build_tiny_adder(out_dir: Path, *, seed: int = 0, progress: bool = True, rec
     return out_dir
 
 
-def _warm_start(model: Any, tokenizer: Any, task: AdditionTask, recipe: Recipe, seed: int, progress: bool) -> None:
-    """Teacher forcing on "<s>a+b=" -> answer + EOS, loss on the answer tokens only."""
+def _warm_start(model: Any, tokenizer: Any, task: AdditionTask, recipe: Recipe, seed: int, progress: bool,
+                label: str = "builtin:tiny-adder") -> None:
+    """Teacher forcing on "<s>a+b=" -> answer + EOS of the train split, loss on the answer tokens
+    only (tiny-adder's warm start; tiny-adder-judge's whole training)."""
     problems = task.problems("train")
     prompts = tokenizer([p.prompt for p in problems], add_special_tokens=True)["input_ids"]
     answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
     supervised_fit(model, prompts, [a + [tokenizer.eos_token_id] for a in answers], recipe,
-                   pad_id=tokenizer.pad_token_id, seed=seed, label="builtin:tiny-adder", progress=progress)
+                   pad_id=tokenizer.pad_token_id, seed=seed, label=label, progress=progress)
 
 
 def sampled_accuracy(model_dir: Path, task: AdditionTask, recipe: Recipe = RECIPE) -> float:

@@ -10,13 +10,15 @@ sum, and the right answers of other prompts (so that no answer is liked for itse
 trained against an RM built without them answered 108 to every prompt).
 
 How good it is, in the build info: agreement with the rule verifier on tiny-adder's samples for
-held-out val prompts, 0.87 (0.90 on the right ones, 0.86 on the wrong); within a prompt's
-samples it ranks a right one above a wrong one 93% of the time. That is not enough to train
-against alone: GRPO on its score lowers the true accuracy (near misses such as 47 for 12+34 score
-almost as high as the sum, and the policy drifts to them), which is why graphs/rm.yaml adds it to
-the rule reward. Verifying a sum at the last token is harder for this 2-layer model than writing
-it digit by digit. Fixed seeds, one thread and deterministic kernels make the bytes the same on
-every build; it takes about 3.5 minutes on 2 cores.
+held-out val prompts, 0.87 on an AMD EPYC build (0.90 on the right ones, 0.86 on the wrong) and
+0.76 on an Intel Xeon build; within a prompt's samples it ranks a right one above a wrong one
+93% / 86% of the time. That is not enough to train against alone: GRPO on its score lowers the
+true accuracy (near misses such as 47 for 12+34 score almost as high as the sum, and the policy
+drifts to them), which is why graphs/rm.yaml adds it to the rule reward. Verifying a sum at the
+last token is harder for this 2-layer model than writing it digit by digit; builtin:tiny-adder-judge,
+a generative verifier, checks each digit where it would write it, and RL against it alone works.
+Fixed seeds, one thread and deterministic kernels make the bytes the same on every build of a CPU
+type; it takes about 3.5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dapo_flow.data.tasks import AdditionTask, verify_addition
 from dapo_flow.models import tiny_adder
@@ -148,13 +150,23 @@ def _labelled_samples(policy_dir: Path, problems: list, n: int, seed: int
 
 def _agreement(rm_dir: Path, policy_dir: Path, problems: list, recipe: Recipe) -> dict[str, float]:
     """How often the reward model's verdict (score > 0) is the rule verifier's on tiny-adder's
-    samples for ``problems``: overall, on the right samples and on the wrong ones."""
-    import torch
-
+    samples for ``problems`` (:func:`agreement_with_rule`)."""
     from dapo_flow.models.hf import HFPolicy
 
-    prompts, responses, labels, _ = _labelled_samples(policy_dir, problems, recipe.samples_per_prompt, recipe.eval_seed)
-    verdict = HFPolicy(rm_dir, head="reward").response_scores(prompts, responses) > 0
+    rm = HFPolicy(rm_dir, head="reward")
+    return agreement_with_rule(lambda prompts, responses: rm.response_scores(prompts, responses) > 0,
+                               policy_dir, problems, recipe.samples_per_prompt, recipe.eval_seed)
+
+
+def agreement_with_rule(verdicts: Callable[[list[list[int]], list[list[int]]], Any], policy_dir: Path,
+                        problems: list, samples_per_prompt: int, seed: int) -> dict[str, float]:
+    """How often ``verdicts(prompt_ids, response_ids)`` (a bool tensor: right or not) is the rule
+    verifier's on tiny-adder's temperature-1 samples for ``problems``: overall, on the right
+    samples and on the wrong ones."""
+    import torch
+
+    prompts, responses, labels, _ = _labelled_samples(policy_dir, problems, samples_per_prompt, seed)
+    verdict = verdicts(prompts, responses)
     truth = torch.tensor(labels) > 0
     agree = (verdict == truth).float()
     return {"agreement": round(float(agree.mean()), 4), "agreement_on_right": round(float(agree[truth].mean()), 4),

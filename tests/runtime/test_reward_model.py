@@ -1,7 +1,9 @@
 """A reward model: `score` with `reward: {model: rm}` runs a sequence classifier declared in
-`models:` (its own actor), read at each response's last token, alone or combined with a rule
-(sum, rule-gated, rm-only); the bad wirings are validate-time errors; graphs/rm.yaml raises the
-true (rule-graded) accuracy by RL against builtin:tiny-adder-rm."""
+`models:` (its own actor), read at each response's last token, or a causal LM's likelihood
+(`output: likelihood`, a generative verifier), alone or combined with a rule (sum, rule-gated,
+rm-only); the bad wirings are validate-time errors; graphs/rm.yaml raises the true
+(rule-graded) accuracy by RL against builtin:tiny-adder-rm plus the rule, graphs/judge.yaml by RL
+against builtin:tiny-adder-judge alone."""
 
 from __future__ import annotations
 
@@ -92,6 +94,28 @@ def test_the_model_score_as_a_probability(rm):
     assert out.column(C.ACC).to_numpy().tolist() == [float(v > 0) for v in logits]
 
 
+def test_a_causal_lm_scores_by_the_lowest_probability_of_a_response_token(tiny_adder_path):
+    judge = HFPolicy(tiny_adder_path)
+    prompts, responses = _rows(judge.tokenizer)
+    responses.append([])  # nothing to accept
+    prompts.append(prompts[0])
+    batch = pa.table({C.PROMPT_IDS: pa.array(prompts, C.TOKENS), C.RESPONSE_IDS: pa.array(responses, C.TOKENS)})
+    op = Score(Params(reward={"model": "judge", "output": "likelihood", "micro_batch_size": 2}),
+               OpContext("judge", model=SimpleNamespace(policy=judge)))
+    out = op(batch)
+    expected = []
+    for p, r in zip(prompts, responses):  # one row at a time, from the logits themselves
+        if not r:
+            expected.append(0.0)
+            continue
+        with torch.no_grad():
+            logits = judge.model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1]
+        expected.append(float(torch.softmax(logits.double(), -1)[torch.arange(len(r)), r].min()))
+    np.testing.assert_allclose(out.column(C.SCORE).to_numpy(), expected, rtol=1e-5)
+    assert 0.0 < min(expected[:3]) and max(expected) <= 1.0
+    assert out.column(C.ACC).to_numpy().tolist() == [float(v > 0.5) for v in expected]
+
+
 GRAPH = """\
 name: rm-small
 models:
@@ -142,6 +166,22 @@ def test_bad_reward_model_wirings_are_validate_time_errors(workdir, tiny_adder_p
     assert "op 'score' does not use a model with these params" in text
     text = _errors(rm_graph(workdir, tiny_adder_path, head="value"))
     assert "but model 'rm' is a value model" in text
+    text = _errors(rm_graph(workdir, tiny_adder_path, head="lm"))  # a causal LM read as a classifier
+    assert "but model 'rm' is a causal LM" in text and "`reward: {model: rm, output: likelihood}`" in text
+    text = _errors(rm_graph(workdir, tiny_adder_path, reward="{model: rm, output: likelihood}"))
+    assert "op 'score' needs a causal LM" in text and "but model 'rm' is a reward model" in text
+    assert "scores with `output: logit` or `output: probability`" in text
+
+
+def test_a_causal_lm_judges_in_its_own_actor(workdir, tiny_adder_path):
+    path = rm_graph(workdir, tiny_adder_path, head="lm", reward="{model: rm, rule: builtin:addition, "
+                    "combine: rm-only, output: likelihood}")
+    placed = compile_graph(path, CLUSTER)
+    assert placed.node_stage["judge"] == "model:rm" and placed.stage("model:rm").models == ("rm",)
+    summary = execute(placed, executor="local", console=Console(file=io.StringIO()))
+    history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    # tiny-adder judging its own samples: the rows it wrote, token by token, at temperature 1
+    assert 0.0 < history["score/rm_mean"][0][1] < 1.0
 
 
 @pytest.mark.slow
@@ -151,3 +191,18 @@ def test_rl_with_the_builtin_reward_model_raises_true_accuracy(workdir):
     summary = execute(compile_graph(ROOT / "graphs" / "rm.yaml", CLUSTER), executor="local",
                       console=Console(file=io.StringIO()))
     assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.05, summary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # builds builtin:tiny-adder-judge on first use (~3.5 min on 2 cores)
+def test_rl_against_the_generative_verifier_alone_raises_true_accuracy(workdir):
+    """graphs/judge.yaml: the policy is scored by builtin:tiny-adder-judge alone (the rule only
+    measures), and the rule-graded val acc rises; the reward it gets rises with it, with no gap
+    opening between what the judge pays and what the rule says (no hacking)."""
+    summary = execute(compile_graph(ROOT / "graphs" / "judge.yaml", CLUSTER), executor="local",
+                      console=Console(file=io.StringIO()))
+    assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.05, summary
+    history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    late_score = np.mean([v for _, v in history["score/mean"][-20:]])
+    late_acc = np.mean([v for _, v in history["acc/mean"][-20:]])
+    assert abs(late_score - late_acc) < 0.1, (late_score, late_acc)
