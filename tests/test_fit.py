@@ -205,3 +205,24 @@ def test_a_sleeping_colocated_engine_counts_only_while_it_generates(qwen_7b):
     assert engine.phases == ("generation",)
     assert not next(t for t in awake.terms if t.name.startswith("vLLM engine")).phases
     assert asleep.peak() < awake.peak()
+
+
+def test_a_frozen_judge_is_priced_with_its_forward_and_its_logits(qwen_7b):
+    """A 7B judge (output: likelihood) reading 1k-token responses 64 rows at a time needs
+    their vocabulary-wide logits (~100 GB), which no GPU holds: validate says so and names the
+    fix; chunked logprobs and smaller micro-batches fit."""
+    judge = str(ROOT / "graphs/judge.yaml")
+    sets = (*SHORT, f"models.policy.path={qwen_7b}", f"models.verifier.path={qwen_7b}", "rollout.max_tokens=1024",
+            "models.policy.train.workers=4", "models.policy.train.mixed_precision=bf16", "train.micro_batch_size=2",
+            "models.policy.train.grad_checkpointing=true", "models.policy.train.logprob_chunk_tokens=1024")
+    cluster = Cluster(cpus=16, gpus=5, gpu_mem_gib=80)
+    with pytest.raises(GraphError) as info:
+        _placed(judge, *sets, cluster=cluster)
+    text = str(info.value)
+    assert "model:verifier" in text and "logits of the response" in text and "train.logprob_chunk_tokens" in text
+    placed = _placed(judge, *sets, "models.verifier.train.logprob_chunk_tokens=1024", "judge.reward.micro_batch_size=4",
+                     cluster=cluster)
+    budget = placed.budgets["model:verifier"]
+    names = {t.name: t for t in budget.terms}
+    assert names["logits of one chunk (float32)"].phases == ("frozen forward (output head)",)
+    assert budget.peak() < 80 * GiB and "weights" in names

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from dapo_flow.graph.memory import (GiB, LAYER_BACKWARD, LOGITS_BACKWARD, OPTIMIZER_STEP, Budget,
-                                    ModelShape, Term, estimate_rollout, estimate_training)
+from dapo_flow.graph.memory import (FROZEN_HEAD, FROZEN_LAYERS, GiB, LAYER_BACKWARD, LOGITS_BACKWARD,
+                                    OPTIMIZER_STEP, Budget, ModelShape, Term, estimate_forward, estimate_rollout,
+                                    estimate_training)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,6 +107,8 @@ def _measure(args: dict) -> dict:
         opt.step()
 
     batches = [micro_batch(seed) for seed in (1, 2, 3)]
+    if args.get("forward"):  # a frozen model's pass (a reference's logprobs): no graph, no optimizer
+        return _measure_forward(args, build, batches)
     model, opt = build()  # warm-up: one-time allocations go to the baseline
     step(model, opt, batches[:1])
     del model, opt
@@ -121,11 +124,40 @@ def _measure(args: dict) -> dict:
                 params=sum(p.numel() for p in model.parameters()))
 
 
+def _measure_forward(args: dict, build, batches) -> dict:
+    """Peak bytes of a frozen model's logprob passes above the built model, as HFPolicy runs them
+    for a reference or a judge (inference mode, one micro-batch after another): the weights are
+    in the baseline, so the peak is the passes' own."""
+    import gc
+
+    import torch
+
+    from dapo_flow.models.hf import response_logprobs_of
+
+    def passes(model, batches) -> None:
+        with torch.inference_mode():
+            for inputs, resp, resp_mask in batches:
+                logp, _ = response_logprobs_of(model, inputs, resp, resp_mask, chunk_tokens=args["chunk"])
+                del logp
+
+    model, _ = build()  # AdamW holds no state until a step: nothing but the weights
+    model.eval()
+    passes(model, batches[:1])  # warm-up: one-time allocations go to the baseline
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    baseline = _status("VmRSS")
+    passes(model, batches[1:])
+    return dict(peak=_status("VmHWM") - baseline, baseline=baseline, tokens=int(batches[0][0]["input_ids"].numel()),
+                response_tokens=int(batches[0][1].numel()), params=sum(p.numel() for p in model.parameters()))
+
+
 def measure(config: dict, *, rows: int = 4, prompt: int = 64, response: int = 192,
             checkpointing: bool = False, pad: bool = False, dtype: str = "float32",
-            entropy_coef: float = 0.0, chunk: int | None = None, mixed_precision: str | None = None) -> dict:
+            entropy_coef: float = 0.0, chunk: int | None = None, mixed_precision: str | None = None,
+            forward: bool = False) -> dict:
     args = dict(config=config, rows=rows, prompt=prompt, response=response, checkpointing=checkpointing,
-                pad=pad, dtype=dtype, entropy_coef=entropy_coef, chunk=chunk, mixed_precision=mixed_precision)
+                pad=pad, dtype=dtype, entropy_coef=entropy_coef, chunk=chunk, mixed_precision=mixed_precision,
+                forward=forward)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-W", "ignore", __file__, json.dumps(args)], env=env, cwd=REPO,
@@ -453,6 +485,40 @@ def test_chunked_logprobs_bound_the_logits_of_a_wide_vocabulary():
 @pytest.mark.slow
 def test_estimate_matches_measured_chunked_with_an_entropy_bonus():
     _check(LLAMA_1M, dict(chunk=64, entropy_coef=0.01))
+
+
+@needs_proc
+@pytest.mark.parametrize("config, extra, phase", [
+    (LLAMA_1M, dict(), FROZEN_HEAD),
+    pytest.param(WIDE_VOCAB, dict(), FROZEN_HEAD, marks=pytest.mark.slow),  # the logits are nearly all of it
+    pytest.param(LLAMA_20M, dict(chunk=64), FROZEN_LAYERS, marks=pytest.mark.slow),  # chunked: a layer's MLP
+    pytest.param(WIDE_VOCAB, dict(dtype="bfloat16", chunk=64), FROZEN_HEAD, marks=pytest.mark.slow),
+    (NARROW_VOCAB, dict(pad=True), FROZEN_LAYERS),
+    pytest.param(LLAMA_5M, dict(dtype="bfloat16", rows=16), FROZEN_HEAD, marks=pytest.mark.slow),
+])
+def test_a_frozen_models_forward_matches_measured(config, extra, phase):
+    """A reference's (or a judge's) logprob pass in inference mode, above its weights."""
+    measured = measure(config, forward=True, **extra)
+    budget = Budget("forward", tuple(estimate_forward(
+        ModelShape.from_config(config), micro_batch_tokens=measured["tokens"],
+        response_tokens_per_micro_batch=measured["response_tokens"], rows_per_micro_batch=extra.get("rows", 4),
+        padded=extra.get("pad", False), compute_bytes=2 if extra.get("dtype") == "bfloat16" else 4,
+        logprob_chunk_tokens=extra.get("chunk"))))
+    ratio = budget.peak() / measured["peak"]
+    print(f"forward {extra}: estimate {budget.peak() / 2**20:.1f} MiB, measured {measured['peak'] / 2**20:.1f} MiB, "
+          f"ratio {ratio:.3f}")
+    assert budget.peak_phase() == phase and abs(ratio - 1) <= 0.15, budget.format()
+
+
+def test_a_chunked_frozen_forward_bounds_the_logits_of_a_wide_vocabulary():
+    shape = ModelShape.from_config(dict(WIDE_VOCAB, vocab_size=152064))
+    kw = dict(micro_batch_tokens=64 * 4096, response_tokens_per_micro_batch=64 * 3072, rows_per_micro_batch=64)
+    whole = Budget("f", tuple(estimate_forward(shape, **kw)))
+    chunked = Budget("f", tuple(estimate_forward(shape, logprob_chunk_tokens=1024, **kw)))
+    assert whole.peak() > 100 * GiB and whole.biggest().fix.startswith("train.logprob_chunk_tokens")
+    assert chunked.peak() < whole.peak() / 10 and chunked.peak_phase() == FROZEN_LAYERS
+    with pytest.raises(ValueError, match="response tokens"):
+        estimate_forward(shape, micro_batch_tokens=10, response_tokens_per_micro_batch=20)
 
 
 if __name__ == "__main__":  # the measuring subprocess

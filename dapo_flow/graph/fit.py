@@ -6,7 +6,8 @@ model's shape comes from its config.json (a builtin's declared shape), so nothin
 
 What one worker holds: a trained model's training budget (parameters, gradients, AdamW state,
 the update's activations and logits, FSDP2's gathered copies); another loaded model's weights
-(a reference); and where the actor generates, the rollout engine's memory: for ``hf`` the KV
+and the forward its nodes run on it (a reference's logprobs, a reward model's or a judge's
+scores: one layer's temporaries, then the logits); and where the actor generates, the rollout engine's memory: for ``hf`` the KV
 cache and sampling buffers alive only while it generates (plus the whole gathered model when
 FSDP2 shards it), for ``vllm`` the engine's claim, alive throughout.
 
@@ -22,7 +23,7 @@ from typing import Mapping
 
 from dapo_flow.errors import Problem
 from dapo_flow.graph.memory import (DTYPE_BYTES, GPU_OVERHEAD_BYTES, GiB, Budget, ModelShape, Term,
-                                    estimate_rollout, estimate_training)
+                                    estimate_forward, estimate_rollout, estimate_training)
 from dapo_flow.graph.plan import Cluster, Plan, Stage
 
 GENERATION = "generation"
@@ -76,7 +77,7 @@ def stage_budget(plan: Plan, stage: Stage, cluster: Cluster) -> Budget | None:
             return None
         trains = [n for n in nodes if n.role == "train" and n.model == model]
         own = (_training(plan, stage, model, shape, trains[0], on_gpu) if trains
-               else [_weights(plan, stage, model, shape)])
+               else [_weights(plan, stage, model, shape), *_frozen_forward(plan, stage, model, shape, nodes)])
         if any(n.role == "generate" and n.model == model for n in nodes):
             own += _rollout(plan, stage, model, shape, cluster, on_gpu, trained=bool(trains))
         named = len(stage.models) > 1  # say whose term it is when the actor loads several models
@@ -156,6 +157,35 @@ def _weights(plan: Plan, stage: Stage, model: str, shape: ModelShape) -> Term:
     of = f" (1/{shard} shard)" if shard > 1 else ""
     return Term(f"weights{of}", shape.num_params() * DTYPE_BYTES[plan.spec.models[model].dtype] // shard,
                 fix="more train.workers (FSDP2 shards it), or dtype: bfloat16")
+
+
+def _frozen_forward(plan: Plan, stage: Stage, model: str, shape: ModelShape, nodes: list) -> list[Term]:
+    """A model loaded but not trained here runs forwards for the nodes that read it (a
+    reference's logprobs, a reward model's or a judge's scores): the largest micro-batch of
+    them (each node's ``micro_batch_size`` rows, at most one worker's rows of a step), every row
+    as long as the context."""
+    readers = [n for n in nodes if n.model == model and n.role not in ("generate", "train")]
+    if not readers:
+        return []
+    spec = plan.spec.models[model]
+    context, response = context_of(plan, model, shape)
+    n = max((getattr(g.params, "n", 1) for g in _generators(plan, model)), default=1)
+    per_worker = math.ceil(plan.spec.run.prompts_per_step * n / stage.workers)
+    rows = max(min(_micro_batch_rows(r.params), per_worker) for r in readers)
+    compute = 2 if spec.train.mixed_precision == "bf16" or DTYPE_BYTES[spec.dtype] == 2 else DTYPE_BYTES[spec.dtype]
+    return estimate_forward(shape, micro_batch_tokens=rows * context, response_tokens_per_micro_batch=rows * response,
+                            rows_per_micro_batch=rows, compute_bytes=compute,
+                            logprob_chunk_tokens=spec.train.logprob_chunk_tokens)
+
+
+def _micro_batch_rows(params) -> int:
+    """Rows per forward of a node: its ``micro_batch_size`` (a reward model's under ``reward``),
+    else HFPolicy's default of 64."""
+    for holder in (params, getattr(params, "reward", None)):
+        rows = getattr(holder, "micro_batch_size", None)
+        if isinstance(rows, int):
+            return rows
+    return 64
 
 
 def _rollout(plan: Plan, stage: Stage, model: str, shape: ModelShape, cluster: Cluster, on_gpu: bool,

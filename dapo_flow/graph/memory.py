@@ -47,10 +47,18 @@ SAMPLING_BUFFERS = 6
 
 Where = Literal["device", "host"]
 
+# a frozen model's forward (inference mode, tensors freed as soon as used): a decoder layer's MLP
+# holds gate, up, silu(gate) and their product, (tokens, intermediate) each; measured 4.0
+FORWARD_MLP_BUFFERS = 4
+# logprobs_from_logits's logsumexp runs in chunks of 2^24 elements: at most 64 MiB of exp()
+LOGSUMEXP_CHUNK_BYTES = (1 << 24) * FP32
+
 LOGITS_BACKWARD = "backward of the logits"
 LAYER_BACKWARD = "backward of a layer"
 OPTIMIZER_STEP = "optimizer step"
 FWD_BWD = (LOGITS_BACKWARD, LAYER_BACKWARD)
+FROZEN_LAYERS = "frozen forward (layers)"
+FROZEN_HEAD = "frozen forward (output head)"
 
 
 @dataclass(frozen=True)
@@ -424,6 +432,65 @@ def _logits(shape: ModelShape, hidden_bytes: int, response: int, entropy_in_loss
         Term("hidden-state and lm_head gradients over the chunks", response * h * hidden_bytes + v * h * FP32,
              phases=(LOGITS_BACKWARD,), fix=budget_fix),
     ]
+
+
+def estimate_forward(
+    shape: ModelShape,
+    *,
+    micro_batch_tokens: int,
+    response_tokens_per_micro_batch: int,
+    rows_per_micro_batch: int = 1,
+    padded: bool | None = None,
+    compute_bytes: int = FP32,
+    logprob_chunk_tokens: int | None = None,
+) -> list[Term]:
+    """What a frozen model's pass over one micro-batch adds to its weights: a reference's or a
+    judge's logprobs, a critic's values, a reward model's scores (HFPolicy in inference mode,
+    which frees each tensor once used, so only one layer's temporaries live at a time).
+
+    Two moments. The layers: the residual stream and its normed copy, and the larger of the MLP's
+    FORWARD_MLP_BUFFERS (tokens, intermediate) buffers and attention's q, k, v, output and the
+    padding mask SDPA gets (they are not alive together). The
+    output head (a causal LM's only; a value or reward head gives one float per position):
+    unchunked, the model's logits of the response positions, their float32 scaled copy, and
+    either the float32 cast being scaled (a 16-bit model) or one logsumexp chunk of exp();
+    chunked (``logprob_chunk_tokens``), one chunk's float32 logits, reused chunk after chunk
+    (two for a 16-bit model), beside the response positions' hidden states. 16-bit layers add
+    RMSNorm's float32 copy. Measured on CPU within 10% (tests/test_memory.py).
+    Shape: terms with phases FROZEN_LAYERS / FROZEN_HEAD.
+    """
+    if not 0 < response_tokens_per_micro_batch <= micro_batch_tokens:
+        raise ValueError("response tokens must be > 0 and at most the micro-batch's tokens")
+    tokens, response, rows = micro_batch_tokens, response_tokens_per_micro_batch, rows_per_micro_batch
+    h, c = shape.hidden_size, compute_bytes
+    fix = "a smaller micro_batch_size on the node that runs it (rows per forward)"
+    upcast = h * FP32 if c != FP32 else 0  # RMSNorm's float32 copy of its input
+    mlp = tokens * FORWARD_MLP_BUFFERS * shape.intermediate_size * c
+    attention = tokens * (2 * shape.q_dim + 2 * shape.kv_dim) * c  # q, k, v and the output
+    if rows > 1 if padded is None else padded:  # SDPA's additive mask, made per call
+        seq = math.ceil(tokens / rows)
+        attention += rows * seq * seq * (c + 1)
+    terms = [Term("a layer's forward temporaries", tokens * (2 * h * c + upcast) + max(mlp, attention),
+                  phases=(FROZEN_LAYERS,), fix=fix)]
+    if shape.head != "lm":
+        return terms
+    v = shape.out_features
+    if logprob_chunk_tokens is None:
+        # the model's logits, their scaled float32 copy, and beside them either the float32 cast
+        # being scaled (16-bit models) or, later, a logsumexp chunk of exp()
+        logits = response * v * FP32
+        cast = logits if c != FP32 else 0
+        terms.append(Term("logits of the response (and their float32 copies)",
+                          logits * c // FP32 + logits + max(cast, min(logits, LOGSUMEXP_CHUNK_BYTES)),
+                          phases=(FROZEN_HEAD,), fix=f"train.logprob_chunk_tokens (chunked logprobs), or {fix}"))
+    else:
+        # the fused float32 path reuses one buffer; a 16-bit head casts its chunk's logits
+        chunk = min(response, logprob_chunk_tokens) * v * FP32 * (1 if c == FP32 else 2)
+        terms += [Term("logits of one chunk (float32)", chunk, phases=(FROZEN_HEAD,),
+                       fix="a smaller train.logprob_chunk_tokens"),
+                  Term("response hidden states (chunked logprobs)", response * h * c, phases=(FROZEN_HEAD,), fix=fix)]
+    terms.append(Term("the last hidden states", tokens * h * c, phases=(FROZEN_HEAD,), fix=fix))
+    return terms
 
 
 def estimate_rollout(
