@@ -261,7 +261,7 @@ def _check_heads(found: Found, nodes: list[_Node], heads: dict[str, str]) -> Non
                 fix += (", or score with this causal LM's likelihood of each response (a generative "
                         "verifier or a teacher): `reward: {model: " + model + ", output: likelihood}`")
         elif getattr(node.cls, "MODEL_PARAM", None):  # score with output: likelihood
-            fix = (f"`output: likelihood` scores with a causal LM (e.g. `judge: {{path: "
+            fix = (f"`output: likelihood` scores with a causal LM (e.g. `verifier: {{path: "
                    f"builtin:tiny-adder-judge}}`); a reward model such as '{model}' scores with "
                    f"`output: logit` or `output: probability`")
         elif wanted == "value":

@@ -7,9 +7,10 @@ model's shape comes from its config.json (a builtin's declared shape), so nothin
 What one worker holds: a trained model's training budget (parameters, gradients, AdamW state,
 the update's activations and logits, FSDP2's gathered copies); another loaded model's weights
 and the forward its nodes run on it (a reference's logprobs, a reward model's or a judge's
-scores: one layer's temporaries, then the logits); and where the actor generates, the rollout engine's memory: for ``hf`` the KV
-cache and sampling buffers alive only while it generates (plus the whole gathered model when
-FSDP2 shards it), for ``vllm`` the engine's claim, alive throughout.
+scores: one layer's temporaries, then the logits); and where the actor generates, the rollout
+engine's memory: for ``hf`` the KV cache and sampling buffers alive only while it generates
+(plus the whole gathered model when FSDP2 shards it), for ``vllm`` the engine's claim, alive
+throughout.
 
 Sizes per micro-batch assume rows as long as the context allows (prompt budget + max_tokens),
 so the estimate is the worst step, not the average; docs/memory.md states every assumption.

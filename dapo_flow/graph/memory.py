@@ -448,10 +448,10 @@ def estimate_forward(
     judge's logprobs, a critic's values, a reward model's scores (HFPolicy in inference mode,
     which frees each tensor once used, so only one layer's temporaries live at a time).
 
-    Two moments. The layers: the residual stream and its normed copy, and the larger of the MLP's
-    FORWARD_MLP_BUFFERS (tokens, intermediate) buffers and attention's q, k, v, output and the
-    padding mask SDPA gets (they are not alive together). The
-    output head (a causal LM's only; a value or reward head gives one float per position):
+    Two moments. The layers: the residual stream and its normed copy, and the larger of the
+    MLP's FORWARD_MLP_BUFFERS (tokens, intermediate) buffers and attention's q, k, v, output and
+    the padding mask SDPA gets (they are not alive together). The output head (a causal LM's
+    only; a value or reward head gives one float per position):
     unchunked, the model's logits of the response positions, their float32 scaled copy, and
     either the float32 cast being scaled (a 16-bit model) or one logsumexp chunk of exp();
     chunked (``logprob_chunk_tokens``), one chunk's float32 logits, reused chunk after chunk

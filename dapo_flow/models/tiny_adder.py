@@ -75,7 +75,7 @@ def build_tiny_adder(out_dir: Path, *, seed: int = 0, progress: bool = True, rec
     start = time.perf_counter()
     with deterministic_torch(seed):
         model = char_llama(tokenizer, recipe)
-        _warm_start(model, tokenizer, task, recipe, seed, progress)
+        warm_start_on_sums(model, tokenizer, task, recipe, seed, progress)
         set_generation_config(model, tokenizer)
         save_model_dir(out_dir, model, tokenizer)
         train_seconds = time.perf_counter() - start
@@ -87,7 +87,7 @@ def build_tiny_adder(out_dir: Path, *, seed: int = 0, progress: bool = True, rec
     return out_dir
 
 
-def _warm_start(model: Any, tokenizer: Any, task: AdditionTask, recipe: Recipe, seed: int, progress: bool,
+def warm_start_on_sums(model: Any, tokenizer: Any, task: AdditionTask, recipe: Recipe, seed: int, progress: bool,
                 label: str = "builtin:tiny-adder") -> None:
     """Teacher forcing on "<s>a+b=" -> answer + EOS of the train split, loss on the answer tokens
     only (tiny-adder's warm start; tiny-adder-judge's whole training)."""

@@ -6,8 +6,8 @@ sharp where the policy is kept soft). It judges a response by the lowest probabi
 any of the response's tokens (``score`` with ``reward: {model: judge, output: likelihood}``): a
 wrong digit, a missing EOS or a stray token gets almost none. A sequence classifier must recompute
 the sum at the response's last token; this judge checks each token at the position where it would
-have written it, which is why it verifies where builtin:tiny-adder-rm cannot (graphs/rm.yaml's
-header has both figures).
+have written it, which is why it verifies where builtin:tiny-adder-rm cannot (README: "A learned
+reward model, a generative verifier" has both figures).
 
 Its build info records its own sampled accuracy and, with the protocol builtin:tiny-adder-rm's
 build uses (500 val prompts x 4 tiny-adder samples), how often its verdict (lowest token
@@ -53,7 +53,7 @@ def build_tiny_adder_judge(out_dir: Path, *, seed: int = 0, progress: bool = Tru
     start = time.perf_counter()
     with deterministic_torch(seed):
         model = char_llama(tokenizer, recipe)
-        tiny_adder._warm_start(model, tokenizer, task, recipe, seed, progress, label="builtin:tiny-adder-judge")
+        tiny_adder.warm_start_on_sums(model, tokenizer, task, recipe, seed, progress, label="builtin:tiny-adder-judge")
         set_generation_config(model, tokenizer)
         save_model_dir(out_dir, model, tokenizer)
         train_seconds = time.perf_counter() - start
