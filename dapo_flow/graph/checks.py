@@ -91,6 +91,8 @@ def validate(doc: GraphDoc) -> ValidGraph:
         _check_group_filter(found, nodes, graph, schemas)
         _check_greedy_groups(found, nodes, graph)
         _check_consistency(found, nodes, graph, order)
+        if spec is not None:
+            _check_tokenizers(found, nodes, graph, order, spec)
     found.raise_if_any()
     assert spec is not None
     by_id = {n.id: n for n in nodes}
@@ -517,3 +519,32 @@ def _check_consistency(found: Found, nodes: list[_Node], graph: nx.DiGraph,
             found.add(node.path + ("params", field_name), message, fix)
 
 
+
+
+
+def _check_tokenizers(found: Found, nodes: list[_Node], graph: nx.DiGraph, order: tuple[str, ...],
+                      spec: GraphSpec) -> None:
+    """A model that reads the rows another model generated (a reference, a critic, a reward model,
+    a judge) reads that model's token ids as they are, so it must share its tokenizer: checked
+    where both tokenizers can be read without loading anything (``models.reads_tokens_of``)."""
+    from dapo_flow.models import reads_tokens_of  # light: json only
+
+    by_id = {n.id: n for n in nodes}
+    position = {nid: k for k, nid in enumerate(order)}
+    for node in nodes:
+        model = node.model
+        if (model not in spec.models or node.params is None or role(node.cls) == "generate"
+                or not uses_model(node.cls, node.params)):
+            continue
+        gens = [by_id[a] for a in nx.ancestors(graph, node.id) if a in by_id and role(by_id[a].cls) == "generate"]
+        if not gens:
+            continue
+        writer = max(gens, key=lambda g: position.get(g.id, -1)).model
+        if writer is None or writer == model or writer not in spec.models:
+            continue
+        if reads_tokens_of(spec.models[model].path, spec.models[writer].path) is False:
+            where = ("model",) if node.spec.model is not None else ("params", *node.cls.MODEL_PARAM)
+            found.add(node.path + where, f"model '{model}' does not share the tokenizer of '{writer}', which "
+                      f"generated the rows it reads: it would read their token ids as tokens of its own",
+                      f"use a '{model}' with '{writer}''s tokenizer (e.g. one trained from it), or generate "
+                      f"with a model of '{model}''s tokenizer")

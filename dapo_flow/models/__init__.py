@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -33,6 +34,7 @@ class Builtin:
 
     module: str
     builder: str
+    tokenizer: str  # its tokenizer's family: builtins of one family read each other's token ids
 
     def build(self, out_dir: Path, progress: bool) -> Path:
         return getattr(self._module(), self.builder)(out_dir, progress=progress)
@@ -50,12 +52,12 @@ class Builtin:
 
 
 BUILTINS: dict[str, Builtin] = {
-    "tiny-adder": Builtin("dapo_flow.models.tiny_adder", "build_tiny_adder"),
-    "tiny-chat": Builtin("dapo_flow.models.tiny_chat", "build_tiny_chat"),
-    "tiny-adder-critic": Builtin("dapo_flow.models.tiny_adder_critic", "build_tiny_adder_critic"),
-    "tiny-adder-rm": Builtin("dapo_flow.models.tiny_adder_rm", "build_tiny_adder_rm"),
-    "tiny-adder-judge": Builtin("dapo_flow.models.tiny_adder_judge", "build_tiny_adder_judge"),
-    "tiny-agent": Builtin("dapo_flow.models.tiny_agent", "build_tiny_agent"),
+    "tiny-adder": Builtin("dapo_flow.models.tiny_adder", "build_tiny_adder", "char"),
+    "tiny-chat": Builtin("dapo_flow.models.tiny_chat", "build_tiny_chat", "chat-bpe"),
+    "tiny-adder-critic": Builtin("dapo_flow.models.tiny_adder_critic", "build_tiny_adder_critic", "char"),
+    "tiny-adder-rm": Builtin("dapo_flow.models.tiny_adder_rm", "build_tiny_adder_rm", "char"),
+    "tiny-adder-judge": Builtin("dapo_flow.models.tiny_adder_judge", "build_tiny_adder_judge", "char"),
+    "tiny-agent": Builtin("dapo_flow.models.tiny_agent", "build_tiny_agent", "char"),
 }
 
 
@@ -104,6 +106,53 @@ def model_config(path: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return config if isinstance(config, dict) else None
+
+
+def reads_tokens_of(reader: str, writer: str) -> bool | None:
+    """Whether model ``reader`` reads the token ids model ``writer`` writes as ``writer`` means
+    them: every token of the writer's vocabulary has the same id in the reader's (the reader may
+    add tokens of its own, e.g. a reward model's pad token). Builtins compare their tokenizer
+    families; local directories (and built builtins) their tokenizer.json. None when it cannot
+    be told without loading anything: a directory without a readable tokenizer.json, a builtin
+    not built yet beside a directory."""
+    if reader.startswith(BUILTIN_PREFIX) and writer.startswith(BUILTIN_PREFIX):
+        families = [BUILTINS.get(p[len(BUILTIN_PREFIX):]) for p in (reader, writer)]
+        return None if None in families else families[0].tokenizer == families[1].tokenizer
+    theirs, ours = _token_ids(writer), _token_ids(reader)
+    if theirs is None or ours is None:
+        return None
+    return all(ours.get(token) == i for token, i in theirs.items())
+
+
+def _token_ids(path: str) -> dict[str, int] | None:
+    """token -> id of a model's tokenizer.json (its vocabulary and added tokens), None when there
+    is none to read (a builtin not built yet, another tokenizer format)."""
+    if path.startswith(BUILTIN_PREFIX):
+        name = path[len(BUILTIN_PREFIX):]
+        if name not in BUILTINS or not builtin_dir(name).is_dir():
+            return None
+        path = str(builtin_dir(name))
+    file = Path(path).expanduser() / "tokenizer.json"
+    try:
+        stat = file.stat()
+    except OSError:
+        return None
+    return _tokenizer_json_ids(str(file), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer_json_ids(file: str, mtime_ns: int, size: int) -> dict[str, int] | None:
+    """The ids of one version of a tokenizer.json (the cache key includes its mtime and size:
+    a validate in a long-lived process reads a file changed since)."""
+    try:
+        doc = json.loads(Path(file).read_text(encoding="utf-8"))
+        vocab = doc["model"]["vocab"]
+        # BPE / WordPiece / WordLevel: {token: id}; Unigram: [[piece, score], ...] in id order
+        ids = dict(vocab) if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}
+        ids.update({t["content"]: t["id"] for t in doc.get("added_tokens") or ()})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return ids if all(isinstance(i, int) for i in ids.values()) else None
 
 
 def model_head(path: str, head: str | None = None) -> str:

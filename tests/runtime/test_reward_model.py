@@ -8,6 +8,8 @@ against builtin:tiny-adder-judge alone."""
 from __future__ import annotations
 
 import io
+import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -206,3 +208,30 @@ def test_rl_against_the_generative_verifier_alone_raises_true_accuracy(workdir):
     late_score = np.mean([v for _, v in history["score/mean"][-20:]])
     late_acc = np.mean([v for _, v in history["acc/mean"][-20:]])
     assert abs(late_score - late_acc) < 0.1, (late_score, late_acc)
+
+
+def test_a_scoring_model_with_another_tokenizer_is_a_validate_time_error(workdir, tiny_adder_path):
+    """It would read the policy's token ids as its own: an index error, or worse, nonsense."""
+    other = workdir / "other-tokenizer"
+    shutil.copytree(tiny_adder_path, other)
+    doc = json.loads((other / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    first, second = sorted((t for t in vocab if t not in ("<pad>", "<s>", "</s>", "<unk>")))[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two tokens swap ids
+    (other / "tokenizer.json").write_text(json.dumps(doc))
+    text = _errors(rm_graph(workdir, other, head="lm", reward="{model: rm, output: likelihood}"))
+    assert ("node 'judge' params.reward.model: model 'rm' does not share the tokenizer of 'policy', which "
+            "generated the rows it reads") in text and "use a 'rm' with 'policy''s tokenizer" in text
+    # a reward model that only adds tokens of its own (e.g. a pad token) reads the policy's ids
+    doc["model"]["vocab"] = {**json.loads((Path(tiny_adder_path) / "tokenizer.json").read_text())["model"]["vocab"],
+                             "<extra>": len(vocab)}
+    (other / "tokenizer.json").write_text(json.dumps(doc))
+    compile_graph(rm_graph(workdir, other, head="lm", reward="{model: rm, output: likelihood}"), CLUSTER)
+
+
+def test_builtins_share_a_tokenizer_by_family_and_unreadable_ones_are_not_judged(tmp_path):
+    from dapo_flow.models import reads_tokens_of
+
+    assert reads_tokens_of("builtin:tiny-adder-judge", "builtin:tiny-adder") is True
+    assert reads_tokens_of("builtin:tiny-adder-rm", "builtin:tiny-chat") is False
+    assert reads_tokens_of(str(tmp_path), "builtin:tiny-adder") is None  # no tokenizer.json: not told
