@@ -59,6 +59,11 @@ class _Node:
         """Its `model:`, else the model its params name (contract.node_model)."""
         return node_model(self.cls, self.spec.model, self.params)
 
+    @property
+    def model_path(self) -> PathKey:
+        """Where its model is named: its `model:`, else its op's ``MODEL_PARAM`` in params."""
+        return self.path + (("model",) if self.spec.model is not None else ("params", *self.cls.MODEL_PARAM))
+
 
 def validate(doc: GraphDoc) -> ValidGraph:
     """Check everything; raise one GraphError listing every problem, sorted by line."""
@@ -171,8 +176,7 @@ def _check_models(found: Found, nodes: list[_Node], declared: set[str]) -> None:
         first.setdefault(node.id, node.index)
         model = node.model
         if model is not None and model not in declared:
-            where = ("model",) if node.spec.model is not None else ("params", *node.cls.MODEL_PARAM)
-            found.add(node.path + where, f"model '{model}' is not declared in `models:`",
+            found.add(node.model_path, f"model '{model}' is not declared in `models:`",
                       did_you_mean(model, declared) if declared else "declare it under `models:`")
         if node.cls is None:
             continue
@@ -271,7 +275,7 @@ def _check_heads(found: Found, nodes: list[_Node], heads: dict[str, str]) -> Non
                    f"builtin:tiny-adder-critic}}`, or your policy's path with `head: value`) and name it here")
         else:
             fix = f"name a causal-LM model here (the policy or a reference), not the critic '{model}'"
-        found.add(node.path + ("model",), f"op '{node.spec.op}' needs {HEAD_WORDS[wanted]}, but model "
+        found.add(node.model_path, f"op '{node.spec.op}' needs {HEAD_WORDS[wanted]}, but model "
                   f"'{model}' is {HEAD_WORDS[heads[model]]}", fix)
 
 
@@ -505,21 +509,29 @@ def _check_consistency(found: Found, nodes: list[_Node], graph: nx.DiGraph,
                        order: tuple[str, ...]) -> None:
     """Params that must agree with the nearest generator upstream (each operator says which:
     ``upstream_problems``)."""
-    by_id = {n.id: n for n in reversed(nodes)}
-    position = {nid: k for k, nid in enumerate(order)}
+    nearest = _nearest_generator(nodes, graph, order)
     for node in nodes:
         if node.params is None or not callable(getattr(node.cls, "upstream_problems", None)):
             continue
-        gens = [a for a in nx.ancestors(graph, node.id)
-                if a in by_id and role(by_id[a].cls) == "generate" and by_id[a].params is not None]
-        if not gens:
+        gen = nearest(node.id, with_params=True)
+        if gen is None:
             continue
-        gen = by_id[max(gens, key=position.__getitem__)]
         for field_name, message, fix in upstream_problems(node.cls, node.params, gen.id, gen.params):
             found.add(node.path + ("params", field_name), message, fix)
 
 
+def _nearest_generator(nodes: list[_Node], graph: nx.DiGraph, order: tuple[str, ...]):
+    """``nearest(node_id, with_params=False)``: the node's nearest `generate`-role ancestor (the
+    latest in ``order``; ``with_params``: among those whose params validated), or None."""
+    by_id = {n.id: n for n in reversed(nodes)}
+    position = {nid: k for k, nid in enumerate(order)}
 
+    def nearest(node_id: str, with_params: bool = False) -> _Node | None:
+        gens = [by_id[a] for a in nx.ancestors(graph, node_id) if a in by_id and role(by_id[a].cls) == "generate"
+                and (by_id[a].params is not None or not with_params)]
+        return max(gens, key=lambda g: position[g.id]) if gens else None
+
+    return nearest
 
 
 def _check_tokenizers(found: Found, nodes: list[_Node], graph: nx.DiGraph, order: tuple[str, ...],
@@ -529,22 +541,18 @@ def _check_tokenizers(found: Found, nodes: list[_Node], graph: nx.DiGraph, order
     where both tokenizers can be read without loading anything (``models.reads_tokens_of``)."""
     from dapo_flow.models import reads_tokens_of  # light: json only
 
-    by_id = {n.id: n for n in nodes}
-    position = {nid: k for k, nid in enumerate(order)}
+    nearest = _nearest_generator(nodes, graph, order)
     for node in nodes:
         model = node.model
         if (model not in spec.models or node.params is None or role(node.cls) == "generate"
                 or not uses_model(node.cls, node.params)):
             continue
-        gens = [by_id[a] for a in nx.ancestors(graph, node.id) if a in by_id and role(by_id[a].cls) == "generate"]
-        if not gens:
-            continue
-        writer = max(gens, key=lambda g: position.get(g.id, -1)).model
+        gen = nearest(node.id)
+        writer = gen.model if gen is not None else None
         if writer is None or writer == model or writer not in spec.models:
             continue
         if reads_tokens_of(spec.models[model].path, spec.models[writer].path) is False:
-            where = ("model",) if node.spec.model is not None else ("params", *node.cls.MODEL_PARAM)
-            found.add(node.path + where, f"model '{model}' does not share the tokenizer of '{writer}', which "
+            found.add(node.model_path, f"model '{model}' does not share the tokenizer of '{writer}', which "
                       f"generated the rows it reads: it would read their token ids as tokens of its own",
                       f"use a '{model}' with '{writer}''s tokenizer (e.g. one trained from it), or generate "
                       f"with a model of '{model}''s tokenizer")
