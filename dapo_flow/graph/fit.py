@@ -137,9 +137,7 @@ def _training(plan: Plan, stage: Stage, model: str, shape: ModelShape, update, o
     if train.max_tokens_per_micro_batch:
         rows = max(1, train.max_tokens_per_micro_batch // context)
     else:
-        n = max((getattr(g.params, "n", 1) for g in _generators(plan, model)), default=1)
-        per_worker = math.ceil(plan.spec.run.prompts_per_step * n
-                               / getattr(update.params, "mini_batches", 1) / stage.workers)
+        per_worker = _step_rows_per_worker(plan, stage, model, getattr(update.params, "mini_batches", 1))
         rows = max(1, min(getattr(update.params, "micro_batch_size", per_worker), per_worker))
     budget = estimate_training(
         shape, micro_batch_tokens=rows * context, response_tokens_per_micro_batch=rows * response,
@@ -170,13 +168,19 @@ def _frozen_forward(plan: Plan, stage: Stage, model: str, shape: ModelShape, nod
         return []
     spec = plan.spec.models[model]
     context, response = context_of(plan, model, shape)
-    n = max((getattr(g.params, "n", 1) for g in _generators(plan, model)), default=1)
-    per_worker = math.ceil(plan.spec.run.prompts_per_step * n / stage.workers)
+    per_worker = _step_rows_per_worker(plan, stage, model)
     rows = max(min(_micro_batch_rows(r.params), per_worker) for r in readers)
-    compute = 2 if spec.train.mixed_precision == "bf16" or DTYPE_BYTES[spec.dtype] == 2 else DTYPE_BYTES[spec.dtype]
+    compute = 2 if spec.train.mixed_precision == "bf16" else DTYPE_BYTES[spec.dtype]
     return estimate_forward(shape, micro_batch_tokens=rows * context, response_tokens_per_micro_batch=rows * response,
                             rows_per_micro_batch=rows, compute_bytes=compute,
                             logprob_chunk_tokens=spec.train.logprob_chunk_tokens)
+
+
+def _step_rows_per_worker(plan: Plan, stage: Stage, model: str, parts: int = 1) -> int:
+    """Rows one worker of ``stage`` sees of a step's rows for ``model`` (prompts x the largest
+    group size of the generators it reads), cut into ``parts`` (an update's mini-batches)."""
+    n = max((getattr(g.params, "n", 1) for g in _generators(plan, model)), default=1)
+    return math.ceil(plan.spec.run.prompts_per_step * n / parts / stage.workers)
 
 
 def _micro_batch_rows(params) -> int:
