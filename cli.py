@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from dapo_flow.errors import DapoFlowError
 from dapo_flow.runtime.executors import EXECUTORS
@@ -251,13 +252,19 @@ def _compile(args: argparse.Namespace, cluster=None):
     return _edited(args).compile(cluster)
 
 
+def _line(text: str, *, stderr: bool = False, markup: bool = True) -> None:
+    """Print a one-line status message as one line: rich would fold it at the terminal's width
+    (80 columns when piped), so a long path split "6 nodes" across lines for grep or a script."""
+    Console(stderr=stderr, soft_wrap=True, highlight=False).print(text, markup=markup)
+
+
 def _validate(args: argparse.Namespace) -> int:
     edited = _edited(args)
     placed = edited.compile(_cluster(args))
     p = placed.plan
     edits = f" with {len(edited.edits)} edit(s)" if edited.edits else ""
-    Console().print(f"[green]ok[/]: {args.graph}{edits}: graph '{p.spec.name}', {len(p.nodes)} nodes, "
-                    f"{len(placed.stages)} stages", highlight=False)
+    _line(f"[green]ok[/]: {escape(args.graph)}{edits}: graph '{p.spec.name}', {len(p.nodes)} nodes, "
+          f"{len(placed.stages)} stages")
     if args.effective:
         sys.stdout.write(edited.yaml())
     return 0
@@ -274,7 +281,7 @@ def _graph(args: argparse.Namespace) -> int:
     from dapo_flow.graph.drawing import draw
 
     out = draw(_compile(args), args.out)
-    Console().print(f"wrote {out}", highlight=False)
+    _line(f"wrote {out}", markup=False)
     return 0
 
 
@@ -303,8 +310,8 @@ def _export(args: argparse.Namespace) -> int:
     from dapo_flow.runtime.export import export
 
     step, model, at = export(Path(args.checkpoint).expanduser(), Path(args.out), args.model)
-    Console(highlight=False).print(f"wrote {args.out}: model '{model}' at step {at} of {step} (Hugging Face "
-                                   f"format; point a graph's path: at it)", markup=False)
+    _line(f"wrote {args.out}: model '{model}' at step {at} of {step} (Hugging Face format; point a graph's "
+          f"path: at it)", markup=False)
     return 0
 
 
@@ -381,7 +388,7 @@ def _models_build(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise DapoFlowError(f"the model builder is not available: {exc}") from None
     path = build_builtin(args.name, force=args.force)
-    Console().print(f"built {args.name} at {path}", highlight=False)
+    _line(f"built {args.name} at {path}", markup=False)
     return 0
 
 
@@ -395,8 +402,7 @@ def _ui(args: argparse.Namespace) -> int:
     open_store(uri)  # create or migrate it under the store's lock, not racing a starting run
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
            "--host", "127.0.0.1", "--port", str(args.port), "--workers", "1"]
-    Console(stderr=True).print(f"MLflow UI on http://127.0.0.1:{args.port}  (store: {uri})",
-                               highlight=False)
+    _line(f"MLflow UI on http://127.0.0.1:{args.port}  (store: {uri})", stderr=True, markup=False)
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     return _run_owned(cmd, env)
 

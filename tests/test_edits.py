@@ -268,11 +268,15 @@ def test_unknown_flag_in_edit_string():
 # --- CLI ----------------------------------------------------------------------------------
 
 
-def test_cli_validate_explain_graph_with_edits(capsys, tmp_path):
+def test_cli_validate_explain_graph_with_edits(capsys, tmp_path, monkeypatch):
+    # a terminal narrower than the message, as a long checkout path makes it: the status line
+    # stays one line (rich used to fold it, "6 \nnodes", when the clone's path was long)
+    monkeypatch.setenv("COLUMNS", "20")
     flags = ["--set", "train.lr=5e-4", "--drop", "overlong", "--set", "adv.reward_column=score"]
     assert cli.main(["validate", DAPO, *flags, "--effective"]) == 0
     out = capsys.readouterr().out
-    assert "with 3 edit(s)" in out and "6 nodes" in out and "#   --drop overlong" in out
+    assert out.splitlines()[0] == f"ok: {DAPO} with 3 edit(s): graph 'dapo', 6 nodes, 2 stages"
+    assert "#   --drop overlong" in out
     assert cli.main(["explain", DAPO, "--cpus", "2", *flags]) == 0
     out = capsys.readouterr().out
     assert "overlong" not in out and "lr=0.0005" in out
