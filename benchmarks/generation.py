@@ -1,6 +1,6 @@
 """Rollout generation: dapo-flow's `generate` stage against vLLM called directly, in tokens/s.
 
-What it times (issue 13): one generate call, P prompts x n samples x max_tokens, two ways, in one
+What it times: one generate call, P prompts x n samples x max_tokens, two ways, in one
 process and one run, interleaved:
 
 - dapo-flow: the rollout stage of a compiled graph (``placement: disaggregated``: the `generate`

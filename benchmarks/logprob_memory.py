@@ -1,6 +1,6 @@
 """Token logprobs + entropy of a linear LM head, forward and backward: naive against chunked, one run.
 
-What it measures (issue 14, item 3): the peak memory and the time of one training-style call of
+What it measures: the peak memory and the time of one training-style call of
 
 - naive: ``logits = linear(hidden, weight).float() / temperature`` for every position at once,
   then ``logprobs_from_logits`` and ``entropy_from_logits`` on those float32 (tokens, vocab)
@@ -37,18 +37,18 @@ CPU) after the warm-up, forward and backward apart and together (CUDA synchronis
 results: both workers save logp, entropy and both gradients of their last call, and this
 process prints the max |naive - chunked| of each.
 
-Size: the issue's is 16 rows x 1024 tokens (16384 positions; the default on CUDA, bfloat16
+Size: the target is 16 rows x 1024 tokens (16384 positions; the default on CUDA, bfloat16
 hidden states and head as a GPU model runs). Its naive float32 logits are 10 GB alone and the
 naive call's peak ~7.5x that (``dapo_flow.graph.memory.LOGITS_PEAK_BUFFERS_ENTROPY``): it cannot
-run on a CPU box with tens of GiB. On CPU the default keeps the issue's 16 rows and halves the
+run on a CPU box with tens of GiB. On CPU the default keeps the target's 16 rows and halves the
 tokens per row from 1024 until the naive peak estimate fits ``CPU_NAIVE_CAP`` (6 GiB) and
 ``--max-gib``: 16 x 64 at this vocabulary, float32 (the dtype HFPolicy trains in on CPU).
 Before the naive worker starts its peak is estimated, and it is skipped (the chunked one still
 runs) when the estimate exceeds ``--max-gib`` (default: 60% of MemAvailable on CPU, the free
 device memory on CUDA). ``--chunk-tokens`` defaults to one row's tokens (``--tokens``): 1024 at
-the issue's size, 1/16 of the positions, the same fraction at the CPU default. The library's own
+the target size, 1/16 of the positions, the same fraction at the CPU default. The library's own
 default is None (no chunking); the 7B recipe sets 4096 for 20480-token micro-batches.
-Targets from the issue: chunked peak <= 25% of naive, chunked time <= 1.2x naive.
+Targets: chunked peak <= 25% of naive, chunked time <= 1.2x naive.
 
 Run: python benchmarks/logprob_memory.py [--quick] [--json PATH] [--rows R --tokens T]
      [--chunk-tokens C] [--dtype D] [--reps N] [--max-gib G] [--threads N] [--entropy-metric-only]
@@ -287,7 +287,7 @@ def choose_size(args: argparse.Namespace, budget: int | None) -> str:
         elif args.device == "cuda":
             args.rows = args.rows or ISSUE_ROWS
             args.tokens = args.tokens or ISSUE_TOKENS
-            why = "the issue's size (CUDA default)"
+            why = "the target size (CUDA default)"
         else:
             args.rows = args.rows or ISSUE_ROWS
             cap = min(CPU_NAIVE_CAP, budget or CPU_NAIVE_CAP)
@@ -296,7 +296,7 @@ def choose_size(args: argparse.Namespace, budget: int | None) -> str:
             while tokens > 1 and naive_estimate(args.rows * tokens, args.vocab, args.hidden, args.dtype) > cap:
                 tokens //= 2
             args.tokens = args.tokens or tokens
-            why = (f"CPU default: the issue's {ISSUE_ROWS} x {ISSUE_TOKENS} would need ~{full / GiB:.0f} GiB for the "
+            why = (f"CPU default: the target's {ISSUE_ROWS} x {ISSUE_TOKENS} would need ~{full / GiB:.0f} GiB for the "
                    f"naive call (10 GB of float32 logits, ~7.5 such buffers at its backward); its {args.rows} rows "
                    f"kept, tokens per row halved until the naive estimate fits {cap / GiB:.1f} GiB")
     if args.chunk_tokens is None:

@@ -1,14 +1,15 @@
 """Weight sync trainer -> vLLM rollout engine: the streamed path against the disk path and a floor.
 
-What it times (issue 13): after every update dapo-flow copies the trainer's weights (an
+What it times: after every update dapo-flow copies the trainer's weights (an
 ``HFPolicy``) into the rollout engine (a ``VLLMGenerator``, in-process, tensor_parallel 1). One
 sync, three ways, in one process and one run:
 
 - new (streamed): ``gen.load_weights(policy.iter_weights())``: (name, tensor) pairs, views of the
   trainer's own weights, streamed into the in-process worker's ``reload_weights``; no file, no
   copy of the model.
-- old (disk): the path before issue 13, reproduced as it was (``VLLMGenerator.load_weights`` of
-  commit b0bb795, and still ``_load_through_disk`` for tensor-parallel engines):
+- old (disk): the disk path an earlier version used, reproduced as it was
+  (``VLLMGenerator.load_weights`` of commit b0bb795, and still ``_load_through_disk`` for
+  tensor-parallel engines):
   ``policy.named_weights()`` (float32 numpy copies of every weight, ``lm_head.weight`` included
   when tied) -> ``safetensors.numpy.save_file`` into the engine's sync directory (a staging name,
   then ``os.replace``) -> ``collective_rpc("reload_weights", weights_path=DIR)`` ->
@@ -25,7 +26,7 @@ during the sync; peak minus the value just before (after ``gc.collect()`` and gl
 allocation), the largest over the repetitions. VmRSS counts file pages the process maps (the
 disk path's loader reads the safetensors file through mmap); RssAnon is allocations only.
 Reported in bytes, MiB and as a multiple of the model's bytes (unique parameters; tied
-embeddings once). Targets from the issue: streamed <= 2x the floor in time, and peak extra <=
+embeddings once). Targets: streamed <= 2x the floor in time, and peak extra <=
 2 "buckets" (here about one tensor, the largest: the embedding, since pairs come one at a time).
 Also printed: the anon memory still held right after the sync (before the trim: glibc keeps
 freed heap chunks), and one more streamed sync with vLLM's per-layer processing and its oneDNN
@@ -166,8 +167,8 @@ def sync_new(policy, gen) -> None:
 
 
 def sync_old(policy, gen) -> None:
-    """The disk path as ``VLLMGenerator.load_weights(policy.named_weights())`` ran it before
-    issue 13 (commit b0bb795)."""
+    """The disk path as ``VLLMGenerator.load_weights(policy.named_weights())`` ran it at
+    commit b0bb795."""
     import numpy as np
     from safetensors.numpy import save_file
 

@@ -7,7 +7,7 @@ OpenMP) and numpy's OpenBLAS each keep a thread pool, and on a small box they fi
   (one libgomp per process). From then on every torch op that runs MKL inside its own parallel
   region (SDPA: at::parallel_for -> sgemm) opens a second level of threads: 4 threads on 2
   cores, spinning at each other's barriers. The test suite ran 27 minutes instead of 20 s in
-  one test that way (issue 10).
+  one test that way (benchmarks/README.md, "Threads").
 - vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op in its process, so every
   later "one thread here" silently did nothing.
 

@@ -1,9 +1,11 @@
 """Executors: where stage workers live. `local` keeps them in this process (debugging,
 fast tests); `ray` makes each actor stage a long-lived Ray actor for the whole run.
 
-Each satisfies :class:`Executor`: `call(stage, method, *args) -> handle`, `get(handle)`,
-`shutdown()`. A local handle is the finished value; a Ray handle is an ObjectRef, so the
-driver can queue work on an actor and keep going (streaming). :data:`EXECUTORS` is the
+Each satisfies :class:`Executor`: built with ``(graph, setups, seed, resources, address=None)``,
+it has a ``name``, ``read_parquet`` and ``stream_parquet`` (callables, or None: the driver reads),
+`call(stage, method, *args) -> handle`, `rows(...)` (a row call whose table stays where it is
+made), `fetch(table)`, `get(handle)` and `shutdown()`. A local handle is the finished value; a
+Ray handle is an ObjectRef, so the driver can queue work on an actor and keep going (streaming). :data:`EXECUTORS` is the
 registry `--executor` chooses from: adding one is a class plus one line there.
 """
 
@@ -184,7 +186,7 @@ def connect_ray(address: str | None) -> bool:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray starts its workers at nice 15 (to keep its own daemons responsive). Our
     # actors ARE the job: at nice 15 beside any nice-0 process (another job, a busy
-    # loop) an actor gets ~3% of a core and a step ran 25-50x slower (issue 10).
+    # loop) an actor gets ~3% of a core (benchmarks/actor_priority.py: 44.9x slower).
     # The raylet reads this when it starts, so it only applies to a cluster we start.
     os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(

@@ -1,4 +1,4 @@
-"""Tools a model calls during a multi-turn rollout (issue 16), and the call formats it writes.
+"""Tools a model calls during a multi-turn rollout (``agent-generate``), and the call formats it writes.
 
 - :mod:`~dapo_flow.tools.base`: the :class:`Tool` Protocol (after verl's ``BaseTool``),
   :class:`ToolResult`, :func:`error_result`, and :class:`ToolSpec`, one entry of an agent
