@@ -1,26 +1,35 @@
-"""Shared fixtures."""
+"""Shared fixtures, the session's thread budget, and the built-in models it builds ahead."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
+import model_builds
 from dapo_flow import threads
+
+
+def session_threads() -> int:
+    """Threads per test process: the cores shared among the session's workers (pytest-xdist
+    runs one process per core; each computing on every core would oversubscribe them)."""
+    return max(1, threads.cpu_count() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def pytest_configure(config) -> None:
     """One thread budget for the whole session, nesting off, numba on its own pool: before any
     test imports torch's users, numba or vLLM (issue 10: nested OpenMP after a vLLM engine and the
     numba kernels ran in one process made one test take 27 minutes instead of 20 s)."""
-    threads.configure(threads.cpu_count())
+    threads.configure(session_threads())
 
 
 @pytest.fixture(autouse=True)
 def _thread_budget():
     """Every test starts from the session's budget: a test (or an in-process vLLM engine, or
     numba's OpenMP layer) that changed torch's count or turned nesting on does not leak it."""
-    threads.configure(threads.cpu_count())
+    threads.configure(session_threads())
     yield
 
 
@@ -34,3 +43,56 @@ def tiny_adder_path() -> Path:
     from dapo_flow.models import resolve_model
 
     return resolve_model("builtin:tiny-adder", progress=False)
+
+
+@pytest.fixture(scope="session")
+def short_tiny_chat_dir(tmp_path_factory) -> Path:
+    """A tiny-chat built by :func:`short_tiny_chat`'s recipe (seconds)."""
+    from dapo_flow.models import tiny_chat
+
+    return tiny_chat.build_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), progress=False, recipe=short_tiny_chat())
+
+
+def short_tiny_chat():
+    """tiny-chat's recipe cut to a few steps: the shipped model's directory, tokenizer and shapes,
+    for tests that do not need what its ~7-minute warm start teaches."""
+    import dataclasses
+
+    from dapo_flow.models import tiny_chat
+
+    return dataclasses.replace(tiny_chat.RECIPE, steps=4, batch_size=8, eval_prompts=4, eval_samples_per_prompt=2)
+
+
+_LANES: list = []
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Start the builds of the built-in models the selected tests read and the cache lacks (in
+    background lanes: ``model_builds``), and order the tests by when the models they read are
+    built (none first, the longest build's last), slow tests first among equals. The order depends on
+    the markers alone, not on the cache, so every pytest-xdist worker collects the same one."""
+    def needs(item) -> set[str]:
+        names = {n for mark in item.iter_markers("models") for n in mark.args}
+        return names | ({"tiny-adder"} if "tiny_adder_path" in item.fixturenames else set())
+
+    wanted = [needs(item) for item in items]
+    every = set().union(*wanted) if wanted else set()
+    all_lanes = model_builds.plan_lanes(sorted(every))
+    order = {id(item): (model_builds.ready_at(w, all_lanes), item.get_closest_marker("slow") is None)
+             for item, w in zip(items, wanted)}
+    items.sort(key=lambda item: order[id(item)])
+
+    lanes = model_builds.plan_lanes(model_builds.missing(every))
+    if not lanes:
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":  # one process starts them
+        _LANES.extend(model_builds.start_lanes(lanes, Path(tempfile.gettempdir()) / "dapo-flow-test-builds"))
+    model_builds.step_back()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """A session cut short stops its builds (a build's lock dies with it; its temp dir goes)."""
+    for proc in _LANES:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()

@@ -120,6 +120,7 @@ def test_readme_chat_figures_are_parsed():
 
 
 @pytest.mark.slow
+@pytest.mark.models("tiny-chat")
 @pytest.mark.timeout(2400)  # a fresh machine first builds tiny-chat (~6-11 min on 2 cores), then runs ~2.5-5 min
 def test_dapo_chat_graph_learns_as_the_readme_says(tmp_path, monkeypatch):
     """graphs/dapo-chat.yaml (builtin:tiny-chat on builtin:chain, built on first use: ~5-10 min
@@ -153,6 +154,7 @@ def test_readme_agent_figures_are_parsed():
 
 
 @pytest.mark.slow
+@pytest.mark.models("tiny-agent")
 @pytest.mark.timeout(1200)  # a fresh machine first builds tiny-agent (~1.5 min), then ~1.5 min of run
 def test_agent_graph_learns_to_call_the_calculator_as_the_readme_says(tmp_path, monkeypatch):
     """graphs/agent.yaml (builtin:tiny-agent on builtin:tool-arith, a multi-turn rollout with the

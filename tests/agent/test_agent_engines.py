@@ -17,6 +17,8 @@ from dapo_flow.models.hf import HFPolicy
 from dapo_flow.models.sampling import SamplingConfig
 from dapo_flow.tools.calculator import Calculator
 
+pytestmark = pytest.mark.models("tiny-agent")
+
 PROMPTS = 16
 N = 4
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from dapo_flow.agent.observations import Observations
-from dapo_flow.models import resolve_model
 from dapo_flow.models.tokenizer import build_char_tokenizer
 from dapo_flow.tools.calls import CALL_FORMATS
 
@@ -16,10 +15,10 @@ def test_compact_observations_are_result_blocks():
     assert obs.tokens(["42"]) == tok.encode("<result>42</result>", add_special_tokens=False)
 
 
-def test_hermes_observations_follow_the_chat_template():
+def test_hermes_observations_follow_the_chat_template(short_tiny_chat_dir):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(resolve_model("builtin:tiny-chat")))  # ChatML
+    tok = AutoTokenizer.from_pretrained(str(short_tiny_chat_dir))  # tiny-chat's ChatML tokenizer
     obs = Observations(CALL_FORMATS["hermes"], tok, use_chat_template=True)
     # the model's turn ended with <|im_end|>: the template's newline, the tool turns, the next header
     assert obs.text(["R1", "R2"], ended_with="<|im_end|>") == (

@@ -64,6 +64,7 @@ def test_a_causal_lm_loaded_as_such_has_no_values(tiny_adder_path):
         policy.response_values([[1, 2]], [[3]])
 
 
+@pytest.mark.models("tiny-adder-critic")
 def test_builtin_critic_is_the_policys_backbone_under_a_zero_value_head(tiny_adder_path):
     critic_dir = resolve_model("builtin:tiny-adder-critic", progress=False)
     config = json.loads((critic_dir / "config.json").read_text())

@@ -31,6 +31,8 @@ from dapo_flow.runtime.resume import checkpoint_root
 from dapo_flow.tracking import read_run
 from operators.advantage import Advantage, Params as AdvantageParams
 
+pytestmark = pytest.mark.models("tiny-adder-critic")
+
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = Cluster(cpus=2)
 

@@ -91,6 +91,7 @@ def test_a_remax_graph_runs(workdir):
 
 
 @pytest.mark.slow
+@pytest.mark.models("tiny-chat")
 @pytest.mark.timeout(2400)  # a fresh machine first builds tiny-chat (~6-11 min on 2 cores), then ~3 min
 def test_the_remax_graph_learns(workdir):
     """graphs/remax.yaml on Ray (tiny-chat on the chain task) raises val acc by >= 10 points

@@ -187,6 +187,7 @@ def test_a_causal_lm_judges_in_its_own_actor(workdir, tiny_adder_path):
 
 
 @pytest.mark.slow
+@pytest.mark.models("tiny-adder-rm")
 @pytest.mark.timeout(1200)  # builds builtin:tiny-adder-rm on first use (~3.5 min on 2 cores)
 def test_rl_with_the_builtin_reward_model_raises_true_accuracy(workdir):
     """graphs/rm.yaml (rule + the reward model's probability): the rule-graded val acc rises."""
@@ -196,6 +197,7 @@ def test_rl_with_the_builtin_reward_model_raises_true_accuracy(workdir):
 
 
 @pytest.mark.slow
+@pytest.mark.models("tiny-adder-judge")
 @pytest.mark.timeout(1200)  # builds builtin:tiny-adder-judge on first use (~3.5 min on 2 cores)
 def test_rl_against_the_generative_verifier_alone_raises_true_accuracy(workdir):
     """graphs/judge.yaml: the policy is scored by builtin:tiny-adder-judge alone (the rule only
