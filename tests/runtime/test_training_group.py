@@ -6,6 +6,7 @@ unsharded and unsharded 1 -> 2 continue exactly as the run that did not move."""
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -119,8 +120,10 @@ def test_two_workers_make_the_update_one_worker_makes(ray_cluster, tiny_adder_pa
         import ray
 
         # Ray starts workers at nice 15; ours do the run's work and must not yield to every
-        # other process on the box (a step ran 25-50x slower beside one busy loop)
-        assert ray.get([m.niceness.remote() for m in two.groups[STAGE].members]) == [0, 0]
+        # other process on the box (a step ran 25-50x slower beside one busy loop): they run at
+        # nice 0, or at the driver's own niceness where the OS does not let them go lower
+        driver = os.getpriority(os.PRIO_PROCESS, 0)
+        assert ray.get([m.niceness.remote() for m in two.groups[STAGE].members]) in ([0, 0], [driver, driver])
         two_metrics, two_weights = _train(two, BATCHES), _weights(two)
         if strategy == "ddp":  # the replicas stayed identical: each one's weights, not just rank 0's
             replicas = ray.get([m.export_weights.remote("policy") for m in two.groups[STAGE].members])
