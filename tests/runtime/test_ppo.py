@@ -29,6 +29,7 @@ from dapo_flow.runtime import checkpoint, execute
 from dapo_flow.runtime.loop import Runner
 from dapo_flow.runtime.resume import checkpoint_root
 from dapo_flow.tracking import read_run
+from figures import assert_learned, results_row
 from operators.advantage import Advantage, Params as AdvantageParams
 
 pytestmark = pytest.mark.models("tiny-adder-critic")
@@ -177,10 +178,10 @@ def test_gae_advantage_node_is_algos_gae_on_the_last_token_rewards():
 
 @pytest.mark.slow
 def test_the_ppo_graph_learns(workdir):
-    """graphs/ppo.yaml as `dapo-flow run` runs it (in process): val acc rises and the critic's
-    values follow the reward."""
-    summary = execute(compile_graph(ROOT / "graphs" / "ppo.yaml", CLUSTER), executor="local", console=_quiet())
-    assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.06, summary
+    """graphs/ppo.yaml as `dapo-flow run` runs it (on Ray): val acc rises as docs/results.md
+    says, and the critic's values follow the reward."""
+    summary = execute(compile_graph(ROOT / "graphs" / "ppo.yaml", CLUSTER), executor="ray", console=_quiet())
+    assert_learned(summary, results_row("ppo"), "graphs/ppo.yaml val acc start -> end")
     history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
     late_values = np.mean([v for s, v in history["critic/values_mean"] if s > 80])
     late_acc = np.mean([v for s, v in history["batch/acc_mean"] if s > 80])

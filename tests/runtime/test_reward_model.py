@@ -28,6 +28,7 @@ from dapo_flow.models.heads import value_head
 from dapo_flow.models.hf import HFPolicy
 from dapo_flow.runtime import execute
 from dapo_flow.tracking import read_run
+from figures import assert_learned, results_row
 from operators.score import Params, Score
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,10 +191,11 @@ def test_a_causal_lm_judges_in_its_own_actor(workdir, tiny_adder_path):
 @pytest.mark.models("tiny-adder-rm")
 @pytest.mark.timeout(1200)  # builds builtin:tiny-adder-rm on first use (~3.5 min on 2 cores)
 def test_rl_with_the_builtin_reward_model_raises_true_accuracy(workdir):
-    """graphs/rm.yaml (rule + the reward model's probability): the rule-graded val acc rises."""
-    summary = execute(compile_graph(ROOT / "graphs" / "rm.yaml", CLUSTER), executor="local",
+    """graphs/rm.yaml on Ray (rule + the reward model's probability): the rule-graded val acc
+    rises as docs/results.md says."""
+    summary = execute(compile_graph(ROOT / "graphs" / "rm.yaml", CLUSTER), executor="ray",
                       console=Console(file=io.StringIO()))
-    assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.05, summary
+    assert_learned(summary, results_row("rm"), "graphs/rm.yaml val acc start -> end")
 
 
 @pytest.mark.slow
@@ -203,9 +205,9 @@ def test_rl_against_the_generative_verifier_alone_raises_true_accuracy(workdir):
     """graphs/judge.yaml: the policy is scored by builtin:tiny-adder-judge alone (the rule only
     measures), and the rule-graded val acc rises; the reward it gets rises with it, with no gap
     opening between what the judge pays and what the rule says (no hacking)."""
-    summary = execute(compile_graph(ROOT / "graphs" / "judge.yaml", CLUSTER), executor="local",
+    summary = execute(compile_graph(ROOT / "graphs" / "judge.yaml", CLUSTER), executor="ray",
                       console=Console(file=io.StringIO()))
-    assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.05, summary
+    assert_learned(summary, results_row("judge"), "graphs/judge.yaml val acc start -> end")
     history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
     late_score = np.mean([v for _, v in history["score/mean"][-20:]])
     late_acc = np.mean([v for _, v in history["acc/mean"][-20:]])
