@@ -114,13 +114,19 @@ class LocalExecutor:
         self.workers.clear()
 
 
+#: The niceness of the driver that started the cluster, which its Ray workers inherit in their
+#: environment: the job's own priority (0 unless the user ran it under `nice`).
+DRIVER_NICENESS = "DAPO_FLOW_DRIVER_NICENESS"
+
+
 def normal_priority() -> int:
-    """Bring this process back to nice 0 when it runs nicer (Ray starts workers at nice 15), as
-    far as the OS lets it (raising priority needs CAP_SYS_NICE); the niceness it ends with."""
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    if current > 0:
+    """Bring this process back to the job's priority when it runs nicer (Ray starts workers at
+    nice 15): the niceness of the driver that started the cluster, else 0; as far as the OS lets
+    it (raising priority needs CAP_SYS_NICE). Returns the niceness it ends with."""
+    target = int(os.environ.get(DRIVER_NICENESS, "0"))
+    if os.getpriority(os.PRIO_PROCESS, 0) > target:
         try:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
+            os.setpriority(os.PRIO_PROCESS, 0, target)
         except OSError:
             pass
     return os.getpriority(os.PRIO_PROCESS, 0)
@@ -132,7 +138,7 @@ class ActorStageWorker(StageWorker):
 
     def __init__(self, graph: GraphSpec, setup: StageSetup, seed: int):
         self.nice = normal_priority()
-        if self.nice > 0:
+        if self.nice > int(os.environ.get(DRIVER_NICENESS, "0")):
             import warnings
 
             warnings.warn(
@@ -189,6 +195,7 @@ def connect_ray(address: str | None) -> bool:
     # loop) an actor gets ~3% of a core (benchmarks/actor_priority.py: 44.9x slower).
     # The raylet reads this when it starts, so it only applies to a cluster we start.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ[DRIVER_NICENESS] = str(os.getpriority(os.PRIO_PROCESS, 0))  # workers inherit it
     ray.init(
         # a cluster of our own unless one is named: Ray would otherwise join the one
         # recorded in /tmp/ray/ray_current_cluster, which outlives a killed cluster and

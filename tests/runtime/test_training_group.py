@@ -121,7 +121,8 @@ def test_two_workers_make_the_update_one_worker_makes(ray_cluster, tiny_adder_pa
 
         # Ray starts workers at nice 15; ours do the run's work and must not yield to every
         # other process on the box (a step ran 25-50x slower beside one busy loop): they run at
-        # nice 0, or at the driver's own niceness where the OS does not let them go lower
+        # the priority of the driver that started the cluster (nice 0 unless run under `nice`;
+        # this test's own ray.init does not record it, so 0 as root)
         driver = os.getpriority(os.PRIO_PROCESS, 0)
         assert ray.get([m.niceness.remote() for m in two.groups[STAGE].members]) in ([0, 0], [driver, driver])
         two_metrics, two_weights = _train(two, BATCHES), _weights(two)
