@@ -1,14 +1,16 @@
 """The memory estimator (dapo_flow/graph/memory.py): parameter counts against real transformers
 models, and estimates against the measured peak of real training micro-batches on CPU.
 
-Measuring: each run is a fresh subprocess (this file run as a script). RSS is what torch's CPU
-allocations show up in (malloc), so the peak is VmHWM from /proc/self/status, reset with
-/proc/self/clear_refs just before the model is built. glibc's mmap threshold is fixed at 64 KiB
-so freed tensors go back to the OS at once (its default raises the threshold after the first
-free, keeping freed memory in the heap: that slack is the allocator's, not the estimate's, and
-a GPU's caching allocator has its own). One warm-up step of the same configuration runs first
-and is deleted, so one-time allocations (MKL's GEMM buffers, ~16 MiB, kept for the process's
-life like cuBLAS's workspace) fall in the baseline. docs/memory.md has the figures.
+Measuring: in a subprocess (this file run as a script), one per batch of cases (BATCHES), that
+imports torch and transformers once and forks a process of its own for each case, so each starts
+from a fresh process's state. RSS is what torch's CPU allocations show up in (malloc), so the
+peak is VmHWM from /proc/self/status, reset with /proc/self/clear_refs just before the model is
+built. glibc's mmap threshold is fixed at 64 KiB so freed tensors go back to the OS at once (its
+default raises the threshold after the first free, keeping freed memory in the heap: that slack
+is the allocator's, not the estimate's, and a GPU's caching allocator has its own). One warm-up
+step of the same configuration runs first and is deleted, so one-time allocations (MKL's GEMM
+buffers, ~16 MiB, kept for the process's life like cuBLAS's workspace) fall in the baseline.
+docs/memory.md has the figures.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ WIDE_VOCAB = dict(vocab_size=32000, hidden_size=128, intermediate_size=512, num_
                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
 
 
-# --- the measured side: runs in a subprocess (`python tests/test_memory.py '{...}'`) -------------
+# --- the measured side: runs in a subprocess (`python tests/test_memory.py '[{...}, ...]'`) ------
 
 def _status(key: str) -> int:
     """Bytes of a /proc/self/status field (VmRSS, VmHWM)."""
@@ -151,29 +153,46 @@ def _measure_forward(args: dict, build, batches) -> dict:
                 response_tokens=int(batches[0][1].numel()), params=sum(p.numel() for p in model.parameters()))
 
 
-def measure(config: dict, *, rows: int = 4, prompt: int = 64, response: int = 192,
-            checkpointing: bool = False, pad: bool = False, dtype: str = "float32",
-            entropy_coef: float = 0.0, chunk: int | None = None, mixed_precision: str | None = None,
-            forward: bool = False) -> dict:
-    args = dict(config=config, rows=rows, prompt=prompt, response=response, checkpointing=checkpointing,
+def _case(config: dict, *, rows: int = 4, prompt: int = 64, response: int = 192, checkpointing: bool = False,
+          pad: bool = False, dtype: str = "float32", entropy_coef: float = 0.0, chunk: int | None = None,
+          mixed_precision: str | None = None, forward: bool = False, phase: str | None = None,
+          within: float | None = None) -> dict:
+    """What :func:`_measure` runs (and :func:`estimate` prices) for one measured case, the moment
+    its estimate must peak at (None: any) and how close to the measured peak it must be (default:
+    CLOSE for training, TOLERANCE for a frozen forward)."""
+    return dict(config=config, rows=rows, prompt=prompt, response=response, checkpointing=checkpointing,
                 pad=pad, dtype=dtype, entropy_coef=entropy_coef, chunk=chunk, mixed_precision=mixed_precision,
-                forward=forward)
+                forward=forward, phase=phase, within=within if within is not None else TOLERANCE if forward else CLOSE)
+
+
+def measure(cases: list[dict]) -> list[dict]:
+    """The peaks of ``cases``, measured one after another from one fresh subprocess (a process
+    costs seconds of imports; each case is still measured in a process of its own)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-W", "ignore", __file__, json.dumps(args)], env=env, cwd=REPO,
+    proc = subprocess.run([sys.executable, "-W", "ignore", __file__, json.dumps(cases)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def estimate(config: dict, measured: dict, *, checkpointing: bool = False, rows: int = 4, pad: bool = False,
-             dtype: str = "float32", entropy_coef: float = 0.0, chunk: int | None = None,
-             mixed_precision: str | None = None) -> Budget:
-    return estimate_training(ModelShape.from_config(config), micro_batch_tokens=measured["tokens"], dtype=dtype,
-                             mixed_precision=mixed_precision,
-                             entropy_in_loss=entropy_coef > 0, logprob_chunk_tokens=chunk,
+def estimate(args: dict, measured: dict) -> Budget:
+    """The training estimate of the settings ``args`` measured, for its measured token counts."""
+    return estimate_training(ModelShape.from_config(args["config"]), micro_batch_tokens=measured["tokens"],
+                             dtype=args["dtype"], mixed_precision=args["mixed_precision"],
+                             entropy_in_loss=args["entropy_coef"] > 0, logprob_chunk_tokens=args["chunk"],
                              response_tokens_per_micro_batch=measured["response_tokens"],
-                             grad_checkpointing=checkpointing, rows_per_micro_batch=rows, padded=pad, on_gpu=False)
+                             grad_checkpointing=args["checkpointing"], rows_per_micro_batch=args["rows"],
+                             padded=args["pad"], on_gpu=False)
+
+
+def estimate_frozen(args: dict, measured: dict) -> Budget:
+    """A frozen model's forward estimate of the settings ``args`` measured."""
+    return Budget("forward", tuple(estimate_forward(
+        ModelShape.from_config(args["config"]), micro_batch_tokens=measured["tokens"],
+        response_tokens_per_micro_batch=measured["response_tokens"], rows_per_micro_batch=args["rows"],
+        padded=args["pad"], compute_bytes=2 if args["dtype"] == "bfloat16" else 4,
+        logprob_chunk_tokens=args["chunk"])))
 
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
@@ -296,12 +315,15 @@ def test_chunked_logprobs_bound_the_logits_and_are_the_first_fix():
     chunked = estimate_training(shape, logprob_chunk_tokens=1024, **common)
     terms = {t.name: t for t in chunked.terms}
     assert "logits kept by the entropy graph" not in terms
-    assert terms["logits of one chunk and their gradients (float32)"].bytes == 5 * 1024 * 152064 * 4
+    # 4 buffers of the logits (a chunk's, or all of them), not 5: logsumexp's own chunks (110 rows of
+    # this vocabulary) are a tenth of a chunk, and two of the 5 are its backward's temporaries
+    assert terms["logits of one chunk and their gradients (float32)"].bytes == 4 * 1024 * 152064 * 4
+    assert {t.name: t.bytes for t in whole.terms}["logits and their gradients (float32)"] == 4 * 2 * 20480 * 152064 * 4
     assert terms["logits of one chunk and their gradients (float32)"].fix == "a smaller train.logprob_chunk_tokens"
-    assert chunked.total < whole.total / 3 and chunked.fits(80 * GiB) is None
+    assert chunked.total < whole.total / 2.5 and chunked.fits(80 * GiB) is None
     assert chunked.peak_phase() == LAYER_BACKWARD  # a recomputed layer: the logits are no longer the peak
     one_chunk = {t.name: t.bytes for t in estimate_training(shape, logprob_chunk_tokens=10**9, **common).terms}
-    assert one_chunk["logits of one chunk and their gradients (float32)"] == 5 * 2 * 20480 * 152064 * 4
+    assert one_chunk["logits of one chunk and their gradients (float32)"] == 4 * 2 * 20480 * 152064 * 4
     with pytest.raises(ValueError, match="logprob_chunk_tokens"):
         estimate_training(shape, logprob_chunk_tokens=0, **common)
 
@@ -349,81 +371,110 @@ def test_bad_settings_are_errors():
 
 # --- measured against real training micro-batches (CPU, float32, one worker) -------------------
 
-def _check(config: dict, measured_args: dict, tolerance: float = 0.25) -> tuple[Budget, dict]:
-    """The estimate within ``tolerance`` of the measured peak; both returned."""
-    measured = measure(config, **measured_args)
-    budget = estimate(config, measured, checkpointing=measured_args.get("checkpointing", False),
-                      rows=measured_args.get("rows", 4), pad=measured_args.get("pad", False),
-                      dtype=measured_args.get("dtype", "float32"),
-                      entropy_coef=measured_args.get("entropy_coef", 0.0), chunk=measured_args.get("chunk"),
-                      mixed_precision=measured_args.get("mixed_precision"))
-    ratio = budget.total / measured["peak"]
-    print(f"{measured['params']} params, {measured['tokens']} tokens ({measured['response_tokens']} "
-          f"response), {measured_args}: estimate {budget.total / 2**20:.1f} MiB, measured "
-          f"{measured['peak'] / 2**20:.1f} MiB, ratio {ratio:.3f}")
-    assert measured["params"] == ModelShape.from_config(config).num_params()
-    assert abs(ratio - 1) <= tolerance, budget.format()
-    return budget, measured
+# what the tests hold the estimates to: each within 10% of its measured peak, and a training
+# estimate within 4% unless its case says why not
+TOLERANCE = 0.10
+CLOSE = 0.04
+# every measured case: what the subprocess runs, by the id the tests name it by, and what its
+# estimate must show: the moment it peaks at (where the case is about it) and how close it is
+CASES = {
+    "1m": _case(LLAMA_1M, phase=LOGITS_BACKWARD),
+    "1m-ckpt": _case(LLAMA_1M, checkpointing=True, phase=LOGITS_BACKWARD),
+    "5m-gqa-padded": _case(LLAMA_5M, pad=True),
+    "narrow-ckpt": _case(NARROW_VOCAB, checkpointing=True, phase=LAYER_BACKWARD),  # a recomputed layer
+    "20m": _case(LLAMA_20M),
+    "20m-ckpt": _case(LLAMA_20M, checkpointing=True),
+    # 2 rows of 1024 positions, one shorter: the float attention masks SDPA saves are 8 MiB a layer
+    "5m-long-padded": _case(LLAMA_5M, rows=2, prompt=256, response=768, pad=True),
+    "5m-long-padded-ckpt": _case(LLAMA_5M, rows=2, prompt=256, response=768, pad=True, checkpointing=True),
+    "1m-entropy": _case(LLAMA_1M, entropy_coef=0.01),
+    "5m-padded-entropy": _case(LLAMA_5M, pad=True, entropy_coef=0.01),
+    "1m-bf16": _case(LLAMA_1M, dtype="bfloat16"),
+    "narrow-ckpt-bf16": _case(NARROW_VOCAB, dtype="bfloat16", checkpointing=True),
+    # train.mixed_precision: bf16 without FSDP2: float32 weights and state, the forward under
+    # torch.autocast(bf16)
+    "1m-autocast": _case(LLAMA_1M, mixed_precision="bf16"),
+    "narrow-ckpt-autocast": _case(NARROW_VOCAB, checkpointing=True, mixed_precision="bf16",
+                                  within=TOLERANCE),  # measured 4.5-5% over
+    "1m-chunk64-autocast": _case(LLAMA_1M, chunk=64, mixed_precision="bf16"),
+    "5m-padded-autocast": _case(LLAMA_5M, pad=True, mixed_precision="bf16"),
+    "20m-autocast": _case(LLAMA_20M, mixed_precision="bf16"),
+    # chunked logprobs: the fused float32 path's chunk buffers are below a layer's backward here
+    "1m-chunk64": _case(LLAMA_1M, chunk=64, phase=LAYER_BACKWARD),
+    "1m-chunk64-ckpt": _case(LLAMA_1M, chunk=64, checkpointing=True, phase=LAYER_BACKWARD),
+    "5m-padded-chunk128": _case(LLAMA_5M, chunk=128, pad=True, phase=LOGITS_BACKWARD),
+    "1m-chunk64-entropy": _case(LLAMA_1M, chunk=64, entropy_coef=0.01),
+    # 32k vocabulary, 768 response tokens: the float32 logits are ~94 MiB a buffer, more than
+    # logsumexp's 64 MiB chunks
+    "wide": _case(WIDE_VOCAB),
+    # measured 7.5% over: with the entropy only logged the fused backward holds one chunk buffer,
+    # the estimate counts the forward's two (LOGITS_FUSED_BUFFERS)
+    "wide-chunk128": _case(WIDE_VOCAB, chunk=128, within=TOLERANCE),
+    # a frozen model's logprob passes (a reference's, a judge's), above its weights
+    "forward-1m": _case(LLAMA_1M, forward=True, phase=FROZEN_HEAD),
+    "forward-narrow-padded": _case(NARROW_VOCAB, pad=True, forward=True, phase=FROZEN_LAYERS),
+    "forward-wide": _case(WIDE_VOCAB, forward=True, phase=FROZEN_HEAD),  # the logits are nearly all of it
+    "forward-20m-chunk64": _case(LLAMA_20M, chunk=64, forward=True, phase=FROZEN_LAYERS),  # a layer's MLP
+    "forward-wide-bf16-chunk64": _case(WIDE_VOCAB, dtype="bfloat16", chunk=64, forward=True, phase=FROZEN_HEAD),
+    "forward-5m-bf16-16rows": _case(LLAMA_5M, dtype="bfloat16", rows=16, forward=True, phase=FROZEN_HEAD),
+}
+# the cases a subprocess each measures (a process costs seconds of imports; each case is still
+# measured in a process of its own, forked from it): the fast ones together, the slow ones
+# (bigger models, bf16 matmuls, which are slow on CPU) by what they show; each batch a test
+BATCHES = {
+    "fast": ["1m", "1m-ckpt", "5m-gqa-padded", "narrow-ckpt", "1m-autocast", "1m-chunk64", "1m-chunk64-ckpt",
+             "5m-padded-chunk128"],
+    "forward-fast": ["forward-1m", "forward-narrow-padded"],
+    "20m": ["20m", "20m-ckpt"],
+    "long-padded-rows": ["5m-long-padded", "5m-long-padded-ckpt"],
+    "entropy-bonus": ["1m-entropy", "5m-padded-entropy", "1m-chunk64-entropy"],
+    "bfloat16": ["1m-bf16", "narrow-ckpt-bf16"],
+    "autocast": ["narrow-ckpt-autocast", "1m-chunk64-autocast", "5m-padded-autocast", "20m-autocast"],
+    "wide-vocabulary": ["wide", "wide-chunk128"],
+    "forward": ["forward-wide", "forward-20m-chunk64", "forward-wide-bf16-chunk64", "forward-5m-bf16-16rows"],
+}
+assert sorted(c for batch in BATCHES.values() for c in batch) == sorted(CASES)  # every case, once
+
+
+def _estimated(c: str, measured: dict) -> tuple[Budget, float]:
+    """Case ``c``'s estimate for what was measured, and estimate / measured peak."""
+    args = CASES[c]
+    if args["forward"]:
+        budget = estimate_frozen(args, measured)
+        return budget, budget.peak() / measured["peak"]
+    budget = estimate(args, measured)
+    return budget, budget.total / measured["peak"]
 
 
 @needs_proc
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_estimate_matches_measured_1m(checkpointing):
-    assert _check(LLAMA_1M, dict(checkpointing=checkpointing))[0].peak_phase() == LOGITS_BACKWARD
-
-
-@needs_proc
-def test_estimate_matches_measured_5m_gqa_padded():
-    _check(LLAMA_5M, dict(pad=True))
-
-
-@needs_proc
-def test_estimate_matches_measured_when_a_recomputed_layer_is_the_peak():
-    assert _check(NARROW_VOCAB, dict(checkpointing=True))[0].peak_phase() == LAYER_BACKWARD
-
-
-@needs_proc
-@pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_estimate_matches_measured_20m(checkpointing):
-    _check(LLAMA_20M, dict(checkpointing=checkpointing))
-
-
-@needs_proc
-@pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_estimate_matches_measured_long_padded_rows(checkpointing):
-    """2 rows of 1024 positions, one shorter: the float attention masks SDPA saves are 8 MiB a layer."""
-    _check(LLAMA_5M, dict(rows=2, prompt=256, response=768, pad=True, checkpointing=checkpointing))
-
-
-@needs_proc
-@pytest.mark.slow
-@pytest.mark.parametrize("config, extra", [(LLAMA_1M, {}), (LLAMA_5M, dict(pad=True))])
-def test_estimate_matches_measured_with_an_entropy_bonus(config, extra):
-    _check(config, dict(entropy_coef=0.01, **extra))
-
-
-@needs_proc
-@pytest.mark.slow
-@pytest.mark.parametrize("config, checkpointing", [(LLAMA_1M, False), (NARROW_VOCAB, True)])
-def test_estimate_matches_measured_bfloat16(config, checkpointing):
-    _check(config, dict(dtype="bfloat16", checkpointing=checkpointing))
-
-
-@needs_proc
-@pytest.mark.parametrize("config, extra", [
-    (LLAMA_1M, {}),  # bf16 matmuls on CPU are slow: the others are in the slow set
-    pytest.param(NARROW_VOCAB, dict(checkpointing=True), marks=pytest.mark.slow),
-    pytest.param(LLAMA_1M, dict(chunk=64), marks=pytest.mark.slow),
-    pytest.param(LLAMA_5M, dict(pad=True), marks=pytest.mark.slow),
-    pytest.param(LLAMA_20M, {}, marks=pytest.mark.slow),
-])
-def test_estimate_matches_measured_under_autocast(config, extra):
-    """train.mixed_precision: bf16 without FSDP2: float32 weights and state, the forward under
-    torch.autocast(bf16) (measured 0.5-5% above the estimate; docs/memory.md)."""
-    budget, _ = _check(config, dict(mixed_precision="bf16", **extra))
-    assert "bf16 weight copies (autocast)" in {t.name for t in budget.terms}
+@pytest.mark.parametrize("batch", [pytest.param(b, marks=() if b.endswith("fast") else pytest.mark.slow)
+                                   for b in BATCHES])
+def test_estimates_match_measured(batch):
+    """Each case's estimate within its precision of the measured peak (CLOSE for training,
+    unless the case says why not; TOLERANCE for a frozen forward), peaking at the moment the
+    case names; every case reported, the ones that miss listed first."""
+    ids = BATCHES[batch]
+    peaks = dict(zip(ids, measure([CASES[c] for c in ids])))
+    report, missed = [], []
+    for c, measured in peaks.items():
+        args = CASES[c]
+        budget, ratio = _estimated(c, measured)
+        report.append(f"{c}: {measured['params']} params, {measured['tokens']} tokens ({measured['response_tokens']} "
+                      f"response): estimate {ratio * measured['peak'] / 2**20:.1f} MiB, measured "
+                      f"{measured['peak'] / 2**20:.1f} MiB, ratio {ratio:.3f}, peak at {budget.peak_phase()}")
+        if measured["params"] != ModelShape.from_config(args["config"]).num_params():
+            missed.append(f"{c}: the measured model has {measured['params']} parameters, the estimate's shape "
+                          f"{ModelShape.from_config(args['config']).num_params()}")
+        if abs(ratio - 1) > args["within"]:
+            missed.append(f"{c}: ratio {ratio:.3f}, not within {args['within']:.0%}\n{budget.format()}")
+        if args["phase"] is not None and budget.peak_phase() != args["phase"]:
+            missed.append(f"{c}: peaks at {budget.peak_phase()!r}, not {args['phase']!r}")
+        if args["mixed_precision"] and "bf16 weight copies (autocast)" not in {t.name for t in budget.terms}:
+            missed.append(f"{c}: no bf16 weight copies under autocast")
+    print("", *report, sep="\n")  # the figures docs/memory.md quotes (shown with -s)
+    assert not missed, "\n".join(missed + report)
+    if batch == "wide-vocabulary":  # what chunking is for: a vocabulary large for the model
+        assert peaks["wide-chunk128"]["peak"] < 0.5 * peaks["wide"]["peak"]
 
 
 def test_mixed_precision_without_fsdp2_keeps_float32_state():
@@ -461,55 +512,6 @@ def test_mixed_precision_budgets_float32_master_state_whatever_the_dtype(strateg
     assert ("bf16 weight copies" in state) == (strategy != "fsdp2")  # autocast's, not FSDP2's
 
 
-@needs_proc
-@pytest.mark.parametrize("config, extra, phase", [
-    # the fused float32 path's two chunk buffers are below a layer's backward here
-    (LLAMA_1M, dict(chunk=64), LAYER_BACKWARD),
-    (LLAMA_1M, dict(chunk=64, checkpointing=True), LAYER_BACKWARD),  # the logits no longer the peak
-    (LLAMA_5M, dict(chunk=128, pad=True), LOGITS_BACKWARD),
-])
-def test_estimate_matches_measured_with_chunked_logprobs(config, extra, phase):
-    assert _check(config, extra)[0].peak_phase() == phase
-
-
-@needs_proc
-@pytest.mark.slow
-def test_chunked_logprobs_bound_the_logits_of_a_wide_vocabulary():
-    """32k vocabulary, 768 response tokens: the float32 logits are ~94 MiB a buffer."""
-    _, whole = _check(WIDE_VOCAB, {})
-    _, chunked = _check(WIDE_VOCAB, dict(chunk=128))
-    assert chunked["peak"] < 0.5 * whole["peak"]
-
-
-@needs_proc
-@pytest.mark.slow
-def test_estimate_matches_measured_chunked_with_an_entropy_bonus():
-    _check(LLAMA_1M, dict(chunk=64, entropy_coef=0.01))
-
-
-@needs_proc
-@pytest.mark.parametrize("config, extra, phase", [
-    (LLAMA_1M, dict(), FROZEN_HEAD),
-    pytest.param(WIDE_VOCAB, dict(), FROZEN_HEAD, marks=pytest.mark.slow),  # the logits are nearly all of it
-    pytest.param(LLAMA_20M, dict(chunk=64), FROZEN_LAYERS, marks=pytest.mark.slow),  # chunked: a layer's MLP
-    pytest.param(WIDE_VOCAB, dict(dtype="bfloat16", chunk=64), FROZEN_HEAD, marks=pytest.mark.slow),
-    (NARROW_VOCAB, dict(pad=True), FROZEN_LAYERS),
-    pytest.param(LLAMA_5M, dict(dtype="bfloat16", rows=16), FROZEN_HEAD, marks=pytest.mark.slow),
-])
-def test_a_frozen_models_forward_matches_measured(config, extra, phase):
-    """A reference's (or a judge's) logprob pass in inference mode, above its weights."""
-    measured = measure(config, forward=True, **extra)
-    budget = Budget("forward", tuple(estimate_forward(
-        ModelShape.from_config(config), micro_batch_tokens=measured["tokens"],
-        response_tokens_per_micro_batch=measured["response_tokens"], rows_per_micro_batch=extra.get("rows", 4),
-        padded=extra.get("pad", False), compute_bytes=2 if extra.get("dtype") == "bfloat16" else 4,
-        logprob_chunk_tokens=extra.get("chunk"))))
-    ratio = budget.peak() / measured["peak"]
-    print(f"forward {extra}: estimate {budget.peak() / 2**20:.1f} MiB, measured {measured['peak'] / 2**20:.1f} MiB, "
-          f"ratio {ratio:.3f}")
-    assert budget.peak_phase() == phase and abs(ratio - 1) <= 0.15, budget.format()
-
-
 def test_a_chunked_frozen_forward_bounds_the_logits_of_a_wide_vocabulary():
     shape = ModelShape.from_config(dict(WIDE_VOCAB, vocab_size=152064))
     kw = dict(micro_batch_tokens=64 * 4096, response_tokens_per_micro_batch=64 * 3072, rows_per_micro_batch=64)
@@ -521,5 +523,40 @@ def test_a_chunked_frozen_forward_bounds_the_logits_of_a_wide_vocabulary():
         estimate_forward(shape, micro_batch_tokens=10, response_tokens_per_micro_batch=20)
 
 
-if __name__ == "__main__":  # the measuring subprocess
-    print(json.dumps(_measure(json.loads(sys.argv[1]))))
+def _measure_each(settings: list[dict]) -> list[dict]:
+    """:func:`_measure` of each case in a process of its own, forked from this one once the imports
+    are done: each starts from a fresh process's state (what an earlier case freed or cached is
+    not there to be reused), without paying the imports again."""
+    import torch  # noqa: F401  the imports the measuring processes share, and nothing run yet
+    from transformers import LlamaForCausalLM  # noqa: F401  (transformers loads it lazily)
+
+    from dapo_flow import algos  # noqa: F401
+    from dapo_flow.models import hf  # noqa: F401
+
+    results = []
+    for args in settings:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: one case, its result (or traceback) through the pipe
+            os.close(read)
+            code = 0
+            try:
+                out = json.dumps(_measure(args))
+            except BaseException:
+                import traceback
+
+                out, code = traceback.format_exc(), 1
+            with os.fdopen(write, "w") as pipe:
+                pipe.write(out)
+            os._exit(code)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            out = pipe.read()
+        if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+            raise RuntimeError(f"measuring {args} failed:\n{out}")
+        results.append(json.loads(out))
+    return results
+
+
+if __name__ == "__main__":  # the measuring subprocess: a JSON list of cases in, their peaks out
+    print(json.dumps(_measure_each(json.loads(sys.argv[1]))))

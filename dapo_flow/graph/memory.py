@@ -52,6 +52,12 @@ Where = Literal["device", "host"]
 FORWARD_MLP_BUFFERS = 4
 # logprobs_from_logits's logsumexp runs in chunks of 2^24 elements: at most 64 MiB of exp()
 LOGSUMEXP_CHUNK_BYTES = (1 << 24) * FP32
+# ... and so does its backward: two of the LOGITS_PEAK_BUFFERS (x - logsumexp and its exp) are one
+# logsumexp chunk's, so logits over 64 MiB (the whole response's, or one chunk's of chunked logprobs
+# on the generic path) peak lower, one buffer below 5 once a chunk is half the logits or less
+# (measured, V 32000, unchunked: 640 rows in chunks of 524 and 116, 4.65 buffers; 768 rows 4.37;
+# 896 rows 4.18; 1536 rows 4.01; the same logits with logsumexp unchunked, 5.01)
+LOGSUMEXP_BACKWARD_BUFFERS = 2
 
 LOGITS_BACKWARD = "backward of the logits"
 LAYER_BACKWARD = "backward of a layer"
@@ -401,7 +407,8 @@ def _logits(shape: ModelShape, hidden_bytes: int, response: int, entropy_in_loss
     """The float32 logits of the response positions and what their backward adds.
 
     Unchunked: (response, vocab) buffers, LOGITS_PEAK_BUFFERS(_ENTROPY) of them at the logits'
-    backward, LOGITS_HELD_BUFFERS still held by the entropy graph while the layers run backward.
+    backward (fewer when logsumexp's chunks are smaller than the logits: LOGSUMEXP_BACKWARD_BUFFERS),
+    LOGITS_HELD_BUFFERS still held by the entropy graph while the layers run backward.
     Chunked (``chunk`` tokens at a time, each chunk's logits recomputed in the backward): the
     same buffer counts for one chunk, none held after; instead the response positions' hidden
     states (gathered, padding left out: at most response x hidden) are kept for the backward, and
@@ -411,19 +418,27 @@ def _logits(shape: ModelShape, hidden_bytes: int, response: int, entropy_in_loss
     """
     v, h = shape.out_features, shape.hidden_size
     peak = LOGITS_PEAK_BUFFERS_ENTROPY if entropy_in_loss else LOGITS_PEAK_BUFFERS
+
+    def logsumexp_chunked(rows: int) -> float:
+        """The buffers fewer at the peak when logsumexp splits (rows, v) logits (an entropy
+        bonus's own backward makes its peak: measured the same with logsumexp chunked or not)."""
+        part = max(1, LOGSUMEXP_CHUNK_BYTES // (v * FP32)) / max(rows, 1)  # the largest chunk's share
+        return 0.0 if entropy_in_loss else LOGSUMEXP_BACKWARD_BUFFERS * (1 - min(1.0, max(0.5, part)))
+
     if shape.head != "lm":  # a critic's values / a reward model's scores: one float per position
         return [Term("head outputs and their gradients (float32)", int(peak * response * FP32),
                      phases=(LOGITS_BACKWARD,), fix=budget_fix)]
     if chunk is None:
         logits = response * v * FP32
         fix = f"train.logprob_chunk_tokens (chunked logprobs), or {budget_fix}"
+        peak -= logsumexp_chunked(response)
         terms = [Term("logits and their gradients (float32)", int(peak * logits), phases=(LOGITS_BACKWARD,), fix=fix)]
         if not entropy_in_loss:
             terms.append(Term("logits kept by the entropy graph", LOGITS_HELD_BUFFERS * logits,
                               phases=(LAYER_BACKWARD,), fix=fix))
         return terms
     logits = min(response, chunk) * v * FP32
-    peak = LOGITS_FUSED_BUFFERS if fused else peak
+    peak = LOGITS_FUSED_BUFFERS if fused else peak - logsumexp_chunked(min(response, chunk))
     return [
         Term("logits of one chunk and their gradients (float32)", int(peak * logits), phases=(LOGITS_BACKWARD,),
              fix="a smaller train.logprob_chunk_tokens"),
