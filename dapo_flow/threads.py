@@ -16,8 +16,8 @@ worker (in a Ray actor and in process), and the test session (``tests/conftest.p
 torch's intra-op threads with the real setter, one inter-op thread where torch still allows
 it, libgomp's max active levels to 1, numba's thread count and threading layer
 (``workqueue``: numba's own pool, so it never touches the libgomp torch uses), BLAS pools via
-threadpoolctl when installed, and the environment variables that libraries read when they are
-first imported and that child processes (Ray workers) inherit.
+threadpoolctl, and the environment variables that libraries read when they are first imported
+and that child processes (Ray workers) inherit.
 """
 
 from __future__ import annotations
@@ -145,11 +145,15 @@ def _numba(threads: int) -> None:
 
 def _blas(threads: int) -> None:
     """numpy's OpenBLAS (and any other BLAS loaded) to ``threads``; torch's MKL is linked into
-    torch and follows torch's OpenMP count."""
+    torch and follows torch's OpenMP count. threadpoolctl is a dependency: without it numpy's
+    pool would keep one thread per core beside torch's, so a broken install is an error."""
     try:
         from threadpoolctl import threadpool_limits
-    except ImportError:
-        return
+    except ImportError as exc:
+        from dapo_flow.errors import DapoFlowError
+
+        raise DapoFlowError(f"threadpoolctl, a dependency of dapo-flow, does not import ({exc}): reinstall "
+                            "dapo-flow (`pip install -e .` in its checkout)") from exc
     threadpool_limits(limits=threads, user_api="blas")
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from dapo_flow.errors import DataError
+from dapo_flow.errors import DapoFlowError, DataError
 from dapo_flow.data.tasks import (
     AdditionTask,
     extract_math_answer,
@@ -163,8 +165,16 @@ def test_verify_math(response, truth, expected):
     ],
 )
 def test_verify_math_takes_equivalent_forms(response, truth, expected):
-    pytest.importorskip("math_verify")
+    import math_verify  # noqa: F401  a dependency: a broken install fails here, it is not skipped
+
     assert verify_math(response, truth) == expected
+
+
+def test_verify_math_without_math_verify_is_an_error(monkeypatch):
+    # a broken install used to score by the rule match alone, every equivalent form wrong
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # what `import math_verify` fails on
+    with pytest.raises(DapoFlowError, match=r"builtin:math needs math-verify.*reinstall dapo-flow"):
+        verify_math(r"The answer is \boxed{0.5}", r"\frac{1}{2}")
 
 
 def test_verify_math_custom_rewards():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dapo_flow import threads
+from dapo_flow.errors import DapoFlowError
 
 
 def run_python(code: str, env: dict | None = None, unset: tuple[str, ...] = ()) -> dict:
@@ -100,13 +101,26 @@ def test_configure_exports_the_budget_to_child_processes(monkeypatch):
 
 
 def test_numpy_blas_follows_the_budget():
-    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import threadpoolctl  # a dependency: a broken install fails here, it is not skipped
+
     before = torch.get_num_threads()
     try:
         threads.configure(1)
         blas = threadpoolctl.threadpool_info()
         assert all(p["num_threads"] == 1 for p in blas if p["user_api"] == "blas")
     finally:
+        threads.configure(before)
+
+
+def test_a_broken_threadpoolctl_is_an_error(monkeypatch):
+    # without it numpy's BLAS kept a thread per core beside torch's, silently
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # what `import threadpoolctl` fails on
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(DapoFlowError, match=r"threadpoolctl, a dependency of dapo-flow.*reinstall dapo-flow"):
+            threads.configure(1)
+    finally:
+        monkeypatch.undo()
         threads.configure(before)
 
 

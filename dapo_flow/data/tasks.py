@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dapo_flow.errors import DataError
+from dapo_flow.errors import DapoFlowError, DataError
 
 ADDITION = "builtin:addition"
 SPLITS = ("train", "val")
@@ -195,11 +195,13 @@ def math_equivalent(response_text: str, truth: str) -> bool:
     ``math_verify`` reward) parses an answer from ``response_text`` that equals ``truth``
     symbolically. ~5 ms a sample; its own signal-based timeouts are off (they only work in a
     main thread): the score operator's ``timeout_s`` bounds a sample instead. False when it
-    parses nothing or fails."""
+    parses nothing or fails. math-verify is a dependency: when it does not import, an error
+    (scoring by the rule match alone would grade equivalent answers wrong, silently)."""
     try:
         from math_verify import parse, verify
-    except ImportError:  # an install without it: the rule match alone
-        return False
+    except ImportError as exc:
+        raise DapoFlowError(f"builtin:math needs math-verify, a dependency of dapo-flow, and it does not import "
+                            f"({exc}): reinstall dapo-flow (`pip install -e .` in its checkout)") from exc
     _quiet_math_verify()
     try:
         gold = parse(truth if "$" in truth or "\\boxed" in truth else f"${truth}$", parsing_timeout=None)
