@@ -20,8 +20,8 @@ def session_threads() -> int:
 
 def pytest_configure(config) -> None:
     """One thread budget for the whole session, nesting off, numba on its own pool: before any
-    test imports torch's users, numba or vLLM (issue 10: nested OpenMP after a vLLM engine and the
-    numba kernels ran in one process made one test take 27 minutes instead of 20 s)."""
+    test imports torch's users, numba or vLLM (nested OpenMP, once a vLLM engine and the numba
+    kernels have run in one process, makes a 20 s test take 27 minutes: dapo_flow/threads.py)."""
     threads.configure(session_threads())
 
 

@@ -1,4 +1,4 @@
-"""dapo_flow.threads: one thread budget per process, nested OpenMP off (issue 10).
+"""dapo_flow.threads: one thread budget per process, nested OpenMP off.
 
 The process-wide pieces (numba's threading layer is fixed at its first launch; libgomp's
 state is per process) are checked in fresh subprocesses.
