@@ -1,6 +1,6 @@
 """Tests of dapo_flow.algos: hand-worked numbers (derivations in comments), gradients, transcriptions
 of verl's reference code (loop-based, as in verl) compared on random inputs, and hypothesis
-properties. Reference: shared/reference/dapo-semantics.md.
+properties. What each function computes, and where it follows or differs from verl: docs/semantics.md.
 """
 
 from __future__ import annotations
