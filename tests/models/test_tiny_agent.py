@@ -10,13 +10,14 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from dapo_flow.data.tasks import Problem
 from dapo_flow.data.tool_arith import ToolArithTask, verify_tool_arith
 from dapo_flow.models import model_config, resolve_model, tiny_agent
-from dapo_flow.models.warm_start import group_weights, supervised_labels
+from dapo_flow.models.warm_start import deterministic_torch, group_weights, supervised_labels
 
 # tuned bands: RL needs groups with right and wrong samples, and room to gain by calling more
 TOOL_CALL_RATE = (0.15, 0.40)
@@ -166,8 +167,19 @@ def test_short_build_is_a_llama_directory_with_the_declared_shape(short_dir):
 def test_short_build_info_and_determinism(short_dir, tmp_path):
     info = json.loads((short_dir / tiny_agent.BUILD_INFO).read_text())
     assert info["name"] == "tiny-agent" and info["recipe_version"] == tiny_agent.RECIPE_VERSION
-    for key in ("val_sampled_accuracy", "val_tool_call_rate", "val_accuracy_without_tools", "val_tool_call_accuracy"):
-        assert 0.0 <= info[key] <= 1.0
+    # the recorded figures are the sampler's on the build's protocol (as the build runs it: one
+    # thread, deterministic kernels), each under its own name
+    with deterministic_torch(0):
+        figures = tiny_agent.sampled_tool_accuracy(
+            short_dir, ToolArithTask().problems("val")[:SHORT.eval_prompts], samples=SHORT.eval_samples_per_prompt,
+            seed=SHORT.eval_seed, max_tokens=SHORT.eval_max_tokens)
+    assert {k: info[k] for k in ("val_sampled_accuracy", "val_tool_call_rate", "val_accuracy_without_tools",
+                                 "val_tool_call_accuracy")} == {
+        "val_sampled_accuracy": figures.accuracy_with_tools, "val_tool_call_rate": figures.tool_call_rate,
+        "val_accuracy_without_tools": figures.accuracy_without_tools,
+        "val_tool_call_accuracy": figures.tool_call_accuracy}
+    assert info["val_accuracy_protocol"].startswith(
+        f"first {SHORT.eval_prompts} val prompts x {SHORT.eval_samples_per_prompt} samples, temperature 1.0")
     again = tiny_agent.build_tiny_agent(tmp_path / "again", progress=False, recipe=SHORT)
     for name in ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json", tiny_agent.BUILD_INFO):
         if name != tiny_agent.BUILD_INFO:
@@ -176,10 +188,54 @@ def test_short_build_info_and_determinism(short_dir, tmp_path):
         == {k: v for k, v in info.items() if k != "train_seconds"}
 
 
-def test_sampler_runs_the_calculator_and_verifies(short_dir, monkeypatch):
+class FakeAlwaysCallingPolicy:
+    """Stands in for HFPolicy in the sampler's unit test: turn 1 is always the well-formed call
+    for the prompt; turn 2 copies the observation's number into the answer on even samples and
+    answers 0 on odd ones. Records the prompts of each generate call."""
+
+    def __init__(self, model_dir):
+        self.tokenizer = tiny_agent.build_tokenizer()
+        FakeAlwaysCallingPolicy.turns = []
+
+    def generate(self, prompts, cfg):
+        from dapo_flow.data.tool_arith import call_text
+        from dapo_flow.models.sampling import Rollouts
+
+        tok = self.tokenizer
+        FakeAlwaysCallingPolicy.turns.append([list(p) for p in prompts])
+        replies = []
+        for p in prompts:
+            text = tok.decode(p, skip_special_tokens=True)
+            for _ in range(cfg.n):
+                if "<result>" not in text:
+                    reply = call_text(text)
+                else:
+                    reply = text.rsplit("<result>", 1)[1].split("</result>")[0] if len(replies) % 2 == 0 else "0"
+                replies.append(tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id])
+        return Rollouts(prompt_index=np.repeat(np.arange(len(prompts)), cfg.n).astype(np.int32),
+                        sample_idx=np.tile(np.arange(cfg.n), len(prompts)).astype(np.int32), response_ids=replies,
+                        logprobs=[[0.0] * len(r) for r in replies], truncated=np.zeros(len(replies), dtype=bool))
+
+
+def test_sampler_runs_the_calculator_and_verifies(tok, monkeypatch):
     """A model that always calls: the sampler appends Python's product and samples turn 2."""
-    figures = tiny_agent.sampled_tool_accuracy(short_dir, ToolArithTask().problems("val")[:3], samples=2, seed=0)
-    assert 0.0 <= figures.tool_call_rate <= 1.0 and figures.accuracy_without_tools <= figures.accuracy_with_tools + 1e-9
+    from dapo_flow.data.tool_arith import call_text, observation_text
+    from dapo_flow.models import hf
+
+    monkeypatch.setattr(hf, "HFPolicy", FakeAlwaysCallingPolicy)
+    problems = ToolArithTask().problems("val")[:3]
+    figures = tiny_agent.sampled_tool_accuracy(Path("unused"), problems, samples=2, seed=0)
+    first, second = FakeAlwaysCallingPolicy.turns
+    expected = []
+    for p in problems:  # each sample's turn 2 starts from its call and the observation of the product
+        turn2 = tok.encode(p.prompt) + enc(tok, call_text(p.prompt)) + [tok.eos_token_id] + \
+            enc(tok, observation_text(p.answer))
+        expected += [turn2, turn2]
+    assert first == [tok.encode(p.prompt) for p in problems] and second == expected
+    # every sample called (so none is right without the calculator); the even ones copied the
+    # product and are right, the odd ones answered 0
+    assert figures == tiny_agent.ToolFigures(tool_call_rate=1.0, accuracy_with_tools=0.5,
+                                             accuracy_without_tools=0.0, tool_call_accuracy=0.5)
 
 
 # --- the cached, tuned build -----------------------------------------------------------------
