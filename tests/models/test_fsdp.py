@@ -72,7 +72,11 @@ def test_chunked_logprobs_make_the_same_update_on_a_sharded_model(tmp_path, tie)
     chunked = _run(tmp_path, "chunked", 2, steps=2, chunk=3, tie=tie)
     for a, b in zip(whole["losses"], chunked["losses"]):
         assert abs(a - b) <= 1e-6 * max(1.0, abs(a))
-    _same_params(chunked["params"], whole["params"], atol=2e-6)
+    # the weights after two AdamW steps (lr 1e-3) within 1% of one step, as the world-size tests:
+    # Adam divides by the gradient's running RMS, so a near-zero gradient's float rounding (the
+    # chunks sum the head's product in another order) moves its weight by more than its own size
+    # (AVX-512 kernels: one weight of 8192 moved 2.1e-6)
+    _same_params(chunked["params"], whole["params"], atol=1e-5)
     for a, b in zip(whole["scored"], chunked["scored"]):  # logp, entropy without gradients
         torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
 
