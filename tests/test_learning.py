@@ -72,11 +72,11 @@ def test_dapo_graph_raises_val_accuracy_as_the_readme_says(tmp_path, monkeypatch
     for which, row in (("base", readme["eval_base"]), ("latest", readme["eval_trained"])):
         evals[which] = evaluate(placed, which=which, n=16, console=log)["metrics"]
         assert_figures(tuple(f"{evals[which][k]:.3f}" for k in EVAL_COLUMNS), {readme["machine"]: row}, f"eval {which}")
-    # what the README reads in the table, on any CPU type: "RL lifts what one to four samples
-    # solve by 11-14 points and leaves pass@16 where it was"
+    # what the README reads in the table, on any CPU type: RL lifts what one to four samples
+    # solve (13-16 points there) and adds nothing to what sixteen find
     lift = {k: evals["latest"][k] - evals["base"][k] for k in EVAL_COLUMNS}
     assert all(0.08 <= lift[k] for k in EVAL_COLUMNS[:3]), lift
-    assert abs(lift["val/pass_at_16"]) <= 0.02, lift
+    assert lift["val/pass_at_16"] <= 0.01, lift
 
 
 CHAT_GRAPH = ROOT / "graphs" / "dapo-chat.yaml"
