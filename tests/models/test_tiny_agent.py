@@ -247,6 +247,7 @@ def agent_path() -> Path:
     return resolve_model("builtin:tiny-agent", progress=False)
 
 
+@pytest.mark.models("tiny-agent")
 def test_cached_build_name_and_recorded_figures_in_band(agent_path):
     info = json.loads((agent_path / tiny_agent.BUILD_INFO).read_text())
     assert agent_path.name == f"tiny-agent-v{tiny_agent.RECIPE_VERSION}"
@@ -257,6 +258,7 @@ def test_cached_build_name_and_recorded_figures_in_band(agent_path):
     assert info["val_tool_call_accuracy"] >= MIN_TOOL_CALL_ACCURACY
 
 
+@pytest.mark.models("tiny-agent")
 def test_remeasured_figures_in_band(agent_path):
     """Other prompts (val 200..399) and another sampling seed than the build's."""
     val = ToolArithTask().problems("val")[200:400]
@@ -267,6 +269,7 @@ def test_remeasured_figures_in_band(agent_path):
     assert figures.tool_call_accuracy >= MIN_TOOL_CALL_ACCURACY
 
 
+@pytest.mark.models("tiny-agent")
 def test_cached_tokenizer_round_trips_a_whole_conversation(agent_path):
     from transformers import AutoTokenizer
 
@@ -279,6 +282,7 @@ def test_cached_tokenizer_round_trips_a_whole_conversation(agent_path):
 
 
 @pytest.mark.slow
+@pytest.mark.models("tiny-agent")
 def test_rebuild_equals_the_cached_build(agent_path, tmp_path):
     """A fresh build equals the cached one byte for byte (~2 min)."""
     info = json.loads((agent_path / tiny_agent.BUILD_INFO).read_text())
