@@ -68,9 +68,11 @@ _LANES: list = []
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Start the builds of the built-in models the selected tests read and the cache lacks (in
-    background lanes: ``model_builds``), and order the tests by when the models they read are
-    built (none first, the longest build's last), slow tests first among equals. The order depends on
-    the markers alone, not on the cache, so every pytest-xdist worker collects the same one."""
+    background lanes: ``model_builds``), and order the tests: the slow ones first (they start
+    while the builds run and leave no long test for the end), those that read a model of a long
+    build after the others, by when it is built; then the fast ones, the same way. The order
+    depends on the markers alone, not on the cache, so every pytest-xdist worker collects the
+    same one."""
     def needs(item) -> set[str]:
         names = {n for mark in item.iter_markers("models") for n in mark.args}
         return names | ({"tiny-adder"} if "tiny_adder_path" in item.fixturenames else set())
@@ -78,8 +80,12 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     wanted = [needs(item) for item in items]
     every = set().union(*wanted) if wanted else set()
     all_lanes = model_builds.plan_lanes(sorted(every))
-    order = {id(item): (model_builds.ready_at(w, all_lanes), item.get_closest_marker("slow") is None)
-             for item, w in zip(items, wanted)}
+
+    def key(item, wanted):
+        long_builds = {n for n in wanted if model_builds.BUILD_MINUTES.get(n, 1.0) >= 1.0}
+        return item.get_closest_marker("slow") is None, model_builds.ready_at(long_builds, all_lanes)
+
+    order = {id(item): key(item, w) for item, w in zip(items, wanted)}
     items.sort(key=lambda item: order[id(item)])
 
     lanes = model_builds.plan_lanes(model_builds.missing(every))

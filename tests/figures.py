@@ -41,7 +41,7 @@ def cpu_words() -> set[str]:
 
 
 def on_named_cpu(machine: str) -> bool:
-    """Whether this machine is the CPU type ``machine`` ("Intel Xeon", "AMD EPYC with AVX-512")
+    """Whether this machine is the CPU type ``machine`` ("Intel Xeon", "AMD EPYC (AVX-512)")
     names."""
     return _words(machine) <= cpu_words()
 
@@ -82,4 +82,4 @@ def results_row(graph: str) -> dict[str, tuple[str, str]]:
     text = RESULTS.read_text(encoding="utf-8")
     row = re.search(rf"^\| `graphs/{re.escape(graph)}\.yaml` \|(.*)\|$", text, re.MULTILINE)
     assert row, f"docs/results.md lost graphs/{graph}.yaml's row"
-    return {m: (a, b) for m, a, b in re.findall(r"(AMD EPYC with AVX-512|Intel Xeon): ([\d.]+) -> ([\d.]+)", row.group(1))}
+    return {m: (a, b) for m, a, b in re.findall(r"(AMD EPYC \(AVX-512\)|Intel Xeon): (\d+\.\d+) -> (\d+\.\d+)", row.group(1))}

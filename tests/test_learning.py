@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GRAPH = ROOT / "graphs" / "dapo.yaml"
 EVAL_COLUMNS = ("val/acc", "val/pass_at_2", "val/pass_at_4", "val/pass_at_8", "val/pass_at_16")
 MAIN_MACHINE = re.compile(r"The figures of this section were measured on a 2-core (.+?) VM")
-MAIN_ON_OTHER_CPU = re.compile(r"a\s+2-core\s+(.+?)\s+VM\s+gave\s+([\d.]+)\s+->\s+([\d.]+)\s+on\s+Ray")
+MAIN_ON_OTHER_CPU = re.compile(r"a\s+2-core\s+(.+?)\s+VM\s+gave\s+(\d+\.\d+)\s+->\s+(\d+\.\d+)\s+on\s+Ray")
 
 
 def readme_figures() -> dict:
@@ -87,7 +87,7 @@ def figures_of(graph: str) -> re.Pattern:
     any "GRAPH on a 2-core CPU VM gives a -> b" for another CPU type: (CPU, a, b) matches."""
     name = re.escape(graph)
     return re.compile(rf"(?:`dapo-flow run graphs/{name}\.yaml`|{name})\s+on\s+a\s+2-core\s+(.+?)\s+VM(?::|\s+gives)"
-                      r"\s+(?:val\s+acc\s+)?([\d.]+)\s+->\s+([\d.]+)")
+                      r"\s+(?:val\s+acc\s+)?(\d+\.\d+)\s+->\s+(\d+\.\d+)")
 
 
 CHAT_FIGURES = figures_of("dapo-chat")
