@@ -66,6 +66,7 @@ def short_tiny_chat():
 _LANES: list = []
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected: only what will run counts
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Start the builds of the built-in models the selected tests read and the cache lacks (in
     background lanes: ``model_builds``), and order the tests: the slow ones first (they start
@@ -89,7 +90,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     items.sort(key=lambda item: order[id(item)])
 
     lanes = model_builds.plan_lanes(model_builds.missing(every))
-    if not lanes:
+    if not lanes or config.option.collectonly:
         return
     if os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":  # one process starts them
         _LANES.extend(model_builds.start_lanes(lanes, Path(tempfile.gettempdir()) / "dapo-flow-test-builds"))

@@ -78,6 +78,8 @@ def start_lanes(lanes: list[list[str]], log_dir: Path) -> list[subprocess.Popen]
         code = ("import sys\nfrom dapo_flow.models import build_builtin\n"
                 "for name in sys.argv[1:]:\n    build_builtin(name, progress=False)\n")
         log = open(log_dir / f"lane-{i}.log", "w")
+        log.write(f"building {', '.join(lane)}\n")
+        log.flush()
         procs.append(subprocess.Popen([sys.executable, "-c", code, *lane], stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True, env=os.environ.copy()))
     return procs
