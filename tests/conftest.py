@@ -47,20 +47,11 @@ def tiny_adder_path() -> Path:
 
 @pytest.fixture(scope="session")
 def short_tiny_chat_dir(tmp_path_factory) -> Path:
-    """A tiny-chat built by :func:`short_tiny_chat`'s recipe (seconds)."""
+    """A tiny-chat built by ``model_builds.short_tiny_chat``'s recipe (seconds)."""
     from dapo_flow.models import tiny_chat
 
-    return tiny_chat.build_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), progress=False, recipe=short_tiny_chat())
-
-
-def short_tiny_chat():
-    """tiny-chat's recipe cut to a few steps: the shipped model's directory, tokenizer and shapes,
-    for tests that do not need what its ~7-minute warm start teaches."""
-    import dataclasses
-
-    from dapo_flow.models import tiny_chat
-
-    return dataclasses.replace(tiny_chat.RECIPE, steps=4, batch_size=8, eval_prompts=4, eval_samples_per_prompt=2)
+    return tiny_chat.build_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), progress=False,
+                                     recipe=model_builds.short_tiny_chat())
 
 
 _LANES: list = []
@@ -82,8 +73,8 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     every = set().union(*wanted) if wanted else set()
     all_lanes = model_builds.plan_lanes(sorted(every))
 
-    def key(item, wanted):
-        long_builds = {n for n in wanted if model_builds.BUILD_MINUTES.get(n, 1.0) >= 1.0}
+    def key(item, models: set[str]):
+        long_builds = {n for n in models if model_builds.BUILD_MINUTES.get(n, 1.0) >= 1.0}
         return item.get_closest_marker("slow") is None, model_builds.ready_at(long_builds, all_lanes)
 
     order = {id(item): key(item, w) for item, w in zip(items, wanted)}

@@ -6,8 +6,9 @@ of the session holds a whole test worker for minutes while the other core does l
 shipped tiny-chat alone trains ~7 minutes. Instead the session starts every missing build it
 will need at once, in two background processes ("lanes", one per core), at normal priority;
 the test processes step back (``TESTS_NICENESS``) while builds run, so the builds, the session's
-critical path, run at nearly full speed. The tests that read a model being built run after
-everything else, so no worker sits waiting on a build lock while there is other work.
+critical path, run at nearly full speed. ``tests/conftest.py`` orders the tests so that those
+reading a model of a long build come after the others of their tier, and no worker sits
+waiting on a build lock while there is other work.
 
 Tests say which built-in models they read with ``@pytest.mark.models("tiny-chat", ...)``;
 ``tiny_adder_path`` users need no marker. Nothing here changes what a build produces: the
@@ -33,11 +34,11 @@ TESTS_NICENESS = 10
 
 
 def missing(names: set[str]) -> list[str]:
-    """Of ``names`` (and what they need), those not in the cache yet, cheapest first."""
+    """Of ``names`` (and what they need), those not in the cache yet (:func:`plan_lanes` orders them)."""
     from dapo_flow.models import builtin_dir
 
     wanted = set(names) | {NEEDS[n] for n in names if n in NEEDS}
-    return sorted((n for n in wanted if not builtin_dir(n).is_dir()), key=lambda n: (BUILD_MINUTES.get(n, 1.0), n))
+    return sorted(n for n in wanted if not builtin_dir(n).is_dir())
 
 
 def plan_lanes(names: list[str]) -> list[list[str]]:
@@ -87,7 +88,19 @@ def start_lanes(lanes: list[list[str]], log_dir: Path) -> list[subprocess.Popen]
 
 def step_back() -> None:
     """Lower this test process's priority (and so its children's) while builds run."""
-    try:
-        os.nice(TESTS_NICENESS - os.nice(0)) if os.nice(0) < TESTS_NICENESS else None
-    except OSError:
-        pass
+    current = os.nice(0)
+    if current < TESTS_NICENESS:
+        try:
+            os.nice(TESTS_NICENESS - current)
+        except OSError:
+            pass
+
+
+def short_tiny_chat():
+    """tiny-chat's recipe cut to a few steps: the shipped model's directory, tokenizer and shapes,
+    for tests that do not need what its ~7-minute warm start teaches."""
+    import dataclasses
+
+    from dapo_flow.models import tiny_chat
+
+    return dataclasses.replace(tiny_chat.RECIPE, steps=4, batch_size=8, eval_prompts=4, eval_samples_per_prompt=2)

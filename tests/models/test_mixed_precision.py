@@ -24,6 +24,7 @@ from dapo_flow.models.sampling import SamplingConfig
 from operators.logprob import Logprob
 from operators.logprob import Params as LogprobParams
 from operators.update import Params, Update
+from figures import assert_figures, start_end
 
 MIXED = ModelSpec(path="builtin:tiny-adder", train={"mixed_precision": "bf16"})
 
@@ -317,8 +318,6 @@ def test_the_dapo_graph_learns_in_bf16_mixed_precision(tmp_path, monkeypatch):
                              ("set", "run.checkpoint_every=80")])
     placed = edit_file(str(graph), edits).compile(Cluster(cpus=2))
     summary = execute(placed, executor="local", steps=80, console=Console(file=open(tmp_path / "log.txt", "w")))
-    from figures import assert_figures, start_end
-
     # deterministic on a CPU type: its figures exactly where measured, a clear gain anywhere
     assert_figures(start_end(summary), BF16_FIGURES, "bf16 graphs/dapo.yaml, 80 steps")
     assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.06, summary

@@ -4,7 +4,6 @@ the directory's shape and files are the same, only its accuracy differs."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from dapo_flow.data.chain_task import ChainTask
 from dapo_flow.models import tiny_chat
 from dapo_flow.models.chat_tokenizer import IM_END, IM_START
 
-from conftest import short_tiny_chat
+from model_builds import short_tiny_chat
 
 SHORT = short_tiny_chat()
 
