@@ -9,6 +9,14 @@ class DapoFlowError(Exception):
     """Base: a user-facing error; the CLI prints it and exits 2."""
 
 
+def broken_dependency(package: str, exc: ImportError, needed_by: str = "") -> DapoFlowError:
+    """The error for a required dependency that does not import: a broken install, fixed by
+    reinstalling (never a silent fallback). ``needed_by``: what needs it, e.g. "builtin:math"."""
+    who = f"{needed_by} needs {package}" if needed_by else package
+    return DapoFlowError(f"{who}, a dependency of dapo-flow, does not import ({exc}): reinstall dapo-flow "
+                         "(`pip install -e .` in its checkout)")
+
+
 @dataclass(frozen=True, order=True)
 class Problem:
     """One problem found in a graph, located as precisely as we can."""

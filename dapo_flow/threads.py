@@ -150,10 +150,9 @@ def _blas(threads: int) -> None:
     try:
         from threadpoolctl import threadpool_limits
     except ImportError as exc:
-        from dapo_flow.errors import DapoFlowError
+        from dapo_flow.errors import broken_dependency
 
-        raise DapoFlowError(f"threadpoolctl, a dependency of dapo-flow, does not import ({exc}): reinstall "
-                            "dapo-flow (`pip install -e .` in its checkout)") from exc
+        raise broken_dependency("threadpoolctl", exc) from exc
     threadpool_limits(limits=threads, user_api="blas")
 
 

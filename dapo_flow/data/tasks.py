@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dapo_flow.errors import DapoFlowError, DataError
+from dapo_flow.errors import DataError, broken_dependency
 
 ADDITION = "builtin:addition"
 SPLITS = ("train", "val")
@@ -200,8 +200,7 @@ def math_equivalent(response_text: str, truth: str) -> bool:
     try:
         from math_verify import parse, verify
     except ImportError as exc:
-        raise DapoFlowError(f"builtin:math needs math-verify, a dependency of dapo-flow, and it does not import "
-                            f"({exc}): reinstall dapo-flow (`pip install -e .` in its checkout)") from exc
+        raise broken_dependency("math-verify", exc, needed_by="builtin:math") from exc
     _quiet_math_verify()
     try:
         gold = parse(truth if "$" in truth or "\\boxed" in truth else f"${truth}$", parsing_timeout=None)

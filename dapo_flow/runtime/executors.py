@@ -119,11 +119,16 @@ class LocalExecutor:
 DRIVER_NICENESS = "DAPO_FLOW_DRIVER_NICENESS"
 
 
+def job_niceness() -> int:
+    """The job's priority: the niceness of the driver that started the cluster, else 0."""
+    return int(os.environ.get(DRIVER_NICENESS, "0"))
+
+
 def normal_priority() -> int:
-    """Bring this process back to the job's priority when it runs nicer (Ray starts workers at
-    nice 15): the niceness of the driver that started the cluster, else 0; as far as the OS lets
-    it (raising priority needs CAP_SYS_NICE). Returns the niceness it ends with."""
-    target = int(os.environ.get(DRIVER_NICENESS, "0"))
+    """Bring this process back to the job's priority (:func:`job_niceness`) when it runs nicer
+    (Ray starts workers at nice 15), as far as the OS lets it (raising priority needs
+    CAP_SYS_NICE). Returns the niceness it ends with."""
+    target = job_niceness()
     if os.getpriority(os.PRIO_PROCESS, 0) > target:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, target)
@@ -138,7 +143,7 @@ class ActorStageWorker(StageWorker):
 
     def __init__(self, graph: GraphSpec, setup: StageSetup, seed: int):
         self.nice = normal_priority()
-        if self.nice > int(os.environ.get(DRIVER_NICENESS, "0")):
+        if self.nice > job_niceness():
             import warnings
 
             warnings.warn(
