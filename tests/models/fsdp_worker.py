@@ -1,16 +1,22 @@
 """One rank of the FSDP2 tests (tests/models/test_fsdp.py): `python fsdp_worker.py CONFIG RANK`.
 
-Builds a small Llama identically on every rank, shards it with dapo_flow.models.fsdp, and takes
-`steps` clipped policy-gradient steps on a fixed batch split across the ranks by token count,
-each loss normalised by the global token count. Optionally loads a sharded checkpoint first, or
-saves one after `save_after` steps; rank 0 writes the losses and the full weights to `out`.
-With a `chunk` key (null or a size) the logprobs come from HFPolicy's own path
-(dapo_flow.models.hf.response_logprobs_of, chunked or not) with an entropy bonus in the loss, and
-rank 0 also writes its rows' logprobs and entropy scored without gradients on the gathered weights.
+CONFIG (JSON) holds the group's `world`, `port` and optional `timeout`, and a list of `jobs` that
+run one after another in the one process group (starting Python and importing torch costs far
+more than a job). Each job builds a small Llama afresh on every rank (torch.manual_seed(0), as a
+separate launch would), shards it with dapo_flow.models.fsdp, and takes `steps` clipped
+policy-gradient steps on a fixed batch split across the ranks by token count, each loss
+normalised by the global token count. Optionally it loads a sharded checkpoint first (`load`), or
+saves one after `save_after` steps (`save`); `max_tokens` cuts each rank's rows into token-budget
+micro-batches; `tie` ties the embedding and the lm_head. Rank 0 writes the losses and the full
+weights to the job's `out`. With a `chunk` key (null or a size) the logprobs come from HFPolicy's
+own path (dapo_flow.models.hf.response_logprobs_of, chunked or not) with an entropy bonus in the
+loss, and rank 0 also writes its rows' logprobs and entropy scored without gradients on the
+gathered weights.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -31,6 +37,14 @@ ROWS, PROMPT, RESPONSE, VOCAB = 8, 4, 6, 64
 def main(cfg: dict, rank: int) -> None:
     world = cfg["world"]
     fsdp.init_group(rank, world, "127.0.0.1", cfg["port"], timeout_s=cfg.get("timeout", 60))
+    for job in cfg["jobs"]:  # every rank runs the same jobs in the same order (their collectives pair up)
+        run_job(job, rank, world)
+        gc.collect()  # free the job's sharded model and optimizer before the next one
+    fsdp.destroy_group()
+
+
+def run_job(cfg: dict, rank: int, world: int) -> None:
+    """One job in the group: its own model, optimizer and batch; nothing outlives it but its files."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -91,7 +105,6 @@ def main(cfg: dict, rank: int) -> None:
     full = {k: v.clone() for k, v in fsdp.full_state_dict(model).items()}
     if rank == 0:
         torch.save({"losses": losses, "params": full, "scored": scored}, cfg["out"])
-    fsdp.destroy_group()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ the same result."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,28 +13,33 @@ from pathlib import Path
 import pytest
 import torch
 
+from dapo_flow.runtime.executors import free_port
+
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(tmp: Path, name: str, world: int, timeout: float = 120, **cfg) -> dict:
-    out = tmp / f"{name}.pt"
+def _launch(tmp: Path, name: str, world: int, jobs: dict[str, dict], timeout: float = 300) -> dict[str, dict]:
+    """Start `world` ranks that run `jobs` (a name and its keys each) one after another in one
+    process group; each job's results (rank 0's file) by its name."""
+    outs = {job: tmp / f"{job}.pt" for job in jobs}
     config = tmp / f"{name}.json"
-    config.write_text(json.dumps({"world": world, "port": _free_port(), "out": str(out), **cfg}))
+    config.write_text(json.dumps({"world": world, "port": free_port(),
+                                  "jobs": [{"out": str(outs[job]), **keys} for job, keys in jobs.items()]}))
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(config), str(rank)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]
-    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:  # a rank past the timeout, or left waiting on one that was
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
-    return torch.load(out) if out.exists() else {"logs": logs}
+    return {job: torch.load(out) for job, out in outs.items()}
 
 
 def _same_params(a: dict, b: dict, atol: float) -> None:
@@ -45,31 +49,43 @@ def _same_params(a: dict, b: dict, atol: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def three_steps(tmp_path_factory):
-    """Three steps at world 1 and at world 2, each saving a sharded checkpoint after step 2."""
+def runs(tmp_path_factory):
+    """The runs of every test but the last, in three launches (starting the processes costs far
+    more than the runs): at world 1, three steps saving a sharded checkpoint after step 2; at
+    world 2, the same, the token-budget run, HFPolicy's logprob path whole and chunked (untied and
+    tied), and the world-1 checkpoint resumed; at world 1 again, the world-2 checkpoint resumed.
+    Each run builds its model and optimizer afresh (torch.manual_seed(0)), as a launch of its own."""
     tmp = tmp_path_factory.mktemp("fsdp")
-    return (tmp, _run(tmp, "w1", 1, steps=3, save=str(tmp / "ckpt_1"), save_after=2),
-            _run(tmp, "w2", 2, steps=3, save=str(tmp / "ckpt_2"), save_after=2))
+    results = _launch(tmp, "world_1", 1, {"w1": dict(steps=3, save=str(tmp / "ckpt_1"), save_after=2)})
+    results |= _launch(tmp, "world_2", 2, {
+        "w2": dict(steps=3, save=str(tmp / "ckpt_2"), save_after=2),
+        "w2_budget": dict(steps=3, max_tokens=5),
+        **{f"{kind}_{tie}": dict(steps=2, chunk=chunk, tie=tie)
+           for tie in (False, True) for kind, chunk in (("whole", None), ("chunked", 3))},
+        "resume_1_2": dict(steps=1, load=str(tmp / "ckpt_1")),
+    })
+    results |= _launch(tmp, "world_1_again", 1, {"resume_2_1": dict(steps=1, load=str(tmp / "ckpt_2"))})
+    return tmp, results
 
 
-def test_two_workers_make_the_update_one_worker_makes(three_steps):
-    _, one, two = three_steps
+def test_two_workers_make_the_update_one_worker_makes(runs):
+    _, results = runs
+    one, two = results["w1"], results["w2"]
     assert abs(one["losses"][0] - two["losses"][0]) <= 1e-6 * max(1.0, abs(one["losses"][0]))
     _same_params(one["params"], two["params"], atol=1e-5)
 
 
-def test_token_budget_micro_batches_make_the_same_update(three_steps):
-    tmp, _, two = three_steps
-    budgeted = _run(tmp, "w2_budget", 2, steps=3, max_tokens=5)
-    _same_params(budgeted["params"], two["params"], atol=1e-5)
+def test_token_budget_micro_batches_make_the_same_update(runs):
+    _, results = runs
+    _same_params(results["w2_budget"]["params"], results["w2"]["params"], atol=1e-5)
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_chunked_logprobs_make_the_same_update_on_a_sharded_model(tmp_path, tie):
+def test_chunked_logprobs_make_the_same_update_on_a_sharded_model(runs, tie):
     """HFPolicy's logprob path with an entropy bonus at world 2: the chunks run inside the root's
     forward, where FSDP2 has gathered the lm_head (or the tied embedding) it multiplies by."""
-    whole = _run(tmp_path, "whole", 2, steps=2, chunk=None, tie=tie)
-    chunked = _run(tmp_path, "chunked", 2, steps=2, chunk=3, tie=tie)
+    _, results = runs
+    whole, chunked = results[f"whole_{tie}"], results[f"chunked_{tie}"]
     for a, b in zip(whole["losses"], chunked["losses"]):
         assert abs(a - b) <= 1e-6 * max(1.0, abs(a))
     # the weights after two AdamW steps (lr 1e-3) within 1% of one step, as the world-size tests:
@@ -82,18 +98,17 @@ def test_chunked_logprobs_make_the_same_update_on_a_sharded_model(tmp_path, tie)
 
 
 @pytest.mark.parametrize("saved_at, resumed_at", [(2, 1), (1, 2)])
-def test_a_sharded_checkpoint_resumes_at_another_world_size(three_steps, saved_at, resumed_at):
-    tmp, _, two = three_steps
-    ckpt = tmp / f"ckpt_{saved_at}"
-    assert any(ckpt.iterdir())  # every rank wrote its shards there
-    resumed = _run(tmp, f"resume_{saved_at}_{resumed_at}", resumed_at, steps=1, load=str(ckpt))
-    _same_params(resumed["params"], two["params"], atol=1e-6)  # = 3 uninterrupted steps
+def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, saved_at, resumed_at):
+    tmp, results = runs
+    assert any((tmp / f"ckpt_{saved_at}").iterdir())  # every rank wrote its shards there
+    resumed = results[f"resume_{saved_at}_{resumed_at}"]  # one step from the checkpoint at `resumed_at`
+    _same_params(resumed["params"], results["w2"]["params"], atol=1e-6)  # = 3 uninterrupted steps
 
 
 def test_a_peer_that_never_joins_is_a_clear_error(tmp_path):
     config = tmp_path / "lonely.json"
-    config.write_text(json.dumps({"world": 2, "port": _free_port(), "out": str(tmp_path / "x.pt"),
-                                  "steps": 1, "timeout": 5}))
+    config.write_text(json.dumps({"world": 2, "port": free_port(), "timeout": 5,
+                                  "jobs": [{"out": str(tmp_path / "x.pt"), "steps": 1}]}))
     proc = subprocess.run([sys.executable, str(WORKER), str(config), "0"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0
