@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import time
 from pathlib import Path
 
 from _common import LoadSampler, fmt, make_console, write_json
+
+from dapo_flow.runtime.ports import free_port
 
 WORKER = Path(__file__).with_name("_scale_worker.py")
 
@@ -54,10 +55,6 @@ QUICK = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_world(world: int, setting: dict, args, tmp: Path, tag: str, console) -> list[dict]:

@@ -15,13 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from dapo_flow.runtime.ports import free_port
+
 CLI = Path(sys.executable).with_name("dapo-flow")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _mlflow_pids(port: int) -> list[int]:
@@ -65,7 +61,7 @@ def test_ui_serves_the_default_store(tmp_path, monkeypatch):
     tracker.log_metrics(1, {"val/acc": 0.5})
     tracker.finish()
     assert default_tracking_uri().startswith("sqlite:///")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([str(CLI), "ui", "--port", str(port)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from dapo_flow.errors import RunError
 from dapo_flow.runtime import group
+from dapo_flow.runtime.ports import free_port  # noqa: F401  (the tests' and the local groups' port)
 from dapo_flow.runtime.tables import TableParts, assemble
 from dapo_flow.runtime.worker import GroupMember, Share, StageSetup, StageWorker, resolve_op
 from dapo_flow.graph.plan import DRIVER
@@ -519,22 +520,9 @@ def _read_parquet_file(path: str) -> pa.Table:
 def node_address() -> tuple[str, int]:
     """This Ray node's address and a port free on it now: a process group's master (run on
     rank 0's node)."""
-    import socket
-
     import ray
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ray.util.get_node_ip_address(), free_port("")
 
 
 def _cluster_resources(ray) -> str:

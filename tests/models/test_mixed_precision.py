@@ -258,9 +258,8 @@ torch.set_num_threads(1)
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.models import fsdp
 from dapo_flow.runtime.resources import load_resource
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-fsdp.init_group(0, 1, "127.0.0.1", port)
+from dapo_flow.runtime.ports import free_port
+fsdp.init_group(0, 1, "127.0.0.1", free_port())
 spec = ModelSpec(path="builtin:tiny-adder", dtype="bfloat16",
                  train={"mixed_precision": "bf16", "strategy": "fsdp2"})
 policy = load_resource("policy", spec, path=None, trainable=True, generates=False, scores=True,

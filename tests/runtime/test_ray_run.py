@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
+from dapo_flow.runtime.ports import free_port
 from dapo_flow.tracking import read_run, search_runs
 
 pytestmark = pytest.mark.slow
@@ -101,12 +101,10 @@ def _uri(where: Path) -> str:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        ports += [port] if port not in ports else []
     return ports
 
 
