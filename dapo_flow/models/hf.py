@@ -200,10 +200,12 @@ class HFPolicy:
         (``load_resource`` loads it so whatever the model's ``dtype``); logits are cast to
         float32 before any log-softmax. Not with :meth:`shard` (FSDP2 casts the parameters
         itself: pass ``mixed_precision`` there)."""
+        from dapo_flow.models.heads import load_torch_model, skip_unneeded_transformers_imports
+
+        skip_unneeded_transformers_imports()  # before the first transformers import below
         from transformers import AutoTokenizer
 
         from dapo_flow.models import resolve_model
-        from dapo_flow.models.heads import load_torch_model
 
         if dtype not in DTYPES:
             raise ModelError(f"unknown dtype '{dtype}'; use one of {sorted(DTYPES)}")
