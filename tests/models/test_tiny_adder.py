@@ -55,8 +55,10 @@ def test_remeasured_sampled_accuracy_in_band(tiny_adder_path: Path):
 
 
 def test_a_short_recipe_build_is_byte_reproducible(tmp_path: Path):
-    """The build code is deterministic: two builds of a few-step recipe are equal byte for byte
-    (the full recipe's rebuild below is the slow tier's)."""
+    """The build code is deterministic: two builds of a few-step recipe are equal byte for byte.
+    The shipped recipe runs the same code for more steps; that its build on this machine is the
+    one the documented figures came from, the figure tests show (test_learning: the main job's
+    figures to the printed digit), so a second full build (~1 min) would add nothing."""
     import dataclasses
 
     from dapo_flow.models import tiny_adder
@@ -68,20 +70,6 @@ def test_a_short_recipe_build_is_byte_reproducible(tmp_path: Path):
     info = json.loads((a / BUILD_INFO).read_text())
     assert info["recipe"]["steps"] == 20 and info["val_sampled_accuracy"] == json.loads(
         (b / BUILD_INFO).read_text())["val_sampled_accuracy"]
-
-
-@pytest.mark.slow
-def test_build_is_byte_reproducible(tiny_adder_path: Path, tmp_path: Path):
-    """A fresh build of the shipped recipe equals the cached one byte for byte (~50 s)."""
-    import torch
-
-    info = json.loads((tiny_adder_path / BUILD_INFO).read_text())
-    if info["torch_version"] != torch.__version__:
-        pytest.skip("cached build made with another torch version")
-    fresh = build_tiny_adder(tmp_path / "fresh", progress=False)
-    for name in ("model.safetensors", "config.json", "tokenizer.json", "generation_config.json"):
-        assert (fresh / name).read_bytes() == (tiny_adder_path / name).read_bytes(), name
-    assert json.loads((fresh / BUILD_INFO).read_text())["val_sampled_accuracy"] == info["val_sampled_accuracy"]
 
 
 def test_home_default_and_env(monkeypatch, tmp_path):

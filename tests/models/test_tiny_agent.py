@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from dapo_flow.data.tasks import Problem
 from dapo_flow.data.tool_arith import ToolArithTask, verify_tool_arith
@@ -165,6 +164,9 @@ def test_short_build_is_a_llama_directory_with_the_declared_shape(short_dir):
 
 
 def test_short_build_info_and_determinism(short_dir, tmp_path):
+    """A few-step build records its figures as the build measures them and rebuilds byte for byte.
+    The shipped recipe runs the same code for more steps; that its build on this machine is the
+    one the documented figures came from, the agent graph's figure test shows (test_learning)."""
     info = json.loads((short_dir / tiny_agent.BUILD_INFO).read_text())
     assert info["name"] == "tiny-agent" and info["recipe_version"] == tiny_agent.RECIPE_VERSION
     # the recorded figures are the sampler's on the build's protocol (as the build runs it: one
@@ -279,18 +281,3 @@ def test_cached_tokenizer_round_trips_a_whole_conversation(agent_path):
                                                          use_tool=True).response_ids
     assert tok.decode(demo.prompt_ids + demo.response_ids) == \
         "<s>12*34=<call>calculator: 12*34</call></s><result>408</result>408</s>"
-
-
-@pytest.mark.slow
-@pytest.mark.models("tiny-agent")
-def test_rebuild_equals_the_cached_build(agent_path, tmp_path):
-    """A fresh build equals the cached one byte for byte (~2 min)."""
-    info = json.loads((agent_path / tiny_agent.BUILD_INFO).read_text())
-    if info["torch_version"] != torch.__version__:
-        pytest.skip("cached build made with another torch version")
-    fresh = tiny_agent.build_tiny_agent(tmp_path / "fresh", progress=False)
-    for name in ("model.safetensors", "config.json", "tokenizer.json", "generation_config.json"):
-        assert (fresh / name).read_bytes() == (agent_path / name).read_bytes(), name
-    fresh_info = json.loads((fresh / tiny_agent.BUILD_INFO).read_text())
-    assert fresh_info["val_sampled_accuracy"] == info["val_sampled_accuracy"]
-    assert fresh_info["val_tool_call_rate"] == info["val_tool_call_rate"]
