@@ -77,6 +77,9 @@ class TokenizeBatch:
     def __call__(self, raw: pa.Table) -> pa.Table:
         tokenizer = _TOKENIZERS.get(self.model_dir)
         if tokenizer is None:
+            from dapo_flow.models.heads import skip_unneeded_transformers_imports
+
+            skip_unneeded_transformers_imports()
             from transformers import AutoTokenizer
 
             tokenizer = _TOKENIZERS[self.model_dir] = AutoTokenizer.from_pretrained(self.model_dir)

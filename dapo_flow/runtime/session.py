@@ -62,6 +62,9 @@ def generator_dir(plan):
 
 def generator_tokenizer(plan):
     """The tokenizer of :func:`generator_dir`'s model."""
+    from dapo_flow.models.heads import skip_unneeded_transformers_imports
+
+    skip_unneeded_transformers_imports()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(generator_dir(plan)))
