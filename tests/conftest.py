@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -18,11 +20,116 @@ def session_threads() -> int:
     return max(1, threads.cpu_count() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+#: the environment the session started with (its thread budget set): the shared Ray cluster's
+_PRISTINE_ENV: dict[str, str] = {}
+
+
 def pytest_configure(config) -> None:
     """One thread budget for the whole session, nesting off, numba on its own pool: before any
     test imports torch's users, numba or vLLM (nested OpenMP, once a vLLM engine and the numba
     kernels have run in one process, makes a 20 s test take 27 minutes: dapo_flow/threads.py)."""
     threads.configure(session_threads())
+    _PRISTINE_ENV.update(os.environ)
+
+
+class _SharedRay:
+    """The test process's shared Ray cluster: started for the first test marked ``shared_ray``,
+    reused by the next ones (a run's executor or Ray eval joins a running cluster, and kills its
+    actors and removes its placement groups when it ends, but leaves the cluster up), shut down
+    before any unmarked test (which sees no cluster, as it would alone), after a marked test that
+    left something behind, and at session end. A local cluster costs ~4.5 CPU s and ~4 s to
+    start and stop (gcs_server, raylet, its agents, idle workers)."""
+
+    ours = False  # this process started the cluster that is up
+    starts = reused = dirty = 0
+    CLEAN_WAIT_S = 10.0  # a killed actor's death and a removed group's resources land async
+
+    @classmethod
+    def ensure(cls) -> None:
+        import ray
+
+        if ray.is_initialized():  # ours (or one a test left up: today's run would join it too)
+            cls.reused += cls.ours
+            return
+        from dapo_flow.runtime.executors import connect_ray
+
+        # started as a fresh test would start it, before its monkeypatch and chdir: from the
+        # session's environment and the repository root; what connect_ray sets stays set
+        saved, cwd = dict(os.environ), os.getcwd()
+        os.environ.clear()
+        os.environ.update(_PRISTINE_ENV)
+        os.chdir(ROOT)
+        try:
+            connect_ray(None)
+        finally:
+            added = {k: v for k, v in os.environ.items() if _PRISTINE_ENV.get(k) != v}
+            os.environ.clear()
+            os.environ.update({**saved, **added})
+            os.chdir(cwd)
+        cls.ours = True
+        cls.starts += 1
+
+    @classmethod
+    def leftovers(cls) -> list[str]:
+        """What a finished test left on the cluster: live actors (but Ray's own detached service
+        actors, e.g. Ray Data's stats actor), placement groups not removed, CPUs or GPUs held."""
+        import ray
+        from ray._private import state
+
+        left = [f"actor {a.get('ActorClassName')}" for a in state.actors().values()
+                if a.get("State") != "DEAD" and not a.get("IsDetached")]
+        left += [f"placement group {g['placement_group_id']} {g['state']}"
+                 for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        total, free = ray.cluster_resources(), ray.available_resources()
+        left += [f"{free.get(r, 0.0)} of {total[r]} {r} free" for r in ("CPU", "GPU")
+                 if r in total and free.get(r, 0.0) < total[r]]
+        return left
+
+    @classmethod
+    def after_test(cls) -> None:
+        """A marked test is over: keep the cluster if it is clean, else shut it down (the next
+        test gets a fresh one; the test does not fail for it)."""
+        import ray
+
+        if not cls.ours:
+            return
+        if not ray.is_initialized():  # the test shut it down itself
+            cls.ours = False
+            return
+        deadline = time.monotonic() + cls.CLEAN_WAIT_S
+        try:
+            while (left := cls.leftovers()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        except Exception as err:  # a cluster that cannot say: not one to reuse
+            left = [f"a cluster whose state cannot be read ({err!r})"]
+        if left:
+            cls.dirty += 1
+            print(f"shared Ray cluster shut down: the test left {left}", file=sys.stderr)
+            cls.stop()
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.ours:
+            import ray
+
+            ray.shutdown()
+            cls.ours = False
+
+
+@pytest.fixture(autouse=True)
+def _a_shared_ray(request):
+    """Runs before the test's other function fixtures (autouse ones set up first, a conftest's in
+    name order), so before its monkeypatch and chdir: a test marked ``shared_ray`` gets the
+    process's shared Ray cluster (:class:`_SharedRay`); any other test finds none running."""
+    if request.node.get_closest_marker("shared_ray") is None:
+        _SharedRay.stop()
+        yield
+        return
+    _SharedRay.ensure()
+    yield
+    _SharedRay.after_test()
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +182,10 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 
     def key(item, models: set[str]):
         long_builds = {n for n in models if model_builds.BUILD_MINUTES.get(n, 1.0) >= 1.0}
-        return item.get_closest_marker("slow") is None, model_builds.ready_at(long_builds, all_lanes)
+        # last, the tests that may share the process's Ray cluster next to each other in their
+        # group, so they reuse it (xdist hands tests out two at a time in this order)
+        return (item.get_closest_marker("slow") is None, model_builds.ready_at(long_builds, all_lanes),
+                item.get_closest_marker("shared_ray") is None)
 
     order = {id(item): key(item, w) for item, w in zip(items, wanted)}
     items.sort(key=lambda item: order[id(item)])
@@ -88,8 +198,18 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     model_builds.step_back()
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How often this process's shared Ray cluster started and was reused (with pytest-xdist the
+    workers keep their own counts: nothing prints)."""
+    if _SharedRay.starts:
+        terminalreporter.write_line(f"shared Ray cluster: {_SharedRay.starts} start(s), {_SharedRay.reused} reuse(s), "
+                                    f"{_SharedRay.dirty} shut down for what a test left")
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """A session cut short stops its builds (a build's lock dies with it; its temp dir goes)."""
+    """A session cut short stops its builds (a build's lock dies with it; its temp dir goes);
+    the shared Ray cluster goes."""
+    _SharedRay.stop()
     for proc in _LANES:
         if proc.poll() is None:
             proc.terminate()

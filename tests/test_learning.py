@@ -55,6 +55,7 @@ def test_readme_figures_are_parsed():
     assert len(figures["eval_base"]) == len(figures["eval_trained"]) == len(EVAL_COLUMNS)
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 def test_dapo_graph_raises_val_accuracy_as_the_readme_says(tmp_path, monkeypatch, tiny_adder_path):
     monkeypatch.chdir(tmp_path)
@@ -97,6 +98,7 @@ def test_readme_chat_figures_are_parsed():
     assert CHAT_FIGURES.search((ROOT / "README.md").read_text(encoding="utf-8")), "README lost dapo-chat's figures"
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 @pytest.mark.models("tiny-chat")
 @pytest.mark.timeout(2400)  # a fresh machine first builds tiny-chat (~6-11 min on 2 cores), then runs ~2.5-5 min
@@ -130,6 +132,7 @@ def test_readme_agent_figures_are_parsed():
     assert AGENT_FIGURES.search((ROOT / "README.md").read_text(encoding="utf-8")), "README lost agent's figures"
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 @pytest.mark.models("tiny-agent")
 @pytest.mark.timeout(1200)  # a fresh machine first builds tiny-agent (~1.5 min), then ~1.5 min of run

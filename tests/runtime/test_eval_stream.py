@@ -106,6 +106,7 @@ def test_a_parquet_set_streams_in_batches_with_the_numbers_of_one_pass(workdir, 
     assert not list(workdir.glob("*.partial"))
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 def test_eval_on_ray_streams_the_numbers_of_the_local_executor(workdir, small_graph):
     data = workdir / "val.parquet"

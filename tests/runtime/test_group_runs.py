@@ -39,6 +39,7 @@ def _env() -> dict[str, str]:
     return {**env, "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
 
 
+@pytest.mark.shared_ray
 @pytest.mark.timeout(3 * WAIT_S)
 def test_the_main_job_learns_at_workers_2_and_exports_its_sharded_checkpoint(workdir):
     log = Console(file=open(workdir / "log.txt", "w"), width=200)

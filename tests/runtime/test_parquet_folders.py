@@ -25,6 +25,7 @@ def _shards(folder, rows_per_shard: int = 40):
     return [f"{s}{j:02d}+1=" for s in range(3) for j in range(rows_per_shard)]
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ray_data_reads_a_folder_of_shards_in_name_order(tmp_path, small_graph):

@@ -176,6 +176,7 @@ def test_gae_advantage_node_is_algos_gae_on_the_last_token_rewards():
             np.testing.assert_allclose(got[i], expected[i, :n].numpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 def test_the_ppo_graph_learns(workdir):
     """graphs/ppo.yaml as `dapo-flow run` runs it (on Ray): val acc rises as docs/results.md
@@ -188,6 +189,7 @@ def test_the_ppo_graph_learns(workdir):
     assert abs(late_values - late_acc) < 0.1, (late_values, late_acc)
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_critic_trained_by_a_group_matches_one_worker(workdir):

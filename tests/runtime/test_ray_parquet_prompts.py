@@ -27,6 +27,7 @@ def _verl_parquet(path):
     }), path, row_group_size=16)  # several row groups: order must survive the parallel read
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 def test_ray_reads_parquet_prompts_in_ray_tasks(workdir, small_graph, monkeypatch):
     data = workdir / "prompts.parquet"

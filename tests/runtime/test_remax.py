@@ -91,6 +91,7 @@ def test_a_remax_graph_runs(workdir):
     assert all(np.isfinite(v) for _, v in history["actor/grad_norm"])
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 @pytest.mark.models("tiny-chat")
 @pytest.mark.timeout(2400)  # a fresh machine first builds tiny-chat (~6-11 min on 2 cores), then ~3 min

@@ -187,6 +187,7 @@ def test_a_causal_lm_judges_in_its_own_actor(workdir, tiny_adder_path):
     assert 0.0 < history["score/rm_mean"][0][1] < 1.0
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 @pytest.mark.models("tiny-adder-rm")
 @pytest.mark.timeout(1200)  # builds builtin:tiny-adder-rm on first use (~3.5 min on 2 cores)
@@ -198,6 +199,7 @@ def test_rl_with_the_builtin_reward_model_raises_true_accuracy(workdir):
     assert_learned(summary, results_row("rm"), "graphs/rm.yaml val acc start -> end")
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 @pytest.mark.models("tiny-adder-judge")
 @pytest.mark.timeout(1200)  # builds builtin:tiny-adder-judge on first use (~3.5 min on 2 cores)

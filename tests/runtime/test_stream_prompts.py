@@ -136,6 +136,7 @@ def test_stream_reads_parquet_only():
         DataSourceSpec(source="builtin:addition", stream=True)
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 def test_ray_tasks_stream_the_same_prompts_as_the_local_reader(workdir, small_graph):
     data = workdir / "prompts.parquet"

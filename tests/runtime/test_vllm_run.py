@@ -92,12 +92,14 @@ def test_vllm_local_runs_one_after_another_each_sync_weights_into_their_engine(w
         _assert_engine_has_trainer_weights({k: [v for _, v in pts] for k, pts in history.items()}, 3)
 
 
+@pytest.mark.shared_ray
 @pytest.mark.vllm
 def test_vllm_ray_run_syncs_weights_into_the_engine(workdir, small_graph, vllm_installed):
     h = _history(_graph(small_graph, workdir, backend="vllm", steps=2), "ray", 2)
     _assert_engine_has_trainer_weights(h, 2)
 
 
+@pytest.mark.shared_ray
 def test_disaggregated_hf_syncs_weights_between_actors(workdir, small_graph):
     h = _history(_graph(small_graph, workdir, backend="hf", steps=3, disaggregated=True), "ray", 3)
     _assert_engine_has_trainer_weights(h, 3)
@@ -112,6 +114,7 @@ def test_without_sync_the_check_catches_stale_weights(workdir, small_graph, monk
     assert h[METRIC][1] > 1e-3, h[METRIC]  # step 2: the rollout actor still has step-0 weights
 
 
+@pytest.mark.shared_ray
 def test_disaggregated_vllm_takes_broadcast_weights_on_ray(workdir, small_graph):
     """The default sync between actors: the trainer broadcasts buckets over a gloo bus straight
     into the vLLM engine's in-memory reload (models.weight_bus)."""
@@ -119,6 +122,7 @@ def test_disaggregated_vllm_takes_broadcast_weights_on_ray(workdir, small_graph)
     _assert_engine_has_trainer_weights(h, 3)
 
 
+@pytest.mark.shared_ray
 def test_broadcast_and_object_store_syncs_make_the_same_run(workdir, small_graph):
     """Both carry the float32 weights exactly: every metric of the run is the same."""
     path = _graph(small_graph, workdir, backend="hf", steps=2, disaggregated=True)
