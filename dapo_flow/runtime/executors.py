@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from dapo_flow.errors import RunError
 from dapo_flow.runtime import group
-from dapo_flow.runtime.ports import free_port  # noqa: F401  (the tests' and the local groups' port)
+from dapo_flow.runtime.ports import free_port
 from dapo_flow.runtime.tables import TableParts, assemble
 from dapo_flow.runtime.worker import GroupMember, Share, StageSetup, StageWorker, resolve_op
 from dapo_flow.graph.plan import DRIVER
