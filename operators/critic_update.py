@@ -19,6 +19,7 @@ from pydantic import Field
 from dapo_flow import algos
 from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, token_lists
 from dapo_flow.graph import columns as C
+from dapo_flow.models.devices import host_floats
 from operators.update import Optimization, OptimizerParams
 
 METRICS = (
@@ -67,14 +68,16 @@ class CriticUpdate(Optimization):
         vpreds, resp_mask = self.policy.response_values(
             [data["prompts"][i] for i in rows], [data["responses"][i] for i in rows], grad=True)
         width = vpreds.shape[1]
-        m = torch.from_numpy(data["mask"][rows, :width]) & resp_mask
+        dev = self.policy.to_device({k: data[k][rows, :width] for k in ("mask", "returns", "values")})
+        m = dev["mask"] & resp_mask
         loss, stats = algos.value_loss(
-            vpreds, torch.from_numpy(data["returns"][rows, :width]), torch.from_numpy(data["values"][rows, :width]),
+            vpreds, dev["returns"], dev["values"],
             m, clip=p.clip, agg=p.loss_agg_mode, num_tokens=n_tokens, num_seqs=n_seqs, norm_len=p.norm_len)
-        share = float(m.sum()) / n_tokens  # this micro-batch's part of the mini-batch's tokens
-        return loss, {"critic/vf_loss": float(loss.detach()),
-                      "critic/vf_clipfrac": stats["vf_clipfrac"] * share,
-                      "critic/vpred_mean": float(vpreds.detach()[m].sum()) / n_tokens}
+        host = host_floats({"loss": loss, "tokens": m.sum(),  # one transfer from the device
+                            "vpred_sum": torch.where(m, vpreds.detach(), 0.0).sum()})
+        return loss, {"critic/vf_loss": host["loss"],
+                      "critic/vf_clipfrac": stats["vf_clipfrac"] * (host["tokens"] / n_tokens),
+                      "critic/vpred_mean": host["vpred_sum"] / n_tokens}
 
     def _zero_loss_pass(self) -> None:
         eos = self.policy.eos_id

@@ -203,8 +203,8 @@ class Score:
         model = self.ctx.model.policy
         if reward.output == "likelihood":
             logp, _, mask = model.response_logprobs(prompts, responses, micro_batch_size=reward.micro_batch_size)
-            return lowest_token_probability(logp, mask).cpu().numpy()  # from the model's device
-        rm = model.response_scores(prompts, responses, micro_batch_size=reward.micro_batch_size).cpu().numpy()
+            return lowest_token_probability(logp, mask).numpy()  # inference results are on the host
+        rm = model.response_scores(prompts, responses, micro_batch_size=reward.micro_batch_size).numpy()
         if reward.output == "probability":
             rm = 1.0 / (1.0 + np.exp(-rm.astype(np.float64)))
         return rm.astype(np.float32)

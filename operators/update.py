@@ -29,6 +29,7 @@ from dapo_flow.graph import columns as C
 from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, token_lists
 from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.errors import RunError
+from dapo_flow.models.devices import host_floats, to_host
 
 LossAgg = Literal[algos.LOSS_AGG_MODES]  # type: ignore[valid-type]
 KLType = Literal[algos.KL_KINDS]  # type: ignore[valid-type]
@@ -178,8 +179,8 @@ class Optimization:
             "skipped_total": self.skipped_total,
             "empty_in_a_row": self.empty_in_a_row,
         }
-        if not self.policy.sharded:
-            state["optimizer"] = self.optimizer.state_dict()
+        if not self.policy.sharded:  # on the host: the driver and the disk may have no device
+            state["optimizer"] = to_host(self.optimizer.state_dict())
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -464,27 +465,31 @@ class Update(Optimization):
             grad=True,
         )
         width = logp.shape[1]
-        m = torch.from_numpy(data["mask"][rows, :width]) & resp_mask
-        old = torch.from_numpy(data["old_logp"][rows, :width])
-        a = torch.from_numpy(adv[rows, :width]) if adv.ndim == 2 else torch.from_numpy(adv[rows])[:, None].expand(-1, width)
+        dev = self.policy.to_device({  # the batch's arrays where the model's outputs are
+            "mask": data["mask"][rows, :width],
+            "old": data["old_logp"][rows, :width],
+            "adv": adv[rows, :width] if adv.ndim == 2 else adv[rows],
+            "ref": ref_logp[rows, :width] if p.kl_coef > 0 else None,
+        })
+        m = dev["mask"] & resp_mask
+        a = dev["adv"] if adv.ndim == 2 else dev["adv"][:, None].expand(-1, width)
         agg = dict(num_tokens=n_tokens, num_seqs=n_seqs)
         extra = {"clip_c": p.clip_c} if p.policy_loss == "vanilla" else {}  # dual clip: vanilla only
         pg_loss, pg_stats = algos.POLICY_LOSSES[p.policy_loss](
-            old, logp, a, m, clip_low=p.clip_low, clip_high=p.clip_high,
+            dev["old"], logp, a, m, clip_low=p.clip_low, clip_high=p.clip_high,
             agg=p.loss_agg_mode, norm_len=p.norm_len, **extra, **agg,
         )
         loss = pg_loss
-        stats = {"actor/pg_loss": float(pg_loss.detach()),
-                 "actor/entropy": float(algos.agg_loss(entropy.detach(), m, "token-sum") / n_tokens)}
+        stats = {"actor/pg_loss": pg_loss, "actor/entropy": algos.agg_loss(entropy.detach(), m, "token-sum") / n_tokens}
         if p.entropy_coef > 0:
             loss = loss - p.entropy_coef * algos.agg_loss(entropy, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
         if p.kl_coef > 0:
-            kl = algos.kl_penalty(logp, torch.from_numpy(ref_logp[rows, :width]), p.kl_type)
+            kl = algos.kl_penalty(logp, dev["ref"], p.kl_type)
             kl_loss = algos.agg_loss(kl, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
             loss = loss + p.kl_coef * kl_loss
-            stats["actor/kl_loss"] = float(kl_loss.detach())
-        # token-weighted share of this micro-batch in the mini-batch's token statistics
-        share = float(m.sum()) / n_tokens
+            stats["actor/kl_loss"] = kl_loss
+        stats = host_floats({**stats, "tokens": m.sum()})  # one transfer from the device
+        share = stats.pop("tokens") / n_tokens  # this micro-batch's weight in the token statistics
         for key in ("clipfrac", "clipfrac_lower", "ppo_kl"):
             stats[f"actor/{key}"] = pg_stats[key] * share
         return loss, stats

@@ -49,7 +49,11 @@ class RolloutEngine(Protocol):
 
 @runtime_checkable
 class Trainer(Protocol):
-    """The torch policy: token logprobs with or without gradient, weights in and out."""
+    """The torch policy: token logprobs with or without gradient, weights in and out.
+
+    Devices (:mod:`dapo_flow.models.devices`): results without gradient come back on the host;
+    a gradient pass's stay on the model's device, and ``to_device`` brings the loss's other
+    inputs there, so an operator never moves tensors itself."""
 
     model: Any  # the torch.nn.Module the update operator optimizes
     tokenizer: Any
@@ -57,6 +61,9 @@ class Trainer(Protocol):
     def response_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], *,
                           temperature: float = 1.0, micro_batch_size: int = 64,
                           with_entropy: bool = False, grad: bool = False) -> tuple[Any, Any, Any]: ...
+
+    def to_device(self, value: Any) -> Any:
+        """Host arrays and tensors (nested in dicts, lists, tuples) on the model's device."""
 
     def named_weights(self) -> dict[str, "np.ndarray"]: ...
 

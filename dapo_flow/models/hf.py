@@ -19,6 +19,7 @@ import torch
 
 from dapo_flow.algos.logprobs import chunked_linear_logprobs, entropy_from_logits, logprobs_from_logits
 from dapo_flow.errors import ModelError
+from dapo_flow.models.devices import to_device, to_host
 from dapo_flow.models.sampling import Rollouts, SamplingConfig, sample_keys, uniforms
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -174,6 +175,7 @@ class HFPolicy:
     """A causal LM held in torch: rollouts, logprobs (optionally with grad), weight export/import."""
 
     max_batch_samples: int = 2048  # rows per generation batch; prompts*n above this are chunked
+    host_sync_every: int = 16  # decoding steps between the host's looks at an accelerator's state
 
     def __init__(
         self,
@@ -379,13 +381,22 @@ class HFPolicy:
         lps = torch.zeros((num, cfg.max_tokens), dtype=torch.float32, device=self.device)
         lengths = torch.zeros(num, dtype=torch.long, device=self.device)
         done = torch.zeros(num, dtype=torch.bool, device=self.device)
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
+        # The host looks at the device every `every` tokens only (a CUDA sync each time): the
+        # uniforms of the next `every` steps go over in one copy, and a batch whose samples all
+        # ended decodes up to every-1 more steps, whose tokens are dropped (same results).
+        every = 1 if self.device.type == "cpu" else self.host_sync_every
         for t in range(cfg.max_tokens):
-            tok, lp = self._sample(logits, cfg, torch.from_numpy(uniforms(keys, t)).to(self.device))
+            if t % every == 0:
+                steps = range(t, min(t + every, cfg.max_tokens))
+                block = torch.from_numpy(np.stack([uniforms(keys, s) for s in steps])).to(self.device)
+            tok, lp, ok = self._sample(logits, cfg, block[t % every])
+            finite &= ok
             tokens[:, t] = tok.masked_fill(done, self.pad_id)
             lps[:, t] = lp
             lengths += (~done).long()
             done |= torch.isin(tok, eos)
-            if t + 1 == cfg.max_tokens or bool(done.all()):
+            if t + 1 == cfg.max_tokens or ((t + 1) % every == 0 and not bool(finite & ~done.all())):
                 break
             # Finished rows keep decoding (cheaper than compacting the cache); their tokens are dropped.
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -395,28 +406,37 @@ class HFPolicy:
             )
             logits = out.logits[:, -1].float()
             next_pos = next_pos + 1
+        if not bool(finite):
+            raise ModelError(NONFINITE_LOGITS)
         lens = lengths.tolist()
         tok_rows, lp_rows = tokens.tolist(), lps.tolist()
         responses = [row[:n] for row, n in zip(tok_rows, lens)]
         return responses, [row[:n] for row, n in zip(lp_rows, lens)], (~done).tolist()
 
     @staticmethod
-    def _sample(logits: torch.Tensor, cfg: SamplingConfig, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(logits: torch.Tensor, cfg: SamplingConfig, u: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Next tokens and their logprobs under log_softmax(logits / T); row s takes the token
         where its uniform ``u[s]`` falls in the cumulative distribution (inverse-CDF sampling,
-        float64). Shape: (S, V), (S,) -> (S,), (S,)."""
+        float64); and whether every row's distribution was finite (a 0-dim bool on the logits'
+        device, read by the caller when it next syncs). Shape: (S, V), (S,) -> (S,), (S,), ()."""
         if cfg.temperature == 0:
             tok = logits.argmax(-1)
-            return tok, logprobs_from_logits(logits, tok)
+            return tok, logprobs_from_logits(logits, tok), torch.isfinite(logits).all()
         scaled = logits / cfg.temperature
         probs = filter_top_k_top_p(scaled, cfg.top_k, cfg.top_p).softmax(-1)
         cdf = probs.double().cumsum(-1)
-        if not bool(torch.isfinite(cdf[:, -1]).all()):
-            raise ModelError(NONFINITE_LOGITS)
+        finite = torch.isfinite(cdf[:, -1]).all()
         # side=right: the first token whose cumulative mass exceeds u, never a zero-mass one
         tok = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         tok = tok.clamp_(max=probs.shape[-1] - 1)
-        return tok, logprobs_from_logits(scaled, tok)
+        return tok, logprobs_from_logits(scaled, tok), finite
+
+    def to_device(self, value: Any) -> Any:
+        """Host arrays (numpy, tensors; nested in dicts, lists, tuples) on this policy's device:
+        how a loss's inputs from the batch meet the outputs of a gradient pass
+        (:mod:`dapo_flow.models.devices`)."""
+        return to_device(value, self.device)
 
     # --- logprob recomputation --------------------------------------------------------------------
 
@@ -454,8 +474,10 @@ class HFPolicy:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Per-token log p(response | prompt) under ``softmax(logits / temperature)``.
 
-        ``grad=True``: one autograd pass over all rows (the caller micro-batches the update);
-        otherwise inference mode, ``micro_batch_size`` rows at a time.
+        ``grad=True``: one autograd pass over all rows (the caller micro-batches the update),
+        the results on this policy's device (bring the loss's other inputs with
+        :meth:`to_device`); otherwise inference mode, ``micro_batch_size`` rows at a time, the
+        results on the host.
         Shape: -> logp (B, R) float32 (0 at padding), entropy (B, R) or None, response_mask (B, R) bool.
         """
         batch = {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
@@ -471,6 +493,7 @@ class HFPolicy:
                 ]
             logp = torch.cat([p[0] for p in parts]) if parts else batch["response_mask"].float()
             ent = torch.cat([p[1] for p in parts]) if with_entropy and parts else None
+            return to_host((logp, ent, batch["response_mask"]))
         return logp, ent, batch["response_mask"]
 
     def response_values(
@@ -485,13 +508,14 @@ class HFPolicy:
         before token t (the prompt's last token for the first), as verl's critic reads
         ``values[:, -R-1:-1]``: the value of the context the token is sampled from.
 
-        ``grad=True``: one autograd pass over all rows; otherwise inference mode,
-        ``micro_batch_size`` rows at a time.
+        ``grad=True``: one autograd pass over all rows, on this policy's device; otherwise
+        inference mode, ``micro_batch_size`` rows at a time, on the host.
         Shape: -> values (B, R) float32 (0 at padding), response_mask (B, R) bool.
         """
         batch = self._scalar_head_batch("value", prompt_ids, response_ids)
         empty = batch["response_mask"].float()  # (0, R) when there are no rows
-        return self._by_rows(self._values_pass, batch, micro_batch_size, grad, empty), batch["response_mask"]
+        values = self._by_rows(self._values_pass, batch, micro_batch_size, grad, empty)
+        return (values, batch["response_mask"]) if grad else to_host((values, batch["response_mask"]))
 
     def response_scores(self, prompt_ids: list[list[int]], response_ids: list[list[int]], *,
                         micro_batch_size: int = 64, grad: bool = False) -> torch.Tensor:
@@ -500,10 +524,12 @@ class HFPolicy:
         sequence classifiers and verl's RM worker read it. Read here rather than through the
         model's own forward, which finds the last token from the pad id and so misreads
         left-padded prompts. ``grad=True``: one autograd pass over all rows (training a reward
-        model); otherwise inference mode, ``micro_batch_size`` rows at a time.
+        model: on this policy's device); otherwise inference mode, ``micro_batch_size`` rows at a
+        time, on the host.
         Shape: -> scores (B,) float32."""
         batch = self._scalar_head_batch("reward", prompt_ids, response_ids)
-        return self._by_rows(self._scores_pass, batch, micro_batch_size, grad, torch.zeros(0))
+        scores = self._by_rows(self._scores_pass, batch, micro_batch_size, grad, torch.zeros(0, device=self.device))
+        return scores if grad else to_host(scores)
 
     def _scalar_head_batch(self, head: str, prompt_ids: list[list[int]],
                            response_ids: list[list[int]]) -> dict[str, torch.Tensor]:

@@ -226,7 +226,9 @@ def load_driver(path: Path) -> dict[str, Any]:
 
 def load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     driver = load_driver(path)
-    ops = torch.load(path / OPS_FILE, weights_only=False)
+    # on the host: a checkpoint written on a GPU resumes on a CPU-only machine (and the reverse:
+    # an optimizer moves its state to its parameters' device when it loads it)
+    ops = torch.load(path / OPS_FILE, weights_only=False, map_location="cpu")
     return driver, ops
 
 

@@ -25,7 +25,8 @@ def test_uniforms_are_uniform_and_independent_across_steps_and_rows():
 def test_inverse_cdf_sampling_follows_the_distribution_and_skips_filtered_tokens():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(20000, 1)
     u = torch.from_numpy(uniforms(sample_keys(list(range(20000)), 1), 0))
-    tok, _ = HFPolicy._sample(logits, SamplingConfig(n=1, top_k=3), u)
+    tok, _, finite = HFPolicy._sample(logits, SamplingConfig(n=1, top_k=3), u)
+    assert bool(finite)
     freq = np.bincount(tok.numpy(), minlength=5) / len(tok)
     expected = torch.tensor([2.0, 1.0, 0.0]).softmax(-1).numpy()
     np.testing.assert_allclose(freq[:3], expected, atol=0.012)
