@@ -285,9 +285,20 @@ def _graph(args: argparse.Namespace) -> int:
     return 0
 
 
+def _joined(args: argparse.Namespace):
+    """The Ray cluster a run joins (`--address`, else $RAY_ADDRESS, with --executor ray): the
+    graph is placed on what it has free. None: this machine, which a Ray of its own then serves."""
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if args.executor != "ray" or address in (None, "", "local"):
+        return None
+    from dapo_flow.runtime.executors import joined_cluster
+
+    return joined_cluster(address)
+
+
 def _run(args: argparse.Namespace) -> int:
     edited = _edited(args)
-    placed = edited.compile()
+    placed = edited.compile(_joined(args))
     from dapo_flow.tracking import require_writable
 
     require_writable(placed.plan.spec.tracking.uri)  # before minutes of model loading
@@ -343,7 +354,7 @@ def _eval(args: argparse.Namespace) -> int:
         return 0
     if args.seeds or args.only:
         raise DapoFlowError("--seeds and --only go with --sweep (GRAPH a patch file)")
-    placed = _edited(args).compile()
+    placed = _edited(args).compile(_joined(args))
     from dapo_flow.experiments.evaluate import evaluate
 
     evaluate(placed, console=console, save=args.save, **options)

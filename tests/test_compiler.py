@@ -23,7 +23,7 @@ BAD = sorted((ROOT / "tests" / "graphs_bad").glob("*.yaml"))
 GOLDEN = ROOT / "tests" / "golden"
 
 
-GROUP_LINE = "train: {workers: 2, strategy: ddp}"
+GROUP_LINE = "train: {workers: auto, strategy: ddp}"
 
 
 ROLLOUT_LOGP_LINE = "params: {role: actor, source: rollout}"
@@ -297,10 +297,12 @@ def test_gpu_cluster():
     assert placed.stage("driver").num_cpus == 15.0
 
 
-def test_too_few_gpus_for_default_falls_back_to_cpu(tmp_path):
+def test_too_few_gpus_for_the_default_actors_are_shared_never_left_for_cpu(tmp_path):
+    """Two actors (rollout, trainer) on one GPU: half of it each (tests/test_sizing.py has the
+    rest: a group's ranks keep whole GPUs, and what cannot share is refused)."""
     path = _with_placement(tmp_path, "placement: {mode: disaggregated}\n")
     placed = place(plan(validate(load(path))), Cluster(cpus=8, gpus=1))
-    assert {s.num_gpus for s in placed.stages} == {0.0}
+    assert {s.name: s.num_gpus for s in placed.stages} == {"driver": 0.0, "rollout:policy": 0.5, "model:policy": 0.5}
 
 
 def test_explicit_resources(tmp_path):

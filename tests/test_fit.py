@@ -31,7 +31,7 @@ def qwen_7b(tmp_path) -> Path:
     return tmp_path
 
 
-# graphs/dapo.yaml trains on a 2-worker DDP group; these tests start from one plain worker
+# graphs/dapo.yaml trains on a DDP group sized to the devices (workers: auto); these tests start from one plain worker
 ONE_WORKER = ("models.policy.train.workers=1", "models.policy.train.strategy=null")
 
 
@@ -100,8 +100,8 @@ def test_one_worker_of_a_7b_model_without_sharding_names_more_workers(qwen_7b):
 
 def test_a_share_of_a_gpu_has_a_share_of_its_memory(qwen_7b):
     small = "models.policy.path=" + str(qwen_7b)
-    with pytest.raises(GraphError) as info:
-        _placed(DAPO, *SHORT, small, "models.policy.train.workers=8", "models.policy.train.mixed_precision=bf16",
+    with pytest.raises(GraphError) as info:  # one worker: a group's workers never share a GPU
+        _placed(DAPO, *SHORT, small, "models.policy.train.mixed_precision=bf16",
                 "placement.models.policy.num_gpus=0.25", cluster=Cluster(cpus=16, gpus=8, gpu_mem_gib=80))
     assert "but has 20.0 GiB (0.25 of a 80 GiB GPU)" in str(info.value)
 

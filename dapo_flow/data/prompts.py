@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from dapo_flow.graph import columns as C
 from dapo_flow.errors import DataError
+from dapo_flow.graph.prompt_budget import PromptBudget
 from dapo_flow.data.chain_task import CHAIN, CHAIN_OPTIONS, ChainTask, question
 from dapo_flow.data.tasks import ADDITION, AdditionTask
 from dapo_flow.data.tool_arith import TOOL_ARITH, TOOL_ARITH_OPTIONS, ToolArithTask
@@ -64,14 +65,19 @@ def load_prompts(
     on_bad_row: Literal["error", "skip"] = "error",
     options: dict[str, Any] | None = None,
     read_parquet: "ParquetReader | None" = None,
+    budget: PromptBudget | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> tuple[pa.Table, int]:
-    """Read, template and tokenize prompts; returns (table, number of skipped bad rows).
+    """Read, template and tokenize prompts; returns (table, number of dropped rows).
 
     ``size`` keeps the first ``size`` rows of the source (before bad rows are dropped).
     ``seed`` and ``options`` (low/high/train_size/val_size) only apply to builtin tasks;
     ``split`` picks the builtin split and prefixes every ``prompt_id``.
     Bad rows (no ground truth, empty prompt, more than ``max_prompt_tokens`` tokens) raise
     :class:`DataError` with ``on_bad_row="error"`` and are counted and dropped with ``"skip"``.
+    ``budget`` (the graph's prompt budget, ``graph.prompt_budget.source_budget``) replaces
+    ``max_prompt_tokens``: a longer prompt is a bad row, dropped and counted, or cut to its last or
+    first tokens, as it says. ``report`` gets one line saying how many rows were dropped and why.
     ``read_parquet`` replaces pyarrow's reader for .parquet files (the Ray executor passes
     its Ray tasks); it is given one file or the name-ordered list of a folder's ``*.parquet`` shards.
     A source that leaves no usable row (empty, or every row bad and skipped) is a DataError:
@@ -90,20 +96,27 @@ def load_prompts(
     table, skipped, _ = prompt_table(records, source=source, default_source=default_source,
                                   tokenizer=tokenizer, split=split, prompt_key=prompt_key,
                                   answer_key=answer_key, max_prompt_tokens=max_prompt_tokens,
-                                  on_bad_row=on_bad_row)
+                                  on_bad_row=on_bad_row, budget=budget)
     if table.num_rows == 0:
         raise DataError(_no_rows_message(source, len(records), skipped))
+    if skipped and report is not None:
+        report(f"{source} [{split}]: dropped {sum(skipped.values())} of {len(records)} rows "
+               f"({', '.join(f'{n} {why}' for why, n in skipped.most_common())})")
     return table, sum(skipped.values())
 
 
 def prompt_table(records: list["_Record"], *, source: str, default_source: str, tokenizer: Any,
                  split: str, prompt_key: str = "prompt", answer_key: str | None = None,
                  max_prompt_tokens: int | None = None, on_bad_row: str = "error",
-                 first_id: int | None = None) -> tuple[pa.Table, Counter[str], list[int]]:
+                 first_id: int | None = None, budget: PromptBudget | None = None,
+                 ) -> tuple[pa.Table, Counter[str], list[int]]:
     """Records -> the prompt table of their usable rows (templated, tokenized), why how many
     were dropped, and the kept records' numbers. ``first_id``: number the rows' prompt ids from
     here in order (a stream's batches); default: ``extra_info.index`` when distinct, else the
-    row position."""
+    row position. ``budget`` (default: ``max_prompt_tokens``, longer prompts bad rows) bounds
+    the prompts' tokens (:func:`_apply_budget`)."""
+    if budget is None and max_prompt_tokens is not None:
+        budget = PromptBudget.of_source(max_prompt_tokens)
     rows: list[_Row] = []
     skipped: Counter[str] = Counter()  # why -> how many rows were dropped for it
 
@@ -143,11 +156,9 @@ def prompt_table(records: list["_Record"], *, source: str, default_source: str, 
 
     for row, ids in zip(rows, _tokenize(tokenizer, [r.text for r in rows], [r.raw for r in rows])):
         row.ids = ids
-    if max_prompt_tokens is not None:
-        for row in [r for r in rows if len(r.ids) > max_prompt_tokens]:
-            reject(row.record, prompt_key, f"has {len(row.ids)} tokens > max_prompt_tokens={max_prompt_tokens}",
-                   "raise max_prompt_tokens or shorten the prompt", f"over max_prompt_tokens={max_prompt_tokens}")
-        rows = [r for r in rows if len(r.ids) <= max_prompt_tokens]
+    if budget is not None:
+        rows = _apply_budget(rows, budget, tokenizer, lambda rec, problem, why: reject(
+            rec, prompt_key, problem, budget.fix, why), skipped)
 
     ids = (_prompt_ids(split, [r.record for r in rows]) if first_id is None
            else [f"{split}-{first_id + k}" for k in range(len(rows))])
@@ -162,6 +173,27 @@ def prompt_table(records: list["_Record"], *, source: str, default_source: str, 
         schema=C.prompt_schema(),
     )
     return table, skipped, [r.record.number for r in rows]
+
+
+def _apply_budget(rows: list[_Row], budget: PromptBudget, tokenizer: Any,
+                  reject: Callable[[_Record, str, str], None], skipped: Counter[str]) -> list[_Row]:
+    """The rows within ``budget`` after it handles the longer ones: bad rows (``reject``: an
+    error naming the row, or dropped under on_bad_row: skip), dropped and counted in ``skipped``
+    (``filter``, whatever on_bad_row says, as verl's filter_overlong_prompts), or cut (``left`` /
+    ``right``; the text then says what the model sees, for the logged samples)."""
+    kept = []
+    for row in rows:
+        if len(row.ids) <= budget.tokens:
+            kept.append(row)
+        elif budget.overlong == "filter":
+            skipped[f"over {budget.name} (filter_overlong_prompts)"] += 1
+        elif budget.overlong == "error":
+            reject(row.record, f"has {len(row.ids)} tokens > {budget.name}", f"over {budget.name}")
+        else:
+            row.ids = budget.fit(row.ids)
+            row.text = tokenizer.decode(row.ids)
+            kept.append(row)
+    return kept
 
 
 def _prompt_type_problem(prompt: Any) -> str:

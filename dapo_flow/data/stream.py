@@ -22,6 +22,7 @@ import pyarrow as pa
 from dapo_flow.data.prompts import _parquet_shards, _Record, _clip, prompt_table
 from dapo_flow.errors import DataError
 from dapo_flow.graph import columns as C
+from dapo_flow.graph.prompt_budget import PromptBudget
 
 READ_BATCH_ROWS = 1024  # raw rows per read / tokenize batch
 OK = "_ok"  # TokenizeBatch's per-row flag: the row is usable (else dropped and counted)
@@ -62,9 +63,9 @@ def tokenized_batches(path: str, tokenize: Callable[[pa.Table], pa.Table]) -> It
 @dataclass(frozen=True)
 class TokenizeBatch:
     """Raw source rows -> prompt rows, one per input row, with ``_ok`` false (and nulls) where
-    a row is bad (dropped with ``on_bad_row: skip``; an error otherwise). Prompt ids are left for the
-    sampler, which numbers the usable rows in stream order. Picklable: Ray tasks run it, each
-    worker process loading the tokenizer once."""
+    a row is bad (dropped with ``on_bad_row: skip``; an error otherwise) or over the prompt
+    ``budget`` and filtered. Prompt ids are left for the sampler, which numbers the usable rows in
+    stream order. Picklable: Ray tasks run it, each worker process loading the tokenizer once."""
 
     model_dir: str
     source: str
@@ -73,6 +74,7 @@ class TokenizeBatch:
     answer_key: str | None = None
     max_prompt_tokens: int | None = None
     on_bad_row: str = "error"
+    budget: PromptBudget | None = None  # the graph's prompt budget; replaces max_prompt_tokens
 
     def __call__(self, raw: pa.Table) -> pa.Table:
         tokenizer = _TOKENIZERS.get(self.model_dir)
@@ -88,7 +90,7 @@ class TokenizeBatch:
                                       source=self.source, default_source=Path(self.source).stem,
                                       tokenizer=tokenizer, split=self.split, prompt_key=self.prompt_key,
                                       answer_key=self.answer_key, max_prompt_tokens=self.max_prompt_tokens,
-                                      on_bad_row=self.on_bad_row, first_id=0)
+                                      on_bad_row=self.on_bad_row, first_id=0, budget=self.budget)
         ok = np.zeros(len(rows), dtype=bool)
         ok[kept] = True
         # one output row per input row: a dropped row's is all nulls (the sampler skips it)

@@ -41,7 +41,7 @@ class EvalPrompts:
             rows = sum(pq.ParquetFile(f).metadata.num_rows for f in stream_files(data.source))
             self.total_hint = rows if data.size is None else min(rows, data.size)
         else:
-            self._table, self.skipped = load_source(plan.spec, data, generator_tokenizer(plan), ex.read_parquet)
+            self._table, self.skipped = load_source(plan, data, generator_tokenizer(plan), ex.read_parquet)
             self.total_hint = self._table.num_rows
 
     def __iter__(self) -> Iterator[pa.Table]:

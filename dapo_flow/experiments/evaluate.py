@@ -168,11 +168,11 @@ def _grade_on_ray_data(placed, setups, data, *, n, temperature, seed, batch_size
     driver tallies as they come. Returns what :func:`_grade_with_runner` does."""
     import ray
 
-    from dapo_flow.data.stream import TokenizeBatch, stream_files
+    from dapo_flow.data.stream import stream_files
     from dapo_flow.experiments.eval_data import streams
     from dapo_flow.experiments.eval_pipeline import graded_batches, row_groups
     from dapo_flow.runtime.executors import connect_ray
-    from dapo_flow.runtime.session import generator_dir, generator_tokenizer, load_source
+    from dapo_flow.runtime.session import generator_tokenizer, load_source, tokenize_batch
     from dapo_flow.runtime.validation import ValidationTally
 
     plan = placed.plan
@@ -180,11 +180,10 @@ def _grade_on_ray_data(placed, setups, data, *, n, temperature, seed, batch_size
     try:
         if streams(data.source):
             groups = row_groups(stream_files(data.source), data.size)
-            tokenize = TokenizeBatch(str(generator_dir(plan)), data.source, data.split, data.prompt_key,
-                                     data.answer_key, data.max_prompt_tokens, data.on_bad_row)
+            tokenize = tokenize_batch(plan, data)
             prompts, total, skipped = (groups, tokenize, data.split), sum(g.rows for g in groups), None
         else:
-            prompts, skipped = load_source(plan.spec, data, generator_tokenizer(plan))
+            prompts, skipped = load_source(plan, data, generator_tokenizer(plan))
             total = prompts.num_rows
         tally = ValidationTally(n, plan.spec.tracking.log_samples)
         start = time.perf_counter()

@@ -98,6 +98,8 @@ def validate(doc: GraphDoc) -> ValidGraph:
         _check_consistency(found, nodes, graph, order)
         if spec is not None:
             _check_tokenizers(found, nodes, graph, order, spec)
+    if spec is not None:
+        _check_prompt_budget(found, nodes, spec)
     found.raise_if_any()
     assert spec is not None
     by_id = {n.id: n for n in nodes}
@@ -556,3 +558,18 @@ def _check_tokenizers(found: Found, nodes: list[_Node], graph: nx.DiGraph, order
                       f"generated the rows it reads: it would read their token ids as tokens of its own",
                       f"use a '{model}' with '{writer}''s tokenizer (e.g. one trained from it), or generate "
                       f"with a model of '{model}''s tokenizer")
+
+
+def _check_prompt_budget(found: Found, nodes: list[_Node], spec: GraphSpec) -> None:
+    """No row longer than a model's context: a declared prompt budget plus a generate node's
+    max_tokens must fit its model's context (max_position_embeddings, read where there is a
+    config.json to read; ``graph.prompt_budget``)."""
+    from dapo_flow.graph.prompt_budget import budget_problems, rooms
+
+    generators = [n for n in nodes if n.params is not None and role(n.cls) == "generate"]
+    index = {n.id: n.index for n in generators}
+    found_rooms = rooms(((n.id, n.model, getattr(n.params, "max_tokens", None)) for n in generators), spec.models)
+    for path, message, fix in budget_problems(spec.data, found_rooms):
+        if path[0] == "nodes":  # budget_problems names the node; the document numbers it
+            path = ("nodes", index[path[1]], *path[2:])
+        found.add(path, message, fix)

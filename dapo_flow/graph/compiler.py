@@ -15,7 +15,7 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from dapo_flow.graph import columns as C
-from dapo_flow.graph import fit
+from dapo_flow.graph import fit, sizing
 from dapo_flow.graph.checks import validate
 from dapo_flow.graph.contract import node_model, produces, requires, role, uses_model
 from dapo_flow.errors import GraphError, Problem
@@ -137,8 +137,12 @@ def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
 
 def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
     """CPU ops in the driver; one actor per model (two when disaggregated), with
-    `placement.models` resources or a default that fits the cluster."""
+    `placement.models` resources or a default that fits the cluster; `workers: auto` sized to
+    the cluster first (dapo_flow.graph.sizing), so the placed plan's spec holds the sizes."""
     stage_of = {n.id: _stage_name(n, plan.spec.placement.mode) for n in plan.nodes}
+    hosts = {name: name.split(":", 1)[1] for name in dict.fromkeys(stage_of.values()) if name != DRIVER}
+    sizes = sizing.resolve_auto(plan, cluster, hosts, {name: _workers_of(plan, name) for name in hosts})
+    plan = sizing.with_sizes(plan, sizes)
     stage_of = _pull_into_actors(plan, stage_of)
     members: dict[str, list[str]] = {DRIVER: []}
     for node in plan.nodes:
@@ -147,23 +151,23 @@ def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
     model_of = {name: name.split(":", 1)[1] for name in actors}
     workers = {name: _workers_of(plan, name) for name in actors}
     explicit = plan.spec.placement.models
-    problems = _replica_problems(plan, actors) + _sleep_problems(plan, actors) + _placement_problems(plan, cluster, model_of, workers)
+    shares = sizing.default_gpus(plan, cluster, model_of, workers)
+    problems = (_replica_problems(plan, actors) + _sleep_problems(plan, actors)
+                + _placement_problems(plan, cluster, model_of, workers) + shares.problems)
     if problems:
         raise GraphError(problems)
-    default = [a for a in actors if model_of[a] not in explicit]
-    default_workers = sum(workers[a] for a in default)
-    free_gpus = cluster.gpus - sum(explicit[model_of[a]].num_gpus * workers[a] for a in actors if a not in default)
-    gpu_each = 1.0 if default and free_gpus >= default_workers else 0.0
     cpu_each = min(1.0, cluster.cpus / (sum(workers.values()) + 1))  # leave the driver a share
     stages = []
     for name in actors:
         m = model_of[name]
-        cpus, gpus = (explicit[m].num_cpus, explicit[m].num_gpus) if m in explicit else (cpu_each, gpu_each)
+        cpus, gpus = (explicit[m].num_cpus, explicit[m].num_gpus) if m in explicit else (cpu_each, shares.gpus[name])
         group = _group_of(plan, name)
+        notes = ((sizes[m].note,) if group is not None and m in sizes else ()) + (
+            (shares.notes[name],) if name in shares.notes else ())
         stages.append(Stage(name=name, kind="actor", nodes=tuple(members[name]), models=(m,),
                             num_cpus=cpus, num_gpus=gpus, workers=workers[name],
                             strategy=group.resolved_strategy if group else "none",
-                            placement_strategy=group.placement_strategy if group else "PACK"))
+                            placement_strategy=group.placement_strategy if group else "PACK", notes=notes))
     driver_cpus = max(cluster.cpus - sum(s.num_cpus * s.workers for s in stages), 0.0)
     driver = Stage(DRIVER, DRIVER, tuple(members[DRIVER]), (), driver_cpus, 0.0)
     per_stage = fit.budgets(plan, tuple(stages), cluster)
@@ -179,9 +183,9 @@ def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
 
 def _placement_problems(plan: Plan, cluster: Cluster, model_of: Mapping[str, str],
                         workers: Mapping[str, int]) -> list[Problem]:
-    """What cannot be placed on ``cluster``, found before anything starts: explicit resources
-    beyond the cluster's, a training group's worker larger than one node, a group on a GPU
-    cluster that would not get a GPU per worker."""
+    """What cannot be placed on ``cluster`` with `placement.models` resources, found before
+    anything starts: asks beyond the cluster's, a training group's worker larger than one node or
+    on a share of a GPU (the GPUs of the other actors: ``sizing.default_gpus``)."""
     explicit = plan.spec.placement.models
     line = (lambda path: plan.doc.line_of(path) if plan.doc is not None else 0)  # noqa: E731
     problems = []
@@ -212,18 +216,14 @@ def _placement_problems(plan: Plan, cluster: Cluster, model_of: Mapping[str, str
                     f"{resource[4:-1].upper()}(s), but a node of the cluster has {per_node:g} "
                     f"({cluster.nodes} node(s)); a worker lives on one node",
                     f"ask for at most {per_node:g} per worker and raise models.{m}.train.workers"))
-    default_workers = sum(workers[a] for a, m in model_of.items() if m not in explicit)
-    free = cluster.gpus - sum(explicit[m].num_gpus * workers[a] for a, m in model_of.items() if m in explicit)
-    for actor, m in model_of.items():
-        if m in explicit or workers[actor] == 1 or not cluster.gpus or free >= default_workers:
-            continue
-        problems.append(Problem(
-            plan.file, line(("models", m, "train", "workers")), "", f"models.{m}.train.workers",
-            f"the training group of '{m}' has {workers[actor]} workers, one GPU each, but only "
-            f"{free:g} of the cluster's {cluster.gpus:g} GPUs are free for {default_workers} "
-            "worker(s) without placement.models resources",
-            f"lower models.{m}.train.workers, or set placement.models.{m}.num_gpus (a share of a "
-            "GPU per worker), or run on a bigger cluster"))
+        each = explicit[m].num_gpus
+        if _group_of(plan, actor) is not None and 0 < each < 1:
+            problems.append(Problem(
+                plan.file, line(("placement", "models", m, "num_gpus")), "", f"placement.models.{m}.num_gpus",
+                f"each of the {workers[actor]} training workers of '{m}' asks for {each:g} of a GPU, so two "
+                "of them may land on one device, and two ranks of one process group cannot share a "
+                "device (NCCL refuses it)",
+                f"ask for num_gpus: 1 (or more) per worker, or set models.{m}.train.workers: 1"))
     return problems
 
 
@@ -297,6 +297,7 @@ def explain(placed: PlacedPlan) -> str:
         what = f"loads {', '.join(s.models)}; " if s.models else ""
         out.append(f"  {s.name:<16} {s.kind:<6} cpus={s.num_cpus:g} gpus={s.num_gpus:g}  "
                    f"{what}runs {', '.join(s.nodes) or '-'}")
+        out += [f"  {'':<16} {note}" for note in s.notes]
         if s.kind == DRIVER and s.nodes:
             out.append(f"  {'':<16} the model-free operators: in the driver process with --executor local; "
                        "on Ray in one CPU actor of their own, so tables stay in the object store")
@@ -315,7 +316,7 @@ def explain(placed: PlacedPlan) -> str:
     per_batch = ("generation batches sized from the keep rate so far (auto)" if gen_batch == "auto"
                  else f"{gen_batch} per generation batch")
     out += ["", f"step ({run.steps} steps, {run.prompts_per_step} prompt groups each):",
-            f"  prompts: {train.source} [{train.split}], {per_batch}",
+            f"  prompts: {train.source} [{train.split}], {per_batch}{_budget_note(spec.data, train)}",
             f"    emits {_columns(C.prompt_schema())}"]
     headers = {
         "rollout": f"  rollout (repeated until {run.prompts_per_step} groups are kept; at most "
@@ -351,6 +352,11 @@ def _explain_memory(placed: PlacedPlan) -> list[str]:
     """Each actor's estimated memory per worker (graph.fit), against its GPU share when known."""
     p, cluster = placed.plan, placed.cluster
     out = ["", "memory per worker (estimate, worst-case rows; docs/memory.md):"]
+    if any(s.kind == "actor" and s.num_gpus > 0 for s in placed.stages):
+        # the terms are measured on CPU (tests/test_memory.py); no GPU run has confirmed them yet
+        out.append("  GPU terms not yet measured on a GPU: the estimate is checked against CPU runs only "
+                   "(tests/test_memory.py); the CUDA context, allocator slack and GPU kernels are assumptions")
+    out += _row_length_hints(p)
     for s in placed.stages:
         if s.kind != "actor":
             continue
@@ -368,6 +374,30 @@ def _explain_memory(placed: PlacedPlan) -> list[str]:
             verdict = "in RAM (not checked: a node's processes share it)"
         text = budget.format().splitlines()
         out += [f"  {text[0]}; {verdict}", *(f"  {line}" for line in text[1:])]
+    return out
+
+
+def _budget_note(data, src) -> str:
+    """The source's declared prompt budget and what happens to a longer prompt ("" without one)."""
+    from dapo_flow.graph.prompt_budget import declared
+
+    tokens = declared(data, src)
+    if tokens is None:
+        return ""
+    longer = ("dropped" if data.filter_overlong_prompts else
+              {"error": "a bad row", "left": "cut to its last tokens", "right": "cut to its first tokens"}[data.truncation])
+    return f", at most {tokens} tokens each (a longer prompt: {longer})"
+
+
+def _row_length_hints(plan: Plan) -> list[str]:
+    """Where rows are sized by a model's whole context because no prompt budget bounds them."""
+    out = []
+    for model in dict.fromkeys(n.model for n in plan.with_role("generate") if n.model):
+        shape = fit.shape_of(plan, model)
+        if shape is None or not fit.sized_by_whole_context(plan, model):
+            continue
+        out.append(f"  rows of '{model}' sized by its whole context ({shape.max_position_embeddings} positions): "
+                   "no prompt budget is set (data.max_prompt_length sizes them by the budget plus max_tokens)")
     return out
 
 

@@ -123,9 +123,26 @@ def memory_problems(plan: Plan, stages: tuple[Stage, ...], cluster: Cluster,
             f"its peak{f' ({phase})' if phase else ''}, but has {cap / GiB:.1f} GiB "
             f"({min(stage.num_gpus, 1.0):g} of a {cluster.gpu_mem_gib:g} GiB GPU); the biggest term "
             f"is {big.name} ({big.bytes / GiB:.1f} GiB)",
-            (big.fix or "a smaller model or batch") + f" (models.{model}); `dapo-flow explain` prints "
-            "the whole budget"))
+            (big.fix or "a smaller model or batch") + f" (models.{model}){_unbudgeted(plan, model)}; "
+            "`dapo-flow explain` prints the whole budget"))
     return problems
+
+
+def sized_by_whole_context(plan: Plan, model: str) -> bool:
+    """Whether ``model``'s rows are priced at its whole context: no prompt budget bounds them
+    (and no rollout.max_model_len), so the estimate takes every row as long as the model allows."""
+    derived = plan.engine_context()
+    own = any(n.model == model for n in plan.with_role("generate"))
+    return (plan.spec.models[model].rollout.max_model_len is None
+            and (model not in derived if own else not derived))
+
+
+def _unbudgeted(plan: Plan, model: str) -> str:
+    """A refusal's second fix where rows are priced at the model's whole context."""
+    if not sized_by_whole_context(plan, model):
+        return ""
+    return ("; every row is priced at the model's whole context, as no prompt budget is set: "
+            "data.max_prompt_length prices rows at the budget plus max_tokens")
 
 
 def _training(plan: Plan, stage: Stage, model: str, shape: ModelShape, update, on_gpu: bool) -> list[Term]:

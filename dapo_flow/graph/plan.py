@@ -123,15 +123,16 @@ class Plan:
         return (("rollout", self.rollout), ("train", self.train))
 
     def engine_context(self) -> dict[str, int]:
-        """Per generated model, the context its rollout engine must serve when `rollout.max_model_len`
-        is null: the prompt budget (the largest max_prompt_tokens of the data sources) plus the
-        largest max_tokens of its generate nodes. Empty where a source sets no prompt budget (the
-        engine then serves the model's own maximum)."""
-        data = self.spec.data
-        sources = [s for s in (data.train, data.val) if s is not None]
-        if any(s.max_prompt_tokens is None for s in sources):
+        """Per generated model, the longest row it sees (what its rollout engine must serve when
+        `rollout.max_model_len` is null, what the memory estimate sizes rows by): the prompt
+        budget (the largest of the sources', data.max_prompt_length or a source's
+        max_prompt_tokens) plus the largest max_tokens of its generate nodes. Empty where a
+        source has no prompt budget (rows are then bounded by the model's own maximum)."""
+        from dapo_flow.graph.prompt_budget import declared_for_all
+
+        budget = declared_for_all(self.spec.data)
+        if budget is None:
             return {}
-        budget = max(s.max_prompt_tokens for s in sources)
         out: dict[str, int] = {}
         for node in self.with_role("generate"):
             tokens = getattr(node.params, "max_tokens", None)
@@ -164,6 +165,8 @@ class Stage:
     workers: int = 1  # > 1: a training group, one actor per worker on one placement group
     strategy: str = "none"  # how the group trains its model: "fsdp2" | "ddp" | "none"
     placement_strategy: str = "PACK"  # the group's placement group strategy
+    # how placement sized the stage to the cluster (`workers: auto`, a share of a GPU), for explain
+    notes: tuple[str, ...] = ()
 
     @property
     def is_group(self) -> bool:

@@ -16,6 +16,7 @@ PROMPTS_SOURCE = "prompts"  # the implicit source node fed by `data.train`
 # torch takes 64-bit seeds, numpy's legacy seeding and some backends' samplers 32-bit ones:
 # the common range, checked by validate rather than failing inside a worker mid-start
 MAX_SEED = 2**32 - 1
+MAX_WORKERS = 4096  # a training group's largest size
 
 
 class _Frozen(BaseModel):
@@ -25,10 +26,13 @@ class _Frozen(BaseModel):
 class TrainSpec(_Frozen):
     """How a model is trained (the `update` node that trains it reads this)."""
 
-    workers: int = Field(1, ge=1, le=4096, description="Size of the training group: this many "
-                         "workers (Ray actors on one placement group, one torch.distributed process "
-                         "group: nccl on GPU, gloo on CPU) shard the model and split every batch. "
-                         "1: one actor, as without a group.")
+    workers: int | Literal["auto"] = Field(
+        1, description="Size of the training group: this many workers (Ray actors on one placement "
+        "group, one torch.distributed process group: nccl on GPU, gloo on CPU) shard the model and "
+        "split every batch. 1: one actor, as without a group. `auto`: sized when the graph is placed, "
+        "from the devices the run gets: a worker per GPU the group can have (the free GPUs less one "
+        "for each other actor that wants one; at least 1), or without GPUs 2 CPU workers "
+        "(dapo_flow.graph.sizing); `explain` prints the size and why.")
     strategy: Literal["fsdp2", "ddp", "none"] | None = Field(
         None, description="How the group trains the model: `fsdp2` (torch fully_shard per decoder "
         "layer and the root: parameters, gradients and optimizer state sharded), `ddp` (a full copy "
@@ -67,20 +71,39 @@ class TrainSpec(_Frozen):
         "instead of the response length x vocabulary; the same values and gradients. null: all at once."
     )
 
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers_or_auto(cls, v: Any) -> Any:
+        # one clear message instead of one per member of the union
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_WORKERS):
+            return v
+        raise ValueError(f"must be a number of workers from 1 to {MAX_WORKERS}, or `auto` (sized from "
+                         "the devices the run gets)")
+
     @model_validator(mode="after")
     def _strategy_fits_the_group(self) -> "TrainSpec":
-        if self.strategy == "none" and self.workers > 1:
+        if self.strategy == "none" and self.workers != 1:
             raise ValueError(f"strategy none trains one unsharded copy, but workers is {self.workers}: "
                              "use strategy: fsdp2 (or leave it null) or ddp, or workers: 1")
-        if self.cpu_offload and self.resolved_strategy != "fsdp2":
+        # with workers: auto the size is known at placement: only an explicit fsdp2 is sure to shard
+        if self.cpu_offload and self.strategy != "fsdp2" and (self.auto or self.resolved_strategy != "fsdp2"):
             raise ValueError("cpu_offload is an FSDP2 setting: set strategy: fsdp2 (it runs at "
                              "workers: 1 too), or remove it")
         return self
 
     @property
+    def auto(self) -> bool:
+        """Whether the group's size waits for placement (`workers: auto`)."""
+        return self.workers == "auto"
+
+    @property
     def resolved_strategy(self) -> str:
         """`fsdp2`, `ddp` or `none`: the strategy, null resolved by the group size (a ddp group
-        of one worker is one plain worker)."""
+        of one worker is one plain worker). Only of a sized group: `place` resolves
+        `workers: auto` (dapo_flow.graph.sizing) and later steps read the placed plan's spec."""
+        if self.auto:
+            raise RuntimeError("workers: auto has no strategy until the graph is placed: read the "
+                               "placed plan's spec (compiler.place resolves it)")
         if self.strategy == "ddp":
             return "ddp" if self.workers > 1 else "none"
         return self.strategy or ("fsdp2" if self.workers > 1 else "none")
@@ -122,8 +145,9 @@ class RolloutSpec(_Frozen):
     gpu_memory_utilization: float = Field(0.6, gt=0.0, le=1.0, description="Share of a GPU's memory the "
                                           "engine may take (weights + KV cache).")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response the engine "
-                                      "serves; null: the prompt budget (data max_prompt_tokens) plus "
-                                      "the generate node's max_tokens, else the model's maximum.")
+                                      "serves; null: the prompt budget (data.max_prompt_length, or a "
+                                      "source's max_prompt_tokens) plus the generate node's max_tokens, "
+                                      "else the model's maximum.")
     enforce_eager: bool | None = Field(None, description="No CUDA graphs / compilation; null: eager "
                                        "on CPU (compiling costs more than it gains there), not on GPU.")
     kv_cache_gib: float | None = Field(None, gt=0.0, le=4096.0, description="CPU engines: KV cache space "
@@ -229,7 +253,10 @@ class DataSourceSpec(_Frozen):
     answer_key: str | None = Field(
         None, description="Column holding the ground truth (default: reward_model.ground_truth)."
     )
-    max_prompt_tokens: int | None = Field(None, ge=1, description="Longer prompts are bad rows.")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="This source's prompt budget in tokens, in place of data.max_prompt_length; "
+        "a longer prompt is handled as data.truncation and data.filter_overlong_prompts say (by default a "
+        "bad row: on_bad_row decides).")
     on_bad_row: Literal["error", "skip"] = Field(
         "error", description="`error` stops with the row named; `skip` counts and logs."
     )
@@ -251,8 +278,39 @@ class DataSourceSpec(_Frozen):
 
 
 class DataSpec(_Frozen):
+    """The prompts, and the prompt budget (verl's `data.max_prompt_length`, `truncation` and
+    `filter_overlong_prompts`, with their meanings)."""
+
     train: DataSourceSpec
     val: DataSourceSpec | None = None
+    max_prompt_length: int | None = Field(
+        None, ge=1, description="Prompt budget in tokens (after the chat template), for every source "
+        "without a max_prompt_tokens of its own. The memory estimate and a vLLM engine's max_model_len "
+        "size rows by it plus the generate node's max_tokens. null: a prompt may take what the "
+        "generating model's context (max_position_embeddings) leaves beside max_tokens, and rows are "
+        "sized by the whole context.")
+    truncation: Literal["error", "left", "right"] = Field(
+        "error", description="A prompt over the budget: `error`, a bad row (the run stops with the row "
+        "named, or drops it under the source's on_bad_row: skip); `left`, keep its last "
+        "max_prompt_length tokens; `right`, keep its first.")
+    filter_overlong_prompts: bool = Field(
+        False, description="Drop prompts over the budget when the data is read instead (counted and "
+        "logged with the skipped rows), whatever on_bad_row says.")
+
+    @model_validator(mode="after")
+    def _overlong_handling_needs_a_budget(self) -> "DataSpec":
+        unbounded = [name for name, src in (("train", self.train), ("val", self.val))
+                     if src is not None and src.max_prompt_tokens is None]
+        setting = (f"truncation: {self.truncation}" if self.truncation != "error"
+                   else "filter_overlong_prompts: true" if self.filter_overlong_prompts else None)
+        if setting and self.max_prompt_length is None and unbounded:
+            raise ValueError(f"{setting} handles prompts over the prompt budget, but data.{unbounded[0]} "
+                             "has none: set data.max_prompt_length (or max_prompt_tokens on every "
+                             f"source), or remove {setting.split(':')[0]}")
+        if self.filter_overlong_prompts and self.truncation != "error":
+            raise ValueError(f"filter_overlong_prompts drops every prompt over the budget, so truncation: "
+                             f"{self.truncation} would never cut one: keep one of the two")
+        return self
 
 
 class RunSpec(_Frozen):

@@ -3,7 +3,8 @@ sharded checkpoints that load at another world size.
 
 How a training group drives it (each of N workers, the same code on every rank):
 
-1. ``init_group(rank, world_size, master_addr, master_port)`` once: gloo on CPU, nccl on GPU;
+1. ``init_group(rank, world_size, master_addr, master_port, device=...)`` once: the backend of
+   the device the group trains on (:data:`BACKEND_OF_DEVICE`: gloo on CPU, nccl on CUDA);
    a peer that never joins is a :class:`~dapo_flow.errors.ModelError` after ``timeout_s``.
 2. Build the model identically on every rank (same seed or the same weights file), then
    ``shard_model(model)``: ``fully_shard`` on each decoder layer, then on the root; an
@@ -38,10 +39,20 @@ from torch import nn
 from dapo_flow.errors import ModelError
 
 
+#: the process-group backend for the device type a training group trains on
+BACKEND_OF_DEVICE = {"cpu": "gloo", "cuda": "nccl"}
+
+
 def init_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
-               backend: str | None = None, timeout_s: float = 60.0) -> None:
-    """Join the training group's process group (gloo on CPU, nccl when CUDA is there)."""
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+               device: str | torch.device = "cpu", timeout_s: float = 60.0) -> None:
+    """Join the training group's process group, with the backend of ``device``, the device its
+    model trains on (not whether this process could see a GPU: a CPU model beside one trains
+    over gloo)."""
+    kind = torch.device(device).type
+    if kind not in BACKEND_OF_DEVICE:
+        raise ModelError(f"a training group trains on {', '.join(BACKEND_OF_DEVICE)}, not on device "
+                         f"'{device}': set the model's device to one of those")
+    backend = BACKEND_OF_DEVICE[kind]
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
@@ -51,7 +62,9 @@ def init_group(rank: int, world_size: int, master_addr: str, master_port: int, *
                          f"at {master_addr}:{master_port} within {timeout_s:g} s ({exc}); did every "
                          "worker start, and can they reach that address?") from None
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        index = torch.device(device).index
+        torch.cuda.set_device(index if index is not None else
+                              int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
 
 
 def destroy_group() -> None:

@@ -23,7 +23,7 @@ from dapo_flow.runtime import group
 from dapo_flow.runtime.ports import free_port
 from dapo_flow.runtime.tables import TableParts, assemble
 from dapo_flow.runtime.worker import GroupMember, Share, StageSetup, StageWorker, resolve_op
-from dapo_flow.graph.plan import DRIVER
+from dapo_flow.graph.plan import DRIVER, Cluster
 from dapo_flow.graph.spec import GraphSpec
 
 RESUME_HINT = "`dapo-flow run GRAPH --resume` continues from the last checkpoint"
@@ -213,6 +213,31 @@ def connect_ray(address: str | None) -> bool:
         configure_logging=True,
     )
     return True
+
+
+def joined_cluster(address: str) -> Cluster:
+    """Join the Ray cluster at ``address`` (as the run's executor then finds it joined:
+    :func:`connect_ray`) and return what it has free now, to place a graph on it rather than on
+    this machine."""
+    import ray
+
+    try:
+        connect_ray(address)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise RunError(f"could not join the Ray cluster at {address!r}: {_root_cause(exc)}\n    fix: start it "
+                       "(`ray start --head` on its head node) and pass the address `ray start` printed, "
+                       "e.g. --address HEAD_IP:6379; or run without --address (and $RAY_ADDRESS) for a "
+                       "Ray of this machine") from None
+    return cluster_of(ray.available_resources(), ray.nodes())
+
+
+def cluster_of(available: Mapping[str, float], nodes: list[Mapping[str, Any]]) -> Cluster:
+    """The :class:`Cluster` a graph is placed on, from a Ray cluster's reports: the CPUs and GPUs
+    free now (``ray.available_resources()``) over its live nodes (``ray.nodes()``). Ray does not
+    report a GPU's memory, so it is unknown (the fit check needs it: `explain --gpu-mem-gib`)."""
+    alive = sum(1 for n in nodes if n.get("Alive"))
+    return Cluster(cpus=float(available.get("CPU", 0.0)), gpus=float(available.get("GPU", 0.0)),
+                   nodes=max(alive, 1))
 
 
 class RayExecutor:

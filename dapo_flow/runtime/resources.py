@@ -55,7 +55,9 @@ class ModelResource:
             self.generator.close()
 
 
-def _device(spec: ModelSpec) -> str:
+def model_device(spec: ModelSpec) -> str:
+    """The device a model's copies in this process run on: its `device`, and for `auto` CUDA
+    where this process sees a GPU (a Ray actor sees the GPUs placement gave it), else the CPU."""
     if spec.device != "auto":
         return spec.device
     import torch
@@ -95,7 +97,7 @@ def load_resource(
     if path is not None and checkpoint_format(Path(path)) == SHARDED:
         path = None
     model_path = Path(path) if path is not None else resolve_model(spec.path)
-    device = _device(spec)
+    device = model_device(spec)
     backend = BACKENDS[spec.backend]
     policy = None
     if scores or trainable or (generates and backend.generates_with_trainer):

@@ -70,25 +70,28 @@ def generator_tokenizer(plan):
     return AutoTokenizer.from_pretrained(str(generator_dir(plan)))
 
 
-def load_source(spec, src, tokenizer, read_parquet=None):
-    """One data source's prompts as an Arrow table, plus the count of skipped bad rows."""
+def load_source(plan, src, tokenizer, read_parquet=None, report=None):
+    """One data source's prompts as an Arrow table, plus the count of dropped rows (bad rows
+    skipped, prompts over the budget filtered). Prompts are held to the graph's prompt budget,
+    else to the room the generating model's context leaves beside max_tokens."""
     from dapo_flow.data.prompts import load_prompts
+    from dapo_flow.graph.prompt_budget import plan_budget
 
     return load_prompts(
-        src.source, tokenizer=tokenizer, split=src.split, size=src.size, seed=spec.seed,
+        src.source, tokenizer=tokenizer, split=src.split, size=src.size, seed=plan.spec.seed,
         options=dict(src.options), prompt_key=src.prompt_key, answer_key=src.answer_key,
-        max_prompt_tokens=src.max_prompt_tokens, on_bad_row=src.on_bad_row,
-        read_parquet=read_parquet,
+        on_bad_row=src.on_bad_row, budget=plan_budget(plan, src), read_parquet=read_parquet, report=report,
     )
 
 
-def _load_data(spec, tokenizer, read_parquet=None):
-    """(train prompts, val prompts, skipped rows); train prompts are None for a streamed source
+def _load_data(plan, tokenizer, read_parquet=None, report=None):
+    """(train prompts, val prompts, dropped rows); train prompts are None for a streamed source
     (:func:`train_sampler` reads it as the run goes)."""
-    train, skipped = (None, 0) if spec.data.train.stream else load_source(spec, spec.data.train, tokenizer,
-                                                                           read_parquet)
-    val, val_skipped = (load_source(spec, spec.data.val, tokenizer, read_parquet)
-                        if spec.data.val is not None else (None, 0))
+    data = plan.spec.data
+    train, skipped = (None, 0) if data.train.stream else load_source(plan, data.train, tokenizer, read_parquet,
+                                                                      report)
+    val, val_skipped = (load_source(plan, data.val, tokenizer, read_parquet, report)
+                        if data.val is not None else (None, 0))
     return train, val, skipped + val_skipped
 
 
@@ -109,14 +112,23 @@ def prompt_stream(plan, src, ex):
     """``open()`` -> one pass over a parquet source's tokenized batches (:class:`~dapo_flow.data.
     stream.TokenizeBatch` outputs, in source order): read and tokenized by streaming Ray tasks
     under Ray, else here batch by batch."""
-    from dapo_flow.data.stream import TokenizeBatch, stream_files, tokenized_batches
+    from dapo_flow.data.stream import stream_files, tokenized_batches
 
     files = stream_files(src.source)
-    tokenize = TokenizeBatch(str(generator_dir(plan)), src.source, src.split, src.prompt_key, src.answer_key,
-                             src.max_prompt_tokens, src.on_bad_row)
+    tokenize = tokenize_batch(plan, src)
     if ex.stream_parquet is not None:
         return lambda: ex.stream_parquet(files, tokenize)
     return lambda: (b for f in files for b in tokenized_batches(str(f), tokenize))
+
+
+def tokenize_batch(plan, src):
+    """The :class:`~dapo_flow.data.stream.TokenizeBatch` of a streamed source: its bad-row
+    handling and the graph's prompt budget, with the generator's tokenizer."""
+    from dapo_flow.data.stream import TokenizeBatch
+    from dapo_flow.graph.prompt_budget import plan_budget
+
+    return TokenizeBatch(str(generator_dir(plan)), src.source, src.split, src.prompt_key, src.answer_key,
+                         on_bad_row=src.on_bad_row, budget=plan_budget(plan, src))
 
 
 def start_executor(placed, setups: dict, executor: str, address: str | None, console: Console,
@@ -186,7 +198,8 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
     run_root = checkpoint_root(spec)  # + the run id, once the MLflow run exists
     try:
         with CtrlC() as ctrl_c:
-            train_prompts, val_prompts, skipped = _load_data(spec, tokenizer, ex.read_parquet)
+            train_prompts, val_prompts, skipped = _load_data(
+                placed.plan, tokenizer, ex.read_parquet, lambda line: console.print(line, highlight=False))
             with ctrl_c.held():
                 tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
                                   run_id=driver_state.get("mlflow_run_id"),

@@ -3,7 +3,7 @@ rollout actors of their own.
 
 ``broadcast`` (``rollout.weight_sync``, the default under Ray): at the first sync the trainer
 (rank 0 of its group) and every rollout actor of the model join a weight bus of their own
-(:mod:`dapo_flow.models.weight_bus`: gloo, or NCCL where both sides hold GPUs); each sync then
+(:mod:`dapo_flow.models.weight_bus`: gloo, or NCCL where each side holds whole GPUs, :func:`bus_backend`); each sync then
 streams the weights over it in buckets, in the training dtype, while the driver only waits.
 ``object-store`` (and every local run): the trainer exports the whole model as float32 arrays and
 each target imports them.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dapo_flow.graph.plan import Sync
+from dapo_flow.graph.plan import Stage, Sync
 
 MB = 1 << 20
 
@@ -51,8 +51,7 @@ class WeightSyncs:
         """The trainer and every rollout actor of ``sync.model`` form its bus (one rendezvous)."""
         addr, port = self.ex.get(self.ex.call(sync.source, "weight_bus_address"))
         targets = self.ex.members(sync.target)
-        on_gpus = self.placed.stage(sync.source).num_gpus > 0 and self.placed.stage(sync.target).num_gpus > 0
-        backend = "nccl" if on_gpus else "gloo"
+        backend = bus_backend(self.placed.stage(sync.source), self.placed.stage(sync.target))
         world = 1 + targets
         sender = self.ex.call(sync.source, "join_weight_bus", sync.model, addr, port, 0, world, backend)
         receivers = self.ex.call_each(sync.target, "join_weight_bus",
@@ -60,3 +59,10 @@ class WeightSyncs:
         self.ex.get(sender)
         self.ex.get(receivers)
         self.manifests[sync.model] = self.ex.get(self.ex.call(sync.source, "weight_manifest", sync.model))
+
+
+def bus_backend(source: Stage, target: Stage) -> str:
+    """`nccl` where the trainer's and the rollout actors' workers each hold whole GPUs (so each
+    member of the bus has a device of its own), else `gloo` (host buffers): actors on shares of
+    GPUs may sit on one device, where NCCL refuses two members of one group."""
+    return "nccl" if source.num_gpus >= 1 and target.num_gpus >= 1 else "gloo"

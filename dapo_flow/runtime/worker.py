@@ -126,14 +126,16 @@ class StageWorker:
             import torch
 
             torch.manual_seed(seed)
-        from dapo_flow.runtime.resources import load_resource
+        from dapo_flow.runtime.resources import load_resource, model_device
 
         self.setup = setup
         group = setup.group
         if group is not None:  # every worker of the group joins before any model is sharded / replicated
             from dapo_flow.models import fsdp
 
-            fsdp.init_group(group.rank, group.world_size, group.master_addr, group.master_port)
+            trained = (setup.trainable or setup.models)[0]  # the model the group trains: its device's backend
+            fsdp.init_group(group.rank, group.world_size, group.master_addr, group.master_port,
+                            device=model_device(graph.models[trained]))
         self.resources = {
             name: load_resource(
                 name, graph.models[name], path=setup.model_paths.get(name),
