@@ -1,0 +1,133 @@
+"""Training groups over NCCL at world 1: a DDP replica and an FSDP2 shard, each the only worker
+of its process group, make the update a plain worker makes on the GPU; the FSDP2 group's sharded
+checkpoint (weights and optimizer state, written over NCCL) resumes on a plain worker.
+
+World 1 is what one GPU allows; the group's collectives (the broadcast of the weights, the
+gradients' all-reduce, FSDP2's all-gathers and reduce-scatters, the global token counts) all
+run, over one rank. More ranks: tests/runtime/test_training_group.py (gloo, on Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from dapo_flow.graph import columns as C
+
+pytestmark = pytest.mark.gpu
+
+STAGE = "model:policy"
+UPDATE = {"lr": 1e-3, "micro_batch_size": 3, "ppo_epochs": 2, "clip_high": 0.28}
+
+
+def _graph(model_path, strategy: str | None):
+    from dapo_flow.graph.spec import GraphSpec
+
+    return GraphSpec.model_validate({
+        "name": "group", "models": {"policy": {"path": str(model_path), "train": {"workers": 1, "strategy": strategy}}},
+        "data": {"train": {"source": "builtin:addition"}},
+        "nodes": [{"id": "train", "op": "update", "model": "policy", "inputs": ["prompts"], "params": UPDATE}],
+    })
+
+
+def _worker(model_path, strategy: str, model_paths: dict | None = None):
+    """The stage worker of a training group of one (``strategy`` ddp or fsdp2: it joins a process
+    group of world size 1 as the executors start group members), or a plain one (``none``)."""
+    from dapo_flow.runtime.ports import free_port
+    from dapo_flow.runtime.worker import GroupMember, NodeSetup, StageSetup, StageWorker
+
+    setup = StageSetup(name=STAGE, nodes=(NodeSetup(id="train", op="update", params=UPDATE, model="policy"),),
+                       models=("policy",), trainable=("policy",), scores=("policy",),
+                       model_paths=model_paths or {}, strategy=strategy, workers=1)
+    if strategy != "none":
+        setup = replace(setup, group=GroupMember(0, 1, "127.0.0.1", free_port()))
+    return StageWorker(_graph(model_path, None if strategy == "none" else strategy), setup, seed=0)
+
+
+def _batch(seed: int, group_sizes: list[int]) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    rows = sum(group_sizes)
+    lengths = rng.integers(1, 7, rows)
+    return pa.table({
+        C.PROMPT_ID: pa.array([f"g{g}" for g, size in enumerate(group_sizes) for _ in range(size)]),
+        C.PROMPT_IDS: pa.array([rng.integers(3, 14, rng.integers(3, 6)).tolist() for _ in range(rows)], C.TOKENS),
+        C.RESPONSE_IDS: pa.array([rng.integers(3, 14, n).tolist() for n in lengths], C.TOKENS),
+        C.OLD_LOGP: pa.array([rng.uniform(-3.0, -0.5, n).tolist() for n in lengths], C.TOKEN_FLOATS),
+        C.ADVANTAGE: pa.array(rng.normal(size=rows), pa.float32()),
+    })
+
+
+BATCHES = [_batch(1, [8, 1, 2]), _batch(2, [2, 3, 1, 4])]
+METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/clipfrac", "actor/ppo_kl", "actor/entropy")
+
+
+def _train(worker, batches) -> list[dict]:
+    rows = []
+    for table in batches:
+        out, _ = worker.run_chain(["train"], table)
+        rows.append(out.to_pylist()[0])
+    return rows
+
+
+def _same(a: dict, b: dict, atol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    worst = max(float(np.abs(a[k] - b[k]).max()) for k in a)
+    assert worst <= atol, worst
+
+
+def _same_metrics(a: list[dict], b: list[dict]) -> None:
+    for x, y in zip(a, b, strict=True):
+        for key in METRICS:
+            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.fixture()
+def plain(builtin) -> tuple[list[dict], dict]:
+    """What a plain worker (no process group) makes of BATCHES: metrics, weights."""
+    worker = _worker(builtin("tiny-adder"), "none")
+    try:
+        return _train(worker, BATCHES), worker.export_weights("policy")
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_group_of_one_over_nccl_makes_the_plain_workers_update(builtin, device, plain, strategy):
+    import torch.distributed as dist
+
+    worker = _worker(builtin("tiny-adder"), strategy)
+    try:
+        assert dist.get_backend() == ("nccl" if device.type == "cuda" else "gloo")
+        policy = worker.resources["policy"].policy
+        assert (policy.sharded, policy.replicated) == (strategy == "fsdp2", strategy == "ddp")
+        assert {p.device.type for p in policy.model.parameters()} == {device.type}
+        metrics, weights = _train(worker, BATCHES), worker.export_weights("policy")
+    finally:
+        worker.close()
+    assert not dist.is_initialized()  # the worker left its group
+    _same_metrics(plain[0], metrics)
+    _same(plain[1], weights)
+
+
+def test_an_fsdp2_checkpoint_written_over_nccl_resumes_on_a_plain_worker(builtin, tmp_path):
+    path = builtin("tiny-adder")
+    group = _worker(path, "fsdp2")
+    try:
+        _train(group, BATCHES[:1])
+        group.save_models(str(tmp_path))
+        states = group.op_states()
+        continued = _train(group, BATCHES[1:]), group.export_weights("policy")
+    finally:
+        group.close()
+    assert (tmp_path / "policy" / "dcp" / ".metadata").is_file()
+    assert "optimizer" not in states["train"]  # in the shards, beside the weights
+    one = _worker(path, "none", {"policy": str(tmp_path / "policy")})
+    try:
+        one.load_op_states(states)
+        resumed = _train(one, BATCHES[1:]), one.export_weights("policy")
+    finally:
+        one.close()
+    _same_metrics(continued[0], resumed[0])
+    _same(continued[1], resumed[1])
