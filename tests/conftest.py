@@ -148,6 +148,22 @@ def _thread_budget():
     yield
 
 
+@pytest.fixture()
+def policies(monkeypatch) -> list:
+    """Every HFPolicy built from now on in this process (the local executor builds them here);
+    ``policies.clear()`` starts the record afresh."""
+    from dapo_flow.models.hf import HFPolicy
+
+    built, init = [], HFPolicy.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(HFPolicy, "__init__", record)
+    return built
+
+
 @pytest.fixture(scope="session")
 def tiny_adder_path() -> Path:
     """The builtin tiny-adder model dir, built once (~15 s) into the persistent cache.

@@ -88,9 +88,3 @@ def workdir(tmp_path, monkeypatch, empty_mlflow_store) -> Path:
 @pytest.fixture()
 def quiet() -> Console:
     return Console(file=io.StringIO(), width=400)
-
-
-@pytest.fixture()
-def policies(monkeypatch) -> list:
-    """Every HFPolicy built from now on (the local executor builds them in this process)."""
-    return gpu_runs.record_policies(monkeypatch)

@@ -55,20 +55,6 @@ def cli_without_gpu(args: list[str], cwd: Path, timeout: float = 300) -> subproc
                           capture_output=True, text=True, timeout=timeout)
 
 
-def record_policies(monkeypatch) -> list:
-    """Every HFPolicy built from now on, in this process."""
-    from dapo_flow.models.hf import HFPolicy
-
-    built, init = [], HFPolicy.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        built.append(self)
-
-    monkeypatch.setattr(HFPolicy, "__init__", record)
-    return built
-
-
 def devices_of(policies: list) -> set[str]:
     """The device types the recorded policies' weights are on."""
     return {p.device.type for p in policies} | {t.device.type for p in policies for t in p.model.parameters()}

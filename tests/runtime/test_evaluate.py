@@ -27,32 +27,19 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in files for k, v in load_file(f).items()}
 
 
-def _recording_policies(monkeypatch) -> list:
-    """Every HFPolicy built from now on (the local executor builds them in this process)."""
-    from dapo_flow.models.hf import HFPolicy
-
-    built, init = [], HFPolicy.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        built.append(self)
-
-    monkeypatch.setattr(HFPolicy, "__init__", record)
-    return built
-
-
 def _all_hold(policies: list, weights: dict[str, torch.Tensor]) -> bool:
     return bool(policies) and all(all(torch.equal(p.model.state_dict()[k], v) for k, v in weights.items())
                                   for p in policies)
 
 
-def test_eval_base_then_latest_checkpoint(workdir, small_graph, tiny_adder_path, monkeypatch):
+def test_eval_base_then_latest_checkpoint(workdir, small_graph, tiny_adder_path, policies):
     path = small_graph(workdir, steps=2, ckpt=2, val_n=4, val_temp=1.0)
     placed = compile_graph(path, CLUSTER)
     with pytest.raises(RunError, match="no checkpoint of graph 'small'.*--checkpoint base"):
         evaluate(placed)
 
-    loaded = _recording_policies(monkeypatch)
+    policies.clear()
+    loaded = policies
     base_weights = _weights(tiny_adder_path)
     base = evaluate(placed, which="base", n=4, temperature=1.0)
     assert base["checkpoint"] is None and base["step"] is None
@@ -106,7 +93,7 @@ def test_eval_errors_are_exit_2(workdir, small_graph, capsys):
     assert "name a .parquet file" in capsys.readouterr().err
 
 
-def test_eval_sweep_compares_every_variant_checkpoint(tmp_path, monkeypatch, capsys, tiny_adder_path):
+def test_eval_sweep_compares_every_variant_checkpoint(tmp_path, monkeypatch, capsys, tiny_adder_path, policies):
     import cli
     from dapo_flow.tracking import PARENT_TAG
     from dapo_flow.tracking import child_runs, default_tracking_uri, latest_run
@@ -119,7 +106,8 @@ def test_eval_sweep_compares_every_variant_checkpoint(tmp_path, monkeypatch, cap
     assert "no checkpoint for any" in capsys.readouterr().err
     assert cli.main(["sweep", patch, *args, "--steps", "2", "--executor", "local"]) == 0
     capsys.readouterr()
-    loaded = _recording_policies(monkeypatch)
+    policies.clear()
+    loaded = policies
     assert cli.main(["eval", patch, "--sweep", *args, "--n", "4", "--temperature", "1.0"]) == 0
     out = capsys.readouterr().out
     assert "final pass@4" in out and "Δ val acc" in out and "(baseline)" in out and "samples" not in out.split("eval length-penalty")[-1]
