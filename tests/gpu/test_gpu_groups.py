@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
-from dapo_flow.graph import columns as C
+from group_batches import BATCHES
 
 pytestmark = pytest.mark.gpu
 
@@ -46,20 +45,6 @@ def _worker(model_path, strategy: str, model_paths: dict | None = None):
     return StageWorker(_graph(model_path, None if strategy == "none" else strategy), setup, seed=0)
 
 
-def _batch(seed: int, group_sizes: list[int]) -> pa.Table:
-    rng = np.random.default_rng(seed)
-    rows = sum(group_sizes)
-    lengths = rng.integers(1, 7, rows)
-    return pa.table({
-        C.PROMPT_ID: pa.array([f"g{g}" for g, size in enumerate(group_sizes) for _ in range(size)]),
-        C.PROMPT_IDS: pa.array([rng.integers(3, 14, rng.integers(3, 6)).tolist() for _ in range(rows)], C.TOKENS),
-        C.RESPONSE_IDS: pa.array([rng.integers(3, 14, n).tolist() for n in lengths], C.TOKENS),
-        C.OLD_LOGP: pa.array([rng.uniform(-3.0, -0.5, n).tolist() for n in lengths], C.TOKEN_FLOATS),
-        C.ADVANTAGE: pa.array(rng.normal(size=rows), pa.float32()),
-    })
-
-
-BATCHES = [_batch(1, [8, 1, 2]), _batch(2, [2, 3, 1, 4])]
 METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/clipfrac", "actor/ppo_kl", "actor/entropy")
 
 

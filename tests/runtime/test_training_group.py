@@ -9,13 +9,12 @@ import copy
 import os
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
-from dapo_flow.graph import columns as C
 from dapo_flow.graph.spec import GraphSpec
 from dapo_flow.runtime.executors import LocalExecutor, RayExecutor
 from dapo_flow.runtime.worker import NodeSetup, StageSetup
+from group_batches import BATCHES
 
 pytestmark = pytest.mark.slow
 
@@ -37,24 +36,6 @@ def _setup(workers: int, strategy: str, model_paths: dict | None = None) -> Stag
         name=STAGE, nodes=(NodeSetup(id="train", op="update", params=UPDATE, model="policy"),),
         models=("policy",), trainable=("policy",), scores=("policy",), num_threads=1,
         model_paths=model_paths or {}, strategy=strategy, workers=workers)
-
-
-def _batch(seed: int, group_sizes: list[int]) -> pa.Table:
-    """Rows of prompt groups with responses, rollout logprobs and advantages; uneven groups so
-    the workers get different row and micro-batch counts (one gets a single row)."""
-    rng = np.random.default_rng(seed)
-    rows = sum(group_sizes)
-    lengths = rng.integers(1, 7, rows)
-    return pa.table({
-        C.PROMPT_ID: pa.array([f"g{g}" for g, size in enumerate(group_sizes) for _ in range(size)]),
-        C.PROMPT_IDS: pa.array([rng.integers(3, 14, rng.integers(3, 6)).tolist() for _ in range(rows)], C.TOKENS),
-        C.RESPONSE_IDS: pa.array([rng.integers(3, 14, n).tolist() for n in lengths], C.TOKENS),
-        C.OLD_LOGP: pa.array([rng.uniform(-3.0, -0.5, n).tolist() for n in lengths], C.TOKEN_FLOATS),
-        C.ADVANTAGE: pa.array(rng.normal(size=rows), pa.float32()),
-    })
-
-
-BATCHES = [_batch(1, [8, 1, 2]), _batch(2, [2, 3, 1, 4])]
 
 
 def _train(ex, stage_batches) -> list[dict]:
