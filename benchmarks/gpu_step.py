@@ -22,8 +22,12 @@ on CPU in float32.
   ``AdamW.step``. Each side's first step is timed apart (it allocates AdamW's state and warms
   the kernels: ``update_first_s``), then ``--reps`` steps.
 
-Each side's rollout and logprob phases run once on 2 prompts first (warm-up, untimed); every
-phase is then timed ``--reps`` times (1; 3 with ``--quick``), the median reported. The
+Each side's rollout and logprob phases run once on 2 prompts first (warm-up, untimed); each
+side's first full-size rollout is timed apart (``rollout_first_s``, ``generate_first_s``: on
+CUDA it pays for whatever the attention backend builds per shape, e.g. cuDNN's plans, which
+dapo-flow's policy turns off: ``dapo_flow.models.devices.prepare_device``); every phase is then
+timed ``--reps`` times (1; 3 with ``--quick``), the median reported: each side at its steady
+state, the floor on torch's default attention backends. The
 dapo-flow side runs first, then its model and optimizer are freed and the floor loads the same
 directory afresh, so each side's peak is its own: ``torch.cuda.max_memory_allocated`` over the
 phase (reset before it), the model's weights, gradients and optimizer state included. Seconds
@@ -151,6 +155,7 @@ def dapo_flow_phases(model_dir: Path, prompts: list[list[int]], args, device, pr
     model = SimpleNamespace(policy=policy, spec=ModelSpec(path=str(model_dir), train={"mixed_precision": precision}))
     sampling = SamplingConfig(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0)
     policy.generate(prompts[:2], SamplingConfig(n=2, max_tokens=4, seed=1))  # warm-up
+    _, rollout_first_s, _ = timed(lambda: policy.generate(prompts, sampling), device)
     rollouts, rollout_s, rollout_peak = timed(lambda: policy.generate(prompts, sampling), device, args.reps)
 
     rows = [p for p in prompts for _ in range(args.n)]  # a prompt's samples are contiguous
@@ -169,7 +174,7 @@ def dapo_flow_phases(model_dir: Path, prompts: list[list[int]], args, device, pr
     packed = policy.pack(rows, rollouts.response_ids)
     old = scored.column(C.OLD_LOGP).to_pylist()
     result = {
-        "rollout_s": rollout_s, "logprob_s": logprob_s, "update_s": update_s, "update_first_s": update_first_s,
+        "rollout_s": rollout_s, "rollout_first_s": rollout_first_s, "logprob_s": logprob_s, "update_s": update_s, "update_first_s": update_first_s,
         "rollout_peak_bytes": rollout_peak, "logprob_peak_bytes": logprob_peak, "update_peak_bytes": update_peak,
         "response_tokens": int(sum(len(r) for r in rollouts.response_ids)),
         "truncated_frac": float(np.mean(rollouts.truncated)),
@@ -190,6 +195,8 @@ def floor_phases(model_dir: Path, prompts: list[list[int]], packed: dict, old: l
 
     from dapo_flow.models.hf import hf_progress_bars_off
 
+    if device.type == "cuda":  # torch's default attention backends, as a plain HF user runs them
+        torch.backends.cuda.enable_cudnn_sdp(True)  # (dapo-flow's policy turned cuDNN's off)
     with hf_progress_bars_off():
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.eval()  # no dropout (as HFPolicy runs it); gradients flow all the same
@@ -209,6 +216,7 @@ def floor_phases(model_dir: Path, prompts: list[list[int]], packed: dict, old: l
 
     torch.manual_seed(0)
     generate(slice(0, 2), 4, 2)  # warm-up
+    _, generate_first_s, _ = timed(lambda: generate(slice(None), args.max_tokens, args.n), device)
     out, generate_s, generate_peak = timed(lambda: generate(slice(None), args.max_tokens, args.n), device, args.reps)
     new = out[:, width:]
     ended = (new == eos).int().cumsum(1)
@@ -256,7 +264,7 @@ def floor_phases(model_dir: Path, prompts: list[list[int]], packed: dict, old: l
     _, update_first_s, _ = timed(step, device)
     _, update_s, update_peak = timed(step, device, args.reps)
     del model, optimizer
-    return {"generate_s": generate_s, "logprob_s": logprob_s, "update_s": update_s, "update_first_s": update_first_s,
+    return {"generate_s": generate_s, "generate_first_s": generate_first_s, "logprob_s": logprob_s, "update_s": update_s, "update_first_s": update_first_s,
             "generate_peak_bytes": generate_peak, "logprob_peak_bytes": logprob_peak, "update_peak_bytes": update_peak,
             "response_tokens": response_tokens}
 
@@ -365,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"logprobs {fmt(ratios['chunked_logprob_time'])}x naive time (target <= "
                   f"{TARGETS['chunked_logprob_time_ratio_max']}); response tokens {ours['response_tokens']} / "
                   f"{floor['response_tokens']}; load {fmt(load.mean, '.2f')}")
+    console.print(f"first full-size rollout: dapo-flow {fmt(ours['rollout_first_s'])} s, HF generate "
+                  f"{fmt(floor['generate_first_s'])} s; first update: dapo-flow {fmt(ours['update_first_s'])} s, "
+                  f"floor {fmt(floor['update_first_s'])} s")
 
     payload = {
         "device": device.type, "gpu": gpu, "torch": torch.__version__,

@@ -13,6 +13,8 @@
 #
 # OUT_DIR gets: machine.txt (torch, CUDA, the GPU), pytest-gpu.log and pytest-gpu.xml
 # (`pytest -m gpu`), gpu_step.json and gpu_step.log (benchmarks/gpu_step.py), summary.txt.
+# GPU_CHECK_TESTS_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT (seconds) bound each part with `timeout`, so a
+# leased machine's minutes leave room for the other part (exit 124 means it ran out of time).
 # Exit status: 0 when the tests passed and the benchmark ran; 1 when either failed; 3 when torch
 # sees no CUDA device (the gpu tests would all skip: nothing would have been checked).
 set -uo pipefail
@@ -71,12 +73,14 @@ echo "== pytest -m gpu"
 parallel=()
 "$PY" -c 'import xdist' 2>/dev/null && parallel=(-n 2)
 # the project's addopts name pytest-xdist options the image's version may lack: set them here
-"$PY" -m pytest -o addopts="" -ra --durations=15 "${parallel[@]}" -p no:cacheprovider -m gpu \
+limit_tests=(); [[ -n ${GPU_CHECK_TESTS_TIMEOUT:-} ]] && limit_tests=(timeout "$GPU_CHECK_TESTS_TIMEOUT")
+limit_bench=(); [[ -n ${GPU_CHECK_BENCH_TIMEOUT:-} ]] && limit_bench=(timeout "$GPU_CHECK_BENCH_TIMEOUT")
+"${limit_tests[@]}" "$PY" -m pytest -o addopts="" -ra --durations=15 "${parallel[@]}" -p no:cacheprovider -m gpu \
   --junitxml "$OUT_DIR/pytest-gpu.xml" tests/gpu 2>&1 | tee "$OUT_DIR/pytest-gpu.log"
 tests_rc=${PIPESTATUS[0]}
 
 echo "== benchmarks/gpu_step.py"
-"$PY" benchmarks/gpu_step.py --json "$OUT_DIR/gpu_step.json" 2>&1 | tee "$OUT_DIR/gpu_step.log"
+"${limit_bench[@]}" "$PY" benchmarks/gpu_step.py --json "$OUT_DIR/gpu_step.json" 2>&1 | tee "$OUT_DIR/gpu_step.log"
 bench_rc=${PIPESTATUS[0]}
 
 {

@@ -38,6 +38,20 @@ def to_host(value: Any) -> Any:
     return _map(value, to_host)
 
 
+def prepare_device(device: torch.device | str) -> None:
+    """Process-wide settings a model on ``device`` computes under, set before its first forward.
+
+    CUDA: scaled-dot-product attention without the cuDNN backend. cuDNN builds an execution
+    plan for every new (batch, sequence length) shape, ~0.1 s each; RL changes lengths every
+    step (decoding grows the KV cache one token at a time; each batch pads to its own longest
+    row), so on an H200 a 16 x 8 x 256-token rollout took 35 s with it against 7 s once its
+    plans were built. Flash attention (no mask) and memory-efficient attention (masks) build
+    nothing per shape. Process-wide rather than a context: gradient checkpointing recomputes a
+    layer in the backward pass, outside any context, and must pick the forward's backend."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def host_floats(values: dict[str, Any]) -> dict[str, float]:
     """Scalar statistics (python numbers or 0-dim tensors on any device) as python floats, the
     device's ones read in a single transfer instead of one synchronisation each."""

@@ -19,7 +19,7 @@ import torch
 
 from dapo_flow.algos.logprobs import chunked_linear_logprobs, entropy_from_logits, logprobs_from_logits
 from dapo_flow.errors import ModelError
-from dapo_flow.models.devices import to_device, to_host
+from dapo_flow.models.devices import prepare_device, to_device, to_host
 from dapo_flow.models.sampling import Rollouts, SamplingConfig, sample_keys, uniforms
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -218,6 +218,7 @@ class HFPolicy:
         self.device = torch.device(device)
         self.seed = seed
         torch.manual_seed(seed)  # anything stochastic inside the model (none for Llama: no dropout)
+        prepare_device(self.device)
         with hf_progress_bars_off():
             self.model = load_torch_model(self.path, head, DTYPES[dtype]).to(self.device)
         self.head = head
