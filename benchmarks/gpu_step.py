@@ -38,8 +38,11 @@ and head: the generic path a bf16 head takes) before loading anything: on CUDA a
 size (16 x 1024 positions, vocab 151936) with the tokens per row halved until the naive call's
 estimated peak fits 80% of the free device memory; the chunked / naive time is reported.
 
+``memory_estimates``: what dapo-flow's memory estimate (`explain`, the fit check) says the update
+and rollout take at these shapes, worst-case rows, and estimate / measured peak on CUDA.
+
 Targets (the JSON's ``targets``): update <= 1.1x the floor; rollout <= 0.2x HF ``generate``
-(a sampler with no per-token host sync); bf16 chunked logprobs <= 1.2x naive time.
+(a sampler with no per-token host sync); bf16 chunked logprobs <= 1.2x naive time; memory estimates within 15% of the peaks.
 
 Run: python benchmarks/gpu_step.py [--quick] [--json PATH] [--workdir DIR] [--device cpu|cuda]
      [--prompts P] [--n N] [--max-tokens T] [--micro-batch M] [--reps R] [--no-logprob-bench]
@@ -73,7 +76,8 @@ QUICK = dict(shape=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads
 CONTEXT = 512  # max_position_embeddings: the prompts plus max_tokens fit
 LOGPROB_ROWS = 64  # rows per no-grad pass, both sides (the logprob operator's default)
 LR = 1e-6
-TARGETS = {"update_ratio_max": 1.1, "rollout_ratio_max": 0.2, "chunked_logprob_time_ratio_max": 1.2}
+TARGETS = {"update_ratio_max": 1.1, "rollout_ratio_max": 0.2, "chunked_logprob_time_ratio_max": 1.2,
+           "memory_estimate_within": 0.15}
 LOGPROB_BENCH_FREE_FRACTION = 0.8
 VOCAB = 4160  # builtin:tiny-chat's padded vocabulary (dapo_flow.models.tiny_chat.RECIPE.padded_vocab_size)
 
@@ -177,11 +181,38 @@ def dapo_flow_phases(model_dir: Path, prompts: list[list[int]], args, device, pr
         "rollout_s": rollout_s, "rollout_first_s": rollout_first_s, "logprob_s": logprob_s, "update_s": update_s, "update_first_s": update_first_s,
         "rollout_peak_bytes": rollout_peak, "logprob_peak_bytes": logprob_peak, "update_peak_bytes": update_peak,
         "response_tokens": int(sum(len(r) for r in rollouts.response_ids)),
+        "response_max": max(map(len, rollouts.response_ids)),
         "truncated_frac": float(np.mean(rollouts.truncated)),
         "update_metrics": {k: v for k, v in metrics.to_pylist()[0].items() if isinstance(v, float)},
     }
     del policy, model, logprob, update, scored
     return result, packed, old, advantages
+
+
+def memory_estimates(model_dir: Path, prompts: list[list[int]], ours: dict, args, precision: str | None,
+                     on_gpu: bool) -> dict:
+    """dapo-flow's memory estimates (``dapo_flow.graph.memory``, what `explain` and the fit check
+    print) of the rollout and update phases at this run's shapes, worst-case rows as the fit check
+    takes them (every row the longest prompt plus the longest response), beside the measured
+    peaks. ``*_ratio``: estimate / measured, without the estimate's fixed CUDA-context term
+    (``torch.cuda.max_memory_allocated`` leaves the context out); None on CPU (no peak measured)."""
+    from dapo_flow.graph.memory import GPU_OVERHEAD_BYTES, ModelShape, estimate_rollout, estimate_training
+
+    shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
+    width, response = max(map(len, prompts)), ours["response_max"]
+    update = estimate_training(shape, micro_batch_tokens=args.micro_batch * (width + response),
+                               response_tokens_per_micro_batch=args.micro_batch * response,
+                               rows_per_micro_batch=args.micro_batch, mixed_precision=precision, on_gpu=on_gpu)
+    rollout = estimate_rollout(shape, max_model_len=width + args.max_tokens, batch_rows=len(prompts) * args.n,
+                               on_gpu=on_gpu, mixed_precision=precision)
+    context = GPU_OVERHEAD_BYTES if on_gpu else 0
+    out = {}
+    for phase, budget in (("update", update), ("rollout", rollout)):
+        measured = ours[f"{phase}_peak_bytes"]
+        out[f"{phase}_bytes"] = budget.total
+        out[f"{phase}_terms"] = {name: size for name, size, _ in budget.rows()}
+        out[f"{phase}_ratio"] = (budget.total - context) / measured if measured else None
+    return out
 
 
 # ------------------------------------------------------------------------------ the raw floor
@@ -346,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"model: {info['num_parameters'] / 1e6:.1f}M parameters; prompts {min(map(len, prompts))}-"
                       f"{max(map(len, prompts))} tokens")
         ours, packed, old, advantages = dapo_flow_phases(model_dir, prompts, args, device, precision)
+        estimates = memory_estimates(model_dir, prompts, ours, args, precision, device.type == "cuda")
         free_device_memory(device)
         floor = floor_phases(model_dir, prompts, packed, old, advantages, args, device, precision, tokenizer)
         free_device_memory(device)
@@ -367,12 +399,20 @@ def main(argv: list[str] | None = None) -> int:
     met = {"update_met": ratios["update"] <= TARGETS["update_ratio_max"],
            "rollout_met": ratios["rollout"] <= TARGETS["rollout_ratio_max"],
            "chunked_logprob_met": (ratios["chunked_logprob_time"] <= TARGETS["chunked_logprob_time_ratio_max"]
-                                   if ratios["chunked_logprob_time"] is not None else None)}
+                                   if ratios["chunked_logprob_time"] is not None else None),
+           "memory_estimate_met": (all(abs(estimates[f"{p}_ratio"] - 1) <= TARGETS["memory_estimate_within"]
+                                       for p in ("update", "rollout"))
+                                   if estimates["update_ratio"] is not None else None)}
     console.print(f"update {fmt(ratios['update'])}x the floor (target <= {TARGETS['update_ratio_max']}); rollout "
                   f"{fmt(ratios['rollout'])}x HF generate (target <= {TARGETS['rollout_ratio_max']}); bf16 chunked "
                   f"logprobs {fmt(ratios['chunked_logprob_time'])}x naive time (target <= "
                   f"{TARGETS['chunked_logprob_time_ratio_max']}); response tokens {ours['response_tokens']} / "
                   f"{floor['response_tokens']}; load {fmt(load.mean, '.2f')}")
+    if estimates["update_ratio"] is not None:
+        console.print(f"memory estimates / measured peaks (CUDA context left out): update "
+                      f"{fmt(estimates['update_ratio'])} ({gib(estimates['update_bytes'])} GiB with it), rollout "
+                      f"{fmt(estimates['rollout_ratio'])} ({gib(estimates['rollout_bytes'])} GiB); target within "
+                      f"{TARGETS['memory_estimate_within']:.0%}")
     console.print(f"first full-size rollout: dapo-flow {fmt(ours['rollout_first_s'])} s, HF generate "
                   f"{fmt(floor['generate_first_s'])} s; first update: dapo-flow {fmt(ours['update_first_s'])} s, "
                   f"floor {fmt(floor['update_first_s'])} s")
@@ -385,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "micro_batch": args.micro_batch, "reps": args.reps, "prompt_tokens": [len(p) for p in prompts],
         "dapo_flow": {**ours, "step_s": ours["rollout_s"] + ours["logprob_s"] + ours["update_s"]},
         "floor": {**floor, "step_s": floor["generate_s"] + floor["logprob_s"] + floor["update_s"]},
-        "ratios": ratios, "targets": {**TARGETS, **met},
+        "ratios": ratios, "targets": {**TARGETS, **met}, "memory_estimates": estimates,
         "logprob_bench": None if lp is None else {
             k: lp.get(k) for k in ("time_ratio", "peak_ratio", "naive_seconds", "chunked_seconds", "naive_peak_bytes",
                                    "chunked_peak_bytes", "rows", "tokens", "vocab", "hidden", "chunk_tokens", "dtype",

@@ -347,6 +347,18 @@ def test_rollout_hf_kv_cache():
     assert "KV cache" in budget.fits(40 * GiB)
 
 
+def test_a_bf16_policys_rollout_holds_bf16_keys_and_values_and_autocasts_weight_copies():
+    shape = _8b()
+    plain = {t.name: t.bytes for t in estimate_rollout(shape, max_model_len=4096, batch_rows=64).terms}
+    bf16 = {t.name: t.bytes for t in estimate_rollout(shape, max_model_len=4096, batch_rows=64,
+                                                      mixed_precision="bf16").terms}
+    assert bf16["KV cache"] * 2 == plain["KV cache"]  # float32 master weights, bf16 keys and values
+    assert bf16["weights"] == plain["weights"] == shape.num_params() * 4
+    # every projection of every layer and the lm_head, in bf16: not the embeddings or the norms
+    assert shape.num_params() * 2 * 0.8 < bf16["bf16 weight copies (autocast)"] < shape.num_params() * 2
+    assert "bf16 weight copies (autocast)" not in plain
+
+
 def test_rollout_vllm_share_and_cpu_cache():
     gpu = estimate_rollout(_8b(), dtype="bfloat16", backend="vllm", gpu_memory_utilization=0.5,
                            gpu_mem_gib=80, max_model_len=4096, batch_rows=64)

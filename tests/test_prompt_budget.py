@@ -222,7 +222,7 @@ def test_the_estimate_sizes_rows_by_the_budget_plus_max_tokens(long_context_mode
     hint = "rows of 'policy' sized by its whole context (32768 positions): no prompt budget is set"
     assert hint in explain(unbounded) and hint not in explain(bounded)
     assert "48 per generation batch, at most 24 tokens each (a longer prompt: a bad row)" in explain(bounded)
-    gpu_note = "GPU terms not yet measured on a GPU"
+    gpu_note = "GPU terms checked on one GPU setting only"
     assert gpu_note in explain(bounded) and gpu_note not in explain(_compiled(model))
 
 

@@ -226,7 +226,9 @@ def _rollout(plan: Plan, stage: Stage, model: str, shape: ModelShape, cluster: C
         return []  # a registered engine: nothing known about it
     engine = estimate_rollout(shape, max_model_len=context, batch_rows=rows, dtype=spec.dtype,
                               backend=spec.backend, gpu_memory_utilization=spec.rollout.gpu_memory_utilization,
-                              gpu_mem_gib=gpu_mem, kv_cache_gib=spec.rollout.kv_cache_gib, on_gpu=on_gpu)
+                              gpu_mem_gib=gpu_mem, kv_cache_gib=spec.rollout.kv_cache_gib, on_gpu=on_gpu,
+                              mixed_precision=spec.train.mixed_precision if trained and spec.backend == "hf"
+                              and not stage.sharded else None)
     if spec.backend == "vllm":
         if on_gpu and trained and spec.rollout.sleep is not False:
             # sleep mode (auto on GPU beside the trainer): the engine's share is freed while the
