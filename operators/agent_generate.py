@@ -28,7 +28,7 @@ from dapo_flow.graph import columns as C
 from dapo_flow.graph.contract import OpContext
 from dapo_flow.models.sampling import SamplingConfig
 from dapo_flow.tools.base import ToolSpec
-from operators.generate import Generate, Params as GenerateParams
+from operators.generate import CallSeeds, Params as GenerateParams
 
 
 class Params(GenerateParams):
@@ -71,7 +71,7 @@ class Params(GenerateParams):
         return self
 
 
-class AgentGenerate(Generate):
+class AgentGenerate:
     """Prompt rows in, n multi-turn sample rows per prompt out."""
 
     Params = Params
@@ -88,8 +88,20 @@ class AgentGenerate(Generate):
                 **{tool_reward_column(t.name): pa.float32() for t in params.tools}}
 
     def __init__(self, params: Params, ctx: OpContext):
-        super().__init__(params, ctx)
+        self.params = params
+        self.ctx = ctx
+        self.seeds = CallSeeds(ctx.seed)  # as generate's: the same prompt seeds, call by call
+        self._metrics: dict[str, float] = {}
         self._tools = None
+
+    def state_dict(self) -> dict:
+        return self.seeds.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seeds.load_state_dict(state)
+
+    def last_metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
 
     def _loaded_tools(self):
         if self._tools is None:  # built once per worker: a tool may hold state across calls
@@ -102,8 +114,7 @@ class AgentGenerate(Generate):
     def __call__(self, batch: pa.Table) -> pa.Table:
         p = self.params
         cfg = SamplingConfig(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens)
-        seeds = self._prompt_seeds(batch)
-        self.calls += 1
+        seeds = self.seeds.take(batch)
         model = self.ctx.model
         rows = batch.select([c for c in (C.GROUND_TRUTH, C.DATA_SOURCE, C.PROMPT_ID) if c in batch.column_names])
         kwargs = rows.to_pylist()  # each tool's create(instance, ground_truth=..., data_source=..., prompt_id=...)

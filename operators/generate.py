@@ -48,20 +48,14 @@ class Generate:
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params
         self.ctx = ctx
-        self.calls = 0  # advances the sampling seed; checkpointed so resumes replay exactly
+        self.seeds = CallSeeds(ctx.seed)
         self._metrics: dict[str, float] = {}
 
     def state_dict(self) -> dict:
-        return {"calls": self.calls}
+        return self.seeds.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.calls = int(state["calls"])
-
-    def _prompt_seeds(self, batch: pa.Table) -> tuple[int, ...]:
-        """One seed per prompt from (graph seed, call, prompt id): a prompt samples the same
-        responses whichever worker, replica or batch position it lands on, so the samples do not
-        depend on how many engines share the work."""
-        return tuple(prompt_seed(self.ctx.seed, self.calls, pid) for pid in batch.column(C.PROMPT_ID).to_pylist())
+        self.seeds.load_state_dict(state)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         from dapo_flow.models.sampling import SamplingConfig
@@ -73,10 +67,9 @@ class Generate:
             top_p=p.top_p,
             top_k=p.top_k,
             max_tokens=p.max_tokens,
-            seed=self.ctx.seed * 1_000_003 + self.calls,
-            prompt_seeds=self._prompt_seeds(batch),
+            seed=self.ctx.seed * 1_000_003 + self.seeds.calls,
+            prompt_seeds=self.seeds.take(batch),
         )
-        self.calls += 1
         model = self.ctx.model
         out = model.generator.generate(token_lists(batch.column(C.PROMPT_IDS)), cfg)
         rows = batch.take(pa.array(out.prompt_index, pa.int32()))
@@ -103,6 +96,29 @@ class Generate:
 
     def last_metrics(self) -> dict[str, float]:
         return dict(self._metrics)
+
+
+class CallSeeds:
+    """A generating node's calls so far and each prompt's seed in the next one; checkpointed
+    (``calls``) so that a resumed run samples what it would have sampled."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.calls = 0
+
+    def take(self, batch: pa.Table) -> tuple[int, ...]:
+        """One seed per prompt of ``batch`` from (graph seed, call, prompt id), then the next
+        call: a prompt samples the same responses whichever worker, replica or batch position it
+        lands on, so the samples do not depend on how many engines share the work."""
+        seeds = tuple(prompt_seed(self.seed, self.calls, pid) for pid in batch.column(C.PROMPT_ID).to_pylist())
+        self.calls += 1
+        return seeds
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state["calls"])
 
 
 def prompt_seed(seed: int, call: int, prompt_id: str) -> int:

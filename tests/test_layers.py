@@ -30,7 +30,12 @@ FORBIDDEN = {
                         "ray", "mlflow", "pyarrow", "operators"),
     "dapo_flow.tools": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "dapo_flow.agent",
                         "dapo_flow.models", "dapo_flow.data", "ray", "mlflow", "pyarrow", "torch", "operators"),
-    "operators": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "ray", "mlflow"),
+    # an operator says what its loss is; optimizer steps and a group's collectives are a trainer's
+    "operators": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "ray", "mlflow",
+                  "torch.distributed", "dapo_flow.models.fsdp"),
+    # the trainer turns losses into optimizer steps: no tables, no runtime, no tracking
+    "dapo_flow.training": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "dapo_flow.data",
+                           "dapo_flow.graph.compiler", "ray", "mlflow", "pyarrow", "operators"),
 }
 
 

@@ -263,11 +263,11 @@ def test_update_finite_step_resets_the_count_and_zero_never_stops(policy):
     batch = _train_batch(policy)
     op = _update(policy, entropy_coef=1e38, max_nonfinite_steps=2)
     op(batch)
-    assert op.nonfinite_in_a_row == 1
+    assert op.trainer.nonfinite_in_a_row == 1
     op.params = op.params.model_copy(update={"entropy_coef": 0.0})
     row = op(batch).to_pylist()[0]
     assert row["actor/skipped_steps"] == 0.0 and row["actor/skipped_steps_total"] == 1.0
-    assert op.nonfinite_in_a_row == 0 and np.isfinite(row["actor/grad_norm"])
+    assert op.trainer.nonfinite_in_a_row == 0 and np.isfinite(row["actor/grad_norm"])
     never = _update(policy, entropy_coef=1e38, max_nonfinite_steps=0, mini_batches=2)
     for _ in range(4):
         row = never(batch).to_pylist()[0]
@@ -281,9 +281,9 @@ def test_update_stops_after_k_steps_with_every_response_masked(policy):
     truncated = batch.append_column(C.TRUNCATED, pa.array([True] * batch.num_rows))
     op = _update(policy, mask_truncated=True, max_empty_steps=2, mini_batches=2)
     row = op(truncated).to_pylist()[0]
-    assert row["actor/skipped_minibatches"] == 2.0 and op.empty_in_a_row == 1
+    assert row["actor/skipped_minibatches"] == 2.0 and op.trainer.empty_in_a_row == 1
     op(batch.append_column(C.TRUNCATED, pa.array([False] * batch.num_rows)))  # trains: resets
-    assert op.empty_in_a_row == 0
+    assert op.trainer.empty_in_a_row == 0
     op(truncated)
     resumed = _update(policy, mask_truncated=True, max_empty_steps=2, mini_batches=2)
     resumed.load_state_dict(op.state_dict())

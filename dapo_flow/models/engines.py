@@ -2,7 +2,7 @@
 
 - :class:`RolloutEngine` samples responses (``generate``), takes new weights after an update
   (``load_weights``) and is released at the end (``close``).
-- :class:`Trainer` is the torch policy the ``logprob`` and ``update`` operators use.
+- :class:`TrainablePolicy` is the torch policy the ``logprob`` and ``update`` operators use.
 - :data:`BACKENDS` maps a model's ``backend:`` to how its rollout engine is built. ``hf`` rolls
   out with the trained policy itself (the hybrid engine: nothing to sync when colocated);
   ``vllm`` builds a separate engine that receives the weights after every update.
@@ -35,9 +35,9 @@ class RolloutEngine(Protocol):
     def generate(self, prompt_ids: list[list[int]], cfg: "SamplingConfig") -> "Rollouts": ...
 
     def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
-        """Take new weights by HF parameter name: a mapping (``Trainer.named_weights``, arrays
+        """Take new weights by HF parameter name: a mapping (``TrainablePolicy.named_weights``, arrays
         sent between actors) or (name, tensor) pairs streamed one at a time
-        (``Trainer.iter_weights``, a sync inside one actor: no copy of the model)."""
+        (``TrainablePolicy.iter_weights``, a sync inside one actor: no copy of the model)."""
 
     def close(self) -> None:
         """Release what the engine holds (KV cache, files); it is not used afterwards."""
@@ -48,7 +48,7 @@ class RolloutEngine(Protocol):
 
 
 @runtime_checkable
-class Trainer(Protocol):
+class TrainablePolicy(Protocol):
     """The torch policy: token logprobs with or without gradient, weights in and out.
 
     Devices (:mod:`dapo_flow.models.devices`): results without gradient come back on the host;

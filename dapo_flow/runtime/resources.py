@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from dapo_flow.graph.spec import ModelSpec
-from dapo_flow.models.engines import BACKENDS, RolloutEngine, Trainer
+from dapo_flow.models.engines import BACKENDS, RolloutEngine, TrainablePolicy
 
 
 @dataclass
@@ -21,7 +21,7 @@ class ModelResource:
     name: str
     spec: ModelSpec
     path: Path
-    policy: Trainer | None  # logprob / update run on it (None in a rollout-only actor)
+    policy: TrainablePolicy | None  # logprob / update run on it (None in a rollout-only actor)
     generator: RolloutEngine | None  # None where nothing generates with the model
     tokenizer: Any
 

@@ -18,7 +18,7 @@ from dapo_flow import threads
 from dapo_flow.runtime import group as group_rows
 from dapo_flow.runtime.metrics import batch_stats
 from dapo_flow.runtime.tables import ChainInfo, assemble, info_of, merge_inputs
-from dapo_flow.graph.contract import OpContext
+from dapo_flow.graph.contract import OpContext, role as op_role
 from dapo_flow.graph.plan import GROUP_STRATEGIES
 from dapo_flow.graph.spec import GraphSpec
 from dapo_flow.runtime.checkpoint_models import (SHARDED, checkpoint_format, load_sharded_model,
@@ -318,8 +318,8 @@ class StageWorker:
         weights when they are sharded), or None."""
         for nid, op in self.ops.items():
             node = next(n for n in self.setup.nodes if n.id == nid)
-            if node.model == model and getattr(op, "optimizer", None) is not None:
-                return op.optimizer
+            if node.model == model and op_role(type(op)) == "train":
+                return op.trainer.optimizer
         return None
 
     def _load_sharded(self, name: str, path: Path) -> None:

@@ -59,7 +59,7 @@ def test_a_bf16_update_on_the_gpu_keeps_float32_master_weights(builtin, device):
     params = list(policy.model.parameters())
     assert all(p.dtype == torch.float32 and p.device.type == device.type for p in params)
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
-    for state in update.optimizer.state.values():
+    for state in update.trainer.optimizer.state.values():
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
         assert state["exp_avg"].device.type == device.type
     assert row["actor/skipped_steps"] == 0.0 and math.isfinite(row["actor/grad_norm"]) and row["actor/grad_norm"] > 0

@@ -209,9 +209,9 @@ def test_generate_throughput(policy, prompts):
 
 
 def test_the_hf_policy_is_both_engines_of_the_hybrid_backend(policy, tiny_adder_path):
-    from dapo_flow.models.engines import BACKENDS, RolloutEngine, Trainer
+    from dapo_flow.models.engines import BACKENDS, RolloutEngine, TrainablePolicy
 
-    assert isinstance(policy, Trainer) and isinstance(policy, RolloutEngine)
+    assert isinstance(policy, TrainablePolicy) and isinstance(policy, RolloutEngine)
     hf = BACKENDS["hf"]
     assert hf.generates_with_trainer
     assert hf.factory()(tiny_adder_path, dtype="float32", device="cpu", seed=0, trainer=policy) is policy

@@ -81,8 +81,8 @@ def test_an_update_computes_in_bf16_and_keeps_float32_weights_gradients_and_adam
     params = list(mixed.model.parameters())
     assert all(p.dtype == torch.float32 for p in params)
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
-    assert len(op.optimizer.state) == len(params)
-    for state in op.optimizer.state.values():
+    assert len(op.trainer.optimizer.state) == len(params)
+    for state in op.trainer.optimizer.state.values():
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
     changed = [k for k, v in mixed.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed  # the float32 master weights took the (small) steps
@@ -221,8 +221,8 @@ def test_a_bfloat16_model_trains_float32_master_weights_and_its_other_copies_sta
     assert row["actor/skipped_steps"] == 0.0 and set(seen) == {torch.bfloat16}
     params = list(trainer.model.parameters())
     assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32 for p in params)
-    assert len(op.optimizer.state) == len(params)
-    for state in op.optimizer.state.values():
+    assert len(op.trainer.optimizer.state) == len(params)
+    for state in op.trainer.optimizer.state.values():
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
 
     for trainable, generates, scores in ((False, True, False), (False, False, True)):  # rollout actor, scorer

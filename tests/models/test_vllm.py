@@ -134,9 +134,9 @@ def test_kernel_scan_survives_numba_loaded_first():
 
 
 def test_the_vllm_engine_is_a_rollout_engine_not_a_trainer(generator):
-    from dapo_flow.models.engines import BACKENDS, RolloutEngine, Trainer
+    from dapo_flow.models.engines import BACKENDS, RolloutEngine, TrainablePolicy
 
-    assert isinstance(generator, RolloutEngine) and not isinstance(generator, Trainer)
+    assert isinstance(generator, RolloutEngine) and not isinstance(generator, TrainablePolicy)
     assert not BACKENDS["vllm"].generates_with_trainer  # so a colocated plan syncs into it
 
 

@@ -19,9 +19,9 @@ from dapo_flow.graph import columns as C
 from dapo_flow.graph.contract import OpContext
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.models.devices import host_floats, to_device, to_host
-from operators.critic_update import CriticUpdate
+from operators.critic_update import CriticUpdate, ValueLoss
 from operators.critic_update import Params as CriticParams
-from operators.update import Params, Update
+from operators.update import Params, PolicyLoss, Update
 
 META = torch.device("meta")
 
@@ -110,7 +110,7 @@ def test_update_loss_stays_on_the_models_device(host_reads_of_meta_read_zeros, p
     batch = _batch()
     data = op._arrays(batch)
     rows = np.arange(batch.num_rows)
-    loss, stats = op._micro_loss(rows, data, n_tokens=int(data["mask"].sum()), n_seqs=batch.num_rows)
+    loss, stats = PolicyLoss(op.policy, op.params, data)(rows, n_tokens=int(data["mask"].sum()), n_seqs=batch.num_rows)
     assert loss.device == META and loss.requires_grad
     assert all(isinstance(v, float) for v in stats.values()) and "actor/pg_loss" in stats
 
@@ -119,7 +119,8 @@ def test_critic_loss_stays_on_the_models_device(host_reads_of_meta_read_zeros):
     op = _op(CriticUpdate, CriticParams())
     batch = _batch()
     data = op._arrays(batch)
-    loss, stats = op._micro_loss(np.arange(batch.num_rows), data, n_tokens=int(data["mask"].sum()), n_seqs=4)
+    loss, stats = ValueLoss(op.policy, op.params, data)(np.arange(batch.num_rows), n_tokens=int(data["mask"].sum()),
+                                                        n_seqs=4)
     assert loss.device == META and loss.requires_grad
     assert set(stats) == {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"}
 
@@ -127,7 +128,7 @@ def test_critic_loss_stays_on_the_models_device(host_reads_of_meta_read_zeros):
 def test_optimizer_state_reaches_the_driver_on_the_host():
     op = _op(Update, Params(advantage_column="advantage", loss_mask="ignore"))
     op.policy.model(torch.ones(1, 2)).sum().backward()
-    op.optimizer.step()  # Adam's moments exist now
+    op.trainer.optimizer.step()  # Adam's moments exist now
     state = op.state_dict()["optimizer"]["state"]
     assert state and all(t.device.type == "cpu" for s in state.values() for t in s.values()
                          if isinstance(t, torch.Tensor))
