@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from dapo_flow.errors import RunError
 from dapo_flow.runtime import group
-from dapo_flow.runtime.ports import free_port
+from dapo_flow.runtime.ports import free_port, node_address
 from dapo_flow.runtime.tables import TableParts, assemble
 from dapo_flow.runtime.worker import GroupMember, Share, StageSetup, StageWorker, resolve_op
 from dapo_flow.graph.plan import DRIVER, Cluster
@@ -138,29 +138,52 @@ def normal_priority() -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-class ActorStageWorker(StageWorker):
+def _forwarding_to_stage_worker(cls: type) -> type:
+    """Give an actor class every public method of :class:`StageWorker`, each calling its
+    ``worker``'s (Ray calls an actor's methods by name, so they must be on its class)."""
+    def forward(name: str):
+        def method(self, *args, **kwargs):
+            return getattr(self.worker, name)(*args, **kwargs)
+        method.__name__ = name
+        method.__doc__ = getattr(StageWorker, name).__doc__
+        return method
+
+    for name, member in vars(StageWorker).items():
+        if callable(member) and not name.startswith("_") and name not in vars(cls):
+            setattr(cls, name, forward(name))
+    return cls
+
+
+def _stage_worker_in_actor(graph: GraphSpec, setup: StageSetup, seed: int) -> StageWorker:
+    """The stage worker of a Ray actor: at the job's priority (:func:`normal_priority`), its
+    tables fetched from the object store (on this node: read in place, not copied)."""
+    nice = normal_priority()
+    if nice > job_niceness():
+        import warnings
+
+        warnings.warn(
+            f"this Ray worker runs at nice {nice} and cannot lower it: beside other busy "
+            "processes it gets a fraction of a core. Start the cluster with "
+            "RAY_worker_niceness=0 (e.g. `RAY_worker_niceness=0 ray start --head`)", stacklevel=3)
+    return StageWorker(graph, setup, seed, fetch=_fetch_from_object_store)
+
+
+def _fetch_from_object_store(parts: list) -> list[pa.Table]:
+    import ray
+
+    return resolve_refs(parts, ray.get)
+
+
+@_forwarding_to_stage_worker
+class ActorStageWorker:
     """A StageWorker as a Ray actor: at normal priority, since it does the run's work. A nice-15
     actor beside one busy nice-0 process got ~3% of a core (a step 25-50x slower)."""
 
     def __init__(self, graph: GraphSpec, setup: StageSetup, seed: int):
-        self.nice = normal_priority()
-        if self.nice > job_niceness():
-            import warnings
-
-            warnings.warn(
-                f"this Ray worker runs at nice {self.nice} and cannot lower it: beside other busy "
-                "processes it gets a fraction of a core. Start the cluster with "
-                "RAY_worker_niceness=0 (e.g. `RAY_worker_niceness=0 ray start --head`)", stacklevel=2)
-        super().__init__(graph, setup, seed)
+        self.worker = _stage_worker_in_actor(graph, setup, seed)
 
     def niceness(self) -> int:
         return os.getpriority(os.PRIO_PROCESS, 0)
-
-    def resolve(self, parts: list) -> list[pa.Table]:
-        """Tables from the object store (on this node: read in place, not copied)."""
-        import ray
-
-        return resolve_refs(parts, ray.get)
 
 
 def resolve_refs(parts: list, get: Callable[[list], list]) -> list:
@@ -175,7 +198,8 @@ def resolve_refs(parts: list, get: Callable[[list], list]) -> list:
     return out
 
 
-class DriverStageWorker(ActorStageWorker):
+@_forwarding_to_stage_worker
+class DriverStageWorker:
     """The driver stage's model-free operators (score, shaping, filters, advantages) in an
     actor of their own, so the tables they read and write stay in the object store. A class of
     its own so that it shows as such in `ps` and `ray list actors`.
@@ -185,6 +209,12 @@ class DriverStageWorker(ActorStageWorker):
     Ray for it would put it beside a worker on some node (on two 1-CPU nodes, a driver stage's
     0.67 and a worker's 0.67 do not fit one node, and the group waited for a node forever). It
     runs on the driver's node where it can."""
+
+    def __init__(self, graph: GraphSpec, setup: StageSetup, seed: int):
+        self.worker = _stage_worker_in_actor(graph, setup, seed)
+
+    def niceness(self) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def connect_ray(address: str | None) -> bool:
@@ -540,14 +570,6 @@ def _read_parquet_file(path: str) -> pa.Table:
     import pyarrow.parquet as pq
 
     return pq.read_table(path)
-
-
-def node_address() -> tuple[str, int]:
-    """This Ray node's address and a port free on it now: a process group's master (run on
-    rank 0's node)."""
-    import ray
-
-    return ray.util.get_node_ip_address(), free_port("")
 
 
 def _cluster_resources(ray) -> str:

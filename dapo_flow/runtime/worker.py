@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import pyarrow as pa
 
@@ -118,7 +118,11 @@ def resolve_op(node: NodeSetup) -> type:
 class StageWorker:
     """Loads the stage's models once, builds its operators, runs them on Arrow tables."""
 
-    def __init__(self, graph: GraphSpec, setup: StageSetup, seed: int):
+    def __init__(self, graph: GraphSpec, setup: StageSetup, seed: int,
+                 fetch: Callable[[list], list[pa.Table]] | None = None):
+        """``fetch``: how the parts of a table handle become tables (in-process they are the
+        tables; a Ray actor's worker fetches references from the object store)."""
+        self.fetch = fetch or _as_they_are
         quiet_libraries()
         if setup.num_threads:
             threads.configure(setup.num_threads)
@@ -220,9 +224,8 @@ class StageWorker:
         return share.of(table) if share is not None else table
 
     def resolve(self, parts: list) -> list[pa.Table]:
-        """Tables from handles' parts: in-process they are the tables (a Ray actor fetches
-        its references from the object store)."""
-        return parts
+        """Tables from handles' parts (``fetch``)."""
+        return self.fetch(parts)
 
     # --- weights ------------------------------------------------------------
     def sync_generators(self) -> float:
@@ -239,7 +242,7 @@ class StageWorker:
     # --- broadcast weight sync (rollout.weight_sync: broadcast; models.weight_bus) -------------
     def weight_bus_address(self) -> tuple[str, int]:
         """This worker's node address and a port free there: the bus's rank 0 (the trainer)."""
-        from dapo_flow.runtime.executors import node_address
+        from dapo_flow.runtime.ports import node_address
 
         return node_address()
 
@@ -331,3 +334,7 @@ class StageWorker:
             return
         load_sharded_model(path, resource.policy, self._optimizer_of(name))
         resource.sync_generator()
+
+
+def _as_they_are(parts: list) -> list:
+    return parts
