@@ -27,6 +27,8 @@ class Problem:
     field: str  # dotted field path, e.g. "params.clip_high"
     message: str
     hint: str = ""
+    code: str = ""  # what kind of problem, as Pydantic's error `type` ("missing-column", "extra_forbidden", ...)
+    column: str = ""  # the Arrow column it is about, when it is about one
 
     def render(self) -> str:
         where = f"{self.file}:{self.line}" if self.line else self.file

@@ -192,6 +192,25 @@ def test_bad_graph(path: Path):
     assert re.search(rf"{re.escape(path.name)}:\d+: ", text), "every problem names file:line"
 
 
+@pytest.mark.parametrize("graph, code, column", [
+    ("bad_missing_column.yaml", "missing-column", "ref_logp"),
+    ("bad_column_type.yaml", "column-type", None),
+    ("bad_param_typo.yaml", "extra_forbidden", ""),
+    ("bad_missing_field.yaml", "missing", ""),
+])
+def test_a_problem_carries_its_code_and_the_column_it_is_about(graph, code, column):
+    """What a program reads off a problem (an edit's relocation, a UI): its kind and its column,
+    as Pydantic's errors carry `type` and `loc`, never parsed back out of the message."""
+    with pytest.raises(GraphError) as info:
+        compile_graph(ROOT / "tests/graphs_bad" / graph, Cluster(cpus=2))
+    found = [p for p in info.value.problems if p.code == code]
+    assert found, [(p.code, p.message) for p in info.value.problems]
+    if column is None:  # a column check: some column, named in the message
+        assert found[0].column and f"'{found[0].column}'" in found[0].message
+    else:
+        assert found[0].column == column
+
+
 def test_enough_bad_graphs():
     assert len(BAD) >= 30
 

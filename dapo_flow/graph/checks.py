@@ -25,7 +25,7 @@ from dapo_flow.errors import DapoFlowError, OperatorContractError, SchemaError, 
 from dapo_flow.graph.imports import load_object
 from dapo_flow.graph.loader import GraphDoc, PathKey
 from dapo_flow.graph.plan import ValidGraph
-from dapo_flow.graph.problems import Found, did_you_mean, pydantic_problems, type_name
+from dapo_flow.graph.problems import COLUMN_TYPE, MISSING_COLUMN, Found, did_you_mean, pydantic_problems, type_name
 from dapo_flow.graph.registry import CUSTOM_OP, OPERATORS
 from dapo_flow.graph.spec import PROMPTS_SOURCE, GraphSpec, NodeSpec
 
@@ -370,11 +370,13 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...]) -> dict
         for name, typ in needed.items():
             if name not in cols:
                 found.add(node.path + ("inputs",), f"requires column '{name}' ({type_name(typ)}) "
-                          "but no upstream node produces it", _producer_hint(name), kind=SchemaError)
+                          "but no upstream node produces it", _producer_hint(name), kind=SchemaError,
+                          code=MISSING_COLUMN, column=name)
             elif cols[name] != typ:
                 found.add(node.path + ("inputs",), f"requires column '{name}' as {type_name(typ)}, "
                           f"but '{source[name]}' gives {type_name(cols[name])}",
-                          f"make '{source[name]}' produce {type_name(typ)}", kind=SchemaError)
+                          f"make '{source[name]}' produce {type_name(typ)}", kind=SchemaError,
+                          code=COLUMN_TYPE, column=name)
         if node.cardinality == "sink":
             out, out_src = dict(made), {name: nid for name in made}
         else:

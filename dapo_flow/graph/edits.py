@@ -32,7 +32,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from dapo_flow.graph.compiler import place, plan, validate
-from dapo_flow.graph.problems import did_you_mean
+from dapo_flow.graph.problems import MISSING_COLUMN, did_you_mean
 from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import GraphDoc, PathKey, load
 from dapo_flow.graph.plan import Cluster, PlacedPlan
@@ -516,11 +516,11 @@ def _made_by_edits(base: GraphDoc, edits: tuple[Edit, ...]) -> dict[str, tuple[i
 def _relocate(problem: Problem, edits: tuple[Edit, ...], made: Mapping[str, tuple[int, str]],
               doc: GraphDoc) -> Problem:
     hint = problem.hint
-    missing = re.match(r"requires column '([^']+)' .*but no upstream node produces it", problem.message)
+    missing = problem.column if problem.code == MISSING_COLUMN else ""
     if missing:
-        hint = _param_fix(doc, problem.node, missing.group(1)) or hint
-    if problem.line >= 0 and missing and missing.group(1) in made:
-        k, node = made[missing.group(1)]
+        hint = _param_fix(doc, problem.node, missing) or hint
+    if problem.line >= 0 and missing and missing in made:
+        k, node = made[missing]
         edit = edits[k]
     elif 0 < -problem.line <= len(edits):
         edit = edits[-problem.line - 1]
@@ -532,7 +532,7 @@ def _relocate(problem: Problem, edits: tuple[Edit, ...], made: Mapping[str, tupl
         hint = f"the {what} node '{node}' produced it: keep it" + (f", or {hint[0].lower()}{hint[1:]}"
                                                                    if hint else "")
     origin = where(edit)
-    return Problem(origin.file, origin.line, problem.node, problem.field, problem.message, hint)
+    return dc_replace(problem, file=origin.file, line=origin.line, hint=hint)
 
 
 def _param_fix(doc: GraphDoc, node_id: str, column: str) -> str:

@@ -20,6 +20,10 @@ from dapo_flow.graph.loader import GraphDoc, PathKey
 
 # --- problems -------------------------------------------------------------------------
 
+#: Problem codes of the column checks (a Problem's ``code``; Pydantic's error types for the rest)
+MISSING_COLUMN = "missing-column"
+COLUMN_TYPE = "column-type"
+
 
 @dataclass
 class Found:
@@ -29,10 +33,10 @@ class Found:
     items: list[tuple[type[GraphError], Problem]] = field(default_factory=list)
 
     def add(self, path: PathKey, message: str, hint: str = "", kind: type[GraphError] = GraphError,
-            field_name: str | None = None) -> None:
+            field_name: str | None = None, code: str = "", column: str = "") -> None:
         node, fld = _locate(self.doc, path)
         line = self.doc.line_of(path)
-        self.items.append((kind, Problem(self.doc.file, line, node, field_name or fld, message, hint)))
+        self.items.append((kind, Problem(self.doc.file, line, node, field_name or fld, message, hint, code, column)))
 
     def raise_if_any(self) -> None:
         if not self.items:
@@ -86,17 +90,17 @@ def pydantic_problems(found: Found, err: ValidationError, base: PathKey,
         kind = e["type"]
         if kind == "extra_forbidden":
             allowed = _fields_at(model, loc[:-1])
-            found.add(path, f"unknown key '{loc[-1]}'", did_you_mean(str(loc[-1]), allowed))
+            found.add(path, f"unknown key '{loc[-1]}'", did_you_mean(str(loc[-1]), allowed), code=kind)
         elif kind == "missing":
-            found.add(path, "required field is missing")
+            found.add(path, "required field is missing", code=kind)
         elif kind == "literal_error" and isinstance(e.get("input"), str):
             options = re.findall(r"'([^']*)'", str(e.get("ctx", {}).get("expected", "")))
             found.add(path, f"{e['msg']} (got {_short(e['input'])})",
-                      did_you_mean(e["input"], options) if options else "")
+                      did_you_mean(e["input"], options) if options else "", code=kind)
         else:
             msg = e["msg"].removeprefix("Value error, ")
             got = f" (got {_short(e['input'])})" if loc else ""
-            found.add(path, msg + got)
+            found.add(path, msg + got, code=kind)
 
 
 def _fields_at(model: type[BaseModel], loc: PathKey) -> list[str]:
