@@ -34,7 +34,7 @@ phase (reset before it), the model's weights, gradients and optimizer state incl
 are wall time, CUDA synchronised.
 
 It also runs ``benchmarks/logprob_memory.py`` (its naive and chunked workers, bf16 hidden states
-and head: the generic path a bf16 head takes) before loading anything: on CUDA at its target
+and head: the chunked path a bf16 head or autocast takes) before loading anything: on CUDA at its target
 size (16 x 1024 positions, vocab 151936) with the tokens per row halved until the naive call's
 estimated peak fits 80% of the free device memory; the chunked / naive time is reported.
 

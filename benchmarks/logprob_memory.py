@@ -7,11 +7,12 @@ What it measures: the peak memory and the time of one training-style call of
   logits (``dapo_flow.models.hf.response_logprobs_of`` with ``chunk_tokens`` None);
 - chunked: ``chunked_linear_logprobs(hidden, weight, labels, chunk_tokens=C, with_entropy=True)``
   (at most C positions' logits at a time, each chunk's logits recomputed in the backward;
-  ``response_logprobs_of`` with ``train.logprob_chunk_tokens: C``). A float32 head takes its
-  fused path: one reused chunk buffer, the logits' gradient written in place from the saved
-  logsumexp and entropy;
-- generic (``--generic``): the same chunked call forced onto the path a bf16 head or autocast
-  takes (autograd through each recomputed chunk, fresh buffers per chunk), for comparison;
+  ``response_logprobs_of`` with ``train.logprob_chunk_tokens: C``) on its fused path: one
+  reused float32 chunk buffer, the logits' gradient written in place from the saved logsumexp
+  and entropy (a bf16 head's matmuls in bf16, its logits cast to float32 per chunk);
+- generic (``--generic``): the same chunked call forced onto the generic path (autograd through
+  each recomputed chunk, fresh buffers per chunk: what a bf16 head took before it had the fused
+  path, and what odd dtype mixes still take), for comparison;
 
 each followed by ``loss.backward()`` of a random upstream loss, ``(logp * a).sum() + (entropy *
 b).sum()`` (a, b fixed standard-normal vectors: the entropy-bonus case, the widest backward; with
@@ -133,10 +134,11 @@ def worker(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.worker == "generic":  # the chunked call without its fused float32 path (autograd per chunk)
+    if args.worker == "generic":  # the chunked call without its fused paths (autograd per chunk)
         import dapo_flow.algos.logprobs as logprobs_module
 
         logprobs_module._fused_applies = lambda *_: False
+        logprobs_module._low_precision_compute = lambda *_: None
     cuda = args.device == "cuda"
     dev = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -327,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--entropy-metric-only", action="store_true",
                     help="loss of logp only; the entropy is computed and kept as a metric")
     ap.add_argument("--generic", action="store_true",
-                    help="also time the chunked call's generic path (autograd on each recomputed chunk, what "
-                         "a bf16 head or autocast takes) as a third variant")
+                    help="also time the chunked call's generic path (autograd on each recomputed chunk, "
+                         "odd dtype mixes take; a bf16 head took it before its fused path) as a third variant")
     ap.add_argument("--worker", choices=("naive", "chunked", "generic"), help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--worker-tensors", help=argparse.SUPPRESS)

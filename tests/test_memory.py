@@ -315,15 +315,16 @@ def test_chunked_logprobs_bound_the_logits_and_are_the_first_fix():
     chunked = estimate_training(shape, logprob_chunk_tokens=1024, **common)
     terms = {t.name: t for t in chunked.terms}
     assert "logits kept by the entropy graph" not in terms
-    # 4 buffers of the logits (a chunk's, or all of them), not 5: logsumexp's own chunks (110 rows of
-    # this vocabulary) are a tenth of a chunk, and two of the 5 are its backward's temporaries
-    assert terms["logits of one chunk and their gradients (float32)"].bytes == 4 * 1024 * 152064 * 4
+    # bf16 chunks take the fused path: two float32 chunk buffers and the chunk's bf16 logits (or
+    # gradient) beside them, 2.5; unchunked, 4 buffers of the logits, not 5: logsumexp's own chunks
+    # (110 rows of this vocabulary) are a tenth of them, and two of the 5 are its backward's temporaries
+    assert terms["logits of one chunk and their gradients (float32)"].bytes == 2.5 * 1024 * 152064 * 4
     assert {t.name: t.bytes for t in whole.terms}["logits and their gradients (float32)"] == 4 * 2 * 20480 * 152064 * 4
     assert terms["logits of one chunk and their gradients (float32)"].fix == "a smaller train.logprob_chunk_tokens"
     assert chunked.total < whole.total / 2.5 and chunked.fits(80 * GiB) is None
     assert chunked.peak_phase() == LAYER_BACKWARD  # a recomputed layer: the logits are no longer the peak
     one_chunk = {t.name: t.bytes for t in estimate_training(shape, logprob_chunk_tokens=10**9, **common).terms}
-    assert one_chunk["logits of one chunk and their gradients (float32)"] == 4 * 2 * 20480 * 152064 * 4
+    assert one_chunk["logits of one chunk and their gradients (float32)"] == 2.5 * 2 * 20480 * 152064 * 4
     with pytest.raises(ValueError, match="logprob_chunk_tokens"):
         estimate_training(shape, logprob_chunk_tokens=0, **common)
 

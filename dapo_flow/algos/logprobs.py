@@ -68,9 +68,13 @@ def chunked_linear_logprobs(
 
     With gradients, no chunk's logits are kept for the backward: each chunk's are recomputed
     there, one chunk at a time (:class:`_ChunkedLinearLogprobs`); the values and gradients are
-    those of the whole (tokens, vocab) computation up to float rounding. A float32 head outside
-    autocast takes the fused path (:func:`_fused_forward`, :func:`_fused_backward`): one chunk
-    buffer reused, the logits' gradient written in place from the saved logsumexp and entropy.
+    those of the whole (tokens, vocab) computation up to float rounding. The fused path
+    (:func:`_fused_forward`, :func:`_fused_backward`) takes a float32 head outside autocast and a
+    bf16 / fp16 head or bf16 autocast alike: one float32 chunk buffer reused, the logits'
+    gradient written in place from the saved logsumexp and entropy; in low precision the head's
+    matmuls run in that precision and the logits are cast to float32 per chunk, as autocast
+    runs the whole computation. Other mixes (a bf16 head over float32 hidden states outside
+    autocast) take the generic path: autograd through each recomputed chunk.
     Shape: hidden (N, h), weight (V, h), bias (V,) or None, labels (N,) int -> logp (N,) float32,
     entropy (N,) float32 or None.
     """
@@ -82,8 +86,9 @@ def chunked_linear_logprobs(
     needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if torch.is_grad_enabled() and needs_grad:
         return _ChunkedLinearLogprobs.apply(hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy)
-    if _fused_applies(hidden, weight, bias):
-        logp, _, ent = _fused_forward(hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy)
+    compute = _low_precision_compute(hidden, weight, bias)
+    if compute is not None or _fused_applies(hidden, weight, bias):
+        logp, _, ent = _fused_forward(hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy, compute)
         return logp, ent
     parts = [_linear_logprobs(hidden[s:e], weight, bias, labels[s:e], temperature, with_entropy)
              for s, e in _chunks(hidden.shape[0], chunk_tokens)]
@@ -123,9 +128,11 @@ class _ChunkedLinearLogprobs(torch.autograd.Function):
         device = hidden.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
         ctx.set_materialize_grads(False)
-        ctx.fused = _fused_applies(hidden, weight, bias)  # outside autocast only: it checks
-        if ctx.fused:  # the float32 path: one reused chunk buffer, logsumexp (and entropy) kept
-            logp, lse, ent = _fused_forward(hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy)
+        ctx.compute = _low_precision_compute(hidden, weight, bias)  # bf16 head or autocast: its dtype
+        ctx.fused = ctx.compute is not None or _fused_applies(hidden, weight, bias)
+        if ctx.fused:  # one reused float32 chunk buffer, logsumexp (and entropy) kept
+            logp, lse, ent = _fused_forward(hidden, weight, bias, labels, temperature, chunk_tokens, with_entropy,
+                                            ctx.compute)
             ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
             return logp, ent
         parts = [_linear_logprobs(hidden[s:e], weight, bias, labels[s:e], temperature, with_entropy)
@@ -208,28 +215,62 @@ def _fused_applies(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
             and (bias is None or bias.dtype == dtype) and not torch.is_autocast_enabled(hidden.device.type))
 
 
-def _logits_into(out: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    """z = (hidden @ weight.T + bias) / temperature written into ``out``. Shape: (c, h) -> (c, V)."""
-    if bias is None:
+def _low_precision_compute(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> torch.dtype | None:
+    """The dtype the head's matmuls run in when it is not the float32 path's: bf16 / fp16
+    autocast's over float32 (or low-precision) tensors, or a bf16 / fp16 head whose hidden states
+    (and bias) share its dtype; else None."""
+    device = hidden.device.type
+    low = (torch.bfloat16, torch.float16)
+    if torch.is_autocast_enabled(device):
+        cast = torch.get_autocast_dtype(device)
+        tensors = [t for t in (hidden, weight, bias) if t is not None]
+        return cast if cast in low and all(t.dtype in (torch.float32, *low) for t in tensors) else None
+    if weight.dtype in low and hidden.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype):
+        return weight.dtype
+    return None
+
+
+def _logits_into(out: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
+                 compute: torch.dtype | None = None) -> Tensor:
+    """z = (hidden @ weight.T + bias) / temperature written into ``out``; with ``compute`` the
+    matmul runs in that dtype (``weight`` and ``bias`` already in it) and its result is cast
+    into ``out``'s. Shape: (c, h) -> (c, V)."""
+    if compute is not None:
+        out.copy_(torch.nn.functional.linear(hidden.to(compute), weight, bias))
+    elif bias is None:
         torch.mm(hidden, weight.T, out=out)
     else:
         torch.addmm(bias, hidden, weight.T, out=out)
     return out.div_(temperature) if temperature != 1.0 else out
 
 
+def _head_in(weight: Tensor, bias: Tensor | None, compute: torch.dtype | None) -> tuple[Tensor, Tensor | None]:
+    """The head's weight and bias as its matmuls take them (cast once per call, as autocast
+    casts them once per forward)."""
+    if compute is None:
+        return weight, bias
+    return weight.to(compute), None if bias is None else bias.to(compute)
+
+
 def _fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float,
-                   chunk_tokens: int, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+                   chunk_tokens: int, with_entropy: bool, compute: torch.dtype | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor | None]:
     """logp, logsumexp and entropy (or None) of every position, one chunk at a time in reused
-    buffers. Shape: hidden (N, h), labels (N,) -> (N,) each, in the head's dtype."""
+    buffers. ``compute``: the low-precision dtype of the head's matmuls (then the buffers and
+    results are float32). Shape: hidden (N, h), labels (N,) -> (N,) each, in the head's dtype
+    (float32 with ``compute``)."""
     n, vocab = hidden.shape[0], weight.shape[0]
-    with torch.no_grad():
-        logp, lse = hidden.new_empty(n), hidden.new_empty(n)
-        ent = hidden.new_empty(n) if with_entropy else None
+    dtype = hidden.dtype if compute is None else torch.float32
+    w, b = _head_in(weight, bias, compute)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):  # casts are explicit
+        logp = hidden.new_empty(n, dtype=dtype)
+        lse = hidden.new_empty(n, dtype=dtype)
+        ent = hidden.new_empty(n, dtype=dtype) if with_entropy else None
         rows = max(1, min(chunk_tokens, n))
-        z_buf = hidden.new_empty(rows, vocab)
-        e_buf = hidden.new_empty(rows, vocab) if with_entropy else None
+        z_buf = hidden.new_empty(rows, vocab, dtype=dtype)
+        e_buf = hidden.new_empty(rows, vocab, dtype=dtype) if with_entropy else None
         for s, e in _chunks(n, chunk_tokens):
-            z = _logits_into(z_buf[: e - s], hidden[s:e], weight, bias, temperature)
+            z = _logits_into(z_buf[: e - s], hidden[s:e], w, b, temperature, compute)
             picked = z.gather(1, labels[s:e, None].long()).squeeze(1)
             top = z.amax(1, keepdim=True)  # (c, 1): exp never overflows
             shifted = z.sub_(top)  # z - top <= 0, in place
@@ -253,17 +294,31 @@ def _fused_backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
         return None, None, None, None, None, None, None
     hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    temperature = ctx.temperature
+    temperature, compute = ctx.temperature, ctx.compute
     n, vocab = hidden.shape[0], weight.shape[0]
+    # low precision: the logits' gradient in float32, cast to the matmuls' dtype (as autograd
+    # casts it to the bf16 logits'); the weight's and bias's summed over chunks in float32
+    acc = lse.dtype
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
-    grad_weight = torch.zeros_like(weight) if need_weight else None
-    grad_bias = torch.zeros_like(bias) if need_bias else None
+    grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+    grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_bias else None
+    w, b = _head_in(weight, bias, compute)
     rows = max(1, min(ctx.chunk_tokens, n))
-    g_buf = hidden.new_empty(rows, vocab)
-    p_buf = hidden.new_empty(rows, vocab) if grad_entropy is not None else None
-    for s, e in _chunks(n, ctx.chunk_tokens):
+    g_buf = hidden.new_empty(rows, vocab, dtype=acc)
+    p_buf = hidden.new_empty(rows, vocab, dtype=acc) if grad_entropy is not None else None
+    with torch.autocast(hidden.device.type, enabled=False):
+        _fused_chunks_backward(hidden, w, b, labels, lse, ent, grad_logp, grad_entropy, temperature, compute,
+                               ctx.chunk_tokens, g_buf, p_buf, grad_hidden, grad_weight, grad_bias)
+    cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+    return grad_hidden, cast(grad_weight, weight), cast(grad_bias, bias), None, None, None, None
+
+
+def _fused_chunks_backward(hidden, w, b, labels, lse, ent, grad_logp, grad_entropy, temperature, compute,
+                           chunk_tokens, g_buf, p_buf, grad_hidden, grad_weight, grad_bias) -> None:
+    """:func:`_fused_backward`'s loop over the chunks, writing into the gradient tensors."""
+    for s, e in _chunks(hidden.shape[0], chunk_tokens):
         c, h = e - s, hidden[s:e]
-        g = _logits_into(g_buf[:c], h, weight, bias, temperature).sub_(lse[s:e, None])  # log p
+        g = _logits_into(g_buf[:c], h, w, b, temperature, compute).sub_(lse[s:e, None])  # log p
         if grad_entropy is None:  # -g_logp * p
             g.exp_().mul_(grad_logp[s:e, None].neg())
         else:  # -p * (g_logp + g_ent * (log p + entropy))
@@ -276,10 +331,18 @@ def _fused_backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
             g.scatter_add_(1, labels[s:e, None].long(), grad_logp[s:e, None].to(g.dtype))
         if temperature != 1.0:
             g.div_(temperature)
+        if compute is not None:  # the head's backward in its matmuls' precision
+            g, h = g.to(compute), h.to(compute)
+            if grad_hidden is not None:
+                grad_hidden[s:e] = g @ w
+            if grad_weight is not None:
+                grad_weight.add_(g.T @ h)
+            if grad_bias is not None:
+                grad_bias.add_(g.sum(0))
+            continue
         if grad_hidden is not None:
-            torch.mm(g, weight, out=grad_hidden[s:e])
+            torch.mm(g, w, out=grad_hidden[s:e])
         if grad_weight is not None:
             grad_weight.addmm_(g.T, h)
         if grad_bias is not None:
             grad_bias.add_(g.sum(0))
-    return grad_hidden, grad_weight, grad_bias, None, None, None, None

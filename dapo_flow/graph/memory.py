@@ -41,6 +41,9 @@ LOGITS_HELD_BUFFERS = 2
 # (chunk, vocab) buffer reused for the whole call, a second beside it for the entropy (its exp in
 # the forward; the probabilities beside the gradient in an entropy bonus's backward)
 LOGITS_FUSED_BUFFERS = 2.0
+# ... and in low precision (a bf16 head, or autocast): the chunk's bf16 logits (forward) or the
+# logits' gradient cast to bf16 (backward) beside those two float32 buffers
+LOGITS_FUSED_LOW_PRECISION_BUFFERS = 2.5
 # sampling one token (HFPolicy._sample): float32 (rows, vocab) logits, scaled, filtered
 # (sort values + int64 indices for top-p), softmax
 SAMPLING_BUFFERS = 6
@@ -398,12 +401,13 @@ def _activations(shape: ModelShape, compute: int, tokens: int, response: int, ro
         kept = 1 if checkpointing else layers
         terms.append(Term("attention masks (padded rows)", rows * seq * seq * (kept * compute + 1),
                           phases=FWD_BWD, fix=budget_fix))
-    fused = compute == FP32 and not mixed_precision  # the chunked path's fused float32 kernels
+    # chunked logprobs take the fused path, in float32 or in low precision (algos.logprobs)
+    fused = LOGITS_FUSED_BUFFERS if compute == FP32 and not mixed_precision else LOGITS_FUSED_LOW_PRECISION_BUFFERS
     return terms + _logits(shape, resid, response, entropy_in_loss, chunk, budget_fix, fused)
 
 
 def _logits(shape: ModelShape, hidden_bytes: int, response: int, entropy_in_loss: bool, chunk: int | None,
-            budget_fix: str, fused: bool = False) -> list[Term]:
+            budget_fix: str, fused: float | None = None) -> list[Term]:
     """The float32 logits of the response positions and what their backward adds.
 
     Unchunked: (response, vocab) buffers, LOGITS_PEAK_BUFFERS(_ENTROPY) of them at the logits'
@@ -413,8 +417,9 @@ def _logits(shape: ModelShape, hidden_bytes: int, response: int, entropy_in_loss
     same buffer counts for one chunk, none held after; instead the response positions' hidden
     states (gathered, padding left out: at most response x hidden) are kept for the backward, and
     during it the hidden states' gradient and the lm_head's gradient, summed over the chunks in
-    float32, are alive. ``fused`` (a float32 head outside autocast): LOGITS_FUSED_BUFFERS of
-    them per chunk instead.
+    float32, are alive. ``fused``: the fused path's buffers per chunk instead
+    (LOGITS_FUSED_BUFFERS in float32, LOGITS_FUSED_LOW_PRECISION_BUFFERS in low precision); None,
+    the generic path's.
     """
     v, h = shape.out_features, shape.hidden_size
     peak = LOGITS_PEAK_BUFFERS_ENTROPY if entropy_in_loss else LOGITS_PEAK_BUFFERS
@@ -438,7 +443,7 @@ def _logits(shape: ModelShape, hidden_bytes: int, response: int, entropy_in_loss
                               phases=(LAYER_BACKWARD,), fix=fix))
         return terms
     logits = min(response, chunk) * v * FP32
-    peak = LOGITS_FUSED_BUFFERS if fused else peak - logsumexp_chunked(min(response, chunk))
+    peak = fused if fused is not None else peak - logsumexp_chunked(min(response, chunk))
     return [
         Term("logits of one chunk and their gradients (float32)", int(peak * logits), phases=(LOGITS_BACKWARD,),
              fix="a smaller train.logprob_chunk_tokens"),
@@ -470,7 +475,8 @@ def estimate_forward(
     unchunked, the model's logits of the response positions, their float32 scaled copy, and
     either the float32 cast being scaled (a 16-bit model) or one logsumexp chunk of exp();
     chunked (``logprob_chunk_tokens``), one chunk's float32 logits, reused chunk after chunk
-    (two for a 16-bit model), beside the response positions' hidden states. 16-bit layers add
+    (and a 16-bit model's chunk of logits before its cast), beside the response positions'
+    hidden states. 16-bit layers add
     RMSNorm's float32 copy. Measured on CPU within 10% (tests/test_memory.py).
     Shape: terms with phases FROZEN_LAYERS / FROZEN_HEAD.
     """
@@ -499,8 +505,9 @@ def estimate_forward(
                           logits * c // FP32 + logits + max(cast, min(logits, LOGSUMEXP_CHUNK_BYTES)),
                           phases=(FROZEN_HEAD,), fix=f"train.logprob_chunk_tokens (chunked logprobs), or {fix}"))
     else:
-        # the fused float32 path reuses one buffer; a 16-bit head casts its chunk's logits
-        chunk = min(response, logprob_chunk_tokens) * v * FP32 * (1 if c == FP32 else 2)
+        # the fused path reuses one float32 buffer (a frozen pass wants no entropy); a 16-bit
+        # head's chunk of logits, cast into it, beside it (half a buffer more)
+        chunk = int(min(response, logprob_chunk_tokens) * v * FP32 * (1 if c == FP32 else 1.5))
         terms += [Term("logits of one chunk (float32)", chunk, phases=(FROZEN_HEAD,),
                        fix="a smaller train.logprob_chunk_tokens"),
                   Term("response hidden states (chunked logprobs)", response * h * c, phases=(FROZEN_HEAD,), fix=fix)]

@@ -1,6 +1,6 @@
 """Chunked logprobs on CUDA against the naive computation (every position's logits at once): the
-fused float32 path and the generic path (a bf16 head, or float32 weights under bf16 autocast),
-values and gradients, entropy in the loss; and HFPolicy's chunked path equal to its unchunked one
+fused path in float32 and in low precision (a bf16 head, or float32 weights under bf16
+autocast: bf16 matmuls, float32 logits per chunk), values and gradients, entropy in the loss; and HFPolicy's chunked path equal to its unchunked one
 on the GPU."""
 
 from __future__ import annotations
@@ -79,14 +79,14 @@ def test_the_fused_float32_path_gives_the_naive_values_and_gradients(device, chu
 
 
 @pytest.mark.parametrize("case", ["bf16-head", "autocast"])
-def test_the_generic_path_is_as_close_to_exact_as_the_naive_one(device, case):
+def test_the_low_precision_path_is_as_close_to_exact_as_the_naive_one(device, case):
     """bf16 logits: both paths are bf16 computations, so each is held to the float64 result
     within what the naive one's own bf16 rounding costs (cuBLAS may round a chunk's products
     otherwise than the whole matmul's)."""
     dtype, autocast = (torch.bfloat16, False) if case == "bf16-head" else (torch.float32, True)
     inputs = _inputs(device, dtype)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        assert not lp._fused_applies(*inputs[:3])
+        assert not lp._fused_applies(*inputs[:3]) and lp._low_precision_compute(*inputs[:3]) == torch.bfloat16
     exact = _float64_reference(device, dtype)
     naive, chunked = _run(_naive, _inputs(device, dtype), autocast), _run(_chunked(128), inputs, autocast)
     for name, n, c, e in zip(("logp", "entropy", "hidden", "weight", "bias"), naive, chunked, exact):

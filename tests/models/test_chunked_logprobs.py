@@ -106,6 +106,52 @@ def test_bfloat16_head_sums_chunk_gradients_in_float32():
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * float(want.abs().max()), rtol=0)
 
 
+@pytest.mark.parametrize("case", ["bf16-head", "autocast", "autocast-temperature"])
+def test_a_bf16_head_and_autocast_take_the_fused_path_with_the_generic_paths_results(case, monkeypatch):
+    """Low precision on the fused path: the head's matmuls in bf16, its logits cast to float32
+    per chunk, no (tokens, vocab) tensor saved; the values and gradients of the generic path
+    (autograd through each recomputed chunk, the unchunked computation's order of operations)
+    up to float32 rounding of the logprob math and one bf16 rounding of the logits' gradient."""
+    import dapo_flow.algos.logprobs as lp
+
+    dtype = torch.bfloat16 if case == "bf16-head" else torch.float32
+    temperature = 0.7 if case.endswith("temperature") else 1.0
+    autocast = case.startswith("autocast")
+
+    def run(inputs, fused: bool):
+        if not fused:
+            monkeypatch.setattr(lp, "_low_precision_compute", lambda *_: None)
+        hidden, weight, bias, labels = inputs
+        saved: list[torch.Size] = []
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+            if fused:
+                assert lp._low_precision_compute(hidden, weight, bias) == torch.bfloat16
+            logp, ent = chunked_linear_logprobs(hidden, weight, labels, bias=bias, chunk_tokens=8,
+                                                temperature=temperature, with_entropy=True)
+        monkeypatch.undo()
+        a = torch.linspace(-1, 1, len(logp))
+        ((logp * a).sum() + 0.1 * (ent * a.flip(0)).sum()).backward()
+        assert max(s.numel() for s in saved) == weight.numel()  # no chunk's logits kept
+        return [logp.detach(), ent.detach(), *_grads(hidden, weight, bias)]
+
+    fused = run(_inputs(n=40, h=32, vocab=300, dtype=dtype), fused=True)
+    generic = run(_inputs(n=40, h=32, vocab=300, dtype=dtype), fused=False)
+    for name, got, want in zip(("logp", "entropy", "hidden", "weight", "bias"), fused, generic):
+        assert got.dtype == want.dtype, name
+        scale = float(want.abs().max())
+        tol = 1e-5 if name in ("logp", "entropy") else 2e-2  # bf16 gradients of the logits
+        torch.testing.assert_close(got.float(), want.float(), atol=tol * scale, rtol=0, msg=name)
+
+
+def test_a_bf16_head_over_float32_hidden_states_outside_autocast_takes_the_generic_path():
+    import dapo_flow.algos.logprobs as lp
+
+    hidden, weight, _, labels = _inputs(n=12, h=8, vocab=20, bias=False)
+    head = weight.detach().to(torch.bfloat16).requires_grad_()
+    assert lp._low_precision_compute(hidden, head, None) is None and not lp._fused_applies(hidden, head, None)
+
+
 def test_no_tokens_and_bad_arguments():
     hidden, weight, _, labels = _inputs(n=0, bias=False)
     logp, ent = chunked_linear_logprobs(hidden, weight, labels, chunk_tokens=4)
