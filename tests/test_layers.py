@@ -16,7 +16,7 @@ FORBIDDEN = {
     "dapo_flow.runtime": ("dapo_flow.experiments", "cli", "dapo_flow.graph.compiler", "dapo_flow.graph.drawing",
                           "dapo_flow.graph.edits"),
     "dapo_flow.graph": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "cli",
-                        "dapo_flow.models.hf", "dapo_flow.models.vllm_engine", "dapo_flow.models.tiny_adder",
+                        "dapo_flow.models.hf", "dapo_flow.models.vllm_engine", "dapo_flow.models.recipes",
                         "torch", "ray", "mlflow", "vllm"),
     "dapo_flow.algos": ("dapo_flow.graph", "dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.models",
                         "dapo_flow.data", "dapo_flow.tracking", "ray", "mlflow", "pyarrow", "operators"),

@@ -93,7 +93,7 @@ def test_special_token_strings_are_the_char_tokenizers():
 
 @pytest.fixture(scope="module")
 def tok():
-    from dapo_flow.models.tiny_agent import build_tokenizer
+    from dapo_flow.models.recipes.tiny_agent import build_tokenizer
 
     return build_tokenizer()
 
