@@ -73,3 +73,51 @@ def test_an_unknown_or_modelless_role_is_a_contract_problem():
     cpu_trainer = type("CpuTrainer", (OverlongShape,), {"ROLE": "train"})
     assert any("set `NEEDS_MODEL = True`" in p for p in contract_problems(cpu_trainer))
     assert role(type("Plain", (), {})) == "transform"
+
+
+#: what an operator class declares (contract.py's docstring): read through contract_of only
+DECLARED = {"ROLE", "CARDINALITY", "NEEDS_MODEL", "REQUIRES", "PRODUCES", "MODEL_HEAD", "MODEL_PARAM", "INPUTS"}
+HOOKS = {"upstream_problems", "uses_model", "model_head", "combine", "input_requires", "last_metrics"}
+
+
+def _contract_probes(path: Path) -> list[str]:
+    """`cls.ROLE`-like reads and getattr / hasattr probes of the contract's names."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in DECLARED and isinstance(node.ctx, ast.Load):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} reads .{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and node.args[1].value in DECLARED | HOOKS):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
+    return found
+
+
+def test_the_compiler_and_runtime_read_operators_through_their_contract_only():
+    files = [ROOT / "cli.py", *sorted((ROOT / "dapo_flow").rglob("*.py"))]
+    found = [hit for f in files if f.name != "contract.py" for hit in _contract_probes(f)]
+    assert not found, "read contract_of(op_cls) instead:\n" + "\n".join(found)
+
+
+def test_a_contract_holds_the_declarations_and_the_defaults():
+    from dapo_flow.graph.contract import contract_of
+
+    update, score, baseline = (contract_of(OPERATORS[n]) for n in ("update", "score", "baseline"))
+    assert (update.role, update.cardinality, update.needs_model, update.stateful) == ("train", "sink", True, True)
+    assert update.requires_fn is not None and update.combine is None and update.model_head_static == "lm"
+    assert score.model_param == ("reward", "model") and score.closes and score.role == "reward"
+    assert baseline.combine is not None and baseline.input_requires is not None and baseline.inputs_hint
+
+    class Minimal:  # nothing optional declared: the defaults
+        Params = None
+        CARDINALITY = "map"
+        NEEDS_MODEL = False
+        REQUIRES: dict = {}
+        PRODUCES: dict = {}
+
+        def __call__(self, batch):
+            return batch
+
+    bare = contract_of(Minimal)
+    assert (bare.role, bare.model_head_static, bare.model_param, bare.stateful, bare.reports_metrics) == (
+        "transform", "lm", (), False, False)

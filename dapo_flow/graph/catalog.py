@@ -15,7 +15,7 @@ import typing
 
 from rich.console import Console
 
-from dapo_flow.graph.contract import produces, requires
+from dapo_flow.graph.contract import contract_of, produces, requires
 from dapo_flow.graph.problems import type_name
 
 _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "min_length": "min length",
@@ -31,19 +31,19 @@ def print_catalog(operators: typing.Mapping[str, type], custom_op: str, out: Con
 
 def _print_op(name: str, cls: type, out: Console) -> None:
     doc = inspect.getdoc(sys.modules[cls.__module__]) or inspect.getdoc(cls) or ""
-    if not cls.NEEDS_MODEL:
+    if not contract_of(cls).needs_model:
         model = "CPU, in the driver"
-    elif getattr(cls, "MODEL_PARAM", None):  # e.g. score: a reward model only when its params name one
+    elif contract_of(cls).model_param:  # e.g. score: a reward model only when its params name one
         model = "CPU in the driver, or runs the model its params name"
     else:
         model = "runs a model (needs `model:`)"
-    out.print(f"[bold cyan]{name}[/]  [dim]{cls.CARDINALITY}, {model}[/]")
+    out.print(f"[bold cyan]{name}[/]  [dim]{contract_of(cls).cardinality}, {model}[/]")
     out.print(textwrap.indent(doc.split("\n\n")[0], "  "), markup=False)
     defaults = cls.Params()
     for label, cols in (("in ", requires(cls, defaults)), ("out", produces(cls, defaults))):
         text = ", ".join(f"{c}: {type_name(t)}" for c, t in cols.items()) or "-"
         out.print(f"  [bold]{label}[/] {text}", markup=True)
-    dynamic = [w for w in ("requires", "produces") if callable(getattr(cls, w, None))]
+    dynamic = [w for w, fn in (("requires", contract_of(cls).requires_fn), ("produces", contract_of(cls).produces_fn)) if fn]
     if dynamic:
         out.print(f"  [dim](columns shown for default params; {' and '.join(dynamic)} depend on params)[/]")
     fields = cls.Params.model_fields

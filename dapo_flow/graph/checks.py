@@ -19,7 +19,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ValidationError
 
 from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import (contract_problems, node_model, produces, requires, resolve, role,
+from dapo_flow.graph.contract import (contract_of, contract_problems, node_model, produces, requires, resolve, role,
                                      model_head, upstream_problems, uses_model)
 from dapo_flow.errors import DapoFlowError, OperatorContractError, SchemaError, UnknownOperatorError
 from dapo_flow.graph.imports import load_object
@@ -52,7 +52,7 @@ class _Node:
 
     @property
     def cardinality(self) -> str | None:
-        return getattr(self.cls, "CARDINALITY", None)
+        return contract_of(self.cls).cardinality if self.cls is not None else None
 
     @property
     def model(self) -> str | None:
@@ -62,7 +62,7 @@ class _Node:
     @property
     def model_path(self) -> PathKey:
         """Where its model is named: its `model:`, else its op's ``MODEL_PARAM`` in params."""
-        return self.path + (("model",) if self.spec.model is not None else ("params", *self.cls.MODEL_PARAM))
+        return self.path + (("model",) if self.spec.model is not None else ("params", *contract_of(self.cls).model_param))
 
 
 def validate(doc: GraphDoc) -> ValidGraph:
@@ -182,18 +182,18 @@ def _check_models(found: Found, nodes: list[_Node], declared: set[str]) -> None:
                       did_you_mean(model, declared) if declared else "declare it under `models:`")
         if node.cls is None:
             continue
-        needs = bool(getattr(node.cls, "NEEDS_MODEL", False))
+        needs = contract_of(node.cls).needs_model
         if needs and model is None and (node.params is None or uses_model(node.cls, node.params)):
             found.add(node.path, f"op '{node.spec.op}' runs a model but names none",
                       "add `model: NAME` with a name from `models:`", field_name="model")
         if not needs and model is not None:
             found.add(node.path + ("model",), f"op '{node.spec.op}' does not use a model",
                       "remove `model:`")
-        elif (node.spec.model is not None and getattr(node.cls, "MODEL_PARAM", None)
+        elif (node.spec.model is not None and contract_of(node.cls).model_param
               and node.params is not None and not uses_model(node.cls, node.params)):
             found.add(node.path + ("model",), f"op '{node.spec.op}' does not use a model with these params",
                       f"remove `model:` (this op names its model in the params: "
-                      f"`{'.'.join(node.cls.MODEL_PARAM)}`)")
+                      f"`{'.'.join(contract_of(node.cls).model_param)}`)")
     placement = found.doc.get(("placement", "models"))
     for name in placement if isinstance(placement, dict) else ():
         if name not in declared:
@@ -256,7 +256,7 @@ def _check_heads(found: Found, nodes: list[_Node], heads: dict[str, str]) -> Non
     nodes (`values`, `critic-update`) need a value model, every other model op a causal LM."""
     for node in nodes:
         model = node.model
-        if (node.cls is None or model not in heads or not getattr(node.cls, "NEEDS_MODEL", False)
+        if (node.cls is None or model not in heads or not contract_of(node.cls).needs_model
                 or (node.params is not None and not uses_model(node.cls, node.params))):
             continue
         wanted = model_head(node.cls, node.params)
@@ -268,7 +268,7 @@ def _check_heads(found: Found, nodes: list[_Node], heads: dict[str, str]) -> Non
             if heads[model] == "lm":
                 fix += (", or score with this causal LM's likelihood of each response (a generative "
                         "verifier or a teacher): `reward: {model: " + model + ", output: likelihood}`")
-        elif getattr(node.cls, "MODEL_PARAM", None):  # score with output: likelihood
+        elif contract_of(node.cls).model_param:  # score with output: likelihood
             fix = (f"`output: likelihood` scores with a causal LM (e.g. `verifier: {{path: "
                    f"builtin:tiny-adder-judge}}`); a reward model such as '{model}' scores with "
                    f"`output: logit` or `output: probability`")
@@ -339,7 +339,7 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...]) -> dict
         if (node.params is None or not inputs or any(i not in rows for i in inputs)
                 or any(by_id[i].cardinality == "sink" for i in inputs if i in by_id)):
             continue  # broken here or upstream: already reported, don't cascade
-        if callable(getattr(node.cls, "combine", None)):  # joins its inputs itself, by key
+        if contract_of(node.cls).combine:  # joins its inputs itself, by key
             _propagate_join(found, node, rows)
             continue
         origins = {i: rows[i].rows_from for i in inputs}
@@ -399,10 +399,10 @@ def _propagate_join(found: Found, node: _Node, rows: dict[str, _Rows]) -> None:
     each input must bring its own columns (``input_requires``); the rows and columns going on
     are the first input's, plus what the node produces."""
     inputs = node.spec.inputs
-    wanted = node.cls.input_requires(node.params)
+    wanted = contract_of(node.cls).input_requires(node.params)
     if len(inputs) != len(wanted):
         found.add(node.path + ("inputs",), f"op '{node.spec.op}' takes {len(wanted)} inputs, got "
-                  f"{len(inputs)}", f"inputs: {getattr(node.cls, 'INPUTS', 'see `dapo-flow ops`')}")
+                  f"{len(inputs)}", f"inputs: {contract_of(node.cls).inputs_hint or 'see `dapo-flow ops`'}")
         return
     for nth, (i, need) in enumerate(zip(inputs, wanted)):
         schema = rows[i].out_schema
@@ -515,7 +515,7 @@ def _check_consistency(found: Found, nodes: list[_Node], graph: nx.DiGraph,
     ``upstream_problems``)."""
     nearest = _nearest_generator(nodes, graph, order)
     for node in nodes:
-        if node.params is None or not callable(getattr(node.cls, "upstream_problems", None)):
+        if node.params is None or not contract_of(node.cls).upstream_problems:
             continue
         gen = nearest(node.id, with_params=True)
         if gen is None:

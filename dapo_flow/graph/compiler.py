@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from dapo_flow.graph import columns as C
 from dapo_flow.graph import fit, sizing
 from dapo_flow.graph.checks import validate
-from dapo_flow.graph.contract import node_model, produces, requires, role, uses_model
+from dapo_flow.graph.contract import contract_of, node_model, produces, requires, role, uses_model
 from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import load
 from dapo_flow.graph.plan import (DRIVER, IN_ACTOR, TRANSFER, Call, Cluster, PlacedPlan, Plan, PlanNode, Stage,
@@ -49,7 +49,7 @@ def plan(valid: ValidGraph) -> Plan:
             id=nid, op=s.op, op_cls=cls, params=valid.params[nid],
             model=node_model(cls, s.model, valid.params[nid]),
             inputs=tuple(s.inputs), in_schema=valid.in_schema[nid],
-            out_schema=valid.out_schema[nid], cardinality=cls.CARDINALITY,
+            out_schema=valid.out_schema[nid], cardinality=contract_of(cls).cardinality,
             line=valid.doc.line_of(("nodes", index[nid])), role=role(cls),
         ))
     result = Plan(spec=valid.spec, file=valid.file, nodes=tuple(nodes),

@@ -47,13 +47,18 @@ An operator is a plain class (no base class to inherit from):
   inputs that share their rows; each input must bring its ``input_requires`` columns, and the
   rows going on are the first input's.
 - ``__init__(params, ctx)``, ``__call__(batch: pa.Table) -> pa.Table``, and optionally
-  ``last_metrics() -> dict[str, float]`` for what the last call measured.
+  ``last_metrics() -> dict[str, float]`` for what the last call measured, ``state_dict()`` /
+  ``load_state_dict(state)`` for what a checkpoint keeps, ``close()`` for what to release.
+
+The compiler and the runtime read all of this through one frozen object per class,
+:func:`contract_of` -> :class:`Contract` (the defaults filled in, each optional hook a callable
+or None), never by probing the class or its instances themselves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Literal, Mapping, Protocol, runtime_checkable
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
@@ -78,17 +83,71 @@ def registered(value: str, registry: Mapping[str, Any]) -> str:
     return value
 
 
+@dataclass(frozen=True)
+class Contract:
+    """Everything the compiler and the runtime read of an operator class, read from it in one
+    place (:func:`contract_of`): its declarations, with the defaults of what it leaves out, and
+    its optional hooks as callables or None. Nothing else probes an operator for attributes
+    (:func:`contract_problems` checks the raw declarations of a custom one first)."""
+
+    cardinality: str | None
+    needs_model: bool
+    role: str
+    requires_fn: Callable[[BaseModel], Mapping[str, pa.DataType]] | None
+    requires_static: Mapping[str, pa.DataType]
+    produces_fn: Callable[[BaseModel], Mapping[str, pa.DataType]] | None
+    produces_static: Mapping[str, pa.DataType]
+    resolve: Callable[[BaseModel, dict], BaseModel] | None
+    upstream_problems: Callable[..., Any] | None
+    uses_model: Callable[[BaseModel], bool] | None
+    model_head_fn: Callable[[BaseModel], str] | None
+    model_head_static: str
+    model_param: tuple[str, ...]
+    combine: Callable[[BaseModel, list], pa.Table] | None  # joins its inputs itself (baseline)
+    input_requires: Callable[[BaseModel], tuple] | None
+    inputs_hint: str  # what its inputs are, for a wrong count (``INPUTS``, baseline's "[samples, per_prompt]")
+    stateful: bool  # instances checkpoint: state_dict() / load_state_dict(state)
+    reports_metrics: bool  # instances have last_metrics()
+    closes: bool  # instances hold something to release: close()
+
+
+def contract_of(op_cls: type) -> Contract:
+    """The :class:`Contract` of an operator class (the module docstring says what each part is)."""
+    hook = lambda name: fn if callable(fn := getattr(op_cls, name, None)) else None  # noqa: E731
+    return Contract(
+        cardinality=getattr(op_cls, "CARDINALITY", None),
+        needs_model=getattr(op_cls, "NEEDS_MODEL", False) is True,
+        role=getattr(op_cls, "ROLE", DEFAULT_ROLE),
+        requires_fn=hook("requires"),
+        requires_static=dict(getattr(op_cls, "REQUIRES", None) or {}),
+        produces_fn=hook("produces"),
+        produces_static=dict(getattr(op_cls, "PRODUCES", None) or {}),
+        resolve=hook("resolve"),
+        upstream_problems=hook("upstream_problems"),
+        uses_model=hook("uses_model"),
+        model_head_fn=hook("model_head"),
+        model_head_static=getattr(op_cls, "MODEL_HEAD", "lm"),
+        model_param=tuple(getattr(op_cls, "MODEL_PARAM", None) or ()),
+        combine=hook("combine"),
+        input_requires=hook("input_requires"),
+        inputs_hint=str(getattr(op_cls, "INPUTS", "")),
+        stateful=callable(getattr(op_cls, "state_dict", None)),
+        reports_metrics=callable(getattr(op_cls, "last_metrics", None)),
+        closes=callable(getattr(op_cls, "close", None)),
+    )
+
+
 def role(op_cls: Any) -> str:
     """The operator class's declared role, ``transform`` when it declares none."""
-    return getattr(op_cls, "ROLE", DEFAULT_ROLE)
+    return contract_of(op_cls).role
 
 
 def upstream_problems(op_cls: type, params: BaseModel, generator_id: str,
                       generator_params: BaseModel) -> list[tuple[str, str, str]]:
     """(field, message, fix) for each param of ``params`` that disagrees with the params of
     generator node ``generator_id``."""
-    fn = getattr(op_cls, "upstream_problems", None)
-    return list(fn(params, generator_id, generator_params)) if callable(fn) else []
+    fn = contract_of(op_cls).upstream_problems
+    return list(fn(params, generator_id, generator_params)) if fn else []
 
 
 #: The config of every built-in operator's ``Params``: frozen (a plan never changes under a
@@ -128,26 +187,26 @@ class Operator(Protocol):
 
 def resolve(op_cls: type, params: BaseModel, available: Mapping[str, pa.DataType]) -> BaseModel:
     """``params`` with the op's upstream-dependent values filled in (unchanged without a hook)."""
-    fn = getattr(op_cls, "resolve", None)
-    return fn(params, dict(available)) if callable(fn) else params
+    fn = contract_of(op_cls).resolve
+    return fn(params, dict(available)) if fn else params
 
 
 def uses_model(op_cls: type, params: BaseModel) -> bool:
     """Whether a node of ``op_cls`` with ``params`` runs on its model (``NEEDS_MODEL``, unless
     the op's ``uses_model(params)`` hook says these params need none)."""
-    if not getattr(op_cls, "NEEDS_MODEL", False):
+    c = contract_of(op_cls)
+    if not c.needs_model:
         return False
-    fn = getattr(op_cls, "uses_model", None)
-    return bool(fn(params)) if callable(fn) else True
+    return bool(c.uses_model(params)) if c.uses_model else True
 
 
 def model_head(op_cls: type, params: BaseModel | None) -> str:
     """What the model of a node of ``op_cls`` must be (`lm`, `value` or `reward`): its
     ``model_head(params)`` hook when it has one and ``params`` validated, else ``MODEL_HEAD``."""
-    fn = getattr(op_cls, "model_head", None)
-    if callable(fn) and params is not None:
-        return fn(params)
-    return getattr(op_cls, "MODEL_HEAD", "lm")
+    c = contract_of(op_cls)
+    if c.model_head_fn and params is not None:
+        return c.model_head_fn(params)
+    return c.model_head_static
 
 
 def node_model(op_cls: type | None, model: str | None, params: BaseModel | None) -> str | None:
@@ -156,21 +215,21 @@ def node_model(op_cls: type | None, model: str | None, params: BaseModel | None)
     if model is not None or op_cls is None or params is None:
         return model
     value: object = params
-    for key in getattr(op_cls, "MODEL_PARAM", None) or ():
-        value = getattr(value, key, None)
+    for key in contract_of(op_cls).model_param:
+        value = getattr(value, key, None)  # a path through the params, not a hook
     return value if isinstance(value, str) else None
 
 
 def requires(op_cls: type, params: BaseModel) -> dict[str, pa.DataType]:
     """Input columns of ``op_cls`` configured with ``params``."""
-    fn = getattr(op_cls, "requires", None)
-    return dict(fn(params)) if callable(fn) else dict(getattr(op_cls, "REQUIRES", {}))
+    c = contract_of(op_cls)
+    return dict(c.requires_fn(params)) if c.requires_fn else dict(c.requires_static)
 
 
 def produces(op_cls: type, params: BaseModel) -> dict[str, pa.DataType]:
     """Output columns ``op_cls`` adds (map/expand) or emits (sink) with ``params``."""
-    fn = getattr(op_cls, "produces", None)
-    return dict(fn(params)) if callable(fn) else dict(getattr(op_cls, "PRODUCES", {}))
+    c = contract_of(op_cls)
+    return dict(c.produces_fn(params)) if c.produces_fn else dict(c.produces_static)
 
 
 def contract_problems(op_cls: Any) -> list[str]:
@@ -198,10 +257,11 @@ def contract_problems(op_cls: Any) -> list[str]:
             problems.append(f"`{name}` must map column names to pyarrow DataTypes")
     if not isinstance(getattr(op_cls, "NEEDS_MODEL", None), bool):
         problems.append("needs `NEEDS_MODEL = True/False`")
-    if role(op_cls) not in ROLES:
+    declared_role = getattr(op_cls, "ROLE", DEFAULT_ROLE)
+    if declared_role not in ROLES:
         problems.append(f"`ROLE` must be one of {', '.join(ROLES)} (or left out: {DEFAULT_ROLE})")
-    elif role(op_cls) in ("generate", "logprob", "train") and getattr(op_cls, "NEEDS_MODEL", None) is False:
-        problems.append(f"`ROLE = {role(op_cls)!r}` works on a model: set `NEEDS_MODEL = True`")
+    elif declared_role in ("generate", "logprob", "train") and getattr(op_cls, "NEEDS_MODEL", None) is False:
+        problems.append(f"`ROLE = {declared_role!r}` works on a model: set `NEEDS_MODEL = True`")
     if not callable(getattr(op_cls, "__call__", None)):
         problems.append("needs `__call__(self, batch: pa.Table) -> pa.Table`")
     return problems

@@ -32,6 +32,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from dapo_flow.graph.compiler import place, plan, validate
+from dapo_flow.graph.contract import contract_of
 from dapo_flow.graph.problems import MISSING_COLUMN, did_you_mean
 from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import GraphDoc, PathKey, load
@@ -418,7 +419,7 @@ def _apply_swap(raw: dict[str, Any], lines: dict[PathKey, int], edit: SwapEdit, 
     params = node.get("params") if isinstance(node.get("params"), dict) else {}
     if cls is not None:  # keep what the new op understands; the rest belonged to the old op
         params = {k: v for k, v in params.items() if k in cls.Params.model_fields}
-        needs = bool(getattr(cls, "NEEDS_MODEL", False))
+        needs = contract_of(cls).needs_model
         model = _default_model(raw, node.get("model")) if needs else None
         if model is None:
             node.pop("model", None)
@@ -444,7 +445,7 @@ def _apply_insert(raw: dict[str, Any], lines: dict[PathKey, int], edit: InsertEd
         position = _node_index(raw, edit.after) + 1
         anchor = nodes[position - 1]
     new: dict[str, Any] = {"id": edit.new_id, "op": edit.op, "inputs": [edit.after]}
-    needs = cls is not None and bool(getattr(cls, "NEEDS_MODEL", False))
+    needs = cls is not None and contract_of(cls).needs_model
     model = _default_model(raw, edit.model, anchor.get("model")) if needs else edit.model
     if model is not None:
         new["model"] = model

@@ -22,6 +22,7 @@ from dapo_flow.errors import RunError
 from dapo_flow.runtime import group
 from dapo_flow.runtime.ports import free_port, node_address
 from dapo_flow.runtime.tables import TableParts, assemble
+from dapo_flow.graph.contract import contract_of
 from dapo_flow.runtime.worker import GroupMember, Share, StageSetup, StageWorker, resolve_op
 from dapo_flow.graph.plan import DRIVER, Cluster
 from dapo_flow.graph.spec import GraphSpec
@@ -348,7 +349,7 @@ class RayExecutor:
                 seed)
             for rank in range(setup.workers)
         ]
-        sinks = {n.id for n in setup.nodes if resolve_op(n).CARDINALITY == "sink"}
+        sinks = {n.id for n in setup.nodes if contract_of(resolve_op(n)).cardinality == "sink"}
         return WorkerGroup(stage, members, sinks, "worker" if setup.grouped else "replica")
 
     def call(self, stage: str, method: str, *args: Any) -> Any:

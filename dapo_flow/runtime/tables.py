@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dapo_flow.graph import columns as C
+from dapo_flow.graph.contract import contract_of
 
 Report = list[tuple[str, dict[str, float], float]]  # per node: (id, metrics, seconds)
 
@@ -107,8 +108,9 @@ def merge_inputs(op_cls: type, params: Any, tables: Sequence[pa.Table]) -> pa.Ta
     """A node's input from its inputs' tables: the op's own keyed join when it has one
     (``combine``, e.g. baseline), else a row-aligned join that adds the columns the first
     table lacks."""
-    if callable(getattr(op_cls, "combine", None)):
-        return op_cls.combine(params, list(tables))
+    combine = contract_of(op_cls).combine
+    if combine:
+        return combine(params, list(tables))
     merged = tables[0]
     for other in tables[1:]:
         for name in other.column_names:

@@ -18,7 +18,7 @@ from dapo_flow import threads
 from dapo_flow.runtime import group as group_rows
 from dapo_flow.runtime.metrics import batch_stats
 from dapo_flow.runtime.tables import ChainInfo, assemble, info_of, merge_inputs
-from dapo_flow.graph.contract import OpContext, role as op_role
+from dapo_flow.graph.contract import OpContext, contract_of
 from dapo_flow.graph.plan import GROUP_STRATEGIES
 from dapo_flow.graph.spec import GraphSpec
 from dapo_flow.runtime.checkpoint_models import (SHARDED, checkpoint_format, load_sharded_model,
@@ -180,8 +180,8 @@ class StageWorker:
         out = op(table)
         self._rest_engine(node_id)
         seconds = time.perf_counter() - start
-        metrics = op.last_metrics() if hasattr(op, "last_metrics") else {}
-        if self.op_classes[node_id].CARDINALITY == "sink":
+        metrics = op.last_metrics() if contract_of(type(op)).reports_metrics else {}
+        if contract_of(self.op_classes[node_id]).cardinality == "sink":
             metrics = {**batch_stats(table), **metrics}
         return out, metrics, seconds
 
@@ -212,7 +212,7 @@ class StageWorker:
         """After a training step's generate node, let its model's engine free the device for the
         trainer beside it (colocated vLLM with sleep mode); it wakes for the next weight sync or
         generate."""
-        if getattr(self.op_classes[node_id], "ROLE", None) == "generate":
+        if contract_of(self.op_classes[node_id]).role == "generate":
             resource = self.resources.get(self.model_of[node_id] or "")
             if resource is not None:
                 resource.rest_generator()
@@ -282,7 +282,7 @@ class StageWorker:
         """Release what operators hold (a reward pool's processes), rollout engines that are not
         the torch policy itself, and leave the group."""
         for op in self.ops.values():
-            if hasattr(op, "close"):
+            if contract_of(type(op)).closes:
                 op.close()
         for res in self.resources.values():
             res.close()
@@ -295,11 +295,11 @@ class StageWorker:
 
     # --- checkpoints ----------------------------------------------------------
     def op_states(self) -> dict[str, dict]:
-        return {nid: op.state_dict() for nid, op in self.ops.items() if hasattr(op, "state_dict")}
+        return {nid: op.state_dict() for nid, op in self.ops.items() if contract_of(type(op)).stateful}
 
     def load_op_states(self, states: Mapping[str, dict]) -> None:
         for nid, state in states.items():
-            if nid in self.ops and hasattr(self.ops[nid], "load_state_dict"):
+            if nid in self.ops and contract_of(type(self.ops[nid])).stateful:
                 self.ops[nid].load_state_dict(state)
 
     def save_models(self, out_dir: str) -> list[str]:
@@ -321,7 +321,7 @@ class StageWorker:
         weights when they are sharded), or None."""
         for nid, op in self.ops.items():
             node = next(n for n in self.setup.nodes if n.id == nid)
-            if node.model == model and op_role(type(op)) == "train":
+            if node.model == model and contract_of(type(op)).role == "train":
                 return op.trainer.optimizer
         return None
 
