@@ -2,10 +2,10 @@
 
 Builds a Llama from scratch (same seed on every rank), shards it with dapo_flow.models.fsdp and
 times policy-update steps on a fixed global batch, this rank's rows picked by
-``balanced_partitions`` of the response lengths. A step is what operators/update.py does for one
-mini-batch: micro-batches under a token budget (every rank runs the group's largest count),
-forward with grad over the response positions (``logits_to_keep``), DAPO token-mean clipped
-loss normalised by the global token count (times the world size: FSDP averages gradients),
+``balanced_partitions`` of the response lengths. A step is what the update's trainer
+(dapo_flow/training/trainer.py) does for one mini-batch: micro-batches under a token budget
+(every rank runs the group's largest count), forward with grad over the response positions
+(``logits_to_keep``), DAPO token-mean clipped loss normalised by the global token count (times the world size: FSDP averages gradients),
 backward, grad-norm clip, AdamW.
 
 Communication is timed by wrapping the collectives FSDP2 and the step call

@@ -245,9 +245,10 @@ class HFPolicy:
     def shard(self, *, mixed_precision: str | None = None, cpu_offload: bool = False) -> None:
         """Make this policy one FSDP2 shard of the training group this process has joined
         (:func:`dapo_flow.models.fsdp.init_group`); an optimizer must be made afterwards.
-        Gradient passes are then collectives: every worker runs the same number of them
-        (operators/update.py agrees the counts). Sampling and logprobs without gradients run
-        on the gathered weights (:meth:`gathered`), each worker on its own rows."""
+        Gradient passes are then collectives: every worker runs the same number of them (the
+        trainer, dapo_flow/training/trainer.py, agrees the counts). Sampling and logprobs
+        without gradients run on the gathered weights (:meth:`gathered`), each worker on its
+        own rows."""
         import torch.distributed as dist
 
         from dapo_flow.models import fsdp
