@@ -5,8 +5,8 @@ times policy-update steps on a fixed global batch, this rank's rows picked by
 ``balanced_partitions`` of the response lengths. A step is what the update's trainer
 (dapo_flow/training/trainer.py) does for one mini-batch: micro-batches under a token budget
 (every rank runs the group's largest count), forward with grad over the response positions
-(``logits_to_keep``), DAPO token-mean clipped loss normalised by the global token count (times the world size: FSDP averages gradients),
-backward, grad-norm clip, AdamW.
+(``logits_to_keep``), DAPO token-mean clipped loss normalised by the global token count
+(times the world size: FSDP averages gradients), backward, grad-norm clip, AdamW.
 
 Communication is timed by wrapping the collectives FSDP2 and the step call
 (``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` / ``all_reduce`` and the
