@@ -3,8 +3,8 @@
 What it times, on a random-init Qwen2 built here from a config (``_common.random_qwen2``): 24
 layers, hidden 896, 14 query / 2 KV heads (head_dim 64), intermediate 4864, tied embeddings,
 0.36B parameters, vocabulary 4160 with builtin:tiny-chat's tokenizer (byte-level BPE trained as
-``dapo_flow.models.recipes.tiny_chat`` trains it, ChatML, ``<|im_end|>`` as EOS); prompts: the first
-``prompts`` of builtin:chain's train split in the chat template. On CUDA the policy trains as
+``dapo_flow.models.recipes.tiny_chat`` trains it, ChatML, ``<|im_end|>`` as EOS); prompts: the
+first ``prompts`` of builtin:chain's train split in the chat template. On CUDA the policy trains as
 `train.mixed_precision: bf16` does (float32 master weights, every forward under bf16 autocast);
 on CPU in float32.
 
@@ -34,15 +34,16 @@ phase (reset before it), the model's weights, gradients and optimizer state incl
 are wall time, CUDA synchronised.
 
 It also runs ``benchmarks/logprob_memory.py`` (its naive and chunked workers, bf16 hidden states
-and head: the chunked path a bf16 head or autocast takes) before loading anything: on CUDA at its target
-size (16 x 1024 positions, vocab 151936) with the tokens per row halved until the naive call's
+and head: the chunked path a bf16 head or autocast takes) before loading anything: on CUDA at
+its target size (16 x 1024 positions, vocab 151936) with the tokens per row halved until the naive call's
 estimated peak fits 80% of the free device memory; the chunked / naive time is reported.
 
 ``memory_estimates``: what dapo-flow's memory estimate (`explain`, the fit check) says the update
 and rollout take at these shapes, worst-case rows, and estimate / measured peak on CUDA.
 
 Targets (the JSON's ``targets``): update <= 1.1x the floor; rollout <= 0.2x HF ``generate``
-(a sampler with no per-token host sync); bf16 chunked logprobs <= 1.2x naive time; memory estimates within 15% of the peaks.
+(a sampler with no per-token host sync); bf16 chunked logprobs <= 1.2x naive time; memory
+estimates within 15% of the peaks.
 
 Run: python benchmarks/gpu_step.py [--quick] [--json PATH] [--workdir DIR] [--device cpu|cuda]
      [--prompts P] [--n N] [--max-tokens T] [--micro-batch M] [--reps R] [--no-logprob-bench]
@@ -178,7 +179,8 @@ def dapo_flow_phases(model_dir: Path, prompts: list[list[int]], args, device, pr
     packed = policy.pack(rows, rollouts.response_ids)
     old = scored.column(C.OLD_LOGP).to_pylist()
     result = {
-        "rollout_s": rollout_s, "rollout_first_s": rollout_first_s, "logprob_s": logprob_s, "update_s": update_s, "update_first_s": update_first_s,
+        "rollout_s": rollout_s, "rollout_first_s": rollout_first_s, "logprob_s": logprob_s, "update_s": update_s,
+        "update_first_s": update_first_s,
         "rollout_peak_bytes": rollout_peak, "logprob_peak_bytes": logprob_peak, "update_peak_bytes": update_peak,
         "response_tokens": int(sum(len(r) for r in rollouts.response_ids)),
         "response_max": max(map(len, rollouts.response_ids)),
@@ -295,7 +297,8 @@ def floor_phases(model_dir: Path, prompts: list[list[int]], packed: dict, old: l
     _, update_first_s, _ = timed(step, device)
     _, update_s, update_peak = timed(step, device, args.reps)
     del model, optimizer
-    return {"generate_s": generate_s, "generate_first_s": generate_first_s, "logprob_s": logprob_s, "update_s": update_s, "update_first_s": update_first_s,
+    return {"generate_s": generate_s, "generate_first_s": generate_first_s, "logprob_s": logprob_s,
+            "update_s": update_s, "update_first_s": update_first_s,
             "generate_peak_bytes": generate_peak, "logprob_peak_bytes": logprob_peak, "update_peak_bytes": update_peak,
             "response_tokens": response_tokens}
 

@@ -71,7 +71,8 @@ class CriticUpdate:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         data = self._arrays(batch)
-        return metrics_row(METRICS, self.trainer.step(step_rows(batch, data), ValueLoss(self.policy, self.params, data)))
+        loss = ValueLoss(self.policy, self.params, data)
+        return metrics_row(METRICS, self.trainer.step(step_rows(batch, data), loss))
 
     def _arrays(self, batch: pa.Table) -> dict:
         values, lengths = ragged_to_padded(batch.column(C.VALUES), dtype=np.float32)

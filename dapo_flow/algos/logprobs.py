@@ -306,43 +306,35 @@ def _fused_backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
     rows = max(1, min(ctx.chunk_tokens, n))
     g_buf = hidden.new_empty(rows, vocab, dtype=acc)
     p_buf = hidden.new_empty(rows, vocab, dtype=acc) if grad_entropy is not None else None
-    with torch.autocast(hidden.device.type, enabled=False):
-        _fused_chunks_backward(hidden, w, b, labels, lse, ent, grad_logp, grad_entropy, temperature, compute,
-                               ctx.chunk_tokens, g_buf, p_buf, grad_hidden, grad_weight, grad_bias)
-    cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-    return grad_hidden, cast(grad_weight, weight), cast(grad_bias, bias), None, None, None, None
-
-
-def _fused_chunks_backward(hidden, w, b, labels, lse, ent, grad_logp, grad_entropy, temperature, compute,
-                           chunk_tokens, g_buf, p_buf, grad_hidden, grad_weight, grad_bias) -> None:
-    """:func:`_fused_backward`'s loop over the chunks, writing into the gradient tensors."""
-    for s, e in _chunks(hidden.shape[0], chunk_tokens):
-        c, h = e - s, hidden[s:e]
-        g = _logits_into(g_buf[:c], h, w, b, temperature, compute).sub_(lse[s:e, None])  # log p
-        if grad_entropy is None:  # -g_logp * p
-            g.exp_().mul_(grad_logp[s:e, None].neg())
-        else:  # -p * (g_logp + g_ent * (log p + entropy))
-            p = torch.exp(g, out=p_buf[:c])
-            g.add_(ent[s:e, None]).mul_(grad_entropy[s:e, None])
-            if grad_logp is not None:
-                g.add_(grad_logp[s:e, None])
-            g.mul_(p).neg_()
-        if grad_logp is not None:  # + g_logp at the label
-            g.scatter_add_(1, labels[s:e, None].long(), grad_logp[s:e, None].to(g.dtype))
-        if temperature != 1.0:
-            g.div_(temperature)
-        if compute is not None:  # the head's backward in its matmuls' precision
-            g, h = g.to(compute), h.to(compute)
+    with torch.autocast(hidden.device.type, enabled=False):  # casts are explicit
+        for s, e in _chunks(n, ctx.chunk_tokens):
+            c, h = e - s, hidden[s:e]
+            g = _logits_into(g_buf[:c], h, w, b, temperature, compute).sub_(lse[s:e, None])  # log p
+            if grad_entropy is None:  # -g_logp * p
+                g.exp_().mul_(grad_logp[s:e, None].neg())
+            else:  # -p * (g_logp + g_ent * (log p + entropy))
+                p = torch.exp(g, out=p_buf[:c])
+                g.add_(ent[s:e, None]).mul_(grad_entropy[s:e, None])
+                if grad_logp is not None:
+                    g.add_(grad_logp[s:e, None])
+                g.mul_(p).neg_()
+            if grad_logp is not None:  # + g_logp at the label
+                g.scatter_add_(1, labels[s:e, None].long(), grad_logp[s:e, None].to(g.dtype))
+            if temperature != 1.0:
+                g.div_(temperature)
+            if compute is not None:  # the head's backward in its matmuls' precision
+                g, h = g.to(compute), h.to(compute)
             if grad_hidden is not None:
-                grad_hidden[s:e] = g @ w
+                if compute is None:
+                    torch.mm(g, w, out=grad_hidden[s:e])
+                else:  # a 16-bit product, stored in the hidden states' dtype
+                    grad_hidden[s:e] = g @ w
             if grad_weight is not None:
-                grad_weight.add_(g.T @ h)
+                if compute is None:
+                    grad_weight.addmm_(g.T, h)
+                else:  # the chunks' 16-bit products summed in float32, as one matmul would
+                    grad_weight.add_(g.T @ h)
             if grad_bias is not None:
                 grad_bias.add_(g.sum(0))
-            continue
-        if grad_hidden is not None:
-            torch.mm(g, w, out=grad_hidden[s:e])
-        if grad_weight is not None:
-            grad_weight.addmm_(g.T, h)
-        if grad_bias is not None:
-            grad_bias.add_(g.sum(0))
+    cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+    return grad_hidden, cast(grad_weight, weight), cast(grad_bias, bias), None, None, None, None

@@ -43,7 +43,8 @@ def _print_op(name: str, cls: type, out: Console) -> None:
     for label, cols in (("in ", requires(cls, defaults)), ("out", produces(cls, defaults))):
         text = ", ".join(f"{c}: {type_name(t)}" for c, t in cols.items()) or "-"
         out.print(f"  [bold]{label}[/] {text}", markup=True)
-    dynamic = [w for w, fn in (("requires", contract_of(cls).requires_fn), ("produces", contract_of(cls).produces_fn)) if fn]
+    contract = contract_of(cls)
+    dynamic = [w for w, fn in (("requires", contract.requires_fn), ("produces", contract.produces_fn)) if fn]
     if dynamic:
         out.print(f"  [dim](columns shown for default params; {' and '.join(dynamic)} depend on params)[/]")
     fields = cls.Params.model_fields

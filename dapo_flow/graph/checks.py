@@ -62,7 +62,9 @@ class _Node:
     @property
     def model_path(self) -> PathKey:
         """Where its model is named: its `model:`, else its op's ``MODEL_PARAM`` in params."""
-        return self.path + (("model",) if self.spec.model is not None else ("params", *contract_of(self.cls).model_param))
+        if self.spec.model is not None:
+            return self.path + ("model",)
+        return self.path + ("params", *contract_of(self.cls).model_param)
 
 
 def validate(doc: GraphDoc) -> ValidGraph:

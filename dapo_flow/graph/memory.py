@@ -41,9 +41,10 @@ LOGITS_HELD_BUFFERS = 2
 # (chunk, vocab) buffer reused for the whole call, a second beside it for the entropy (its exp in
 # the forward; the probabilities beside the gradient in an entropy bonus's backward)
 LOGITS_FUSED_BUFFERS = 2.0
-# ... and in low precision (a bf16 head, or autocast): the chunk's bf16 logits (forward) or the
-# logits' gradient cast to bf16 (backward) beside those two float32 buffers
-LOGITS_FUSED_LOW_PRECISION_BUFFERS = 2.5
+# ... and in low precision (a bf16 head, or autocast) the chunk's 16-bit logits (forward) or the
+# logits' gradient cast to 16 bits (backward) beside them: half a float32 buffer more
+LOW_PRECISION_CHUNK_BUFFERS = 0.5
+LOGITS_FUSED_LOW_PRECISION_BUFFERS = LOGITS_FUSED_BUFFERS + LOW_PRECISION_CHUNK_BUFFERS
 # sampling one token (HFPolicy._sample): float32 (rows, vocab) logits, scaled, filtered
 # (sort values + int64 indices for top-p), softmax
 SAMPLING_BUFFERS = 6
@@ -476,8 +477,7 @@ def estimate_forward(
     either the float32 cast being scaled (a 16-bit model) or one logsumexp chunk of exp();
     chunked (``logprob_chunk_tokens``), one chunk's float32 logits, reused chunk after chunk
     (and a 16-bit model's chunk of logits before its cast), beside the response positions'
-    hidden states. 16-bit layers add
-    RMSNorm's float32 copy. Measured on CPU within 10% (tests/test_memory.py).
+    hidden states. 16-bit layers add RMSNorm's float32 copy. Measured on CPU within 10% (tests/test_memory.py).
     Shape: terms with phases FROZEN_LAYERS / FROZEN_HEAD.
     """
     if not 0 < response_tokens_per_micro_batch <= micro_batch_tokens:
@@ -507,7 +507,8 @@ def estimate_forward(
     else:
         # the fused path reuses one float32 buffer (a frozen pass wants no entropy); a 16-bit
         # head's chunk of logits, cast into it, beside it (half a buffer more)
-        chunk = int(min(response, logprob_chunk_tokens) * v * FP32 * (1 if c == FP32 else 1.5))
+        buffers = 1 if c == FP32 else 1 + LOW_PRECISION_CHUNK_BUFFERS
+        chunk = int(min(response, logprob_chunk_tokens) * v * FP32 * buffers)
         terms += [Term("logits of one chunk (float32)", chunk, phases=(FROZEN_HEAD,),
                        fix="a smaller train.logprob_chunk_tokens"),
                   Term("response hidden states (chunked logprobs)", response * h * c, phases=(FROZEN_HEAD,), fix=fix)]
@@ -537,9 +538,9 @@ def estimate_rollout(
     with it samples under torch.autocast): the keys and values are bf16, and autocast keeps bf16
     copies of the weights its matmuls use for the whole generation (it caches the casts of
     weights that require gradients). On an H200 that put a 0.36B policy's rollout of 128 rows x
-    278 positions at 0.96x its measured peak; float32 keys and values and no copies, 0.86x. ``vllm`` on GPU: the share
-    ``gpu_memory_utilization`` x ``gpu_mem_gib`` it claims (weights and KV cache inside it);
-    on CPU: the weights plus ``kv_cache_gib`` (whole GiB, default 1).
+    278 positions at 0.96x its measured peak; float32 keys and values and no copies, 0.86x.
+    ``vllm`` on GPU: the share ``gpu_memory_utilization`` x ``gpu_mem_gib`` it claims (weights
+    and KV cache inside it); on CPU: the weights plus ``kv_cache_gib`` (whole GiB, default 1).
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}: use one of {sorted(DTYPE_BYTES)}")

@@ -211,11 +211,8 @@ class DriverStageWorker:
     0.67 and a worker's 0.67 do not fit one node, and the group waited for a node forever). It
     runs on the driver's node where it can."""
 
-    def __init__(self, graph: GraphSpec, setup: StageSetup, seed: int):
-        self.worker = _stage_worker_in_actor(graph, setup, seed)
-
-    def niceness(self) -> int:
-        return os.getpriority(os.PRIO_PROCESS, 0)
+    __init__ = ActorStageWorker.__init__  # the same functions, not a subclass
+    niceness = ActorStageWorker.niceness
 
 
 def connect_ray(address: str | None) -> bool:

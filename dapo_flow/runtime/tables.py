@@ -22,7 +22,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import contract_of
 
 Report = list[tuple[str, dict[str, float], float]]  # per node: (id, metrics, seconds)
 
@@ -104,12 +103,12 @@ def info_of(report: Report, rows_in: int, out: pa.Table) -> ChainInfo:
     return ChainInfo(report, rows_in, out.num_rows, out.nbytes, groups_of(out))
 
 
-def merge_inputs(op_cls: type, params: Any, tables: Sequence[pa.Table]) -> pa.Table:
+def merge_inputs(combine: Callable[[Any, list], pa.Table] | None, params: Any,
+                 tables: Sequence[pa.Table]) -> pa.Table:
     """A node's input from its inputs' tables: the op's own keyed join when it has one
-    (``combine``, e.g. baseline), else a row-aligned join that adds the columns the first
-    table lacks."""
-    combine = contract_of(op_cls).combine
-    if combine:
+    (its contract's ``combine``, e.g. baseline's), else a row-aligned join that adds the
+    columns the first table lacks."""
+    if combine is not None:
         return combine(params, list(tables))
     merged = tables[0]
     for other in tables[1:]:

@@ -18,7 +18,7 @@ from dapo_flow import threads
 from dapo_flow.runtime import group as group_rows
 from dapo_flow.runtime.metrics import batch_stats
 from dapo_flow.runtime.tables import ChainInfo, assemble, info_of, merge_inputs
-from dapo_flow.graph.contract import OpContext, contract_of
+from dapo_flow.graph.contract import Contract, OpContext, contract_of
 from dapo_flow.graph.plan import GROUP_STRATEGIES
 from dapo_flow.graph.spec import GraphSpec
 from dapo_flow.runtime.checkpoint_models import (SHARDED, checkpoint_format, load_sharded_model,
@@ -151,6 +151,7 @@ class StageWorker:
         }
         self.ops: dict[str, Any] = {}
         self.op_classes: dict[str, type] = {}
+        self.contracts: dict[str, Contract] = {}  # each node's operator contract, read once
         self.model_of: dict[str, str | None] = {}
         self.buses: dict[str, Any] = {}  # model -> its WeightBus (broadcast weight sync)
         for node in setup.nodes:
@@ -162,6 +163,7 @@ class StageWorker:
                 world_size=group.world_size if group else 1, workdir=setup.workdir,
             )
             self.op_classes[node.id] = cls
+            self.contracts[node.id] = contract_of(cls)
             self.model_of[node.id] = node.model
             self.ops[node.id] = cls(params, ctx)
         for name, path in setup.model_paths.items():  # resume: sharded states need the optimizers
@@ -180,8 +182,9 @@ class StageWorker:
         out = op(table)
         self._rest_engine(node_id)
         seconds = time.perf_counter() - start
-        metrics = op.last_metrics() if contract_of(type(op)).reports_metrics else {}
-        if contract_of(self.op_classes[node_id]).cardinality == "sink":
+        contract = self.contracts[node_id]
+        metrics = op.last_metrics() if contract.reports_metrics else {}
+        if contract.cardinality == "sink":
             metrics = {**batch_stats(table), **metrics}
         return out, metrics, seconds
 
@@ -212,7 +215,7 @@ class StageWorker:
         """After a training step's generate node, let its model's engine free the device for the
         trainer beside it (colocated vLLM with sleep mode); it wakes for the next weight sync or
         generate."""
-        if contract_of(self.op_classes[node_id]).role == "generate":
+        if self.contracts[node_id].role == "generate":
             resource = self.resources.get(self.model_of[node_id] or "")
             if resource is not None:
                 resource.rest_generator()
@@ -220,7 +223,7 @@ class StageWorker:
     def _input(self, node_id: str, inputs: Any, share: "Share | None") -> pa.Table:
         handles = inputs if isinstance(inputs, list) else [inputs]
         tables = [assemble(h, self.resolve) for h in handles]
-        table = merge_inputs(self.op_classes[node_id], self.ops[node_id].params, tables)
+        table = merge_inputs(self.contracts[node_id].combine, self.ops[node_id].params, tables)
         return share.of(table) if share is not None else table
 
     def resolve(self, parts: list) -> list[pa.Table]:
@@ -281,8 +284,8 @@ class StageWorker:
     def close(self) -> None:
         """Release what operators hold (a reward pool's processes), rollout engines that are not
         the torch policy itself, and leave the group."""
-        for op in self.ops.values():
-            if contract_of(type(op)).closes:
+        for nid, op in self.ops.items():
+            if self.contracts[nid].closes:
                 op.close()
         for res in self.resources.values():
             res.close()
@@ -295,11 +298,11 @@ class StageWorker:
 
     # --- checkpoints ----------------------------------------------------------
     def op_states(self) -> dict[str, dict]:
-        return {nid: op.state_dict() for nid, op in self.ops.items() if contract_of(type(op)).stateful}
+        return {nid: op.state_dict() for nid, op in self.ops.items() if self.contracts[nid].stateful}
 
     def load_op_states(self, states: Mapping[str, dict]) -> None:
         for nid, state in states.items():
-            if nid in self.ops and contract_of(type(self.ops[nid])).stateful:
+            if nid in self.ops and self.contracts[nid].stateful:
                 self.ops[nid].load_state_dict(state)
 
     def save_models(self, out_dir: str) -> list[str]:
@@ -321,7 +324,7 @@ class StageWorker:
         weights when they are sharded), or None."""
         for nid, op in self.ops.items():
             node = next(n for n in self.setup.nodes if n.id == nid)
-            if node.model == model and contract_of(type(op)).role == "train":
+            if node.model == model and self.contracts[nid].role == "train":
                 return op.trainer.optimizer
         return None
 

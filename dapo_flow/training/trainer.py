@@ -59,6 +59,7 @@ class StepRows:
 
 @runtime_checkable
 class Trainer(Protocol):
+    optimizer: Any  # the torch optimizer: a sharded model's checkpoint saves its state with the weights
     steps_done: int  # RL steps trained (their optimizer steps may have been skipped)
     skipped_total: int  # optimizer steps skipped for a nan/inf gradient norm, all along
 

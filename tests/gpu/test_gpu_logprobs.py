@@ -1,7 +1,7 @@
 """Chunked logprobs on CUDA against the naive computation (every position's logits at once): the
 fused path in float32 and in low precision (a bf16 head, or float32 weights under bf16
-autocast: bf16 matmuls, float32 logits per chunk), values and gradients, entropy in the loss; and HFPolicy's chunked path equal to its unchunked one
-on the GPU."""
+autocast: bf16 matmuls, float32 logits per chunk), values and gradients, entropy in the loss;
+and HFPolicy's chunked path equal to its unchunked one on the GPU."""
 
 from __future__ import annotations
 

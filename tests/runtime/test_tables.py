@@ -62,7 +62,7 @@ def test_info_reports_groups_in_order_of_first_appearance():
 def test_merge_inputs_adds_the_columns_the_first_lacks():
     a = pa.table({"prompt_id": ["p"], "x": [1]})
     b = pa.table({"prompt_id": ["p"], "x": [9], "y": [2.0]})
-    merged = merge_inputs(object, None, [a, b])
+    merged = merge_inputs(None, None, [a, b])
     assert merged.column_names == ["prompt_id", "x", "y"] and merged.column("x").to_pylist() == [1]
 
 

@@ -43,8 +43,8 @@ def build_tiny_adder_judge(out_dir: Path, *, seed: int = 0, progress: bool = Tru
     """Train, save and evaluate the judge into ``out_dir``; returns ``out_dir``."""
     from dapo_flow.models import resolve_model
     from dapo_flow.models.tokenizer import build_char_tokenizer
-    from dapo_flow.models.recipes.warm_start import (char_llama, deterministic_torch, save_model_dir, set_generation_config,
-                                             write_build_info)
+    from dapo_flow.models.recipes.warm_start import (char_llama, deterministic_torch, save_model_dir,
+                                                     set_generation_config, write_build_info)
 
     out_dir = Path(out_dir)
     task = AdditionTask()

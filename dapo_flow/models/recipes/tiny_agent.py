@@ -33,8 +33,9 @@ import numpy as np
 
 from dapo_flow.data.tasks import Problem
 from dapo_flow.data.tool_arith import ToolArithTask, call_text, observation_text, verify_tool_arith
-from dapo_flow.models.recipes.warm_start import (BUILD_INFO, char_llama, deterministic_torch,  # noqa: F401 (BUILD_INFO: for callers)
-                                         save_model_dir, set_generation_config, supervised_fit, write_build_info)
+from dapo_flow.models.recipes.warm_start import (  # noqa: F401 (BUILD_INFO: for callers)
+    BUILD_INFO, char_llama, deterministic_torch, save_model_dir, set_generation_config, supervised_fit,
+    write_build_info)
 
 RECIPE_VERSION = 1  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
 # tiny-adder's characters (models/tokenizer.ARITHMETIC_CHARS, same ids) then what the compact

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from dapo_flow.data.chain_task import ChainTask, question, solution, verify_chain
-from dapo_flow.models.recipes.warm_start import (BUILD_INFO, deterministic_torch, sampled_accuracy_of, save_model_dir,
-                                         supervised_fit, write_build_info)
+from dapo_flow.models.recipes.warm_start import (BUILD_INFO, deterministic_torch, sampled_accuracy_of,
+                                                 save_model_dir, supervised_fit, write_build_info)
 
 RECIPE_VERSION = 1  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
 
