@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dapo_flow.graph.contract import contract_of
 from dapo_flow.errors import GraphError, ModelError
 from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster
@@ -112,6 +113,7 @@ def test_the_worker_rests_the_engine_after_a_generate_node_only():
     worker = object.__new__(StageWorker)  # just the dispatch: no models loaded
     worker.resources = {"policy": ModelResource("policy", None, None, object(), engine, None)}
     worker.op_classes = {"rollout": SimpleNamespace(ROLE="generate"), "train": SimpleNamespace(ROLE="update")}
+    worker.contracts = {nid: contract_of(cls) for nid, cls in worker.op_classes.items()}
     worker.model_of = {"rollout": "policy", "train": "policy"}
     worker._rest_engine("train")
     worker._rest_engine("rollout")
