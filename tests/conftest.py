@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import model_builds
+import xdist_groups
 from dapo_flow import threads
 
 
@@ -188,6 +189,15 @@ def short_tiny_chat_dir(tmp_path_factory) -> Path:
 _LANES: list = []
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which would pick its test-by-test scheduler
+def pytest_xdist_make_scheduler(config, log):
+    """Tests sharing a module fixture go to one process (``xdist_groups``), under the default
+    ``--dist load`` (the one ``-n 2`` implies); any other ``--dist`` is xdist's own."""
+    if config.getvalue("dist") == "load":
+        return xdist_groups.ModuleFixtureScheduling(config, log)
+    return None
+
+
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected: only what will run counts
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Start the builds of the built-in models the selected tests read and the cache lacks (in
@@ -207,12 +217,13 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     def key(item, models: set[str]):
         long_builds = {n for n in models if model_builds.BUILD_MINUTES.get(n, 1.0) >= 1.0}
         # last, the tests that may share the process's Ray cluster next to each other in their
-        # group, so they reuse it (xdist hands tests out two at a time in this order)
+        # group, so they reuse it (xdist hands tests out in this order, two ahead)
         return (item.get_closest_marker("slow") is None, model_builds.ready_at(long_builds, all_lanes),
                 item.get_closest_marker("shared_ray") is None)
 
     order = {id(item): key(item, w) for item, w in zip(items, wanted)}
     items.sort(key=lambda item: order[id(item)])
+    xdist_groups.record(items)
 
     lanes = model_builds.plan_lanes(model_builds.missing(every))
     if not lanes or config.option.collectonly:

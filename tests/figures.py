@@ -40,10 +40,12 @@ def _words(text: str) -> set[str]:
 
 
 def cpu_words() -> set[str]:
-    """Words naming this machine's CPU type: its model name's, plus "avx 512" where it has
-    AVX-512. A VM's model name can be as coarse as "AMD EPYC", and the kernels torch picks (so
-    a run's rounding) differ between an AVX2 and an AVX-512 machine of one name."""
-    extra = {"avx", "512"} if "avx512f" in _cpuinfo("flags").split() else set()
+    """Words naming this machine's CPU type: its model name's, plus its widest vector set,
+    "avx 512" where it has AVX-512, else "avx2" where it has AVX2. A VM's model name can be as
+    coarse as "AMD EPYC", and the kernels torch picks (so a run's rounding) differ between an
+    AVX2 and an AVX-512 machine of one name."""
+    flags = _cpuinfo("flags").split()
+    extra = {"avx", "512"} if "avx512f" in flags else {"avx2"} if "avx2" in flags else set()
     return _words(cpu_model().replace("(R)", "").replace("(TM)", "")) | extra
 
 
@@ -85,8 +87,8 @@ RESULTS = ROOT / "docs" / "results.md"
 
 def results_row(graph: str) -> dict[str, tuple[str, str]]:
     """docs/results.md's "other graphs" row for ``graph`` (e.g. "ppo"): CPU type -> (start, end),
-    from cells such as "AMD EPYC (AVX-512): 0.228 -> 0.325; Intel Xeon: 0.228 -> 0.294"."""
+    from cells such as "AMD EPYC (AVX2): 0.228 -> 0.325; Intel Xeon: 0.228 -> 0.294"."""
     text = RESULTS.read_text(encoding="utf-8")
     row = re.search(rf"^\| `graphs/{re.escape(graph)}\.yaml` \|(.*)\|$", text, re.MULTILINE)
     assert row, f"docs/results.md lost graphs/{graph}.yaml's row"
-    return {m: (a, b) for m, a, b in re.findall(r"(AMD EPYC \(AVX-512\)|Intel Xeon): (\d+\.\d+) -> (\d+\.\d+)", row.group(1))}
+    return {m: (a, b) for m, a, b in re.findall(r"(AMD EPYC \((?:AVX-512|AVX2)\)|Intel Xeon): (\d+\.\d+) -> (\d+\.\d+)", row.group(1))}

@@ -3,7 +3,7 @@
 A built-in model (``builtin:tiny-chat`` ...) is built on first use and cached. A build runs on
 one thread (that is what makes its bytes reproducible), so a test that builds one in the middle
 of the session holds a whole test worker for minutes while the other core does little; the
-shipped tiny-chat alone trains ~7 minutes. Instead the session starts every missing build it
+shipped reward model alone trains ~9 minutes. Instead the session starts every missing build it
 will need at once, in two background processes ("lanes", one per core), at normal priority;
 the test processes step back (``TESTS_NICENESS``) while builds run, so the builds, the session's
 critical path, run at nearly full speed. ``tests/conftest.py`` orders the tests so that those
@@ -22,11 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-#: Rough single-core minutes of each build (2-core AMD EPYC VM): they order the lanes and the
-#: tests that wait on them. A model not listed counts as 1.
-BUILD_MINUTES = {"tiny-chat": 7.1, "tiny-adder-rm": 3.5, "tiny-adder-judge": 3.0, "tiny-agent": 1.0,
-                 "tiny-adder": 0.8, "tiny-adder-critic": 0.1}
-#: Builds that read another built-in model: it goes into the same lane, first.
+#: Single-core minutes of each build (a 2-core AMD EPYC VM with AVX2, otherwise idle): they
+#: place the builds on the lanes and order the tests that wait on them. A model not listed counts as 1.
+BUILD_MINUTES = {"tiny-adder-rm": 8.9, "tiny-chat": 5.0, "tiny-adder-judge": 1.8, "tiny-agent": 1.6,
+                 "tiny-adder": 1.5, "tiny-adder-critic": 0.2}
+#: Builds that read another built-in model: it must be built first (the build waits on its lock).
 NEEDS = {"tiny-adder-rm": "tiny-adder", "tiny-adder-judge": "tiny-adder", "tiny-adder-critic": "tiny-adder"}
 LANES = 2
 #: How far test processes step back while builds run (CFS weight 110 against a build's 1024).
@@ -42,20 +42,18 @@ def missing(names: set[str]) -> list[str]:
 
 
 def plan_lanes(names: list[str]) -> list[list[str]]:
-    """Split builds over ``LANES`` lanes: a model and the builds that read it stay together (so
-    no lane waits on another's lock), the largest of these groups first onto the least loaded
-    lane; in a lane the model others read comes first, then the cheapest (tests wait less)."""
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        groups.setdefault(NEEDS.get(name, name), []).append(name)
+    """Split builds over ``LANES`` lanes, list-scheduled: the models others read first, then the
+    longest first, each onto the lane where it can start soonest (not before what it reads is
+    built: it would wait on that build's lock), so the last build ends as early as it can."""
     lanes: list[list[str]] = [[] for _ in range(LANES)]
-    load = [0.0] * LANES
-    for group in sorted(groups.values(), key=lambda g: (-sum(BUILD_MINUTES.get(n, 1.0) for n in g), g)):
-        i = load.index(min(load))
-        lanes[i] += group
-        load[i] += sum(BUILD_MINUTES.get(n, 1.0) for n in group)
-    for lane in lanes:
-        lane.sort(key=lambda n: (n not in NEEDS.values(), BUILD_MINUTES.get(n, 1.0), n))
+    free = [0.0] * LANES
+    built_at: dict[str, float] = {}
+    for name in sorted(names, key=lambda n: (n not in NEEDS.values(), -BUILD_MINUTES.get(n, 1.0), n)):
+        ready = built_at.get(NEEDS.get(name, ""), 0.0)  # what it reads, if this session builds it
+        i = min(range(LANES), key=lambda k: (max(free[k], ready), k))
+        free[i] = max(free[i], ready) + BUILD_MINUTES.get(name, 1.0)
+        built_at[name] = free[i]
+        lanes[i].append(name)
     return [lane for lane in lanes if lane]
 
 
@@ -98,7 +96,7 @@ def step_back() -> None:
 
 def short_tiny_chat():
     """tiny-chat's recipe cut to a few steps: the shipped model's directory, tokenizer and shapes,
-    for tests that do not need what its ~7-minute warm start teaches."""
+    for tests that do not need what its ~5-minute warm start teaches."""
     import dataclasses
 
     from dapo_flow.models.recipes import tiny_chat

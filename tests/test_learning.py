@@ -101,10 +101,10 @@ def test_readme_chat_figures_are_parsed():
 @pytest.mark.shared_ray
 @pytest.mark.slow
 @pytest.mark.models("tiny-chat")
-@pytest.mark.timeout(2400)  # a fresh machine first builds tiny-chat (~6-11 min on 2 cores), then runs ~2.5-5 min
+@pytest.mark.timeout(2400)  # a fresh machine first builds tiny-chat (~2-5 min of one core), then runs ~2.5-6 min
 def test_dapo_chat_graph_learns_as_the_readme_says(tmp_path, monkeypatch):
-    """graphs/dapo-chat.yaml (builtin:tiny-chat on builtin:chain, built on first use: ~5-10 min
-    on 2 cores, cached after) gains >= 10 points of val acc on Ray, the README's figures exactly."""
+    """graphs/dapo-chat.yaml (builtin:tiny-chat on builtin:chain, built on first use: ~2-5 min of
+    one core, cached after) gains >= 10 points of val acc on Ray, the README's figures exactly."""
     _learns_as_the_readme_says(CHAT_GRAPH, "builtin:tiny-chat", CHAT_FIGURES, tmp_path, monkeypatch)
 
 

@@ -51,7 +51,7 @@ def builtin():
 @pytest.fixture(scope="session")
 def chat_model(tmp_path_factory) -> str:
     """What graphs on builtin:tiny-chat train here: the built-in model when it is already cached,
-    else a build of its recipe cut to a few steps (seconds; the shipped one trains ~7 minutes on
+    else a build of its recipe cut to a few steps (seconds; the shipped one trains ~2-5 minutes on
     one core): the same directory layout, tokenizer and shapes, for runs of a few steps."""
     from dapo_flow.models import builtin_dir
     from dapo_flow.models.recipes import tiny_chat

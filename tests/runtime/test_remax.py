@@ -94,7 +94,7 @@ def test_a_remax_graph_runs(workdir):
 @pytest.mark.shared_ray
 @pytest.mark.slow
 @pytest.mark.models("tiny-chat")
-@pytest.mark.timeout(2400)  # a fresh machine first builds tiny-chat (~6-11 min on 2 cores), then ~3 min
+@pytest.mark.timeout(2400)  # a fresh machine first builds tiny-chat (~2-5 min of one core), then ~3-7 min
 def test_the_remax_graph_learns(workdir):
     """graphs/remax.yaml on Ray (tiny-chat on the chain task) raises val acc as docs/results.md says."""
     summary = execute(compile_graph(ROOT / "graphs" / "remax.yaml", CLUSTER), executor="ray",

@@ -202,7 +202,7 @@ def test_rl_with_the_builtin_reward_model_raises_true_accuracy(workdir):
 @pytest.mark.shared_ray
 @pytest.mark.slow
 @pytest.mark.models("tiny-adder-judge")
-@pytest.mark.timeout(1200)  # builds builtin:tiny-adder-judge on first use (~3.5 min on 2 cores)
+@pytest.mark.timeout(1200)  # builds builtin:tiny-adder-judge on first use (under 2 min of one core)
 def test_rl_against_the_generative_verifier_alone_raises_true_accuracy(workdir):
     """graphs/judge.yaml: the policy is scored by builtin:tiny-adder-judge alone (the rule only
     measures), and the rule-graded val acc rises; the reward it gets rises with it, with no gap

@@ -1,7 +1,7 @@
 """``builtin:tiny-adder-judge``: a generative verifier for ``builtin:tiny-adder``'s answers.
 
 A causal LM trained on the right answers of the train split (teacher forcing on ``a+b=`` ->
-sum + EOS, as tiny-adder's warm start, but 4 layers, no label smoothing and 3000 steps, so it is
+sum + EOS, as tiny-adder's warm start, but 4 layers, no label smoothing and 1500 steps at twice its rate, so it is
 sharp where the policy is kept soft). It judges a response by the lowest probability it gives
 any of the response's tokens (``score`` with ``reward: {model: judge, output: likelihood}``): a
 wrong digit, a missing EOS or a stray token gets almost none. A sequence classifier must recompute
@@ -12,7 +12,7 @@ reward model, a generative verifier" has both figures).
 Its build info records its own sampled accuracy and, with the protocol builtin:tiny-adder-rm's
 build uses (500 val prompts x 4 tiny-adder samples), how often its verdict (lowest token
 probability > 0.5) is the rule verifier's. Fixed seeds, one thread and deterministic kernels make
-the bytes the same on every build of a CPU type; it takes about 3 minutes on 2 cores.
+the bytes the same on every build of a CPU type; it takes under 2 minutes of one core.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from dapo_flow.data.tasks import AdditionTask
 from dapo_flow.models.recipes import tiny_adder, tiny_adder_rm
 
 # its agreement figure is measured on tiny-adder's samples: a new tiny-adder is a new build
-RECIPE_VERSION = 100 * tiny_adder.RECIPE_VERSION + 3
+RECIPE_VERSION = 100 * tiny_adder.RECIPE_VERSION + 4
 
 # tiny-adder's recipe with twice the layers, a larger rate and no label smoothing: the policy's
 # smoothing leaves it soft for RL's sake, a verifier has to be sure
-RECIPE = replace(tiny_adder.RECIPE, num_layers=4, steps=3000, lr=1e-3, label_smoothing=0.0, eval_samples_per_prompt=4)
+RECIPE = replace(tiny_adder.RECIPE, num_layers=4, steps=1500, lr=2e-3,
+                warmup_steps=30, label_smoothing=0.0, eval_samples_per_prompt=4)
 
 
 def shape_config() -> dict[str, Any]:
