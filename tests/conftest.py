@@ -127,6 +127,20 @@ class _SharedRay:
             cls.ours = False
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A Ray cluster of 4 CPUs for a module's tests (they place actors on it themselves). Set up
+    before any test's autouse fixtures, so the process's shared cluster, which an earlier test in
+    this process may have left up, is shut down here first (``ray.init`` would refuse to start
+    a second)."""
+    import ray
+
+    _SharedRay.stop()
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", configure_logging=True)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _a_shared_ray(request):
     """Runs before the test's other function fixtures (autouse ones set up first, a conftest's in

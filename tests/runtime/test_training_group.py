@@ -64,15 +64,6 @@ def _same_metrics(a: list[dict], b: list[dict]) -> None:
             assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", configure_logging=True)
-    yield
-    ray.shutdown()
-
-
 def _local(model_path, model_paths=None, sharded=False) -> LocalExecutor:
     return LocalExecutor(_graph(model_path, 1, "fsdp2" if sharded else None),
                          {STAGE: _setup(1, "fsdp2" if sharded else "none", model_paths)}, seed=0)
