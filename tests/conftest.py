@@ -257,8 +257,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     """A session cut short stops its builds (a build's lock dies with it; its temp dir goes);
-    the shared Ray cluster goes."""
+    the shared Ray cluster goes; the xdist workers' record of module groups goes."""
     _SharedRay.stop()
+    xdist_groups.discard()
     for proc in _LANES:
         if proc.poll() is None:
             proc.terminate()

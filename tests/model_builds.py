@@ -3,10 +3,10 @@
 A built-in model (``builtin:tiny-chat`` ...) is built on first use and cached. A build runs on
 one thread (that is what makes its bytes reproducible), so a test that builds one in the middle
 of the session holds a whole test worker for minutes while the other core does little; the
-shipped tiny-chat and reward model train ~4.5 minutes each. Instead the session starts every missing build it
-will need at once, in two background processes ("lanes", one per core), at normal priority;
-the test processes step back (``TESTS_NICENESS``) while builds run, so the builds, the session's
-critical path, run at nearly full speed. ``tests/conftest.py`` orders the tests so that those
+shipped tiny-chat and reward model train ~4.5 minutes each. Instead the session starts every
+missing build it will need at once, in two background processes ("lanes", one per core), at
+normal priority; the test processes step back (``TESTS_NICENESS``) while builds run, so the
+builds, the session's critical path, run at nearly full speed. ``tests/conftest.py`` orders the tests so that those
 reading a model of a long build come after the others of their tier, and no worker sits
 waiting on a build lock while there is other work.
 
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 #: Single-core minutes of each build (a 2-core AMD EPYC VM with AVX2, otherwise idle): they
-#: place the builds on the lanes and order the tests that wait on them. A model not listed counts as 1.
+#: place the builds on the lanes and order the tests that wait on them. Not listed: 1.
 BUILD_MINUTES = {"tiny-adder-rm": 4.5, "tiny-chat": 4.5, "tiny-adder-judge": 1.8, "tiny-agent": 1.6,
                  "tiny-adder": 1.5, "tiny-adder-critic": 0.2}
 #: Builds that read another built-in model: it must be built first (the build waits on its lock).

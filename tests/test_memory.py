@@ -411,7 +411,7 @@ CASES = {
                                   within=TOLERANCE),  # measured 4.5-5% over
     "1m-chunk64-autocast": _case(LLAMA_1M, chunk=64, mixed_precision="bf16"),
     "5m-padded-autocast": _case(LLAMA_5M, pad=True, mixed_precision="bf16"),
-    "20m-autocast": _case(LLAMA_20M, rows=2, mixed_precision="bf16"),  # 2 rows: 96 s, not 180, on AVX2 (no bf16 matmuls)
+    "20m-autocast": _case(LLAMA_20M, rows=2, mixed_precision="bf16"),  # 2 rows: 96 s, not 180, on AVX2
     # chunked logprobs: the fused float32 path's chunk buffers are below a layer's backward here
     "1m-chunk64": _case(LLAMA_1M, chunk=64, phase=LAYER_BACKWARD),
     "1m-chunk64-ckpt": _case(LLAMA_1M, chunk=64, checkpointing=True, phase=LAYER_BACKWARD),

@@ -42,6 +42,13 @@ def record(items) -> None:
     tmp.replace(path)  # whole or absent: the controller reads it once every worker has collected
 
 
+def discard() -> None:
+    """In the controller at session end: the workers' record, where no scheduler read it (a run
+    cut short before scheduling, or another ``--dist``)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        _groups_file(os.getpid()).unlink(missing_ok=True)
+
+
 class ModuleFixtureScheduling(LoadScopeScheduling):
     """xdist's scope scheduling with a test's scope being its module where the module's tests
     share a module fixture, else the test itself. Units go out in the collection's order (run

@@ -1,8 +1,8 @@
 """``builtin:tiny-adder-judge``: a generative verifier for ``builtin:tiny-adder``'s answers.
 
 A causal LM trained on the right answers of the train split (teacher forcing on ``a+b=`` ->
-sum + EOS, as tiny-adder's warm start, but 4 layers, no label smoothing and 1500 steps at twice its rate, so it is
-sharp where the policy is kept soft). It judges a response by the lowest probability it gives
+sum + EOS, as tiny-adder's warm start, but 4 layers, no label smoothing and 1500 steps at twice
+its rate, so it is sharp where the policy is kept soft). It judges a response by the lowest probability it gives
 any of the response's tokens (``score`` with ``reward: {model: judge, output: likelihood}``): a
 wrong digit, a missing EOS or a stray token gets almost none. A sequence classifier must recompute
 the sum at the response's last token; this judge checks each token at the position where it would
@@ -30,8 +30,8 @@ RECIPE_VERSION = 100 * tiny_adder.RECIPE_VERSION + 4
 
 # tiny-adder's recipe with twice the layers, a larger rate and no label smoothing: the policy's
 # smoothing leaves it soft for RL's sake, a verifier has to be sure
-RECIPE = replace(tiny_adder.RECIPE, num_layers=4, steps=1500, lr=2e-3,
-                warmup_steps=30, label_smoothing=0.0, eval_samples_per_prompt=4)
+RECIPE = replace(tiny_adder.RECIPE, num_layers=4, steps=1500, lr=2e-3, warmup_steps=30, label_smoothing=0.0,
+                 eval_samples_per_prompt=4)
 
 
 def shape_config() -> dict[str, Any]:
