@@ -157,6 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_models_build)
     p = command("ui", "Open the MLflow UI on the runs' tracking store.", _ui)
     p.add_argument("--port", type=_port, default=5000, help="default 5000")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to serve on (default 127.0.0.1, this machine only; MLflow's UI has no login)")
     return parser
 
 
@@ -405,33 +407,65 @@ def _models_build(args: argparse.Namespace) -> int:
 
 def _ui(args: argparse.Namespace) -> int:
     try:
-        from dapo_flow.tracking import default_tracking_uri, open_store
+        from dapo_flow.tracking import default_tracking_uri, newest_experiment, open_store
     except ImportError as exc:
         raise DapoFlowError(f"tracking is not available: {exc}") from None
-    _require_free_port(args.port)
+    _require_free_port(args.port, args.host)
+    warning = ui_host_warning(args.host)
+    if warning:
+        _line(f"warning: {warning}", stderr=True, markup=False)
     uri = default_tracking_uri()
     open_store(uri)  # create or migrate it under the store's lock, not racing a starting run
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
-           "--host", "127.0.0.1", "--port", str(args.port), "--workers", "1"]
-    _line(f"MLflow UI on http://127.0.0.1:{args.port}  (store: {uri})", stderr=True, markup=False)
+           "--host", args.host, "--port", str(args.port), "--workers", "1"]
+    url = ui_url(args.host, args.port, newest_experiment(uri))
+    _line(f"MLflow UI on {url}  (store: {uri})", stderr=True, markup=False)
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    if os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or sys.platform == "darwin":
+        import threading
+        import webbrowser
+
+        threading.Timer(3.0, webbrowser.open, (url,)).start()  # once the server is likely up
     return _run_owned(cmd, env)
 
 
-def _require_free_port(port: int) -> None:
+def ui_url(host: str, port: int, newest: tuple[str, str] | None) -> str:
+    """Where the UI should open: the training runs of the experiment run last (MLflow's own
+    landing page is its GenAI overview, empty for training runs)."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    base = f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}"
+    return f"{base}/#/experiments/{newest[0]}/runs" if newest else base
+
+
+def ui_host_warning(host: str) -> str | None:
+    """A warning when the UI would serve beyond this machine, or None for a loopback address."""
+    import ipaddress
+
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        if host == "localhost":
+            return None
+    return (f"serving on {host}: anyone who can reach it reads every run (params, metrics, sample texts, "
+            f"artifacts) and can change or delete them; MLflow's UI has no login. Leave --host at "
+            f"127.0.0.1 and reach it over ssh -L instead, where you can")
+
+
+def _require_free_port(port: int, host: str = "127.0.0.1") -> None:
     """Bind the port the UI will serve on, so a busy one is an error now, not a server that
     starts, fails to listen and leaves the user at a dead URL."""
     import errno
     import socket
 
-    with socket.socket() as probe:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
         try:
-            probe.bind(("127.0.0.1", port))
+            probe.bind((host, port))
         except OSError as exc:
             busy = exc.errno == errno.EADDRINUSE
             why = " (another `dapo-flow ui` or server is listening there)" if busy else ""
-            raise DapoFlowError(f"cannot serve on 127.0.0.1:{port}: {exc.strerror or exc}{why}\n"
+            raise DapoFlowError(f"cannot serve on {host}:{port}: {exc.strerror or exc}{why}\n"
                                 f"    fix: pick a free port, e.g. --port {port + 1 if port < 65535 else 5000}"
                                 + (f", or stop what uses {port}" if busy else "")) from None
 

@@ -323,6 +323,17 @@ def latest_run(uri: str, experiment: str, filter_string: str = "") -> dict[str, 
     return _record(client, runs[0]) if runs else None
 
 
+def newest_experiment(uri: str) -> tuple[str, str] | None:
+    """(id, name) of the experiment whose latest run started last, or None without runs."""
+    client = _client(uri)
+    ids = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(ids, max_results=1, order_by=["attributes.start_time DESC"]) if ids else []
+    if not runs:
+        return None
+    exp_id = runs[0].info.experiment_id
+    return exp_id, client.get_experiment(exp_id).name
+
+
 def experiments_with(uri: str, filter_string: str) -> list[str]:
     """Names of the experiments holding at least one run that matches ``filter_string``."""
     client = _client(uri)

@@ -20,7 +20,7 @@ from typing import Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from dapo_flow.agent.rollout import AgentLimits, rollout_metrics, run_agent
 from dapo_flow.data.arrow_utils import token_lists, with_columns
@@ -54,10 +54,10 @@ class Params(GenerateParams):
         from dapo_flow.tools.registry import load_tools
 
         try:
-            load_tools(tools)  # every problem at once: unknown, unimportable, bad schema, duplicate names
+            loaded = load_tools(tools)  # every problem at once: unknown, unimportable, bad schema, duplicate names
         except ToolError as exc:  # a ValueError: validate reports it at the node's params.tools line
             raise ValueError(str(exc).replace("\n", "; ")) from None
-        return tools
+        return [_with_defaults(spec, loaded[spec.name]) for spec in tools]
 
     @model_validator(mode="after")
     def _callable_in_format(self) -> "Params":
@@ -69,6 +69,16 @@ class Params(GenerateParams):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def _with_defaults(spec: ToolSpec, tool) -> ToolSpec:
+    """``spec`` with its tool's whole validated config (defaults filled), so `explain` and the
+    run's MLflow params say how the tool ran (the python tool's isolation, say). ``timeout_s``
+    stays on the entry, where the graph sets it."""
+    config = getattr(tool, "config", None)
+    if not isinstance(config, BaseModel):
+        return spec
+    return spec.model_copy(update={"config": config.model_dump(mode="json", exclude={"timeout_s"})})
 
 
 class AgentGenerate:

@@ -23,7 +23,7 @@ from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
 from dapo_flow.experiments.evaluate import evaluate
-from figures import assert_figures, assert_learned, start_end
+from figures import RESULTS, assert_figures, assert_learned, start_end
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH = ROOT / "graphs" / "dapo.yaml"
@@ -94,23 +94,26 @@ def figures_of(graph: str) -> re.Pattern:
 CHAT_FIGURES = figures_of("dapo-chat")
 
 
-def test_readme_chat_figures_are_parsed():
-    assert CHAT_FIGURES.search((ROOT / "README.md").read_text(encoding="utf-8")), "README lost dapo-chat's figures"
+def test_results_chat_figures_are_parsed():
+    assert CHAT_FIGURES.search(RESULTS.read_text(encoding="utf-8")), "docs/results.md lost dapo-chat's figures"
 
 
 @pytest.mark.shared_ray
+@pytest.mark.figures
 @pytest.mark.slow
 @pytest.mark.models("tiny-chat")
 @pytest.mark.timeout(2400)  # a fresh machine first builds tiny-chat (~2-5 min of one core), then runs ~2.5-6 min
 def test_dapo_chat_graph_learns_as_the_readme_says(tmp_path, monkeypatch):
     """graphs/dapo-chat.yaml (builtin:tiny-chat on builtin:chain, built on first use: ~2-5 min of
-    one core, cached after) gains >= 10 points of val acc on Ray, the README's figures exactly."""
-    _learns_as_the_readme_says(CHAT_GRAPH, "builtin:tiny-chat", CHAT_FIGURES, tmp_path, monkeypatch)
+    one core, cached after) gains >= 10 points of val acc on Ray, docs/results.md's figures exactly."""
+    _learns_as_the_readme_says(CHAT_GRAPH, "builtin:tiny-chat", CHAT_FIGURES, tmp_path, monkeypatch, RESULTS)
 
 
-def _learns_as_the_readme_says(graph: Path, model: str, figures: re.Pattern, tmp_path, monkeypatch) -> dict:
+def _learns_as_the_readme_says(graph: Path, model: str, figures: re.Pattern, tmp_path, monkeypatch,
+                               printed_in: Path = ROOT / "README.md") -> dict:
     """Build ``model`` if needed, run ``graph`` on Ray in ``tmp_path``, check a gain of >= 10
-    points and the README's start -> end figures (:func:`assert_figures`); the run's summary."""
+    points and the start -> end figures ``printed_in`` prints (:func:`assert_figures`); the run's
+    summary."""
     from dapo_flow.models import resolve_model
 
     resolve_model(model, progress=False)
@@ -119,7 +122,7 @@ def _learns_as_the_readme_says(graph: Path, model: str, figures: re.Pattern, tmp
     log = Console(file=open(tmp_path / "log.txt", "w"))
     summary = execute(compile_graph(graph, Cluster(cpus=2)), executor="ray", console=log)
     assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.10, summary
-    printed = {m: (a, b) for m, a, b in figures.findall((ROOT / "README.md").read_text(encoding="utf-8"))}
+    printed = {m: (a, b) for m, a, b in figures.findall(printed_in.read_text(encoding="utf-8"))}
     assert_learned(summary, printed, f"{graph.name} val acc start -> end")
     return summary
 

@@ -80,6 +80,31 @@ def test_experiments_are_tagged_as_model_training(tmp_path):
     assert client.get_experiment(old).tags[tracking.EXPERIMENT_KIND_TAG] == "finetuning"
 
 
+def test_sample_text_never_names_an_artifact(tmp_path):
+    """Logged samples (prompts, responses, ground truths: data and model text) go into a JSON
+    artifact named by the step alone; text shaped like a path stays text inside it."""
+    import json
+
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    tracker = Tracker(uri, "samples")
+    hostile = ["../../../../escaped.txt", "/etc/passwd", "..\\..\\x", "samples/../../y.json", "\x00nul"]
+    rows = [{"prompt": text, "response": text, "ground_truth": text} for text in hostile]
+    tracker.log_table(rows, "samples/step_000001.json")
+    tracker.finish()
+    artifacts = tmp_path / "store"
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert [Path(w).name for w in written if not w.startswith("store/mlflow.db")] == ["step_000001.json"], written
+    assert all(w.startswith("store/") for w in written), written
+    [logged] = artifacts.rglob("step_000001.json")
+    assert [r["response"] for r in _table_rows(json.loads(logged.read_text()))] == hostile
+    assert not (tmp_path.parent / "escaped.txt").exists() and not list(tmp_path.rglob("y.json"))
+
+
+def _table_rows(doc: dict) -> list[dict]:
+    """MLflow's table artifact ({"columns": [...], "data": [[...], ...]}) as row dicts."""
+    return [dict(zip(doc["columns"], row)) for row in doc["data"]]
+
+
 def test_half_migrated_store_is_a_clear_error(tmp_path):
     """A store whose migration was interrupted: StoreError naming the file and the fix."""
     import sqlite3

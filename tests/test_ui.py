@@ -108,3 +108,31 @@ def test_ui_refuses_an_invalid_port(port, capsys):
         cli.main(["ui", "--port", port])
     assert info.value.code == 2
     assert "argument --port:" in capsys.readouterr().err
+
+
+def test_the_ui_opens_on_the_training_runs_of_the_newest_experiment(tmp_path, monkeypatch):
+    """Not on MLflow's landing page (its GenAI overview): the runs of the experiment run last."""
+    import cli
+    from dapo_flow.tracking import Tracker, default_tracking_uri, newest_experiment
+
+    monkeypatch.chdir(tmp_path)
+    uri = default_tracking_uri()
+    for experiment in ("older", "newer"):
+        tracker = Tracker(None, experiment, run_name="probe")
+        tracker.finish()
+        time.sleep(0.01)  # start times in milliseconds
+    exp_id, name = newest_experiment(uri)
+    assert name == "newer"
+    assert cli.ui_url("127.0.0.1", 5000, (exp_id, name)) == f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs"
+    assert cli.ui_url("0.0.0.0", 5001, None) == "http://127.0.0.1:5001"
+    assert cli.ui_url("::1", 5000, None) == "http://[::1]:5000"
+
+
+def test_serving_beyond_loopback_is_a_warning():
+    import cli
+
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert cli.ui_host_warning(host) is None, host
+    for host in ("0.0.0.0", "10.1.2.3", "myhost.example"):
+        warning = cli.ui_host_warning(host)
+        assert warning and "no login" in warning and "ssh -L" in warning, host

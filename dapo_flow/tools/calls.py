@@ -109,6 +109,8 @@ class Hermes:
                 arguments = json.loads(arguments)
         except json.JSONDecodeError as exc:
             return CallError("malformed", f"the tool call is not valid JSON ({exc.msg}); {shape}", index)
+        except RecursionError:  # [[[[...: the decoder recurses once per level (model-written text)
+            return CallError("malformed", f"the tool call's JSON is nested too deeply; {shape}", index)
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return CallError("malformed", f"the tool call has no \"name\"; {shape}", index)
         if not isinstance(arguments, dict):

@@ -112,5 +112,7 @@ def _construct(cls: type, label: str, spec: ToolSpec, where: str) -> Tool:
 def _call(cls: type, label: str, args: tuple, where: str) -> Tool:
     try:
         return cls(*args)
+    except ToolError as exc:  # the tool's own words: what is wrong and the fix
+        raise ToolError(f"{where}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - user code: report it with the tool's name
         raise ToolError(f"{where}: building {label} failed: {type(exc).__name__}: {exc}") from exc

@@ -1,30 +1,33 @@
-"""python: run the model's code in a fresh interpreter with time, memory and output limits.
+"""python: run the model's code in a fresh, isolated interpreter with time, memory and output limits.
 
 Each call writes the code to ``main.py`` in a new temporary directory (removed afterwards) and
-runs ``sys.executable -I -u`` there in its own process group, with a nearly empty environment
-(no proxies, one BLAS thread, HOME and TMPDIR inside the temp dir) and stdin closed. Limits:
+runs Python (``-I -u``; isolated, the base interpreter with the standard library only, not the
+environment's packages) on it in its own process group,
+with a nearly empty environment (one BLAS thread, HOME and TMPDIR in its working directory) and
+stdin closed. By default (``isolation: bwrap``) the program runs in a bubblewrap sandbox
+(:mod:`dapo_flow.tools.isolation`): no network, no view of the host's files (the user's home,
+the project, checkpoints, the MLflow store), its own PID namespace, so nothing it starts
+outlives the call, and, when dapo-flow runs as root, the uid ``nobody``. A machine without
+bubblewrap refuses the graph at validate time, unless the tool says ``isolation: none``: then
+the program runs as this user with the limits below only (a warning is logged every run). Limits:
 
 - wall clock ``timeout_s``: then the whole process group is killed, children included;
 - address space ``memory_mib`` (RLIMIT_AS): a big allocation raises MemoryError;
 - CPU time ``ceil(timeout_s) + 1`` s (RLIMIT_CPU): threads burning several cores;
 - ``max_file_mib`` per file written (RLIMIT_FSIZE), the captured output included, so a flood of
-  prints cannot fill the disk or this process's memory.
+  prints cannot fill the disk or this process's memory; isolated, also the size of the only
+  writable directory (a tmpfs), so many files cannot either;
+- isolated, ``max_processes`` (RLIMIT_NPROC): a fork bomb stops there.
 
 Output (stdout and stderr interleaved as a terminal shows them, unbuffered so what was printed
 before a timeout is kept) is cut to ``max_output_chars``, keeping its head and tail. The limits
 are set by the child's first statements, not in a ``preexec_fn``, which is unsafe in a process
-with threads: the agent loop calls tools from worker threads.
-
-Linux only (``os.waitid``, RLIMIT_AS). NOT a security boundary: the network is blocked only by
-replacing ``socket.socket`` and friends in the child, which code can undo (``_socket``,
-``ctypes``); the code runs as this user, can read and write the user's files, and can fork
-(RLIMIT_NPROC counts all the user's processes, so it is left alone). It keeps an honest model's
-mistakes (endless loops, huge allocations, floods of output) from hurting the run; run untrusted
-code in a container or a VM.
+with threads: the agent loop calls tools from worker threads. Linux only.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -35,10 +38,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 from dapo_flow.graph.contract import PARAMS_CONFIG
-from dapo_flow.tools.base import ToolResult, error_result
+from dapo_flow.tools import isolation
+from dapo_flow.tools.base import ToolError, ToolResult, error_result
 
 MIB = 2**20
 
@@ -53,7 +59,14 @@ class Config(BaseModel):
     max_output_chars: int = Field(4000, ge=100, le=1_000_000)
     """Longest output the model sees; longer output keeps its head and its tail."""
     max_file_mib: int = Field(16, ge=1, le=65_536)
-    """Largest file the code may write, its captured output included (RLIMIT_FSIZE)."""
+    """Largest file the code may write, its captured output included (RLIMIT_FSIZE); isolated,
+    also the size of its writable directory."""
+    isolation: Literal["bwrap", "none"] = "bwrap"
+    """`bwrap`: each program in a bubblewrap sandbox (no network, no host files, nothing
+    outlives the call). `none`: as this user with the limits only, for code you trust."""
+    max_processes: int = Field(64, ge=1, le=4096)
+    """Processes (and threads) the program may run at once, isolated only (RLIMIT_NPROC). Where
+    dapo-flow runs as root the programs run as `nobody`, so the calls running at once share it."""
 
 
 SCHEMA = {
@@ -70,15 +83,18 @@ SCHEMA = {
     },
 }
 
-# Runs in the child before the code: limits first, then the network stubs, then main.py with
-# its traceback shown from main.py on (the preamble's own frame is left out).
+# Runs in the child before the code: limits first (then, isolated as root, nobody's uid), then
+# the network stubs (isolated, a clear message where the sandbox has no network anyway), then
+# main.py with its traceback shown from main.py on (the preamble's own frame is left out).
 _PREAMBLE = """\
-import resource as _r, socket as _s, sys as _sys, traceback as _tb
+import os as _os, resource as _r, socket as _s, sys as _sys, traceback as _tb
 for _what, _value in ((_r.RLIMIT_AS, {memory}), (_r.RLIMIT_CPU, {cpu}), (_r.RLIMIT_FSIZE, {fsize}),
-                      (_r.RLIMIT_CORE, 0)):
+                      (_r.RLIMIT_CORE, 0)) + {nproc}:
     _hard = _r.getrlimit(_what)[1]
     _value = _value if _hard == _r.RLIM_INFINITY else min(_value, _hard)
     _r.setrlimit(_what, (_value, _value))
+if {drop_root}:
+    _os.setgroups([]); _os.setresgid({nobody}, {nobody}, {nobody}); _os.setresuid({nobody}, {nobody}, {nobody})
 def _no_network(*args, **kwargs):
     raise OSError("network access is disabled in the sandbox")
 class _NoSocket(_s.socket):
@@ -105,11 +121,21 @@ class PythonSandbox:
 
     def __init__(self, config: Config | None = None):
         self.config = config or Config()
+        self._warned = False
+        if self.config.isolation == "bwrap":
+            why = isolation.problem()  # at validate time too: the graph builds its tools to check them
+            if why:
+                raise ToolError(f"the python tool runs each program isolated (isolation: bwrap), but {why}")
 
     def create(self, instance_id: str, **create_kwargs: Any) -> None:
         pass
 
     def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
+        if self.config.isolation == "none" and not self._warned:  # once per run: each run builds its tools
+            self._warned = True
+            logging.getLogger("dapo_flow").warning(
+                "the python tool runs programs without isolation (isolation: none): they run as this user "
+                "and can reach its files and the network; only for code you trust")
         code = arguments.get("code")
         if not isinstance(code, str):
             return error_result("give the program as a string argument 'code'")
@@ -128,24 +154,37 @@ class PythonSandbox:
 def run_python(code: str, cfg: Config) -> ToolResult:
     """Run ``code`` under ``cfg``'s limits; the outcome, failures included, as a ToolResult."""
     cpu_s = math.ceil(cfg.timeout_s) + 1  # the wall clock fires first for one busy thread
-    preamble = _PREAMBLE.format(memory=cfg.memory_mib * MIB, cpu=cpu_s, fsize=cfg.max_file_mib * MIB)
+    isolated = cfg.isolation == "bwrap"
+    nproc = f"((_r.RLIMIT_NPROC, {cfg.max_processes}),)" if isolated else "()"
+    preamble = _PREAMBLE.format(memory=cfg.memory_mib * MIB, cpu=cpu_s, fsize=cfg.max_file_mib * MIB, nproc=nproc,
+                                drop_root=isolated and isolation.drops_to_nobody(), nobody=isolation.NOBODY)
     with tempfile.TemporaryDirectory(prefix="dapo-flow-python-", ignore_cleanup_errors=True) as root:
         work, out_path = Path(root) / "work", Path(root) / "output.txt"
         work.mkdir()
         (work / "main.py").write_text(code, encoding="utf-8")
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LC_ALL": "C.UTF-8",
+        home = isolation.WORKDIR if isolated else str(work)
+        env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LC_ALL": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        args = ["-I", "-u", "-c", preamble]
+        if isolated:
+            argv = isolation.bwrap_argv(work / "main.py", disk_bytes=cfg.max_file_mib * MIB, env=env) + args
+        else:
+            argv = [sys.executable, *args]
         with open(out_path, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-I", "-u", "-c", preamble], cwd=work, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             finished = _wait_unreaped(proc.pid, cfg.timeout_s)
             _kill_group(proc.pid)  # on timeout, and any children left running in the background
             returncode = proc.wait()
+        if isolated and returncode > 128 and (returncode - 128) in _SIGNALS:
+            returncode = 128 - returncode  # bwrap exits 128 + N for a program killed by signal N
         output, truncated = _read_output(out_path, cfg.max_output_chars)
         wrote_limit = out_path.stat().st_size >= cfg.max_file_mib * MIB
     return _report(output, returncode, timed_out=not finished, truncated=truncated,
                    output_limit=wrote_limit, cfg=cfg, cpu_s=cpu_s)
+
+
+_SIGNALS = {int(s) for s in signal.Signals}
 
 
 def _report(output: str, returncode: int, *, timed_out: bool, truncated: bool, output_limit: bool,

@@ -2,7 +2,8 @@
 the group-batched fit, the tokenizer, determinism, and the tuned tool-use figures.
 
 The band tests read the cached build (``builtin:tiny-agent``, built once, ~2 min on one core,
-into the persistent cache like tiny-adder); the others use a short-recipe build."""
+into the persistent cache like tiny-adder; slow tier, so the fast tier builds no agent); the
+others use a short-recipe build."""
 
 from __future__ import annotations
 
@@ -250,6 +251,7 @@ def agent_path() -> Path:
     return resolve_model("builtin:tiny-agent", progress=False)
 
 
+@pytest.mark.slow  # reads the shipped build: on a fresh machine the suite builds it (~1.6 min of one core)
 @pytest.mark.models("tiny-agent")
 def test_cached_build_name_and_recorded_figures_in_band(agent_path):
     info = json.loads((agent_path / tiny_agent.BUILD_INFO).read_text())
@@ -261,6 +263,7 @@ def test_cached_build_name_and_recorded_figures_in_band(agent_path):
     assert info["val_tool_call_accuracy"] >= MIN_TOOL_CALL_ACCURACY
 
 
+@pytest.mark.slow  # reads the shipped build: on a fresh machine the suite builds it (~1.6 min of one core)
 @pytest.mark.models("tiny-agent")
 def test_remeasured_figures_in_band(agent_path):
     """Other prompts (val 200..399) and another sampling seed than the build's."""
@@ -272,6 +275,7 @@ def test_remeasured_figures_in_band(agent_path):
     assert figures.tool_call_accuracy >= MIN_TOOL_CALL_ACCURACY
 
 
+@pytest.mark.slow  # reads the shipped build: on a fresh machine the suite builds it (~1.6 min of one core)
 @pytest.mark.models("tiny-agent")
 def test_cached_tokenizer_round_trips_a_whole_conversation(agent_path):
     from transformers import AutoTokenizer

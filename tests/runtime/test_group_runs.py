@@ -69,9 +69,25 @@ def test_the_main_job_learns_at_workers_2_and_exports_its_sharded_checkpoint(wor
     assert from_ckpt["val/response_len_mean"] == from_export["val/response_len_mean"]
 
 
-def _worker_pids() -> list[int]:
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _worker_pids(root: int) -> list[int]:
+    """The stage-worker actors under process ``root`` (the run's Ray cluster is its children's:
+    another test's run beside it in the other test process has its own)."""
     r = subprocess.run(["pgrep", "-f", "ray::ActorStageWorker"], capture_output=True, text=True)
-    return [int(p) for p in r.stdout.split()]
+    mine = []
+    for pid in (int(p) for p in r.stdout.split()):
+        ancestor = pid
+        while ancestor > 1 and ancestor != root:
+            ancestor = _parent(ancestor)
+        if ancestor == root:
+            mine.append(pid)
+    return mine
 
 
 @pytest.mark.timeout(3 * WAIT_S)
@@ -88,7 +104,7 @@ def test_a_killed_group_worker_is_named_then_the_run_resumes_on_one_worker(workd
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        pids = _worker_pids()
+        pids = _worker_pids(proc.pid)
         assert len(pids) == 2, pids
         subprocess.run(["kill", "-9", str(pids[-1])], check=True)
         rc = proc.wait(WAIT_S)

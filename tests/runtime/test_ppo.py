@@ -177,6 +177,7 @@ def test_gae_advantage_node_is_algos_gae_on_the_last_token_rewards():
 
 
 @pytest.mark.shared_ray
+@pytest.mark.figures
 @pytest.mark.slow
 def test_the_ppo_graph_learns(workdir):
     """graphs/ppo.yaml as `dapo-flow run` runs it (on Ray): val acc rises as docs/results.md

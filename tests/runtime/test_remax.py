@@ -92,6 +92,7 @@ def test_a_remax_graph_runs(workdir):
 
 
 @pytest.mark.shared_ray
+@pytest.mark.figures
 @pytest.mark.slow
 @pytest.mark.models("tiny-chat")
 @pytest.mark.timeout(2400)  # a fresh machine first builds tiny-chat (~2-5 min of one core), then ~3-7 min

@@ -188,6 +188,7 @@ def test_a_causal_lm_judges_in_its_own_actor(workdir, tiny_adder_path):
 
 
 @pytest.mark.shared_ray
+@pytest.mark.figures
 @pytest.mark.slow
 @pytest.mark.models("tiny-adder-rm")
 @pytest.mark.timeout(1200)  # builds builtin:tiny-adder-rm on first use (~3.5 min on 2 cores)
@@ -200,6 +201,7 @@ def test_rl_with_the_builtin_reward_model_raises_true_accuracy(workdir):
 
 
 @pytest.mark.shared_ray
+@pytest.mark.figures
 @pytest.mark.slow
 @pytest.mark.models("tiny-adder-judge")
 @pytest.mark.timeout(1200)  # builds builtin:tiny-adder-judge on first use (under 2 min of one core)

@@ -61,6 +61,11 @@ def test_no_call_is_a_final_answer():
     ("hermes", '<tool_call>{"arguments": {}}</tool_call>', "malformed", 'no "name"'),
     ("hermes", '<tool_call>["calculator"]</tool_call>', "malformed", 'no "name"'),
     ("hermes", '<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>', "malformed", '"arguments" must be a JSON object'),
+    # model-written JSON nested deeper than the decoder recurses: an error observation, not a crash
+    pytest.param("hermes", '<tool_call>{"name": "python", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}</tool_call>",
+                 "malformed", "nested too deeply", id="hermes-nested-100k-deep"),
+    pytest.param("hermes", '<tool_call>{"name": "python", "arguments": "' + "[" * 100_000 + '"}</tool_call>',
+                 "malformed", "nested too deeply", id="hermes-string-arguments-nested-100k-deep"),
     ("compact", "<call>calculator 12*34</call>", "malformed", "<call>TOOL: ARGUMENT</call>"),
     ("compact", "<call>: 12*34</call>", "malformed", "<call>TOOL: ARGUMENT</call>"),
     ("compact", "<call>calculater: 1+1</call>", "unknown_tool", "unknown tool 'calculater'; did you mean 'calculator'?"),

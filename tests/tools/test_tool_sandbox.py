@@ -1,10 +1,13 @@
-"""The python sandbox: results come back; loops, huge allocations, network use, floods of output
-and background processes are stopped and reported; the temp dir goes away."""
+"""The python tool: results come back; loops, huge allocations, network use, floods of output
+and background processes are stopped and reported; the temp dir goes away. Isolated (the
+default, bubblewrap) unless a test names ``isolation="none"``; what the isolation keeps out is in
+test_tool_escapes.py."""
 
 from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +27,27 @@ def test_normal_code_prints_its_result():
                               "returncode": 0.0, "truncated": 0.0}
 
 
+def namespace_gone(ns: str) -> bool:
+    """Whether no host process is left in the PID namespace ``ns`` (``pid:[N]``, as the program
+    read it from /proc/self/ns/pid): the sandbox and all it started are gone. Waits up to a
+    minute for killed processes to exit."""
+    for _ in range(600):
+        left = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and os.readlink(proc / "ns" / "pid") == ns:
+                    left.append(proc.name)
+            except OSError:
+                pass  # exited meanwhile
+        if not left:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+PRINT_NS = "import os\nprint(os.readlink('/proc/self/ns/pid'), flush=True)\n"
+
+
 def _gone(pid: int) -> bool:
     """Whether process ``pid`` has ended (exited or killed, reaped or a zombie). A SIGKILLed
     process may take a moment to exit: waits up to a minute for it, and answers False then."""
@@ -39,26 +63,34 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("loop", ["pass", "time.sleep(0.01)"], ids=["busy", "sleeping"])
-def test_an_infinite_loop_is_stopped_at_the_timeout_and_what_it_printed_is_kept(loop, tmp_path):
+def test_an_infinite_loop_is_stopped_at_the_timeout_and_what_it_printed_is_kept(loop):
     # the sandbox's wall-clock timeout kills it (SIGKILL to its group), not the CPU-time limit
     # (that is SIGXCPU, and a sleeping loop never reaches it): the run returns, with the timeout
     # it was given, and the program is gone
-    pid_file = tmp_path / "pid"
-    code = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\nprint('started')\nwhile True:\n    {loop}"
-    result = run(code, timeout_s=1.0)
+    # 2 s: the sandbox and the interpreter start within it on a box busy with other tests
+    result = run(PRINT_NS + f"import time\nprint('started')\nwhile True:\n    {loop}", timeout_s=2.0)
     assert result.metrics["timeout"] == 1.0 and result.metrics["error"] == 1.0
     assert result.metrics["returncode"] == -signal.SIGKILL
-    assert result.text == "started\nerror: timed out after 1 s; the program was killed"
-    assert _gone(int(pid_file.read_text()))
+    ns, rest = result.text.split("\n", 1)
+    assert rest == "started\nerror: timed out after 2 s; the program was killed"
+    assert namespace_gone(ns)
 
 
-def test_a_child_process_is_killed_with_the_group(tmp_path):
-    pid_file = tmp_path / "child"
-    code = ("import subprocess, sys\n"
+def test_without_isolation_an_infinite_loop_and_its_child_are_killed_with_the_group(tmp_path):
+    pid_file = tmp_path / "pid"
+    code = (f"import os, subprocess, sys, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n")
-    assert run(code).metrics["error"] == 0.0
-    assert _gone(int(pid_file.read_text()))  # the background child died with the call
+            f"open({str(pid_file)!r} + '.child', 'w').write(str(child.pid))\nwhile True:\n    pass")
+    result = run(code, timeout_s=2.0, isolation="none")
+    assert result.metrics["timeout"] == 1.0 and result.metrics["returncode"] == -signal.SIGKILL
+    assert _gone(int(pid_file.read_text())) and _gone(int((tmp_path / "pid.child").read_text()))
+
+
+def test_a_child_process_is_killed_with_the_sandbox():
+    code = PRINT_NS + "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    result = run(code)
+    assert result.metrics["error"] == 0.0, result.text
+    assert namespace_gone(result.text.split()[0])  # the background child died with the call
 
 
 def test_allocating_10_gb_is_a_memory_error():
@@ -68,17 +100,23 @@ def test_allocating_10_gb_is_a_memory_error():
     assert result.text.endswith("error: out of memory (the limit is 256 MiB)")
 
 
-def test_the_network_is_blocked():
-    connect = run("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)")
-    raw = run("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_STREAM)")
+@pytest.mark.parametrize("isolation", ["bwrap", "none"])
+def test_the_network_is_blocked(isolation):
+    connect = run("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)", isolation=isolation)
+    raw = run("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_STREAM)", isolation=isolation)
     for result in (connect, raw):
         assert result.metrics["error"] == 1.0
         assert "OSError: network access is disabled in the sandbox" in result.text
 
 
-def test_runs_in_a_fresh_temp_dir_that_is_removed_afterwards():
-    result = run("import os\nopen('scratch.txt', 'w').write('x')\nprint(os.getcwd())")
-    cwd = Path(result.text.strip())
+def test_runs_in_a_fresh_temp_dir_that_is_removed_afterwards(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the call makes its host temp dir
+    first = run("import os\nopen('scratch.txt', 'w').write('x')\nprint(os.getcwd(), sorted(os.listdir('.')))")
+    assert first.text == "/tmp ['main.py', 'scratch.txt']\n"
+    assert run("import os\nprint(sorted(os.listdir('.')))").text == "['main.py']\n"  # nothing kept
+    assert list(tmp_path.iterdir()) == []
+    plain = run("import os\nopen('scratch.txt', 'w').write('x')\nprint(os.getcwd())", isolation="none")
+    cwd = Path(plain.text.strip())
     assert cwd.name == "work" and cwd.parent.name.startswith("dapo-flow-python-")
     assert not cwd.parent.exists()
 
@@ -131,7 +169,7 @@ def test_calls_from_several_threads_run_side_by_side(tmp_path):
     # so this proves they overlap without timing them (a timed bound failed on a busy box)
     from concurrent.futures import ThreadPoolExecutor
 
-    tool = PythonSandbox(Config(timeout_s=30.0))
+    tool = PythonSandbox(Config(timeout_s=30.0, isolation="none"))  # they meet in a host folder
     wait = ("import os, time\nopen(os.path.join({d!r}, '{i}'), 'w').close()\n"
             "while len(os.listdir({d!r})) < 4:\n    time.sleep(0.01)\nprint({i})")
     codes = [wait.format(d=str(tmp_path), i=i) for i in range(4)]
