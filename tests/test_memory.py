@@ -460,8 +460,10 @@ def _estimated(c: str, measured: dict) -> tuple[Budget, float]:
 
 
 @needs_proc
-@pytest.mark.parametrize("batch", [pytest.param(b, marks=() if b.endswith("fast") else pytest.mark.slow)
-                                   for b in BATCHES])
+# the fast batches in the suite; the others (bigger models, bf16 matmuls: ~8 min of a core)
+# in the figures tier, beside the other measurements docs/ prints (`pytest -m figures`)
+@pytest.mark.parametrize("batch", [pytest.param(b, marks=() if b.endswith("fast") else
+                                                (pytest.mark.slow, pytest.mark.figures)) for b in BATCHES])
 def test_estimates_match_measured(batch):
     """Each case's estimate within its precision of the measured peak (CLOSE for training,
     unless the case says why not; TOLERANCE for a frozen forward), peaking at the moment the

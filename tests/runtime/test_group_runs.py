@@ -1,7 +1,8 @@
-"""Whole runs with a training group (models.X.train.workers > 1) on Ray: the main job learns at
-workers 2 and its sharded checkpoint exports to a Hugging Face directory that evaluates exactly
-like the checkpoint; a killed worker is a clear error and the run resumes at another world size;
-a group spans the two nodes of a (simulated) cluster."""
+"""Whole runs with a training group (models.X.train.workers > 1) on Ray: the main job's sharded
+checkpoint exports to a Hugging Face directory that evaluates exactly like the checkpoint (and,
+in the figures tier, the main job learns on an FSDP2 group); a killed worker is a clear error
+and the run resumes at another world size; a group spans the two nodes of a (simulated)
+cluster."""
 
 from __future__ import annotations
 
@@ -39,16 +40,26 @@ def _env() -> dict[str, str]:
     return {**env, "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
 
 
+def _fsdp2_main_job(workdir, *sets: str) -> tuple[dict, Path, str]:
+    """graphs/dapo.yaml on Ray with its policy on an FSDP2 group of 2 (and ``sets``): the run's
+    summary, its final checkpoint and its log."""
+    log = Console(file=open(workdir / "log.txt", "w"), width=200)
+    placed = _placed(ROOT / "graphs/dapo.yaml", "models.policy.train.workers=2", "models.policy.train.strategy=fsdp2",
+                     *sets)
+    summary = execute(placed, executor="ray", console=log)
+    [final] = workdir.glob(f"dapo-flow-runs/checkpoints/*/*/step_{summary['steps']:06d}")
+    return summary, final, (workdir / "log.txt").read_text()
+
+
 @pytest.mark.shared_ray
 @pytest.mark.timeout(3 * WAIT_S)
-def test_the_main_job_learns_at_workers_2_and_exports_its_sharded_checkpoint(workdir):
-    log = Console(file=open(workdir / "log.txt", "w"), width=200)
-    placed = _placed(ROOT / "graphs/dapo.yaml", "models.policy.train.workers=2", "models.policy.train.strategy=fsdp2")
-    summary = execute(placed, executor="ray", console=log)
-    assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.08, summary
-    assert "training group of stage 'model:policy': 2 worker(s) on 1 node(s)" in (workdir / "log.txt").read_text()
-
-    [final] = workdir.glob("dapo-flow-runs/checkpoints/*/*/step_000120")
+def test_a_sharded_checkpoint_exports_to_a_directory_that_evaluates_as_it_does(workdir):
+    """The main job on an FSDP2 group for 4 steps: each worker writes its own shards, `export`
+    gathers them into a Hugging Face directory, and that directory evaluates exactly like the
+    checkpoint."""
+    summary, final, text = _fsdp2_main_job(workdir, "run.steps=4", "run.checkpoint_every=4", "data.val.size=32")
+    assert summary["steps"] == 4
+    assert "training group of stage 'model:policy': 2 worker(s) on 1 node(s)" in text
     sharded = final / "models" / "policy"
     assert (sharded / DCP_DIR / ".metadata").is_file() and (sharded / SHARDED_INFO).is_file()
     assert len(list((sharded / DCP_DIR).glob("*.distcp"))) == 2  # each worker wrote its own shards
@@ -61,12 +72,23 @@ def test_the_main_job_learns_at_workers_2_and_exports_its_sharded_checkpoint(wor
     assert cli.main(["export", str(final), "-o", str(out)]) == 2  # never over what is there
 
     # the exported directory is the checkpoint's model: the same eval, to the last digit
+    log = Console(file=open(workdir / "eval-log.txt", "w"), width=200)
     one = _placed(ROOT / "graphs/dapo.yaml", "models.policy.train.workers=1")
     from_ckpt = evaluate(one, which=str(final), n=2, size=64, console=log)["metrics"]
     from_export = evaluate(_placed(ROOT / "graphs/dapo.yaml", f"models.policy.path={out}"),
                            which="base", n=2, size=64, console=log)["metrics"]
     assert from_ckpt["val/acc"] == from_export["val/acc"]
     assert from_ckpt["val/response_len_mean"] == from_export["val/response_len_mean"]
+
+
+@pytest.mark.shared_ray
+@pytest.mark.figures  # 120 steps (~2 min); the group's update equals one worker's in the suite
+@pytest.mark.timeout(3 * WAIT_S)
+def test_the_main_job_learns_at_workers_2_on_fsdp2(workdir):
+    summary, final, text = _fsdp2_main_job(workdir)
+    assert summary["val_acc_end"] - summary["val_acc_start"] >= 0.08, summary
+    assert "training group of stage 'model:policy': 2 worker(s) on 1 node(s)" in text
+    assert len(list((final / "models" / "policy" / DCP_DIR).glob("*.distcp"))) == 2
 
 
 def _parent(pid: int) -> int:
