@@ -63,6 +63,10 @@ class Params(OptimizerParams):
     """Per-token `loss_mask` column (from `agent-generate`: 0 on tool tokens; from an
     `overlong-filter` node: 0 on a truncated row): `use` it (0 tokens get no loss), `ignore` it
     (trains on a tool's tokens too), or `auto`: use it when an upstream node produces it."""
+    rollout_is_weights: Literal["auto", "use", "ignore"] = "auto"
+    """Per-token `rollout_is_weight` column (from a `rollout-correction` node): `use` it (each
+    token's policy loss times its weight, as verl's rollout correction), `ignore` it, or
+    `auto`: use it when an upstream node produces it."""
     temperature: float = Field(1.0, gt=0.0, le=10.0)
     """Divide logits by this (set it to generate's temperature)."""
     critic_warmup: int = Field(0, ge=0)
@@ -111,6 +115,8 @@ class Update:
         update = {}
         if params.loss_mask == "auto":
             update["loss_mask"] = "use" if C.LOSS_MASK in available else "ignore"
+        if params.rollout_is_weights == "auto":
+            update["rollout_is_weights"] = "use" if C.ROLLOUT_IS_WEIGHT in available else "ignore"
         if params.advantage_column == "auto":
             token_only = C.TOKEN_ADVANTAGE in available and C.ADVANTAGE not in available
             update["advantage_column"] = C.TOKEN_ADVANTAGE if token_only else C.ADVANTAGE
@@ -123,6 +129,7 @@ class Update:
         cols += [C.TRUNCATED] if params.mask_truncated else []
         cols += [C.LOSS_MASK] if params.loss_mask == "use" else []
         cols += [C.REF_LOGP] if params.kl_coef > 0 else []
+        cols += [C.ROLLOUT_IS_WEIGHT] if params.rollout_is_weights == "use" else []
         return C.typed(*cols)
 
     def __init__(self, params: Params, ctx: OpContext):
@@ -171,6 +178,8 @@ class Update:
             "ref_logp": ragged_to_padded(batch.column(C.REF_LOGP), dtype=np.float32)[0] if p.kl_coef > 0 else None,
             "mask": mask,
             "adv": adv,
+            "is_weights": (ragged_to_padded(batch.column(C.ROLLOUT_IS_WEIGHT), dtype=np.float32)[0]
+                           if p.rollout_is_weights == "use" else None),
         }
 
 
@@ -198,6 +207,7 @@ class PolicyLoss:
             "old": data["old_logp"][rows, :width],
             "adv": adv[rows, :width] if adv.ndim == 2 else adv[rows],
             "ref": ref_logp[rows, :width] if p.kl_coef > 0 else None,
+            "is_weights": data["is_weights"][rows, :width] if data["is_weights"] is not None else None,
         })
         m = dev["mask"] & resp_mask
         a = dev["adv"] if adv.ndim == 2 else dev["adv"][:, None].expand(-1, width)
@@ -205,7 +215,7 @@ class PolicyLoss:
         extra = {"clip_c": p.clip_c} if p.policy_loss == "vanilla" else {}  # dual clip: vanilla only
         pg_loss, pg_stats = algos.POLICY_LOSSES[p.policy_loss](
             dev["old"], logp, a, m, clip_low=p.clip_low, clip_high=p.clip_high,
-            agg=p.loss_agg_mode, norm_len=p.norm_len, **extra, **agg,
+            agg=p.loss_agg_mode, norm_len=p.norm_len, rollout_is_weights=dev["is_weights"], **extra, **agg,
         )
         loss = pg_loss
         stats = {"actor/pg_loss": pg_loss, "actor/entropy": algos.agg_loss(entropy.detach(), m, "token-sum") / n_tokens}

@@ -10,6 +10,8 @@
   (vanilla, gspo, cispo, gpg);
 - :mod:`~dapo_flow.algos.value`: GAE, the clipped value loss, ReMax advantages;
 - :mod:`~dapo_flow.algos.kl`: KL estimators, KL in the reward, the adaptive coefficient;
+- :mod:`~dapo_flow.algos.rollout_correction`: importance-sampling weights (TIS, IcePop) and
+  rejection masks (k1/k2/k3, per token or sequence) for the rollout/trainer mismatch;
 - :mod:`~dapo_flow.algos.logprobs`, :mod:`~dapo_flow.algos.masked`, :mod:`~dapo_flow.algos.shaping`,
   :mod:`~dapo_flow.algos.metrics`: token logprobs / entropy, masked statistics, overlong
   shaping, pass@k.
@@ -49,6 +51,12 @@ from dapo_flow.algos.losses import LOSS_AGG_MODES, agg_loss, policy_loss
 from dapo_flow.algos.masked import masked_mean, masked_whiten
 from dapo_flow.algos.metrics import pass_at_k
 from dapo_flow.algos.policy_losses import POLICY_LOSSES
+from dapo_flow.algos.rollout_correction import (
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_RS_OPTIONS,
+    rollout_correction_weights,
+    rollout_rejection_mask,
+)
 from dapo_flow.algos.shaping import overlong_penalty
 from dapo_flow.algos.value import gae, remax_advantages, value_loss
 
@@ -57,6 +65,6 @@ __all__ = [
     "LOSS_AGG_MODES", "POLICY_LOSSES", "SEQUENCE_ESTIMATORS", "TOKEN_ESTIMATORS", "adaptive_kl_coef", "agg_loss",
     "entropy_from_logits", "factorize", "gae", "keep_groups", "kl_in_reward", "kl_penalty", "logprobs_from_logits",
     "lowest_token_probability", "masked_mean", "masked_whiten", "outcome_advantages", "overlong_penalty", "pass_at_k",
-    "policy_loss",
+    "policy_loss", "ROLLOUT_IS_LEVELS", "ROLLOUT_RS_OPTIONS", "rollout_correction_weights", "rollout_rejection_mask",
     "reinforce_pp_advantages", "remax_advantages", "sequence_advantages", "value_loss",
 ]

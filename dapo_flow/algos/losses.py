@@ -78,6 +78,16 @@ def agg_loss(
     return masked.sum() / (seqs * norm_len)
 
 
+def weighted_by_rollout_is(loss_tok: Tensor, weights: Tensor | None, mask: Tensor) -> Tensor:
+    """``loss_tok`` times the rollout-correction IS weights (detached; 0 at masked positions, so
+    NaN there stays out). Shape: loss_tok, weights, mask (batch, resp_len)."""
+    if weights is None:
+        return loss_tok
+    if weights.shape != loss_tok.shape:
+        raise AlgoError(f"rollout_is_weights shape {tuple(weights.shape)} != loss shape {tuple(loss_tok.shape)}")
+    return loss_tok * torch.where(_as_bool(mask), weights.detach(), weights.new_zeros(()))
+
+
 def policy_loss(
     old_logp: Tensor,
     logp: Tensor,
@@ -91,13 +101,15 @@ def policy_loss(
     num_tokens: int | Tensor | None = None,
     num_seqs: int | None = None,
     norm_len: int | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate with decoupled clip (DAPO clip-higher) and optional dual clip
     (verl ``compute_policy_loss_vanilla``).
 
     log_ratio = clamp(logp - old_logp, ±20); r = exp(log_ratio);
     loss_tok = max(-A·r, -A·clamp(r, 1 - clip_low, 1 + clip_high)); where A < 0 and clip_c is
-    set: min(loss_tok, -A·clip_c). Aggregated with :func:`agg_loss` (``agg`` and the totals).
+    set: min(loss_tok, -A·clip_c); times ``rollout_is_weights`` where given (verl's rollout
+    correction). Aggregated with :func:`agg_loss` (``agg`` and the totals).
     Metrics (python floats, this micro-batch): clipfrac = masked mean of
     [-A·clamp(r) > -A·r]; clipfrac_lower = masked mean of [A < 0 and the dual clip binds];
     ppo_kl = masked mean of -log_ratio. Masked positions are zeroed before any arithmetic, so
@@ -127,6 +139,7 @@ def policy_loss(
         negative = adv < 0
         dual_hit = (loss_tok > loss_dual) & negative
         loss_tok = torch.where(negative, torch.minimum(loss_dual, loss_tok), loss_tok)
+    loss_tok = weighted_by_rollout_is(loss_tok, rollout_is_weights, mask)
     loss = agg_loss(loss_tok, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     with torch.no_grad():
         clipped = (loss_clipped > loss_unclipped).to(logp.dtype)

@@ -16,7 +16,9 @@ mini-batch totals ``num_tokens`` / ``num_seqs`` / ``norm_len``, so micro-batch l
 sums of the mini-batch loss). Metrics are python floats for this micro-batch, the same three keys
 for every loss: ``clipfrac``, ``clipfrac_lower``, ``ppo_kl`` (0.0 where a loss has no such
 quantity). Masked positions are zeroed with ``torch.where`` before any arithmetic, so NaN there
-reaches neither the loss nor the gradient. An unknown extra keyword (e.g. ``clip_c`` for gspo) is
+reaches neither the loss nor the gradient. ``rollout_is_weights`` (batch, resp_len), from
+:func:`~dapo_flow.algos.rollout_correction_weights`, multiply each token's loss before it is
+aggregated, as verl's ``rollout_is_weights`` do. An unknown extra keyword (e.g. ``clip_c`` for gspo) is
 an :class:`AlgoError`.
 
 Shape: old_logp, logp, advantages, mask (batch, resp_len) -> (scalar, metrics).
@@ -30,7 +32,7 @@ import torch
 from torch import Tensor
 
 from dapo_flow.algos.errors import AlgoError
-from dapo_flow.algos.losses import _LOG_RATIO_CLAMP, agg_loss, policy_loss
+from dapo_flow.algos.losses import _LOG_RATIO_CLAMP, agg_loss, policy_loss, weighted_by_rollout_is
 from dapo_flow.algos.masked import _as_bool, _mask_count, _masked, masked_mean
 
 GSPO_LOG_RATIO_MAX = 10.0  # verl's clamp of GSPO's (sequence) log ratio, upper side only
@@ -72,6 +74,7 @@ def vanilla(
     num_seqs: int | None = None,
     norm_len: int | None = None,
     clip_c: float | None = None,
+    rollout_is_weights: Tensor | None = None,
     **extra,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate with clip-higher and the optional dual clip ``clip_c`` (verl
@@ -79,7 +82,8 @@ def vanilla(
     if extra:
         raise AlgoError(f"policy loss 'vanilla' takes no {', '.join(sorted(extra))}")
     return policy_loss(old_logp, logp, advantages, mask, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
-                       agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
+                       agg=agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len,
+                       rollout_is_weights=rollout_is_weights)
 
 
 def gspo(
@@ -94,6 +98,7 @@ def gspo(
     num_tokens: int | Tensor | None = None,
     num_seqs: int | None = None,
     norm_len: int | None = None,
+    rollout_is_weights: Tensor | None = None,
     **extra,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071; verl ``compute_policy_loss_gspo``).
@@ -127,6 +132,7 @@ def gspo(
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss_tok = torch.maximum(loss_unclipped, loss_clipped)
+    loss_tok = weighted_by_rollout_is(loss_tok, rollout_is_weights, mask)
     loss = agg_loss(loss_tok, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     clipfrac, ppo_kl = _stats(mask, (loss_clipped > loss_unclipped).to(logp.dtype), -log_ratio)
     return loss, {"clipfrac": clipfrac, "clipfrac_lower": 0.0, "ppo_kl": ppo_kl}
@@ -144,6 +150,7 @@ def cispo(
     num_tokens: int | Tensor | None = None,
     num_seqs: int | None = None,
     norm_len: int | None = None,
+    rollout_is_weights: Tensor | None = None,
     **extra,
 ) -> tuple[Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1, arXiv:2506.13585; verl ``compute_policy_loss_cispo``).
@@ -166,6 +173,7 @@ def cispo(
         weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     adv = torch.where(valid, advantages, zero)
     loss_tok = -weight * adv * torch.where(valid, logp, zero)  # verl's order: (-w · A) · logp
+    loss_tok = weighted_by_rollout_is(loss_tok, rollout_is_weights, mask)
     loss = agg_loss(loss_tok, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     clipfrac, ppo_kl = _stats(mask, (ratio != weight).to(logp.dtype), -log_ratio)
     return loss, {"clipfrac": clipfrac, "clipfrac_lower": 0.0, "ppo_kl": ppo_kl}
@@ -183,6 +191,7 @@ def gpg(
     num_tokens: int | Tensor | None = None,
     num_seqs: int | None = None,
     norm_len: int | None = None,
+    rollout_is_weights: Tensor | None = None,
     **extra,
 ) -> tuple[Tensor, dict[str, float]]:
     """GPG (Chu et al. 2025, arXiv:2504.02546; verl ``compute_policy_loss_gpg``): plain policy
@@ -197,6 +206,7 @@ def gpg(
     valid = _as_bool(mask)
     zero = logp.new_zeros(())
     loss_tok = -torch.where(valid, logp, zero) * torch.where(valid, advantages, zero)
+    loss_tok = weighted_by_rollout_is(loss_tok, rollout_is_weights, mask)
     loss = agg_loss(loss_tok, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     (ppo_kl,) = _stats(mask, torch.where(valid, old_logp - logp, zero))
     return loss, {"clipfrac": 0.0, "clipfrac_lower": 0.0, "ppo_kl": ppo_kl}

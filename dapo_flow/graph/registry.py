@@ -14,6 +14,7 @@ from operators.kl import KL
 from operators.logprob import Logprob
 from operators.overlong_filter import OverlongFilter
 from operators.overlong_shape import OverlongShape
+from operators.rollout_correction import RolloutCorrection
 from operators.score import Score
 from operators.update import Update
 from operators.values import Values
@@ -27,6 +28,7 @@ OPERATORS: dict[str, type] = {
     "group-filter": GroupFilter,
     "logprob": Logprob,
     "kl": KL,
+    "rollout-correction": RolloutCorrection,
     "baseline": Baseline,
     "advantage": Advantage,
     "update": Update,

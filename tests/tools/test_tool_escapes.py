@@ -269,3 +269,20 @@ def test_without_bubblewrap_the_graph_is_refused_with_the_install_command(monkey
         assert tool.execute("r", {"code": "print(6 * 7)"}).text == "42\n"
     finally:
         isolation.problem.cache_clear()
+
+
+def test_the_isolation_that_runs_is_in_the_nodes_params_as_mlflow_logs_them():
+    """An agent node's tools carry their whole validated config (defaults filled), so `explain`
+    and the run's MLflow params (flattened as the session logs them) say which isolation ran."""
+    from dapo_flow.tools.base import ToolSpec
+    from dapo_flow.tracking import flatten
+    from operators.agent_generate import Params
+
+    params = Params(tools=[ToolSpec(name="calculator"), ToolSpec(name="python", timeout_s=3.0)])
+    logged = flatten(params.model_dump(mode="json"), "nodes.rollout.params.")
+    assert logged["nodes.rollout.params.tools.1.config.isolation"] == "bwrap"
+    assert logged["nodes.rollout.params.tools.1.timeout_s"] == "3.0"
+    assert "nodes.rollout.params.tools.1.config.timeout_s" not in logged  # set on the entry only
+    plain = Params(tools=[ToolSpec(name="python", config={"isolation": "none"})])
+    assert flatten(plain.model_dump(mode="json"))["tools.0.config.isolation"] == "none"
+    assert Params.model_validate(params.model_dump(mode="json")) == params  # what explain shows validates again
