@@ -131,21 +131,24 @@ AGENT_GRAPH = ROOT / "graphs" / "agent.yaml"
 AGENT_FIGURES = figures_of("agent")
 
 
-def test_readme_agent_figures_are_parsed():
-    assert AGENT_FIGURES.search((ROOT / "README.md").read_text(encoding="utf-8")), "README lost agent's figures"
+def test_results_agent_figures_are_parsed():
+    assert AGENT_FIGURES.search(RESULTS.read_text(encoding="utf-8")), "docs/results.md lost the agent's figures"
 
 
 @pytest.mark.shared_ray
 @pytest.mark.slow
+@pytest.mark.figures
 @pytest.mark.models("tiny-agent")
 @pytest.mark.timeout(1200)  # a fresh machine first builds tiny-agent (~1.5 min), then ~1.5 min of run
 def test_agent_graph_learns_to_call_the_calculator_as_the_readme_says(tmp_path, monkeypatch):
     """graphs/agent.yaml (builtin:tiny-agent on builtin:tool-arith, a multi-turn rollout with the
-    calculator) gains >= 10 points of val acc on Ray, the README's figures exactly, by calling
-    the tool more: from ~30% of the first step's samples to nearly all, the calls succeeding."""
+    calculator) gains >= 10 points of val acc on Ray, docs/results.md's figures exactly, by
+    calling the tool more: from ~30% of the first step's samples to nearly all, the calls
+    succeeding."""
     from dapo_flow.tracking import read_run
 
-    summary = _learns_as_the_readme_says(AGENT_GRAPH, "builtin:tiny-agent", AGENT_FIGURES, tmp_path, monkeypatch)
+    summary = _learns_as_the_readme_says(AGENT_GRAPH, "builtin:tiny-agent", AGENT_FIGURES, tmp_path, monkeypatch,
+                                         RESULTS)
     history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
     used = [v for _, v in sorted(history["agent/used_tool_frac"])]
     assert used[0] < 0.5 < 0.9 < used[-1], used  # RL learnt to call the tool
