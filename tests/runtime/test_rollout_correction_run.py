@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a whole run (~20 s)
+
 
 def test_inserted_into_the_small_graph_it_runs_and_logs_the_mismatch(workdir, small_graph):
     """--insert corr:rollout-correction:after=old_logp: the hf engine is the trained policy, so
