@@ -15,10 +15,13 @@ def test_compact_observations_are_result_blocks():
     assert obs.tokens(["42"]) == tok.encode("<result>42</result>", add_special_tokens=False)
 
 
-def test_hermes_observations_follow_the_chat_template(short_tiny_chat_dir):
-    from transformers import AutoTokenizer
+def test_hermes_observations_follow_the_chat_template():
+    from dapo_flow.models.recipes import tiny_chat
+    from dapo_flow.models.recipes.chat_tokenizer import train_chat_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(short_tiny_chat_dir))  # tiny-chat's ChatML tokenizer
+    # tiny-chat's ChatML tokenizer, trained as its build trains it (seconds; no model needed)
+    tok = train_chat_tokenizer(tiny_chat.corpus(tiny_chat.ChainTask()), vocab_size=tiny_chat.RECIPE.vocab_size,
+                               model_max_length=tiny_chat.RECIPE.max_position_embeddings)
     obs = Observations(CALL_FORMATS["hermes"], tok, use_chat_template=True)
     # the model's turn ended with <|im_end|>: the template's newline, the tool turns, the next header
     assert obs.text(["R1", "R2"], ended_with="<|im_end|>") == (

@@ -50,6 +50,7 @@ def test_shape_config_matches_the_built_config(chat_dir):
     assert {k: built[k] for k in declared} == declared
 
 
+@pytest.mark.slow  # a second build (~20 s)
 def test_build_info_and_determinism(chat_dir, tmp_path):
     info = json.loads((chat_dir / tiny_chat.BUILD_INFO).read_text())
     assert info["name"] == "tiny-chat" and info["tokenizer_size"] == SHORT.vocab_size

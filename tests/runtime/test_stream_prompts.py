@@ -12,7 +12,6 @@ from dapo_flow.errors import DataError
 from dapo_flow.graph import columns as C
 from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.graph.plan import Cluster
-from dapo_flow.models import resolve_model
 from dapo_flow.runtime import execute
 from dapo_flow.tracking import read_run
 from prompt_files import verl_parquet
@@ -76,10 +75,10 @@ def test_bad_rows_are_counted_size_limits_and_an_empty_stream_is_an_error():
         StreamSampler(_stream(3, 2, bad={0, 1, 2}), 0, 10, "train", "s").next(1)
 
 
-def test_tokenize_batch_matches_the_whole_file_loader_and_names_a_bad_row(tmp_path):
+def test_tokenize_batch_matches_the_whole_file_loader_and_names_a_bad_row(tmp_path, tiny_adder_path):
     data = tmp_path / "p.parquet"
     verl_parquet(data, rows=40)
-    model = str(resolve_model("builtin:tiny-adder"))
+    model = str(tiny_adder_path)  # the fixture: the session orders the test after tiny-adder's build
     out = pa.concat_tables(map(TokenizeBatch(model, str(data), "train"), local_batches([data])))
     from dapo_flow.data.prompts import load_prompts
     from transformers import AutoTokenizer
