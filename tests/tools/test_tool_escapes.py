@@ -63,14 +63,20 @@ class Listener:
 
 def test_no_route_reaches_a_listener_on_the_hosts_loopback():
     """The socket module's stubs are undone first (``_socket`` is the C module under them)."""
-    tcp, tcp6 = Listener(), Listener(socket.AF_INET6, "::1")
+    tcp = Listener()
+    try:
+        tcp6 = Listener(socket.AF_INET6, "::1")
+    except OSError:  # a host without IPv6 loopback: that route does not exist to begin with
+        tcp6 = None
+    targets = [("AF_INET", "127.0.0.1", tcp.port)] + ([("AF_INET6", "::1", tcp6.port)] if tcp6 else [])
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind(("127.0.0.1", 0))
     udp.settimeout(0.5)
     try:
         code = f"""
 import _socket
-for family, host, port in ((_socket.AF_INET, '127.0.0.1', {tcp.port}), (_socket.AF_INET6, '::1', {tcp6.port})):
+for family, host, port in {targets!r}:
+    family = getattr(_socket, family)
     s = _socket.socket(family, _socket.SOCK_STREAM)
     s.settimeout(2)
     try:
@@ -91,12 +97,15 @@ print(sorted(os.listdir('/sys/class/net')) if os.path.isdir('/sys/class/net') el
 """
         result = run(code, timeout_s=10.0)
         assert "CONNECTED" not in result.text and "RESOLVED" not in result.text, result.text
-        assert result.text.count("refused") == 2, result.text
+        assert result.text.count("refused") == len(targets), result.text
         with pytest.raises(TimeoutError):  # a datagram "sent" inside went nowhere
             udp.recvfrom(16)
-        assert tcp.accepted == tcp6.accepted == 0
+        assert tcp.accepted == 0 and (tcp6 is None or tcp6.accepted == 0)
     finally:
-        tcp.close(), tcp6.close(), udp.close()
+        for listener in (tcp, tcp6):
+            if listener is not None:
+                listener.close()
+        udp.close()
 
 
 def test_a_unix_socket_of_the_host_is_out_of_reach(tmp_path):
