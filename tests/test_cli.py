@@ -32,12 +32,13 @@ def test_validate_ok_without_ray_or_mlflow():
     assert "heavy: []" in r.stdout
 
 
-def test_validate_bad_exits_2_with_location():
-    r = dapo_flow("validate", str(BAD / "bad_multiple.yaml"))
-    assert r.returncode == 2
-    assert "bad_multiple.yaml:18: node 'verify' op: unknown op 'scor'" in r.stderr
-    assert "did you mean 'score'?" in r.stderr
-    assert "Traceback" not in r.stderr + r.stdout
+def test_validate_bad_exits_2_with_location(capsys):
+    # in this process (a subprocess costs seconds of imports; the one above checks the module path)
+    assert cli.main(["validate", str(BAD / "bad_multiple.yaml")]) == 2
+    out, err = capsys.readouterr()
+    assert "bad_multiple.yaml:18: node 'verify' op: unknown op 'scor'" in err
+    assert "did you mean 'score'?" in err
+    assert "Traceback" not in err + out
 
 
 def test_bad_yaml_and_missing_file(capsys):
@@ -66,27 +67,29 @@ def test_graph_png_and_mmd(tmp_path, capsys):
     assert "use one of" in capsys.readouterr().err
 
 
-def test_ops():
-    r = dapo_flow("ops")
-    assert r.returncode == 0, r.stderr
+def test_ops(capsys):
+    assert cli.main(["ops"]) == 0
+    out = capsys.readouterr().out
     for op in ("generate", "score", "overlong-shape", "group-filter", "logprob", "advantage",
-               "update", "custom"):
-        assert op in r.stdout
-    assert "clip_high: float = 0.28" in r.stdout
-    assert "Upper ratio clip (DAPO clip-higher: 0.28)." in r.stdout  # the field's docstring
-    assert "response_ids: list<int32>" in r.stdout
-    assert ">= 1, <= 1024" in r.stdout
+               "update", "rollout-correction", "custom"):
+        assert op in out
+    assert "clip_high: float = 0.28" in out
+    assert "Upper ratio clip (DAPO clip-higher: 0.28)." in out  # the field's docstring
+    assert "response_ids: list<int32>" in out
+    assert ">= 1, <= 1024" in out
     # an op without params says so instead of an empty heading
-    block = r.stdout.split("overlong-filter", 1)[1].split("\n\n", 1)[0]
+    block = out.split("overlong-filter", 1)[1].split("\n\n", 1)[0]
     assert "  params (none)" in block and "  params\n" not in block
 
 
-def test_help():
-    r = dapo_flow("--help")
+def test_help(capsys):
+    r = dapo_flow("--help")  # the module as a process: what `dapo-flow --help` runs
     assert r.returncode == 0
     for cmd in ("validate", "explain", "graph", "ops", "run", "models", "ui"):
         assert cmd in r.stdout
-    assert dapo_flow("run", "--help").stdout.count("--executor") >= 1
+    with pytest.raises(SystemExit) as done:
+        cli.main(["run", "--help"])
+    assert done.value.code == 0 and capsys.readouterr().out.count("--executor") >= 1
 
 
 def test_run_calls_execute(monkeypatch):
