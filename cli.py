@@ -37,11 +37,13 @@ EDIT_EXAMPLE = ("edits (repeatable, applied in the order given):\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dapo_flow.graph.registry import load_plugins
-
     err = Console(stderr=True, soft_wrap=True)
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        load_plugins()  # first: plugins may add executors, which the parser lists as choices
+        if argv[:1] not in (["-h"], ["--help"], []):  # the command list needs no plugin (nor torch)
+            from dapo_flow.graph.registry import load_plugins
+
+            load_plugins()  # first: plugins may add executors, which the parser lists as choices
         args = _parser().parse_args(argv)
         return args.func(args) or 0
     except DapoFlowError as exc:
