@@ -60,12 +60,8 @@ class Params(BaseModel):
         try:
             algos.rollout_correction.parse_is_threshold(self.rollout_is_threshold)
             if self.rollout_rs is not None:
-                options = [o.strip() for o in self.rollout_rs.split(",") if o.strip()]
-                unknown = [o for o in options if o not in algos.ROLLOUT_RS_OPTIONS]
-                if unknown or not options:
-                    raise algos.AlgoError(f"rollout_rs option(s) {', '.join(unknown) or '(none)'} unknown; "
-                                          f"choose from {', '.join(algos.ROLLOUT_RS_OPTIONS)}")
-                algos.rollout_correction.parse_rs_thresholds(list(dict.fromkeys(options)), self.rollout_rs_threshold)
+                options = algos.rollout_correction.parse_rs_options(self.rollout_rs)
+                algos.rollout_correction.parse_rs_thresholds(options, self.rollout_rs_threshold)
         except algos.AlgoError as exc:
             raise ValueError(str(exc)) from None
         return self

@@ -90,7 +90,7 @@ def rollout_correction_weights(log_ratio: Tensor, response_mask: Tensor, rollout
     else:
         log_ratio_for_metrics = _masked_sum(log_ratio, mask).unsqueeze(-1)  # (B, 1)
         raw = torch.exp(log_ratio_for_metrics.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
-    raw = raw * mask
+    raw = _masked(raw, mask)  # 0 at padding, NaN there included
     if lower is None:
         weights = raw.clamp(max=upper)
     else:
@@ -157,6 +157,17 @@ def _is_metrics(weights: Tensor, raw: Tensor, log_ratio_for_metrics: Tensor, mas
     return m
 
 
+def parse_rs_options(rollout_rs: str) -> list[str]:
+    """The options of a comma separated ``rollout_rs``, in order, each once; AlgoError when one
+    is unknown or none is given."""
+    options = list(dict.fromkeys(o.strip() for o in rollout_rs.split(",") if o.strip()))
+    unknown = [o for o in options if o not in ROLLOUT_RS_OPTIONS]
+    if unknown or not options:
+        raise AlgoError(f"rollout_rs option(s) {', '.join(unknown) or '(none)'} unknown; "
+                        f"choose from {', '.join(ROLLOUT_RS_OPTIONS)}")
+    return options
+
+
 def parse_rs_thresholds(options: list[str], spec: str | float | None) -> dict[str, tuple[float | None, float]]:
     """Option -> (lower, upper): one entry per option, comma separated, or one for all. A k1
     option takes ``"lower_upper"`` ratio bounds (an upper alone means [1/upper, upper]); the
@@ -210,10 +221,7 @@ def rollout_rejection_mask(log_ratio: Tensor, response_mask: Tensor, rollout_rs:
         raise AlgoError("rollout_rs_threshold is required with rollout_rs (e.g. '0.5_2.0' for token_k1, 0.01 for k3)")
     if log_ratio.shape[0] == 0:
         return response_mask, {}
-    options = list(dict.fromkeys(o.strip() for o in rollout_rs.split(",") if o.strip()))
-    unknown = [o for o in options if o not in ROLLOUT_RS_OPTIONS]
-    if unknown:
-        raise AlgoError(f"rollout_rs option(s) {', '.join(unknown)} unknown; choose from {', '.join(ROLLOUT_RS_OPTIONS)}")
+    options = parse_rs_options(rollout_rs)
     bounds = parse_rs_thresholds(options, rollout_rs_threshold)
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     divergence = {"k1": -safe, "k2": 0.5 * safe**2, "k3": torch.exp(safe) - 1.0 - safe}

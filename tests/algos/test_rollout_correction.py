@@ -274,9 +274,10 @@ def test_nan_at_padding_reaches_no_weight_or_mask():
     """Where verl's x * mask turns NaN at padding into NaN sums, the masked positions stay out."""
     log_ratio, mask = batch(3)
     poisoned = torch.where(mask.bool(), log_ratio, torch.full_like(log_ratio, float("nan")))
-    clean, _ = algos.rollout_correction_weights(log_ratio, mask, "sequence", 2.0)
-    weights, _ = algos.rollout_correction_weights(poisoned, mask, "sequence", 2.0)
-    torch.testing.assert_close(weights, clean)
+    for level in ("token", "sequence"):
+        clean, _ = algos.rollout_correction_weights(log_ratio, mask, level, 2.0)
+        weights, _ = algos.rollout_correction_weights(poisoned, mask, level, 2.0)
+        torch.testing.assert_close(weights, clean)
     kept, _ = algos.rollout_rejection_mask(poisoned, mask, "seq_sum_k3", 1.0)
     assert torch.equal(kept, algos.rollout_rejection_mask(log_ratio, mask, "seq_sum_k3", 1.0)[0])
 
