@@ -217,19 +217,21 @@ def _leave_out_figures(config, items) -> None:
     unless ``-m`` names it or a test of it is named by its node id (``file::test``)."""
     if "figures" in (config.option.markexpr or "") or any("::" in a for a in config.args):
         return
-    left_out = [item for item in items if item.get_closest_marker("figures") is not None]
+    kept, left_out = [], []
+    for item in items:
+        (left_out if item.get_closest_marker("figures") else kept).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if item.get_closest_marker("figures") is None]
+        items[:] = kept
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected: only what will run counts
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Leave out the figures tier unless asked for; start the builds of the built-in models the
-    selected tests read and the cache lacks (in
-    background lanes: ``model_builds``), and order the tests: the slow ones first (they start
-    while the builds run and leave no long test for the end), those that read a model of a long
-    build after the others, by when it is built; then the fast ones, the same way. The order
+    selected tests read and the cache lacks (in background lanes: ``model_builds``), and order
+    the tests: the slow ones first (they start while the builds run and leave no long test for
+    the end), those that read a model of a long build after the others, by when it is built;
+    then the fast ones, the same way. The order
     depends on the markers alone, not on the cache, so every pytest-xdist worker collects the
     same one."""
     _leave_out_figures(config, items)

@@ -74,12 +74,11 @@ def _python_prefix() -> list[str]:
 def bwrap_argv(main_py: Path, *, disk_bytes: int, env: dict[str, str]) -> list[str]:
     """The command that runs the Python program ``main_py`` (a host file, bound read-only as
     ``/tmp/main.py``) isolated; the caller appends the interpreter's arguments."""
-    as_root = os.geteuid() == 0
     argv = [shutil.which("bwrap") or "bwrap",
             "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     # root keeps only what it needs to become nobody; another user gets a user namespace
-    argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if as_root else ["--unshare-user"]
+    argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if drops_to_nobody() else ["--unshare-user"]
     argv += _system_dirs() + _python_prefix()
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", str(disk_bytes), "--tmpfs", WORKDIR,
