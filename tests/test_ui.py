@@ -136,3 +136,14 @@ def test_serving_beyond_loopback_is_a_warning():
     for host in ("0.0.0.0", "10.1.2.3", "myhost.example"):
         warning = cli.ui_host_warning(host)
         assert warning and "no login" in warning and "ssh -L" in warning, host
+
+
+def test_a_host_this_machine_cannot_serve_on_exits_2_before_the_store(tmp_path, monkeypatch, capsys):
+    import cli
+
+    monkeypatch.chdir(tmp_path)
+    port = free_port()
+    assert cli.main(["ui", "--host", "192.0.2.1", "--port", str(port)]) == 2  # TEST-NET-1: no interface has it
+    err = capsys.readouterr().err
+    assert f"cannot serve on 192.0.2.1:{port}" in err and "Traceback" not in err
+    assert not (tmp_path / "dapo-flow-runs").exists()
