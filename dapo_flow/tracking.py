@@ -194,11 +194,52 @@ def _client(uri: str, *, write: bool = False):
     db.parent.mkdir(parents=True, exist_ok=True)
     try:
         with FileLock(f"{db}.lock", timeout=STORE_LOCK_TIMEOUT_S):
+            if not db.exists():
+                _copy_empty_store(db)
             return _open(MlflowClient, uri, db)
     except Timeout:
         raise StoreError(f"{db}: another process has held the store's lock ({db}.lock) for "
                          f"{STORE_LOCK_TIMEOUT_S} s while opening it\n"
                          f"    fix: stop that process, or wait for it and retry") from None
+
+
+def _copy_empty_store(db: Path) -> None:
+    """Start a new sqlite store as a copy of an empty one of this MLflow version, migrated once
+    and kept under $DAPO_FLOW_HOME/mlflow: MLflow creates a store by running its ~60
+    migrations (1-2.5 s of CPU, every new run folder, every test's store); a copy takes
+    milliseconds. The copy holds no experiment, so MLflow makes its Default one on opening it,
+    with this store's artifact location. Where the template cannot be made or copied, MLflow
+    creates the store as usual."""
+    import shutil
+    import sqlite3
+    import tempfile
+
+    import mlflow
+    from filelock import FileLock
+
+    from dapo_flow.home import dapo_flow_home
+
+    template = dapo_flow_home() / "mlflow" / f"empty-store-{mlflow.__version__}.db"
+    try:
+        if not template.exists():
+            template.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(f"{template}.lock", timeout=STORE_LOCK_TIMEOUT_S):
+                if not template.exists():
+                    with tempfile.TemporaryDirectory(dir=template.parent) as tmp:
+                        made = Path(tmp) / "store.db"
+                        from mlflow import MlflowClient
+
+                        MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()
+                        con = sqlite3.connect(made)
+                        try:  # its Default experiment's artifacts would point into tmp
+                            with con:
+                                con.execute("DELETE FROM experiments")
+                        finally:
+                            con.close()
+                        os.replace(made, template)
+        shutil.copyfile(template, db)
+    except (OSError, sqlite3.Error):
+        db.unlink(missing_ok=True)  # MLflow creates it
 
 
 def open_store(uri: str) -> None:

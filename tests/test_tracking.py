@@ -44,6 +44,39 @@ def test_concurrent_first_starts_share_one_store(tmp_path):
     assert all(r["status"] == "FINISHED" and r["metrics"] == {"x": float(r["name"][1:])} for r in runs)
 
 
+def test_a_new_store_is_a_copy_of_an_empty_migrated_one(tmp_path, monkeypatch):
+    """MLflow's migrations run once per MLflow version, into a template under $DAPO_FLOW_HOME;
+    each new store copies it and still gets a Default experiment of its own location."""
+    import mlflow
+
+    monkeypatch.setenv("DAPO_FLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    template = tmp_path / "home" / "mlflow" / f"empty-store-{mlflow.__version__}.db"
+    stores = []
+    for name in ("a", "b"):
+        uri = f"sqlite:///{tmp_path / name / 'mlflow.db'}"
+        tracker = Tracker(uri, "exp", run_name=name)
+        tracker.log_metrics(1, {"x": 1.0})
+        tracker.finish()
+        stores.append(uri)
+        assert template.is_file()
+    for name, uri in zip("ab", stores):
+        assert [r["name"] for r in search_runs(uri, "exp")] == [name]
+        client = tracking._client(uri)
+        default = client.get_experiment("0")
+        assert default.name == "Default" and str(tmp_path / "home") not in default.artifact_location
+    assert sorted(p.name for p in template.parent.iterdir()) == [template.name, f"{template.name}.lock"]
+
+
+def test_an_unwritable_home_still_creates_the_store(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("DAPO_FLOW_HOME", str(home))
+    uri = f"sqlite:///{tmp_path / 's' / 'mlflow.db'}"
+    Tracker(uri, "exp", run_name="r").finish()
+    assert [r["name"] for r in search_runs(uri, "exp")] == ["r"]
+
+
 def test_experiment_created_by_another_process_is_used(tmp_path, monkeypatch):
     """create_experiment losing the race (RESOURCE_ALREADY_EXISTS) fetches the winner's."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

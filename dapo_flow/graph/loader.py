@@ -30,6 +30,8 @@ MAX_GRAPH_DEPTH = 100  # levels of nesting (a graph: ~5); deeper ones end in the
 # ruamel's round-trip scanner joins a block of comment lines by repeated string concatenation
 # (quadratic: 200k comment lines took minutes). Past this many, comment lines are blanked first.
 MANY_COMMENT_LINES = 1_000
+_TOO_DEEP = f"the document nests more than {MAX_GRAPH_DEPTH} levels deep (lists or mappings inside each other)"
+_TOO_DEEP_FIX = "a graph nests a few levels; check for unbalanced [ or {"
 _COMMENT_LINE = re.compile(r"^[ \t]*#.*$", re.MULTILINE)
 
 
@@ -75,6 +77,9 @@ def load(path: str | Path) -> GraphDoc:
                                   "is this the graph? a graph is a few KB of YAML")])
     try:
         text = p.read_text(encoding="utf-8")
+        too_deep = _line_too_deep(text)
+        if too_deep:  # refused before the parser, whose scanner is quadratic in the nesting
+            raise GraphError([Problem(file, too_deep, "", "", _TOO_DEEP, _TOO_DEEP_FIX)])
         data, blanked = _parse_rt(text)
         raw, lines = _plain_document(file, data)
         if blanked and not _same_as_written(raw, text):
@@ -85,10 +90,36 @@ def load(path: str | Path) -> GraphDoc:
     except (YAMLError, UnicodeDecodeError) as exc:
         raise GraphError([Problem(file, 0, "", "", f"cannot read YAML: {exc}")]) from None
     except RecursionError:  # ruamel's parser recurses once per level of nesting
-        raise GraphError([Problem(file, 0, "", "", f"the document nests more than {MAX_GRAPH_DEPTH} levels "
-                                  "deep (lists or mappings inside each other)",
-                                  "a graph nests a few levels; check for unbalanced [ or {")]) from None
+        raise GraphError([Problem(file, 0, "", "", _TOO_DEEP, _TOO_DEEP_FIX)]) from None
     return GraphDoc(file=file, raw=raw, lines=lines)
+
+
+def _line_too_deep(text: str) -> int:
+    """The line where flow brackets (``[``, ``{``; quotes and comments skipped) first nest more
+    than MAX_GRAPH_DEPTH deep, or 0. ruamel's scanner takes time quadratic in the nesting (5000
+    levels: ~6 s before its RecursionError; a 1 MiB file of brackets would take hours), so such
+    a document is refused from this count first. Block nesting is bounded by indentation."""
+    if text.count("[") + text.count("{") <= MAX_GRAPH_DEPTH:
+        return 0
+    depth, line, quote, previous = 0, 1, "", "\n"
+    for ch in text:
+        if ch == "\n":
+            line += 1
+        if quote:
+            if ch == quote or (ch == "\n" and quote == "#"):
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and previous in " \t\n":
+            quote = "#"  # a comment: skipped to the end of its line
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_GRAPH_DEPTH:
+                return line
+        elif ch in "]}":
+            depth = max(depth - 1, 0)
+        previous = ch
+    return 0
 
 
 def _parse_rt(text: str) -> tuple[Any, bool]:
@@ -187,8 +218,7 @@ class _Walker:
         if not isinstance(node, (dict, list)):
             return _plain(node)
         if len(path) >= MAX_GRAPH_DEPTH:
-            raise _TooLarge(path, f"the document nests more than {MAX_GRAPH_DEPTH} levels deep (lists or "
-                            "mappings inside each other)", "a graph nests a few levels; check for unbalanced [ or {")
+            raise _TooLarge(path, _TOO_DEEP, _TOO_DEEP_FIX)
         if id(node) in self.open:
             raise _TooLarge(path, "a YAML alias refers to a mapping or list that contains it "
                             "(an endless document)", "remove the alias from inside its own anchor")
