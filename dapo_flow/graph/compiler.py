@@ -110,6 +110,31 @@ def _sleep_problems(plan: Plan, actors: list[str]) -> list[Problem]:
         if model.rollout.sleep and f"rollout:{name}" in actors]
 
 
+def _overlap_problems(plan: Plan, stage_of: Mapping[str, str]) -> list[Problem]:
+    """`run.rollout_mode: one_step_off` runs the rollout phase beside the training phase: it
+    needs a rollout phase (a group-filter ends it), and none of its nodes may run in a stage
+    that trains, whose weights change under it mid-step (colocated placement generates there)."""
+    if plan.spec.run.rollout_mode == "sync":
+        return []
+    line = plan.doc.line_of(("run", "rollout_mode")) if plan.doc is not None else 0
+
+    def problem(message: str, fix: str) -> Problem:
+        return Problem(plan.file, line, "", "run.rollout_mode", message, fix)
+
+    if plan.group_filter is None:
+        return [problem("one_step_off overlaps the rollout phase (the nodes up to a group-filter) with "
+                        "training, and this graph has no group-filter: every node runs in one phase",
+                        "add a group-filter node after the reward (dynamic sampling), or set rollout_mode: sync")]
+    training = {stage_of[n.id] for n in plan.with_role("train")}
+    clash = [n for n in plan.rollout if stage_of[n] in training]
+    if not clash:
+        return []
+    return [problem(f"one_step_off runs the rollout phase while the model trains, but node '{clash[0]}' "
+                    f"of the rollout phase runs in stage {stage_of[clash[0]]}, which trains (placement "
+                    f"{plan.spec.placement.mode}): it would see the weights change mid-step",
+                    "set placement: {mode: disaggregated} (rollout in actors of their own), or rollout_mode: sync")]
+
+
 def _rollout_problem(plan: Plan, model: str, key: str, message: str, fix: str) -> Problem:
     """A problem with ``models.MODEL.rollout.KEY``, at its line."""
     line = plan.doc.line_of(("models", model, "rollout", key)) if plan.doc is not None else 0
@@ -153,6 +178,7 @@ def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
     explicit = plan.spec.placement.models
     shares = sizing.default_gpus(plan, cluster, model_of, workers)
     problems = (_replica_problems(plan, actors) + _sleep_problems(plan, actors)
+                + _overlap_problems(plan, stage_of)
                 + _placement_problems(plan, cluster, model_of, workers) + shares.problems)
     if problems:
         raise GraphError(problems)
@@ -331,6 +357,10 @@ def explain(placed: PlacedPlan) -> str:
             header = header.format(cap=getattr(gf.params, "max_gen_batches", 0) or "unlimited",
                                    on_cap=getattr(gf.params, "on_cap", "error"))
         out.append(header)
+        if phase == "rollout" and run.rollout_mode == "one_step_off":
+            out.append("    one_step_off: runs for the next step while this step trains, with the weights "
+                       "from before this step's update (after step 1, batches are one version stale); "
+                       "the weight sync waits for it")
         for call in placed.calls[phase]:
             if len(call.nodes) > 1:
                 out.append(f"    one call @ {call.stage}: {' -> '.join(call.nodes)}")

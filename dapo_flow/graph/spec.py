@@ -347,6 +347,17 @@ class RunSpec(_Frozen):
     chunk_prompts: int | None = Field(
         None, ge=1, description="Generate in chunks of this many prompts and stream them on."
     )
+    rollout_mode: Literal["sync", "one_step_off"] = Field(
+        "sync",
+        description="`sync`: each step generates, then trains on what it generated. `one_step_off`: "
+        "the next step's rollout phase (generation, scoring, dynamic sampling) runs while this step "
+        "trains, with the weights from before this step's update, so every batch after the first "
+        "was sampled one policy version back (metric rollout/staleness). The update's old logprobs "
+        "then either come from the sampling policy (logprob source: rollout) or are recomputed by "
+        "the trainer (source: recompute) with a rollout-correction node weighting for the gap. "
+        "Needs placement: {mode: disaggregated} (rollout in actors of its own) and a group-filter "
+        "(the end of the rollout phase).",
+    )
 
 
 class TrackingSpec(_Frozen):

@@ -1,5 +1,6 @@
 """Checkpoints: model weights, optimizer/scheduler/op states, data cursor, RNG, MLflow run id,
-and the kept groups carried to the next step (run.carry_surplus) as an Arrow IPC file.
+and the kept groups carried to the next step (run.carry_surplus) and a one_step_off run's next
+batch, collected already, as Arrow IPC files.
 
 Layout: ``{graph folder}/{MLflow run id}/step_NNNNNN/`` — one folder per run, so runs of the
 same graph never overwrite each other. Checkpoints of dapo-flow versions before that sit
@@ -29,6 +30,7 @@ from dapo_flow.errors import RunError
 DRIVER_FILE = "driver.json"
 OPS_FILE = "ops.pt"
 CARRY_FILE = "carry.arrow"
+AHEAD_FILE = "ahead.arrow"  # one_step_off: the next step's batch, collected already
 MANIFEST_FILE = "manifest.json"  # written last: sizes and checksums of the other files
 STEP_PREFIX = "step_"
 DAMAGED_PREFIX = "damaged_"  # a damaged checkpoint moved aside by a resume (never listed again)
@@ -46,10 +48,10 @@ def step_of(path: Path) -> int:
 
 
 def save(root: Path, step: int, *, driver: dict[str, Any], op_states: dict[str, Any],
-         save_models, carry: pa.Table | None = None) -> Path:
+         save_models, carry: pa.Table | None = None, ahead: pa.Table | None = None) -> Path:
     """``save_models(dir)`` writes the trained models' HF directories into ``dir``;
-    ``carry`` is the table of groups carried over to the next step, if any. ``root`` is the
-    run's folder."""
+    ``carry`` is the table of groups carried over to the next step, if any; ``ahead`` the
+    next step's batch a one_step_off run has collected already. ``root`` is the run's folder."""
     final = step_dir(root, step)
     tmp = root / f".tmp_{final.name}"
     try:
@@ -57,9 +59,10 @@ def save(root: Path, step: int, *, driver: dict[str, Any], op_states: dict[str, 
         (tmp / "models").mkdir(parents=True)
         save_models(tmp / "models")
         torch.save(op_states, tmp / OPS_FILE)
-        if carry is not None:
-            with pa.OSFile(str(tmp / CARRY_FILE), "wb") as sink, pa.ipc.new_file(sink, carry.schema) as out:
-                out.write_table(carry)
+        for name, table in ((CARRY_FILE, carry), (AHEAD_FILE, ahead)):
+            if table is not None:
+                with pa.OSFile(str(tmp / name), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
+                    out.write_table(table)
         (tmp / DRIVER_FILE).write_text(json.dumps(driver, indent=2))
         _write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
@@ -234,7 +237,16 @@ def load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def load_carry(path: Path) -> pa.Table | None:
     """The carried-over groups saved with the checkpoint (None when there were none)."""
-    if not (path / CARRY_FILE).is_file():
+    return _read_table(path / CARRY_FILE)
+
+
+def load_ahead(path: Path) -> pa.Table | None:
+    """The next step's batch a one_step_off run saved with the checkpoint (None if none)."""
+    return _read_table(path / AHEAD_FILE)
+
+
+def _read_table(file: Path) -> pa.Table | None:
+    if not file.is_file():
         return None
-    with pa.memory_map(str(path / CARRY_FILE)) as source:
+    with pa.memory_map(str(file)) as source:
         return pa.ipc.open_file(source).read_all()

@@ -12,6 +12,7 @@ registry `--executor` chooses from: adding one is a class plus one line there.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping, Protocol, runtime_checkable
@@ -89,6 +90,9 @@ class LocalExecutor:
                                "the local executor runs everything in this process"
                                f"\n    fix: --executor ray, or set the model's {knob}: 1")
         self.workers = {}
+        # one call at a time per stage, as an actor takes them: one_step_off's rollout thread
+        # and the training calls may both use a stage (the driver stage's operators)
+        self.locks = {name: threading.RLock() for name in setups}
         try:
             for name, s in setups.items():  # a group of one: an FSDP2 shard of world size 1
                 member = GroupMember(0, 1, "127.0.0.1", free_port()) if s.grouped else None
@@ -98,7 +102,8 @@ class LocalExecutor:
             raise
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
-        return getattr(self.workers[stage], method)(*args)
+        with self.locks[stage]:
+            return getattr(self.workers[stage], method)(*args)
 
     def rows(self, stage: str, method: str, *args: Any) -> "Rows":
         out = self.call(stage, method, *args)

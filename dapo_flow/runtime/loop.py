@@ -10,6 +10,7 @@ plan's segments (rollout, train), its group filter and its weight syncs.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -43,12 +44,55 @@ class LoopState:
     wall_seconds: float = 0.0
     keep_rate: float | None = None  # gen_prompts_per_batch auto: EMA of kept groups per prompt
     skipped_in_a_row: int = 0  # steps in a row that trained nothing (the group filter kept too little)
+    policy_version: int = 0  # updates made so far: the version of the trained weights
 
 
 @dataclass
 class Rollout:
     batch: Any  # the batch's handle (a prompts table without a group filter); None: skip this step
     metrics: dict[str, float] = field(default_factory=dict)
+    policy_version: int = 0  # the version of the weights it was generated with (LoopState's)
+
+
+class Ahead:
+    """The next step's rollout phase, run by a thread of the driver while this step trains
+    (``run.rollout_mode: one_step_off``). It starts before this step's update, so it generates
+    with the weights from before it (version ``state.policy_version`` now); the caller waits for
+    it (:meth:`result`) before the weight sync that follows the update, so no batch mixes two
+    versions and a run is as deterministic as a synchronous one. Only this thread touches the
+    rollout side of ``state`` (sampler position, carry, keep rate) until :meth:`result` returns."""
+
+    def __init__(self, runner: "Runner", state: LoopState):
+        self.version = state.policy_version
+        self.started_at = time.perf_counter()
+        self.finished_at = 0.0
+        self._rollout: Rollout | None = None
+        self._error: BaseException | None = None
+        # a daemon: a run stopped by Ctrl-C or an error does not wait for its generation
+        self._thread = threading.Thread(target=self._collect, args=(runner, state), daemon=True,
+                                        name="dapo-flow-rollout-ahead")
+        self._thread.start()
+
+    def _collect(self, runner: "Runner", state: LoopState) -> None:
+        try:
+            self._rollout = runner.collect(state, version=self.version)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the driver's thread
+            self._error = exc
+        finally:
+            self.finished_at = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        """How long the rollout phase took (once :meth:`result` has returned)."""
+        return self.finished_at - self.started_at
+
+    def result(self) -> Rollout:
+        """The rollout, once collected; the rollout phase's error, raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._rollout is not None
+        return self._rollout
 
 
 @dataclass
@@ -69,15 +113,23 @@ class Traffic:
     driver: int = 0
     made: int = 0
     largest: int = 0
+    # one_step_off collects in a thread beside the training calls (Ahead)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add_output(self, nbytes: int) -> None:
-        self.made += nbytes
-        self.largest = max(self.largest, nbytes)
+        with self.lock:
+            self.made += nbytes
+            self.largest = max(self.largest, nbytes)
+
+    def add_driver(self, nbytes: int) -> None:
+        with self.lock:
+            self.driver += nbytes
 
     def take(self) -> dict[str, float]:
-        out = {"perf/driver_bytes": float(self.driver), "perf/stage_output_bytes": float(self.made),
-               "perf/largest_table_bytes": float(self.largest)}
-        self.driver = self.made = self.largest = 0
+        with self.lock:
+            out = {"perf/driver_bytes": float(self.driver), "perf/stage_output_bytes": float(self.made),
+                   "perf/largest_table_bytes": float(self.largest)}
+            self.driver = self.made = self.largest = 0
         return out
 
 
@@ -118,12 +170,12 @@ class Runner:
     def fetch(self, table) -> pa.Table:
         """A table read into the driver (counted in ``perf/driver_bytes``)."""
         out = self.ex.fetch(table)
-        self.traffic.driver += out.nbytes
+        self.traffic.add_driver(out.nbytes)
         return out
 
     def sample(self, n: int) -> pa.Table:
         prompts = self.sampler.next(n)
-        self.traffic.driver += prompts.nbytes
+        self.traffic.add_driver(prompts.nbytes)
         return prompts
 
     def _inputs(self, nid: str, outs: dict[str, Output]) -> list:
@@ -158,7 +210,15 @@ class Runner:
             groups.extend(out.info.groups or ())
         return Kept(parts_of(tables), tuple(groups))
 
-    def collect(self, state: LoopState) -> Rollout:
+    def collect(self, state: LoopState, version: int | None = None) -> Rollout:
+        """The next training batch: generation batches through the rollout phase until the
+        group filter has kept ``prompts_per_step`` groups (or its cap says otherwise).
+        ``version``: the weights' version it is generated with (default: the state's now)."""
+        rollout = self._collect(state)
+        rollout.policy_version = state.policy_version if version is None else version
+        return rollout
+
+    def _collect(self, state: LoopState) -> Rollout:
         acc = MetricAccumulator()
         need = self.run.prompts_per_step
         if self.plan.group_filter is None:  # no dynamic sampling: the train segment generates

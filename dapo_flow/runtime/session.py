@@ -25,7 +25,7 @@ from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.checkpoint_models import SHARDED, checkpoint_format
 from dapo_flow.runtime.executors import executor_class
-from dapo_flow.runtime.loop import Kept, LoopState, Runner
+from dapo_flow.runtime.loop import Ahead, Kept, LoopState, Rollout, Runner
 from dapo_flow.runtime.resume import checkpoint_root, claim, resume_point
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.setup import graph_hash, stage_setups
@@ -176,7 +176,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
     ghash = graph_hash(spec)
     driver_state: dict = {}
     op_states: dict = {}
-    carry = None
+    carry = ahead = None
     model_paths: dict[str, str] = {}
     owner = None  # the run folder's lock, held while this process trains the run
     if resume:
@@ -185,6 +185,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
         owner = claim(last.parent)  # before anything marks the run RUNNING again
         driver_state, op_states = checkpoint.load(last)
         carry = checkpoint.load_carry(last)
+        ahead = checkpoint.load_ahead(last)
         model_paths = {m: str(last / "models" / m) for m in driver_state["trained_models"]}
         console.print(f"resuming from {last} (step {driver_state['step']} of run "
                       f"{driver_state['mlflow_run_id']})", highlight=False)
@@ -230,10 +231,11 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
                               samples_generated=int(driver_state.get("samples_generated", 0)),
                               wall_seconds=float(driver_state.get("wall_seconds", 0.0)),
                               keep_rate=driver_state.get("keep_rate"),
-                              skipped_in_a_row=int(driver_state.get("skipped_in_a_row", 0)))
+                              skipped_in_a_row=int(driver_state.get("skipped_in_a_row", 0)),
+                              policy_version=int(driver_state.get("policy_version", driver_state.get("step", 0))))
             runner.sampler = sampler
             return _loop(runner, state, tracker, total, run_root, console, startup, skipped,
-                         ghash, val_prompts, ctrl_c, logged)
+                         ghash, val_prompts, ctrl_c, logged, _rollout_ahead(driver_state, ahead))
     except KeyboardInterrupt:
         if tracker is not None:
             with CtrlC() as again, again.held(then_raise=False):  # a 2nd Ctrl-C waits for it
@@ -260,10 +262,20 @@ def _mark_ended(tracker: Tracker, status: str, console: Console) -> None:
         console.print(f"[yellow]warning:[/] could not mark MLflow run {tracker.run_id} {status}: {e}")
 
 
+def _rollout_ahead(driver_state: dict, table) -> Rollout | None:
+    """The rollout a one_step_off checkpoint holds for the step after it, as it was collected
+    (None where it holds none)."""
+    saved = driver_state.get("ahead")
+    if saved is None:
+        return None
+    return Rollout(table if saved["batch"] else None, dict(saved["metrics"]), int(saved["policy_version"]))
+
+
 def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_root: Path,
           console: Console, startup: float, skipped: int, ghash: str, val_prompts,
-          ctrl_c: CtrlC, logged: dict[int, set[str]]) -> dict:
+          ctrl_c: CtrlC, logged: dict[int, set[str]], ahead: Rollout | None) -> dict:
     run = runner.run
+    overlap = run.rollout_mode == "one_step_off"
     spec = runner.plan.spec
     pending: list[tuple[int, dict]] = []
     trained = list(runner.plan.trained_models)
@@ -289,10 +301,26 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
             ctrl_c.check()
             step = state.step + 1
             t0 = time.perf_counter()
-            rollout = runner.collect(state)
+            rollout = ahead if ahead is not None else runner.collect(state)
+            collected = time.perf_counter() - t0  # 0 where the last step collected it ahead
+            # one_step_off: the next step's rollout phase runs beside this step's update
+            next_rollout = Ahead(runner, state) if overlap and step < total else None
             metrics = dict(rollout.metrics)
+            t1 = time.perf_counter()
             if rollout.batch is not None:
+                metrics["rollout/staleness"] = float(state.policy_version - rollout.policy_version)
                 metrics.update(runner.train(rollout))
+                state.policy_version += 1
+            trained_at = time.perf_counter()
+            metrics["time/train_phase"] = trained_at - t1
+            metrics["time/rollout_phase"] = collected
+            ahead = None
+            if next_rollout is not None:
+                ahead = next_rollout.result()  # before the sync: its batch is of one version
+                metrics["time/rollout_phase"] += next_rollout.seconds
+                metrics["time/trainer_wait"] = max(next_rollout.finished_at - trained_at, 0.0)
+                metrics["time/rollout_idle"] = max(trained_at - next_rollout.finished_at, 0.0)
+            if rollout.batch is not None:
                 metrics.update(runner.sync())
             seconds = time.perf_counter() - t0
             state.wall_seconds += seconds
@@ -316,7 +344,7 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
             ckpt_due = run.checkpoint_every and (step % run.checkpoint_every == 0 or step == total)
             with ctrl_c.held():  # a checkpoint and its metrics are written whole
                 if ckpt_due:
-                    _checkpoint(runner, state, tracker, run_root, trained, pending)
+                    _checkpoint(runner, state, tracker, run_root, trained, pending, ahead)
                 if ckpt_due or not run.checkpoint_every:
                     _flush(tracker, pending, logged)
                     pending.clear()
@@ -336,7 +364,10 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
 
 
 def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, trained,
-                unlogged: list[tuple[int, dict]]) -> None:
+                unlogged: list[tuple[int, dict]], ahead: Rollout | None) -> None:
+    """The models, operator states and driver state after ``state.step``; ``ahead``, the next
+    step's rollout a one_step_off run collected already, is saved whole (trained once, after
+    a resume, as it would have been)."""
     ex = runner.ex
     stages = sorted(set(runner.stage_of.values()))
     op_states = {s: ex.get(ex.call(s, "op_states")) for s in stages}
@@ -344,6 +375,9 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
         "step": state.step, "sampler": runner.sampler.state(), "mlflow_run_id": tracker.run_id,
         "samples_generated": state.samples_generated, "wall_seconds": state.wall_seconds,
         "keep_rate": state.keep_rate, "skipped_in_a_row": state.skipped_in_a_row,
+        "policy_version": state.policy_version,
+        "ahead": None if ahead is None else {"batch": ahead.batch is not None, "metrics": ahead.metrics,
+                                             "policy_version": ahead.policy_version},
         "trained_models": trained,
         "unlogged_metrics": [[s, m] for s, m in unlogged],
         "graph": runner.plan.spec.model_dump(mode="json"),  # what --resume diffs a changed graph with
@@ -354,7 +388,8 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
             ex.get(ex.call(s, "save_models", str(out)))
 
     checkpoint.save(root, state.step, driver=driver, op_states=op_states, save_models=save_models,
-                    carry=runner.fetch(state.carry.table) if state.carry is not None else None)
+                    carry=runner.fetch(state.carry.table) if state.carry is not None else None,
+                    ahead=runner.fetch(ahead.batch) if ahead is not None and ahead.batch is not None else None)
     keep = runner.run.keep_checkpoints
     if keep:
         checkpoint.prune(root, keep)

@@ -14,7 +14,6 @@ a missing one when a test first needs it (scripts/gpu_check.sh brings them built
 from __future__ import annotations
 
 import io
-import shutil
 from pathlib import Path
 
 import pytest
@@ -65,24 +64,12 @@ def chat_model(tmp_path_factory) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="session")
-def empty_mlflow_store(tmp_path_factory, builtin) -> Path:
-    """An empty, already migrated MLflow sqlite db (a new store costs seconds of migrations)."""
-    from dapo_flow.tracking import search_runs
-
-    builtin("tiny-adder")  # before any test times a run: the model most of them train
-    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    assert search_runs(f"sqlite:///{path}", "none") == []  # opening the store migrates it
-    return path
-
-
 @pytest.fixture()
-def workdir(tmp_path, monkeypatch, empty_mlflow_store) -> Path:
+def workdir(tmp_path, monkeypatch, builtin) -> Path:
     """A fresh working directory (the MLflow store and checkpoints go under ./dapo-flow-runs)."""
+    builtin("tiny-adder")  # before any test times a run: the model most of them train
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    (tmp_path / "dapo-flow-runs").mkdir()
-    shutil.copyfile(empty_mlflow_store, tmp_path / "dapo-flow-runs" / "mlflow.db")
     return tmp_path
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 TEMPLATE = """\
@@ -47,21 +46,10 @@ def small_graph():
     return write_graph
 
 
-@pytest.fixture(scope="session")
-def empty_mlflow_store(tmp_path_factory) -> Path:
-    """An empty, already migrated MLflow sqlite db: a new store costs ~2-5 s of migrations,
-    a copy of this one ~0."""
-    from dapo_flow.tracking import search_runs
-
-    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    assert search_runs(f"sqlite:///{path}", "none") == []  # opening the store migrates it
-    return path
-
-
 @pytest.fixture()
-def workdir(tmp_path, monkeypatch, tiny_adder_path, empty_mlflow_store):
-    monkeypatch.chdir(tmp_path)  # the default MLflow store and checkpoints live under cwd
+def workdir(tmp_path, monkeypatch, tiny_adder_path):
+    """A fresh working directory: the default MLflow store (a copy of an empty migrated one:
+    dapo_flow.tracking) and checkpoints live under ./dapo-flow-runs."""
+    monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    (tmp_path / "dapo-flow-runs").mkdir()
-    shutil.copyfile(empty_mlflow_store, tmp_path / "dapo-flow-runs" / "mlflow.db")
     return tmp_path

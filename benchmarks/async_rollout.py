@@ -1,0 +1,103 @@
+"""Overlapped rollout: `run.rollout_mode: one_step_off` against `sync`, same graph, one invocation.
+
+Runs the graph (default graphs/dapo.yaml, the main job) on Ray with disaggregated placement,
+one rollout actor and one training worker (`models.policy.train.workers=1`), first synchronous
+then one_step_off, and reads each run's per-step timings back from its MLflow history, over
+the steps after a warm-up of 2 (actor start-up and step 1, which one_step_off runs
+synchronously, excluded):
+
+- ``generate_s``: the synchronous run's rollout phase per step (generation, scoring, dynamic
+  sampling: `time/rollout_phase`), ``train_s`` its train phase (old logprobs, advantages, the
+  update: `time/train_phase`); medians.
+- ``sync_step_s`` and ``one_step_off_step_s``: median `time/step` of each run (weight sync
+  included, validation and checkpoints excluded: both are off here).
+- ``overlap_ratio`` = one_step_off_step_s / max(generate_s, train_s): 1.0 is a perfect overlap
+  (a step takes as long as its longer half); target <= 1.15. ``speedup`` = sync / one_step_off.
+- ``trainer_wait_s`` / ``rollout_idle_s``: median seconds per step the trainer waited for the
+  next batch after its update, and the rollout actor sat idle waiting for the update.
+- ``async_step_s``: null; a continuously generating mode is not built yet.
+
+The two runs learn differently (one_step_off trains on batches one version stale), so their
+rewards are printed, not compared: tests/runtime/test_one_step_off.py checks what each mode
+computes.
+
+Run: python benchmarks/async_rollout.py [--quick] [--steps N] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from rich.table import Table
+
+from _common import (DEFAULT_GRAPH, LoadSampler, fmt, make_console, run_graph, scratch_dir, step_history,
+                     write_json)
+
+WARMUP_STEPS = 2
+TARGET_OVERLAP = 1.15
+MODES = ("sync", "one_step_off")
+SETS = ["placement.mode=disaggregated", "models.policy.train.workers=1", "run.val_every=0",
+        "run.checkpoint_every=0"]
+
+
+def medians(history: dict[str, dict[int, float]], warmup: int) -> dict[str, float]:
+    """Median per step, after ``warmup`` steps, of the timings this benchmark reports."""
+    keys = ("time/step", "time/rollout_phase", "time/train_phase", "time/weight_sync", "time/trainer_wait",
+            "time/rollout_idle")
+    out = {}
+    for key in keys:
+        values = [v for step, v in sorted(history.get(key, {}).items()) if step > warmup]
+        out[key] = statistics.median(values) if values else None
+    rewards = list(history.get("batch/reward_mean", {}).values())
+    out["reward_last"] = rewards[-1] if rewards else None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--graph", type=Path, default=DEFAULT_GRAPH)
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 20; --quick 8)")
+    ap.add_argument("--quick", action="store_true", help="8 steps per run")
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    ap.add_argument("--keep", default=None, help="working directory to keep (MLflow store, logs)")
+    args = ap.parse_args()
+    steps = args.steps or (8 if args.quick else 20)
+    console = make_console()
+    runs = {}
+    with scratch_dir(args.keep, console), LoadSampler() as load:
+        for mode in MODES:
+            console.rule(f"{mode}: {args.graph.name}, {steps} steps")
+            summary, _ = run_graph(args.graph, [*SETS, f"run.rollout_mode={mode}"], executor="ray",
+                                   steps=steps, console=console)
+            runs[mode] = medians(step_history(summary), WARMUP_STEPS)
+    sync, off = runs["sync"], runs["one_step_off"]
+    generate_s, train_s = sync["time/rollout_phase"], sync["time/train_phase"]
+    longer = max(generate_s, train_s)
+    result = {
+        "graph": str(args.graph), "steps": steps, "warmup_steps": WARMUP_STEPS, "load_avg": load.mean,
+        "generate_s": generate_s, "train_s": train_s,
+        "sync_step_s": sync["time/step"], "one_step_off_step_s": off["time/step"], "async_step_s": None,
+        "overlap_ratio": off["time/step"] / longer, "speedup": sync["time/step"] / off["time/step"],
+        "weight_sync_s": off["time/weight_sync"], "trainer_wait_s": off["time/trainer_wait"],
+        "rollout_idle_s": off["time/rollout_idle"],
+        "reward_last": {mode: runs[mode]["reward_last"] for mode in MODES},
+        "target_overlap_ratio": TARGET_OVERLAP,
+    }
+    table = Table(title=f"seconds per step (median of steps {WARMUP_STEPS + 1}-{steps}; load {fmt(load.mean, '.2f')})")
+    for column in ("", "step", "rollout phase", "train phase", "weight sync", "trainer waits", "rollout idle"):
+        table.add_column(column, justify="right")
+    for mode in MODES:
+        r = runs[mode]
+        table.add_row(mode, *(fmt(r[k]) for k in ("time/step", "time/rollout_phase", "time/train_phase",
+                                                  "time/weight_sync", "time/trainer_wait", "time/rollout_idle")))
+    console.print(table)
+    verdict = "meets" if result["overlap_ratio"] <= TARGET_OVERLAP else "misses"
+    console.print(f"one_step_off: {result['speedup']:.2f}x the synchronous step; overlap ratio "
+                  f"{result['overlap_ratio']:.3f} ({verdict} the target {TARGET_OVERLAP})", highlight=False)
+    write_json(args.json, result, console)
+
+
+if __name__ == "__main__":
+    main()

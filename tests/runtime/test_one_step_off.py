@@ -1,0 +1,107 @@
+"""run.rollout_mode: one_step_off (the next step's rollout beside this step's update) on the local
+executor: what it needs of a graph, what it generates with, exact resume."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from dapo_flow.errors import GraphError
+from dapo_flow.graph.edits import edit_file, parse_cli_edits
+from dapo_flow.graph.plan import Cluster
+from dapo_flow.runtime import execute
+from dapo_flow.tracking import read_run
+
+CLUSTER = Cluster(cpus=2)
+ONE_STEP_OFF = [("set", "run.rollout_mode=one_step_off"), ("set", "placement.mode=disaggregated")]
+# the trainer recomputes old logprobs; rollout-correction logs how far they are from the sampler's
+MISMATCH = [("insert", "corr:rollout-correction:after=old_logp")]
+WALL_CLOCK = ("time/", "perf/", "gen/seconds", "gen/tokens_per_s")
+
+
+def _placed(path, edits):
+    return edit_file(str(path), parse_cli_edits(edits)).compile(CLUSTER)
+
+
+def _history(workdir, placed, **kw) -> dict:
+    summary = execute(placed, executor="local", console=Console(file=open(workdir / "log.txt", "a")), **kw)
+    history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    return {k: v for k, v in history.items() if not k.startswith(WALL_CLOCK)}
+
+
+@pytest.mark.parametrize("edits, says", [
+    ([], r"(?s)small.yaml:8: run.rollout_mode: one_step_off runs the rollout phase while the model "
+         r"trains, but node 'rollout' of the rollout phase runs in stage model:policy, which trains "
+         r"\(placement colocated\).*fix: set placement: \{mode: disaggregated\}"),
+    ([("set", "placement.mode=disaggregated"), ("drop", "filter")],
+     r"(?s)small.yaml:8: run.rollout_mode: .*this graph has no group-filter.*fix: add a group-filter node"),
+])
+def test_what_one_step_off_needs_of_a_graph_is_a_validate_error(workdir, small_graph, edits, says):
+    path = small_graph(workdir)
+    path.write_text(path.read_text().replace("chunk_prompts: 4,", "chunk_prompts: 4, rollout_mode: one_step_off,"))
+    with pytest.raises(GraphError, match=says) as info:
+        _placed(path, edits)
+    assert len(info.value.problems) == 1
+
+
+def test_each_batch_after_the_first_is_generated_before_the_update_before_it(workdir, small_graph):
+    """Step 1 trains what the initial weights generated, as a synchronous run does (same
+    numbers); from step 2 the batch was sampled one version back: the trainer's recomputed old
+    logprobs differ from the sampler's (in a synchronous run of this float32 model they agree to
+    rounding, the first step here too). Every call of the plan runs, the rollout phase of the
+    next step before the weight sync of this one."""
+    path = small_graph(workdir, steps=3, ckpt=0)
+    off = _history(workdir, _placed(path, ONE_STEP_OFF + MISMATCH))
+    sync = _history(workdir, _placed(path, [("set", "placement.mode=disaggregated")] + MISMATCH))
+    assert off["rollout/staleness"] == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    assert sync["rollout/staleness"] == [(1, 0.0), (2, 0.0), (3, 0.0)]
+    assert [abs(v) < 1e-5 for _, v in off["rollout_corr/kl_k1"]] == [True, False, False]
+    assert all(abs(v) < 1e-5 for _, v in sync["rollout_corr/kl_k1"])
+    for key in ("batch/reward_mean", "actor/pg_loss", "actor/grad_norm", "sampling/gen_batches"):
+        assert off[key][0] == sync[key][0], key  # the same first batch and update
+        assert off[key] != sync[key], key  # then other weights sampled
+    assert [s for s, _ in off["val/acc"]] == [0, 2, 3]
+
+
+def test_with_the_weights_unchanged_it_is_the_synchronous_run(workdir, small_graph):
+    """lr 1e-30: each update rounds away in float32 (the weights stay bit for bit), so whichever
+    version a batch was sampled with, it is the same: every logged number equals the synchronous run's (the seeds, prompts and order of
+    generation calls are the same; only the overlap differs)."""
+    path = small_graph(workdir, steps=3, ckpt=0)
+    frozen = [("set", "train.lr=1e-30"), ("set", "placement.mode=disaggregated")]
+    off = _history(workdir, _placed(path, frozen + ONE_STEP_OFF[:1]))
+    sync = _history(workdir, _placed(path, frozen))
+    off.pop("rollout/staleness"), sync.pop("rollout/staleness")
+    # generated so far: one_step_off has generated the next step's batch at each step but the last
+    total = "sampling/samples_generated_total"
+    assert off.pop(total) == [(1, 96.0), (2, 160.0), (3, 160.0)] and sync.pop(total) == [(1, 64.0), (2, 96.0), (3, 160.0)]
+    assert off == sync
+
+
+def test_a_resumed_run_trains_the_batch_it_had_collected(workdir, small_graph, monkeypatch):
+    """The checkpoint after step 2 holds step 3's batch, collected already (ahead.arrow): a run
+    that fails in step 3's update and resumes logs what 4 steps straight do, and generates no
+    batch twice."""
+    from dapo_flow.runtime.loop import Runner
+
+    path = small_graph(workdir, steps=4, ckpt=2)
+    straight = _history(workdir, _placed(path, ONE_STEP_OFF))
+    train, trained = Runner.train, []
+
+    def failing_at_step_3(runner, rollout):
+        trained.append(rollout)
+        if len(trained) == 3:
+            raise RuntimeError("the trainer's node went away")
+        return train(runner, rollout)
+
+    monkeypatch.setattr(Runner, "train", failing_at_step_3)
+    placed = _placed(path, ONE_STEP_OFF)
+    with pytest.raises(RuntimeError, match="went away"):
+        _history(workdir, placed)
+    monkeypatch.setattr(Runner, "train", train)
+    [checkpoint] = [c for c in (workdir / "dapo-flow-runs" / "checkpoints").glob("*/*/step_000002")
+                    if not (c.parent / "step_000004").exists()]  # the failed run's
+    assert (checkpoint / "ahead.arrow").is_file()
+    resumed = _history(workdir, placed, resume=True)
+    assert resumed == straight
+    assert [s for s, _ in straight["rollout/staleness"]] == [1, 2, 3, 4]
