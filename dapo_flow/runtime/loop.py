@@ -1,7 +1,8 @@
 """The RL loop, top to bottom in named phases:
 
 rollout until the group filter has enough groups -> train segment (old/ref logprobs ->
-advantages -> update) -> weight sync -> log -> validate -> checkpoint.
+advantages -> update) -> weight sync -> log -> validate -> checkpoint; under
+``run.rollout_mode: one_step_off`` the next step's rollout runs beside the train segment.
 
 Variants are nodes of the graph, never `if` branches here: the loop only knows the
 plan's segments (rollout, train), its group filter and its weight syncs.
@@ -296,6 +297,36 @@ class Runner:
                 f"'{self.plan.group_filter}' kept too few prompt groups (the last step kept "
                 f"{groups}/{self.run.prompts_per_step} after {batches} generation batches; "
                 f"max_skipped_steps={limit})"))
+
+    # --- one step: rollout, update, weight sync -------------------------------------
+    def step(self, state: LoopState, ahead: Rollout | None, *, collect_next: bool
+             ) -> tuple[dict[str, float], Rollout | None]:
+        """Train on ``ahead`` (the batch the last step collected, one_step_off) or on a batch
+        collected now; with ``collect_next``, the next step's rollout phase runs beside the
+        update (:class:`Ahead`) and is returned, complete, before the weight sync. Returns the
+        step's metrics (but for time/step and what follows it) and the batch collected ahead."""
+        start = time.perf_counter()
+        rollout = ahead if ahead is not None else self.collect(state)
+        collected = time.perf_counter() - start  # 0 where the last step collected it ahead
+        next_rollout = Ahead(self, state) if collect_next else None
+        metrics = dict(rollout.metrics)
+        train_start = time.perf_counter()
+        if rollout.batch is not None:
+            metrics["rollout/staleness"] = float(state.policy_version - rollout.policy_version)
+            metrics.update(self.train(rollout))
+            state.policy_version += 1
+        trained_at = time.perf_counter()
+        metrics["time/train_phase"] = trained_at - train_start
+        metrics["time/rollout_phase"] = collected
+        ahead = None
+        if next_rollout is not None:
+            ahead = next_rollout.result()  # before the sync: its batch is of one version
+            metrics["time/rollout_phase"] += next_rollout.seconds
+            metrics["time/trainer_wait"] = max(next_rollout.finished_at - trained_at, 0.0)
+            metrics["time/rollout_idle"] = max(trained_at - next_rollout.finished_at, 0.0)
+        if rollout.batch is not None:
+            metrics.update(self.sync())
+        return metrics, ahead
 
     # --- phase 2: train segment -------------------------------------------------
     def train(self, rollout: Rollout) -> dict[str, float]:

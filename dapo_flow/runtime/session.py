@@ -25,7 +25,7 @@ from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.checkpoint_models import SHARDED, checkpoint_format
 from dapo_flow.runtime.executors import executor_class
-from dapo_flow.runtime.loop import Ahead, Kept, LoopState, Rollout, Runner
+from dapo_flow.runtime.loop import Kept, LoopState, Rollout, Runner
 from dapo_flow.runtime.resume import checkpoint_root, claim, resume_point
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.setup import graph_hash, stage_setups
@@ -301,27 +301,7 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
             ctrl_c.check()
             step = state.step + 1
             t0 = time.perf_counter()
-            rollout = ahead if ahead is not None else runner.collect(state)
-            collected = time.perf_counter() - t0  # 0 where the last step collected it ahead
-            # one_step_off: the next step's rollout phase runs beside this step's update
-            next_rollout = Ahead(runner, state) if overlap and step < total else None
-            metrics = dict(rollout.metrics)
-            t1 = time.perf_counter()
-            if rollout.batch is not None:
-                metrics["rollout/staleness"] = float(state.policy_version - rollout.policy_version)
-                metrics.update(runner.train(rollout))
-                state.policy_version += 1
-            trained_at = time.perf_counter()
-            metrics["time/train_phase"] = trained_at - t1
-            metrics["time/rollout_phase"] = collected
-            ahead = None
-            if next_rollout is not None:
-                ahead = next_rollout.result()  # before the sync: its batch is of one version
-                metrics["time/rollout_phase"] += next_rollout.seconds
-                metrics["time/trainer_wait"] = max(next_rollout.finished_at - trained_at, 0.0)
-                metrics["time/rollout_idle"] = max(trained_at - next_rollout.finished_at, 0.0)
-            if rollout.batch is not None:
-                metrics.update(runner.sync())
+            metrics, ahead = runner.step(state, ahead, collect_next=overlap and step < total)
             seconds = time.perf_counter() - t0
             state.wall_seconds += seconds
             metrics["time/step"] = seconds

@@ -1,0 +1,82 @@
+"""run.rollout_mode: one_step_off on Ray: the rollout actor generates while the training actor
+updates, and computes what the local executor does; a rollout actor that dies is named and the
+run resumes with every step trained once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from rich.console import Console
+
+from dapo_flow.errors import RunError
+from dapo_flow.graph.edits import edit_file, parse_cli_edits
+from dapo_flow.graph.plan import Cluster
+from dapo_flow.runtime import execute
+from dapo_flow.tracking import read_run
+
+pytestmark = pytest.mark.slow  # Ray runs (~20 s each)
+
+ONE_STEP_OFF = [("set", "run.rollout_mode=one_step_off"), ("set", "placement.mode=disaggregated")]
+WALL_CLOCK = ("time/", "perf/", "gen/seconds", "gen/tokens_per_s")
+
+
+def _placed(path):
+    return edit_file(str(path), parse_cli_edits(ONE_STEP_OFF)).compile(Cluster(cpus=2))
+
+
+def _history(summary) -> dict:
+    history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    return {k: v for k, v in history.items() if not k.startswith(WALL_CLOCK)}
+
+
+@pytest.mark.timeout(400)
+def test_on_ray_it_computes_what_the_local_executor_does(workdir, small_graph):
+    log = Console(file=open(workdir / "log.txt", "w"))
+    placed = _placed(small_graph(workdir, steps=3, ckpt=0))
+    on_ray = execute(placed, executor="ray", console=log)
+    local = execute(placed, executor="local", console=log)
+    assert _history(on_ray) == _history(local)
+    generate = [c for c in on_ray["call_log"] if c[1] == "rollout:policy" and c[0] == "rollout"]
+    syncs = [c for c in on_ray["call_log"] if c[0] == "sync"]
+    assert len(syncs) == 3 and len(generate) >= 3
+
+
+@pytest.mark.timeout(400)
+def test_a_dead_rollout_actor_is_named_and_the_run_resumes(workdir, small_graph, monkeypatch):
+    """The rollout actor is killed once the checkpoint of step 2 is written (it is then
+    generating step 3's or 4's batch): the run stops with an error naming its stage, and a resume
+    trains every step exactly once."""
+    import ray
+
+    from dapo_flow.runtime import executors
+
+    started = []
+    init = executors.RayExecutor.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        started.append(self)
+
+    monkeypatch.setattr(executors.RayExecutor, "__init__", recording)
+
+    def kill_after_step_2() -> None:
+        deadline = time.monotonic() + 300
+        while not list(workdir.glob("dapo-flow-runs/checkpoints/*/*/step_000002/manifest.json")):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        ray.kill(started[0].actors["rollout:policy"], no_restart=True)
+
+    placed = _placed(small_graph(workdir, steps=6, ckpt=2))
+    killer = threading.Thread(target=kill_after_step_2, daemon=True)
+    killer.start()
+    with pytest.raises(RunError, match=r"the actor of stage 'rollout:policy' died.*--resume"):
+        execute(placed, executor="ray", console=Console(file=open(workdir / "log.txt", "w")))
+    killer.join()
+    resumed = execute(placed, executor="local", resume=True, console=Console(file=open(workdir / "log.txt", "a")))
+    history = _history(resumed)
+    for key in ("batch/reward_mean", "actor/pg_loss", "rollout/staleness"):
+        assert [s for s, _ in history[key]] == [1, 2, 3, 4, 5, 6], key
+    assert read_run(resumed["tracking_uri"], resumed["run_id"])["status"] == "FINISHED"
