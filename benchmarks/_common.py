@@ -40,16 +40,17 @@ def scratch_dir(keep: str | None, console: Console) -> Iterator[Path]:
 
 
 def run_graph(graph: Path, sets: Sequence[str], *, executor: str, steps: int,
-              console: Console) -> tuple[dict, Any]:
-    """Compile ``graph`` with ``--set`` edits and run it; returns (summary, placed plan)."""
+              console: Console, cluster: Any = None, address: str | None = None) -> tuple[dict, Any]:
+    """Compile ``graph`` with ``--set`` edits and run it; returns (summary, placed plan).
+    ``cluster`` (a ``Cluster``; default this machine) and ``address``: a Ray cluster to run on."""
     from dapo_flow.graph.edits import edit_file, parse_cli_edits
     from dapo_flow.graph.registry import load_plugins
     from dapo_flow.runtime import execute
 
     load_plugins()
     edited = edit_file(graph, parse_cli_edits([("set", s) for s in sets]))
-    placed = edited.compile()
-    summary = execute(placed, executor=executor, steps=steps, console=console,
+    placed = edited.compile(cluster)
+    summary = execute(placed, executor=executor, steps=steps, console=console, address=address,
                       run_name=f"bench-{executor}", extra_params=edited.params())
     return summary, placed
 

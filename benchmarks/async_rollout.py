@@ -17,18 +17,24 @@ synchronously, excluded):
   next batch after its update, and the rollout actor sat idle waiting for the update.
 - ``async_step_s``: null; a continuously generating mode is not built yet.
 
+``--nodes 2`` runs both on a simulated 2-node Ray cluster (``ray.cluster_utils.Cluster``, one
+CPU per node): the rollout and training actors on different nodes, the weights synced between
+them over the network stack.
+
 The two runs learn differently (one_step_off trains on batches one version stale), so their
 rewards are printed, not compared: tests/runtime/test_one_step_off.py checks what each mode
 computes.
 
-Run: python benchmarks/async_rollout.py [--quick] [--steps N] [--json out.json]
+Run: python benchmarks/async_rollout.py [--quick] [--steps N] [--nodes 2] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 from pathlib import Path
+from typing import Any, Iterator
 
 from rich.table import Table
 
@@ -55,6 +61,30 @@ def medians(history: dict[str, dict[int, float]], warmup: int) -> dict[str, floa
     return out
 
 
+@contextlib.contextmanager
+def simulated_cluster(nodes: int) -> Iterator[tuple[Any, str | None]]:
+    """(None, None) for this machine; else a Ray cluster of ``nodes`` 1-CPU nodes on it and the
+    ``Cluster`` to place the graph on."""
+    if nodes <= 1:
+        yield None, None
+        return
+    from ray.cluster_utils import Cluster as RayCluster
+
+    from dapo_flow.graph.plan import Cluster
+
+    ray_cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(nodes - 1):
+        ray_cluster.add_node(num_cpus=1)
+    ray_cluster.wait_for_nodes()
+    try:
+        yield Cluster(cpus=float(nodes), nodes=nodes), ray_cluster.address
+    finally:
+        import ray
+
+        ray.shutdown()
+        ray_cluster.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--graph", type=Path, default=DEFAULT_GRAPH)
@@ -62,21 +92,23 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="8 steps per run")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     ap.add_argument("--keep", default=None, help="working directory to keep (MLflow store, logs)")
+    ap.add_argument("--nodes", type=int, default=1, help="a simulated Ray cluster of this many 1-CPU nodes")
     args = ap.parse_args()
     steps = args.steps or (8 if args.quick else 20)
     console = make_console()
     runs = {}
-    with scratch_dir(args.keep, console), LoadSampler() as load:
+    with scratch_dir(args.keep, console), simulated_cluster(args.nodes) as (cluster, address), \
+            LoadSampler() as load:
         for mode in MODES:
-            console.rule(f"{mode}: {args.graph.name}, {steps} steps")
+            console.rule(f"{mode}: {args.graph.name}, {steps} steps, {args.nodes} node(s)")
             summary, _ = run_graph(args.graph, [*SETS, f"run.rollout_mode={mode}"], executor="ray",
-                                   steps=steps, console=console)
+                                   steps=steps, console=console, cluster=cluster, address=address)
             runs[mode] = medians(step_history(summary), WARMUP_STEPS)
     sync, off = runs["sync"], runs["one_step_off"]
     generate_s, train_s = sync["time/rollout_phase"], sync["time/train_phase"]
     longer = max(generate_s, train_s)
     result = {
-        "graph": str(args.graph), "steps": steps, "warmup_steps": WARMUP_STEPS, "load_avg": load.mean,
+        "graph": str(args.graph), "nodes": args.nodes, "steps": steps, "warmup_steps": WARMUP_STEPS, "load_avg": load.mean,
         "generate_s": generate_s, "train_s": train_s,
         "sync_step_s": sync["time/step"], "one_step_off_step_s": off["time/step"], "async_step_s": None,
         "overlap_ratio": off["time/step"] / longer, "speedup": sync["time/step"] / off["time/step"],

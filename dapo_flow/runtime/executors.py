@@ -64,7 +64,8 @@ class Executor(Protocol):
         """The table behind a handle, here in the driver."""
 
     def get(self, handle: Any) -> Any:
-        """The result of a call (raises its error; a RunError when an actor died or hung)."""
+        """The result of a call (raises its error; a RunError when an actor died or hung); of a
+        tuple of calls, the tuple of their results, the first failure raised when it happens."""
 
     def shutdown(self) -> None:
         """Release every worker (and a cluster the executor started)."""
@@ -435,30 +436,51 @@ class RayExecutor:
         if isinstance(handle, Rows):
             table = self.fetch(handle.table)
             return table if handle.info is None else (table, self.get(handle.info, timeout))
-        if isinstance(handle, GroupCall):
-            return handle.join(self._get_group(handle, timeout))
+        if isinstance(handle, (GroupCall, tuple)):
+            return self._get_all(handle, timeout)
         return self._get(handle, timeout)
 
-    def _get_group(self, call: "GroupCall", timeout: float) -> list:
-        """Every worker's result, taken as each finishes: the first worker that fails or dies
-        is named at once (the others would wait for it in a collective until their timeout)."""
+    def _get_all(self, handles: "GroupCall | tuple", timeout: float) -> Any:
+        """A group's result, or a tuple of handles' (each a reference or a GroupCall: both sides
+        of a weight sync), taken as each call finishes: the first that fails, or whose actor
+        died, is named at once; the others may be waiting for it in a collective, which would
+        end only at its timeout."""
         ray = self._ray
+        calls = handles if isinstance(handles, tuple) else (handles,)
+        owner = {}  # reference -> (the call it belongs to, the worker's rank in a group or None)
+        for call in calls:
+            for rank, ref in (enumerate(call.refs) if isinstance(call, GroupCall) else [(None, call)]):
+                owner[ref] = (call, rank)
         deadline = time.monotonic() + timeout
-        results: dict[int, Any] = {}
-        index = {ref: rank for rank, ref in enumerate(call.refs)}
-        pending = list(call.refs)
+        values: dict[Any, Any] = {}
+        pending = list(owner)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                late = ", ".join(str(index[r]) for r in pending)
-                raise RunError(f"{call.member}(s) {late} of the {call.kind} of stage '{call.stage}' did not "
-                               f"answer within {timeout:g} s (hung collective? a worker on an unreachable "
-                               f"node?); raise DAPO_FLOW_CALL_TIMEOUT if the model is just slow. {RESUME_HINT}")
+                late = self._late([owner[r] for r in pending])
+                raise RunError(f"{late} did not answer within {timeout:g} s (hung collective or weight sync? "
+                               "a worker on an unreachable node?); raise DAPO_FLOW_CALL_TIMEOUT if the "
+                               f"model is just slow. {RESUME_HINT}")
             for ref in ready:
-                rank = index[ref]
-                results[rank] = self._get(ref, timeout, who=f"{call.member} {rank} of the {call.kind} of "
-                                                            f"stage '{call.stage}'")
-        return [results[rank] for rank in range(len(call.refs))]
+                values[ref] = self._get(ref, timeout, who=self._member(*owner[ref]))
+        out = tuple(call.join([values[r] for r in call.refs]) if isinstance(call, GroupCall) else values[call]
+                    for call in calls)
+        return out if isinstance(handles, tuple) else out[0]
+
+    def _late(self, members: list[tuple[Any, int | None]]) -> str:
+        """'worker(s) 0, 3 of the training group of stage X; the actor of stage Y', for messages."""
+        ranks: dict[int, list] = {}
+        for call, rank in members:
+            ranks.setdefault(id(call), [call]).append(rank)
+        return "; ".join(
+            f"{call.member}(s) {', '.join(map(str, rs))} of the {call.kind} of stage '{call.stage}'"
+            if isinstance(call, GroupCall) else self._who(call) for call, *rs in ranks.values())
+
+    def _member(self, call: Any, rank: int | None) -> str:
+        """Who answers ``call`` (at ``rank`` of a group), for messages."""
+        if isinstance(call, GroupCall):
+            return f"{call.member} {rank} of the {call.kind} of stage '{call.stage}'"
+        return self._who(call)
 
     def _get(self, handle: Any, timeout: float, who: str | None = None) -> Any:
         ray = self._ray

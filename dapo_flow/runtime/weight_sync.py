@@ -45,7 +45,8 @@ class WeightSyncs:
         manifest = self.manifests[sync.model]
         send = self.ex.call(sync.source, "send_weights", sync.model, manifest, bucket)
         receive = self.ex.call(sync.target, "receive_weights", sync.model, manifest, bucket)
-        return max(self.ex.get(send), self.ex.get(receive))
+        # both at once: a side that dies is named now, not when its peer's collective times out
+        return max(self.ex.get((send, receive)))
 
     def _join(self, sync: Sync) -> None:
         """The trainer and every rollout actor of ``sync.model`` form its bus (one rendezvous)."""
@@ -56,8 +57,7 @@ class WeightSyncs:
         sender = self.ex.call(sync.source, "join_weight_bus", sync.model, addr, port, 0, world, backend)
         receivers = self.ex.call_each(sync.target, "join_weight_bus",
                                       [(sync.model, addr, port, 1 + i, world, backend) for i in range(targets)])
-        self.ex.get(sender)
-        self.ex.get(receivers)
+        self.ex.get((sender, receivers))
         self.manifests[sync.model] = self.ex.get(self.ex.call(sync.source, "weight_manifest", sync.model))
 
 

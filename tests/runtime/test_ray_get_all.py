@@ -1,0 +1,47 @@
+"""RayExecutor.get of several calls at once (both sides of a weight sync): the first that fails is
+raised when it fails, while the other side still waits (on a dead peer, in a collective, until its
+own timeout)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from dapo_flow.errors import RunError
+from dapo_flow.runtime.executors import GroupCall, RayExecutor
+
+
+def _executor_shell(ray, actors: dict) -> RayExecutor:
+    """A RayExecutor with no stages started, only what ``get`` reads (its actors by stage, for
+    names): a test-only shell."""
+    ex = object.__new__(RayExecutor)
+    ex._ray, ex.actors = ray, actors
+    return ex
+
+
+@pytest.mark.shared_ray
+@pytest.mark.timeout(120)  # waiting for the sleeping side (600 s) would time the test out
+def test_a_side_that_dies_is_named_while_the_other_still_waits():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Side:
+        def wait(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+        def die(self) -> None:
+            os._exit(1)
+
+    trainer, rollout, other = Side.remote(), Side.remote(), Side.remote()
+    ex = _executor_shell(ray, {"model:policy": trainer, "rollout:policy": rollout})
+    try:
+        with pytest.raises(RunError, match=r"the actor of stage 'rollout:policy' died.*--resume"):
+            ex.get((trainer.wait.remote(600), rollout.die.remote()))
+        group = GroupCall("model:policy", [other.wait.remote(0.2), other.wait.remote(0.1)], join=list)
+        assert ex.get((group, other.wait.remote(0.0))) == ([0.2, 0.1], 0.0)  # rank order, call order
+    finally:
+        for actor in (trainer, rollout, other):
+            ray.kill(actor)
