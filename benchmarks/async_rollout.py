@@ -1,29 +1,29 @@
-"""Overlapped rollout: `run.rollout_mode: one_step_off` against `sync`, same graph, one invocation.
+"""Overlapped rollout: `run.rollout_mode` one_step_off and async against sync, same graph, one invocation.
 
 Runs the graph (default graphs/dapo.yaml, the main job) on Ray with disaggregated placement,
-one rollout actor and one training worker (`models.policy.train.workers=1`), first synchronous
-then one_step_off, and reads each run's per-step timings back from its MLflow history, over
-the steps after a warm-up of 2 (actor start-up and step 1, which one_step_off runs
-synchronously, excluded):
+one rollout actor and one training worker (`models.policy.train.workers=1`): synchronous, then
+one_step_off, then async (`run.max_staleness` 1), and reads each run's per-step timings back
+from its MLflow history, over the steps after a warm-up of 2 (actor start-up and step 1, which
+the overlapped modes run synchronously, excluded):
 
 - ``generate_s``: the synchronous run's rollout phase per step (generation, scoring, dynamic
   sampling: `time/rollout_phase`), ``train_s`` its train phase (old logprobs, advantages, the
   update: `time/train_phase`); medians.
-- ``sync_step_s`` and ``one_step_off_step_s``: median `time/step` of each run (weight sync
-  included, validation and checkpoints excluded: both are off here).
+- ``sync_step_s``, ``one_step_off_step_s`` and ``async_step_s``: median `time/step` of each run
+  (weight sync included, validation and checkpoints excluded: both are off here).
 - ``overlap_ratio`` = one_step_off_step_s / max(generate_s, train_s): 1.0 is a perfect overlap
   (a step takes as long as its longer half); target <= 1.15. ``speedup`` = sync / one_step_off.
 - ``trainer_wait_s`` / ``rollout_idle_s``: median seconds per step the trainer waited for the
-  next batch after its update, and the rollout actor sat idle waiting for the update.
-- ``async_step_s``: null; a continuously generating mode is not built yet.
+  next batch after its update, and the rollout actor sat idle waiting for the update
+  (one_step_off); ``async_trainer_wait_s`` and ``async_staleness_mean`` for async.
 
 ``--nodes 2`` runs both on a simulated 2-node Ray cluster (``ray.cluster_utils.Cluster``, one
 CPU per node): the rollout and training actors on different nodes, the weights synced between
 them over the network stack.
 
-The two runs learn differently (one_step_off trains on batches one version stale), so their
-rewards are printed, not compared: tests/runtime/test_one_step_off.py checks what each mode
-computes.
+The runs learn differently (the overlapped modes train on batches one version stale), so their
+rewards are printed, not compared: tests/runtime/test_one_step_off.py and test_async_rollout.py
+check what each mode computes.
 
 Run: python benchmarks/async_rollout.py [--quick] [--steps N] [--nodes 2] [--json out.json]
 """
@@ -43,7 +43,7 @@ from _common import (DEFAULT_GRAPH, LoadSampler, fmt, make_console, run_graph, s
 
 WARMUP_STEPS = 2
 TARGET_OVERLAP = 1.15
-MODES = ("sync", "one_step_off")
+MODES = ("sync", "one_step_off", "async")
 SETS = ["placement.mode=disaggregated", "models.policy.train.workers=1", "run.val_every=0",
         "run.checkpoint_every=0"]
 
@@ -51,11 +51,13 @@ SETS = ["placement.mode=disaggregated", "models.policy.train.workers=1", "run.va
 def medians(history: dict[str, dict[int, float]], warmup: int) -> dict[str, float]:
     """Median per step, after ``warmup`` steps, of the timings this benchmark reports."""
     keys = ("time/step", "time/rollout_phase", "time/train_phase", "time/weight_sync", "time/trainer_wait",
-            "time/rollout_idle")
+            "time/rollout_idle", "rollout/staleness")
     out = {}
     for key in keys:
         values = [v for step, v in sorted(history.get(key, {}).items()) if step > warmup]
         out[key] = statistics.median(values) if values else None
+    staleness = list(history.get("rollout/staleness", {}).values())
+    out["staleness_mean"] = statistics.fmean(staleness) if staleness else None
     rewards = list(history.get("batch/reward_mean", {}).values())
     out["reward_last"] = rewards[-1] if rewards else None
     return out
@@ -104,13 +106,15 @@ def main() -> None:
             summary, _ = run_graph(args.graph, [*SETS, f"run.rollout_mode={mode}"], executor="ray",
                                    steps=steps, console=console, cluster=cluster, address=address)
             runs[mode] = medians(step_history(summary), WARMUP_STEPS)
-    sync, off = runs["sync"], runs["one_step_off"]
+    sync, off, asy = runs["sync"], runs["one_step_off"], runs["async"]
     generate_s, train_s = sync["time/rollout_phase"], sync["time/train_phase"]
     longer = max(generate_s, train_s)
     result = {
         "graph": str(args.graph), "nodes": args.nodes, "steps": steps, "warmup_steps": WARMUP_STEPS, "load_avg": load.mean,
         "generate_s": generate_s, "train_s": train_s,
-        "sync_step_s": sync["time/step"], "one_step_off_step_s": off["time/step"], "async_step_s": None,
+        "sync_step_s": sync["time/step"], "one_step_off_step_s": off["time/step"], "async_step_s": asy["time/step"],
+        "async_speedup": sync["time/step"] / asy["time/step"], "async_trainer_wait_s": asy["time/trainer_wait"],
+        "async_staleness_mean": asy["staleness_mean"],
         "overlap_ratio": off["time/step"] / longer, "speedup": sync["time/step"] / off["time/step"],
         "weight_sync_s": off["time/weight_sync"], "trainer_wait_s": off["time/trainer_wait"],
         "rollout_idle_s": off["time/rollout_idle"],
@@ -127,7 +131,9 @@ def main() -> None:
     console.print(table)
     verdict = "meets" if result["overlap_ratio"] <= TARGET_OVERLAP else "misses"
     console.print(f"one_step_off: {result['speedup']:.2f}x the synchronous step; overlap ratio "
-                  f"{result['overlap_ratio']:.3f} ({verdict} the target {TARGET_OVERLAP})", highlight=False)
+                  f"{result['overlap_ratio']:.3f} ({verdict} the target {TARGET_OVERLAP}); async: "
+                  f"{result['async_speedup']:.2f}x, staleness {fmt(result['async_staleness_mean'], '.2f')} "
+                  "on average", highlight=False)
     write_json(args.json, result, console)
 
 

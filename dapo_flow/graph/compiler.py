@@ -111,10 +111,12 @@ def _sleep_problems(plan: Plan, actors: list[str]) -> list[Problem]:
 
 
 def _overlap_problems(plan: Plan, stage_of: Mapping[str, str]) -> list[Problem]:
-    """`run.rollout_mode: one_step_off` runs the rollout phase beside the training phase: it
-    needs a rollout phase (a group-filter ends it), and none of its nodes may run in a stage
-    that trains, whose weights change under it mid-step (colocated placement generates there)."""
-    if plan.spec.run.rollout_mode == "sync":
+    """`run.rollout_mode` one_step_off and async run the rollout phase beside the training
+    phase: they need a rollout phase (a group-filter ends it), and none of its nodes may run in
+    a stage that trains, whose weights change under it mid-step (colocated placement generates
+    there)."""
+    mode = plan.spec.run.rollout_mode
+    if mode == "sync":
         return []
     line = plan.doc.line_of(("run", "rollout_mode")) if plan.doc is not None else 0
 
@@ -122,14 +124,14 @@ def _overlap_problems(plan: Plan, stage_of: Mapping[str, str]) -> list[Problem]:
         return Problem(plan.file, line, "", "run.rollout_mode", message, fix)
 
     if plan.group_filter is None:
-        return [problem("one_step_off overlaps the rollout phase (the nodes up to a group-filter) with "
+        return [problem(f"{mode} overlaps the rollout phase (the nodes up to a group-filter) with "
                         "training, and this graph has no group-filter: every node runs in one phase",
                         "add a group-filter node after the reward (dynamic sampling), or set rollout_mode: sync")]
     training = {stage_of[n.id] for n in plan.with_role("train")}
     clash = [n for n in plan.rollout if stage_of[n] in training]
     if not clash:
         return []
-    return [problem(f"one_step_off runs the rollout phase while the model trains, but node '{clash[0]}' "
+    return [problem(f"{mode} runs the rollout phase while the model trains, but node '{clash[0]}' "
                     f"of the rollout phase runs in stage {stage_of[clash[0]]}, which trains (placement "
                     f"{plan.spec.placement.mode}): it would see the weights change mid-step",
                     "set placement: {mode: disaggregated} (rollout in actors of their own), or rollout_mode: sync")]
@@ -361,6 +363,10 @@ def explain(placed: PlacedPlan) -> str:
             out.append("    one_step_off: runs for the next step while this step trains, with the weights "
                        "from before this step's update (after step 1, batches are one version stale); "
                        "the weight sync waits for it")
+        elif phase == "rollout" and run.rollout_mode == "async":
+            out.append(f"    async: runs on in a thread of its own, up to {run.max_staleness} step(s) ahead of "
+                       "training; each update's weights reach the rollout actors at once (batches at most "
+                       f"{run.max_staleness} version(s) stale)")
         for call in placed.calls[phase]:
             if len(call.nodes) > 1:
                 out.append(f"    one call @ {call.stage}: {' -> '.join(call.nodes)}")

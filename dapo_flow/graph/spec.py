@@ -347,17 +347,35 @@ class RunSpec(_Frozen):
     chunk_prompts: int | None = Field(
         None, ge=1, description="Generate in chunks of this many prompts and stream them on."
     )
-    rollout_mode: Literal["sync", "one_step_off"] = Field(
+    rollout_mode: Literal["sync", "one_step_off", "async"] = Field(
         "sync",
         description="`sync`: each step generates, then trains on what it generated. `one_step_off`: "
         "the next step's rollout phase (generation, scoring, dynamic sampling) runs while this step "
         "trains, with the weights from before this step's update, so every batch after the first "
-        "was sampled one policy version back (metric rollout/staleness). The update's old logprobs "
-        "then either come from the sampling policy (logprob source: rollout) or are recomputed by "
-        "the trainer (source: recompute) with a rollout-correction node weighting for the gap. "
-        "Needs placement: {mode: disaggregated} (rollout in actors of its own) and a group-filter "
-        "(the end of the rollout phase).",
+        "was sampled one policy version back (metric rollout/staleness); the weight sync waits for "
+        "it, and a run is deterministic. `async`: the rollout phase runs continuously, up to "
+        "max_staleness steps ahead of training, and each update's weights go to the rollout actors "
+        "at once (a generation batch then takes the newest weights the actor has): no side waits "
+        "for the other while the bound allows, and which version samples which batch depends on "
+        "timing. The update's old logprobs then either come from the sampling policy (logprob "
+        "source: rollout) or are recomputed by the trainer (source: recompute) with a "
+        "rollout-correction node weighting for the gap. Both need placement: {mode: disaggregated} "
+        "(rollout in actors of its own) and a group-filter (the end of the rollout phase).",
     )
+    max_staleness: int = Field(
+        1, ge=1, le=64,
+        description="rollout_mode async: at most this many policy versions between the weights a "
+        "batch was (first) generated with and those it trains (the rollout runs at most this many "
+        "steps ahead).",
+    )
+
+    @model_validator(mode="after")
+    def _staleness_bounds_async_only(self) -> "RunSpec":
+        if self.max_staleness != 1 and self.rollout_mode != "async":
+            raise ValueError(f"max_staleness bounds rollout_mode async only (this run is "
+                             f"{self.rollout_mode}: staleness {0 if self.rollout_mode == 'sync' else 1}); "
+                             "set rollout_mode: async or remove max_staleness")
+        return self
 
 
 class TrackingSpec(_Frozen):

@@ -1,6 +1,6 @@
 """Checkpoints: model weights, optimizer/scheduler/op states, data cursor, RNG, MLflow run id,
-and the kept groups carried to the next step (run.carry_surplus) and a one_step_off run's next
-batch, collected already, as Arrow IPC files.
+and the kept groups carried to the next step (run.carry_surplus) and the next steps' batches
+a one_step_off or async run collected already, as Arrow IPC files.
 
 Layout: ``{graph folder}/{MLflow run id}/step_NNNNNN/`` — one folder per run, so runs of the
 same graph never overwrite each other. Checkpoints of dapo-flow versions before that sit
@@ -30,7 +30,7 @@ from dapo_flow.errors import RunError
 DRIVER_FILE = "driver.json"
 OPS_FILE = "ops.pt"
 CARRY_FILE = "carry.arrow"
-AHEAD_FILE = "ahead.arrow"  # one_step_off: the next step's batch, collected already
+AHEAD_FILE = "ahead_{}.arrow"  # one_step_off, async: the next steps' batches, collected already
 MANIFEST_FILE = "manifest.json"  # written last: sizes and checksums of the other files
 STEP_PREFIX = "step_"
 DAMAGED_PREFIX = "damaged_"  # a damaged checkpoint moved aside by a resume (never listed again)
@@ -48,10 +48,11 @@ def step_of(path: Path) -> int:
 
 
 def save(root: Path, step: int, *, driver: dict[str, Any], op_states: dict[str, Any],
-         save_models, carry: pa.Table | None = None, ahead: pa.Table | None = None) -> Path:
+         save_models, carry: pa.Table | None = None, ahead: list[pa.Table | None] = ()) -> Path:
     """``save_models(dir)`` writes the trained models' HF directories into ``dir``;
-    ``carry`` is the table of groups carried over to the next step, if any; ``ahead`` the
-    next step's batch a one_step_off run has collected already. ``root`` is the run's folder."""
+    ``carry`` is the table of groups carried over to the next step, if any; ``ahead`` the next
+    steps' batches a one_step_off or async run has collected already (None: a step that trains
+    nothing). ``root`` is the run's folder."""
     final = step_dir(root, step)
     tmp = root / f".tmp_{final.name}"
     try:
@@ -59,7 +60,7 @@ def save(root: Path, step: int, *, driver: dict[str, Any], op_states: dict[str, 
         (tmp / "models").mkdir(parents=True)
         save_models(tmp / "models")
         torch.save(op_states, tmp / OPS_FILE)
-        for name, table in ((CARRY_FILE, carry), (AHEAD_FILE, ahead)):
+        for name, table in ((CARRY_FILE, carry), *((AHEAD_FILE.format(i), t) for i, t in enumerate(ahead))):
             if table is not None:
                 with pa.OSFile(str(tmp / name), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
                     out.write_table(table)
@@ -240,9 +241,10 @@ def load_carry(path: Path) -> pa.Table | None:
     return _read_table(path / CARRY_FILE)
 
 
-def load_ahead(path: Path) -> pa.Table | None:
-    """The next step's batch a one_step_off run saved with the checkpoint (None if none)."""
-    return _read_table(path / AHEAD_FILE)
+def load_ahead(path: Path, n: int) -> list[pa.Table | None]:
+    """The ``n`` batches collected ahead that a one_step_off or async run saved with the
+    checkpoint (None for one that trains nothing)."""
+    return [_read_table(path / AHEAD_FILE.format(i)) for i in range(n)]
 
 
 def _read_table(file: Path) -> pa.Table | None:

@@ -117,8 +117,9 @@ class LocalExecutor:
         return handle
 
     def shutdown(self) -> None:
-        for worker in self.workers.values():
-            worker.close()  # a vLLM engine holds its KV cache until closed
+        for name, worker in self.workers.items():
+            with self.locks[name]:  # after a call a rollout thread may be making (one_step_off)
+                worker.close()  # a vLLM engine holds its KV cache until closed
         self.workers.clear()
 
 

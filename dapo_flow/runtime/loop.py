@@ -35,6 +35,7 @@ class Kept:
 
     table: Any
     groups: tuple[str, ...]
+    version: int = 0  # the weights' version its generation calls were queued under (Runner.rollout_version)
 
 
 @dataclass
@@ -58,13 +59,12 @@ class Rollout:
 class Ahead:
     """The next step's rollout phase, run by a thread of the driver while this step trains
     (``run.rollout_mode: one_step_off``). It starts before this step's update, so it generates
-    with the weights from before it (version ``state.policy_version`` now); the caller waits for
+    with the weights from before it; the caller waits for
     it (:meth:`result`) before the weight sync that follows the update, so no batch mixes two
     versions and a run is as deterministic as a synchronous one. Only this thread touches the
     rollout side of ``state`` (sampler position, carry, keep rate) until :meth:`result` returns."""
 
     def __init__(self, runner: "Runner", state: LoopState):
-        self.version = state.policy_version
         self.started_at = time.perf_counter()
         self.finished_at = 0.0
         self._rollout: Rollout | None = None
@@ -76,7 +76,7 @@ class Ahead:
 
     def _collect(self, runner: "Runner", state: LoopState) -> None:
         try:
-            self._rollout = runner.collect(state, version=self.version)
+            self._rollout = runner.collect(state)
         except BaseException as exc:  # noqa: BLE001 - raised again in the driver's thread
             self._error = exc
         finally:
@@ -154,6 +154,11 @@ class Runner:
         self.call_log: list[tuple[str, str, tuple[str, ...]]] = []
         self.syncs = WeightSyncs(placed, executor)
         self.traffic = Traffic()
+        # the version of the weights the rollout actors hold for calls queued now; a weight sync
+        # and a generation batch never overlap in queueing (one_step_off and async collect in a
+        # thread of their own), so each batch knows the version it was generated with
+        self.rollout_version = 0
+        self.rollout_lock = threading.Lock()
 
     # --- call execution --------------------------------------------------------
     def _submit(self, phase: str, call: Call, inputs: list):
@@ -203,29 +208,27 @@ class Runner:
         size = self.chunk or prompts.num_rows
         chunks = [prompts.slice(i, size) for i in range(0, prompts.num_rows, size)]
         stream = self.nodes[head.nodes[0]].inputs == (PROMPTS_SOURCE,)
-        handles = [self._submit("rollout", head, [c]) for c in chunks] if stream else [None] * len(chunks)
-        tables, groups = [], []
-        for chunk, handle in zip(chunks, handles):
-            out = self.run_calls("rollout", {PROMPTS_SOURCE: chunk}, acc, first_done=handle)[self.plan.group_filter]
-            tables.append(out.table)
-            groups.extend(out.info.groups or ())
-        return Kept(parts_of(tables), tuple(groups))
+        with self.rollout_lock:  # a weight sync waits for the batch (an actor runs calls in turn anyway)
+            version = self.rollout_version
+            handles = [self._submit("rollout", head, [c]) for c in chunks] if stream else [None] * len(chunks)
+            tables, groups = [], []
+            for chunk, handle in zip(chunks, handles):
+                out = self.run_calls("rollout", {PROMPTS_SOURCE: chunk}, acc, first_done=handle)[self.plan.group_filter]
+                tables.append(out.table)
+                groups.extend(out.info.groups or ())
+        return Kept(parts_of(tables), tuple(groups), version)
 
-    def collect(self, state: LoopState, version: int | None = None) -> Rollout:
+    def collect(self, state: LoopState) -> Rollout:
         """The next training batch: generation batches through the rollout phase until the
-        group filter has kept ``prompts_per_step`` groups (or its cap says otherwise).
-        ``version``: the weights' version it is generated with (default: the state's now)."""
-        rollout = self._collect(state)
-        rollout.policy_version = state.policy_version if version is None else version
-        return rollout
-
-    def _collect(self, state: LoopState) -> Rollout:
+        group filter has kept ``prompts_per_step`` groups (or its cap says otherwise). Its
+        ``policy_version``: the oldest weights any of its groups was generated with."""
         acc = MetricAccumulator()
         need = self.run.prompts_per_step
         if self.plan.group_filter is None:  # no dynamic sampling: the train segment generates
             generated = need * _group_size(self.plan)
             state.samples_generated += generated
-            return Rollout(self.sample(need), {"sampling/samples_generated": float(generated)})
+            return Rollout(self.sample(need), {"sampling/samples_generated": float(generated)},
+                           self.rollout_version)
         fparams = self.nodes[self.plan.group_filter].params
         auto = self.run.gen_prompts_per_batch == "auto"
         kept = [state.carry] if state.carry is not None else []
@@ -245,7 +248,8 @@ class Runner:
                     self._count_skipped(state, fparams, groups, batches)
                     return Rollout(None, {**acc.result(), "sampling/gen_batches": batches,
                                           "sampling/samples_generated": float(generated),
-                                          "sampling/capped": 1.0, "sampling/skipped": 1.0})
+                                          "sampling/capped": 1.0, "sampling/skipped": 1.0},
+                                   self.rollout_version)
                 break
             size = (auto_batch_size(need - groups, state.keep_rate, need) if auto
                     else self.run.gen_prompts_per_batch or need)
@@ -273,7 +277,7 @@ class Runner:
         chosen, surplus = order[:need], order[need:]
         batch = cut([k.table for k in kept], chosen)
         if self.run.carry_surplus and surplus:
-            state.carry = Kept(cut([k.table for k in kept], surplus), tuple(surplus))
+            state.carry = Kept(cut([k.table for k in kept], surplus), tuple(surplus), min(k.version for k in kept))
         state.samples_generated += generated
         metrics = acc.result()
         metrics.update({
@@ -285,7 +289,7 @@ class Runner:
         })
         if state.keep_rate is not None:
             metrics["sampling/keep_rate"] = state.keep_rate
-        return Rollout(batch, metrics)
+        return Rollout(batch, metrics, min(k.version for k in kept))
 
     def _count_skipped(self, state: LoopState, fparams, groups: int, batches: int) -> None:
         """One more step that trains nothing; max_skipped_steps of them in a row stop the run."""
@@ -325,7 +329,7 @@ class Runner:
             metrics["time/trainer_wait"] = max(next_rollout.finished_at - trained_at, 0.0)
             metrics["time/rollout_idle"] = max(trained_at - next_rollout.finished_at, 0.0)
         if rollout.batch is not None:
-            metrics.update(self.sync())
+            metrics.update(self.sync(state.policy_version))
         return metrics, ahead
 
     # --- phase 2: train segment -------------------------------------------------
@@ -342,15 +346,18 @@ class Runner:
         return metrics
 
     # --- phase 3: weight sync ---------------------------------------------------
-    def sync(self) -> dict[str, float]:
-        """The plan's weight syncs (none where a stage generates with the policy it trains)."""
+    def sync(self, version: int) -> dict[str, float]:
+        """The plan's weight syncs (none where a stage generates with the policy it trains): the
+        rollout actors hold ``version`` of the weights after it."""
         seconds = 0.0
-        for sync in self.placed.syncs:
-            self.call_log.append(("sync", sync.source, (sync.target, sync.kind)))
-            if sync.kind == IN_ACTOR:
-                seconds += self.ex.get(self.ex.call(sync.source, "sync_generators"))
-            else:
-                seconds += self.syncs.transfer(sync)
+        with self.rollout_lock:
+            for sync in self.placed.syncs:
+                self.call_log.append(("sync", sync.source, (sync.target, sync.kind)))
+                if sync.kind == IN_ACTOR:
+                    seconds += self.ex.get(self.ex.call(sync.source, "sync_generators"))
+                else:
+                    seconds += self.syncs.transfer(sync)
+            self.rollout_version = version
         return {"time/weight_sync": seconds}
 
     # --- phase 4: validation ------------------------------------------------------

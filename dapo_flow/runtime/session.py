@@ -25,6 +25,7 @@ from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.checkpoint_models import SHARDED, checkpoint_format
 from dapo_flow.runtime.executors import executor_class
+from dapo_flow.runtime.async_rollout import RolloutProducer
 from dapo_flow.runtime.loop import Kept, LoopState, Rollout, Runner
 from dapo_flow.runtime.resume import checkpoint_root, claim, resume_point
 from dapo_flow.runtime.sampler import PromptSampler
@@ -176,7 +177,8 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
     ghash = graph_hash(spec)
     driver_state: dict = {}
     op_states: dict = {}
-    carry = ahead = None
+    carry, ahead = None, []
+    producer = None  # rollout_mode async: the thread that collects ahead
     model_paths: dict[str, str] = {}
     owner = None  # the run folder's lock, held while this process trains the run
     if resume:
@@ -185,7 +187,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
         owner = claim(last.parent)  # before anything marks the run RUNNING again
         driver_state, op_states = checkpoint.load(last)
         carry = checkpoint.load_carry(last)
-        ahead = checkpoint.load_ahead(last)
+        ahead = checkpoint.load_ahead(last, len(driver_state.get("ahead") or []))
         model_paths = {m: str(last / "models" / m) for m in driver_state["trained_models"]}
         console.print(f"resuming from {last} (step {driver_state['step']} of run "
                       f"{driver_state['mlflow_run_id']})", highlight=False)
@@ -220,22 +222,29 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
             for stage, states in op_states.items():
                 if states:
                     ex.get(ex.call(stage, "load_op_states", states))
+            version = int(driver_state.get("policy_version", driver_state.get("step", 0)))
             runner = Runner(placed, ex, None)
+            runner.rollout_version = version  # the weights every actor was built from
             if any(checkpoint_format(Path(p)) == SHARDED for p in model_paths.values()):
-                runner.sync()  # rollout actors were built from the spec's weights: the checkpoint's now
+                runner.sync(version)  # rollout actors were built from the spec's weights: the checkpoint's now
             sampler = train_sampler(placed.plan, train_prompts, ex)
             if driver_state:
                 sampler.load(driver_state["sampler"])
-            state = LoopState(step=int(driver_state.get("step", 0)),
-                              carry=Kept(carry, groups_of(carry) or ()) if carry is not None else None,
+            carry_version = driver_state.get("carry_version")
+            carried = (Kept(carry, groups_of(carry) or (), version if carry_version is None else int(carry_version))
+                       if carry is not None else None)
+            state = LoopState(step=int(driver_state.get("step", 0)), carry=carried,
                               samples_generated=int(driver_state.get("samples_generated", 0)),
                               wall_seconds=float(driver_state.get("wall_seconds", 0.0)),
                               keep_rate=driver_state.get("keep_rate"),
                               skipped_in_a_row=int(driver_state.get("skipped_in_a_row", 0)),
-                              policy_version=int(driver_state.get("policy_version", driver_state.get("step", 0))))
+                              policy_version=version)
             runner.sampler = sampler
+            ahead = _rollouts_ahead(driver_state, ahead)
+            if spec.run.rollout_mode == "async":  # collects from now on, in a thread of its own
+                producer = RolloutProducer(runner, state, total, ahead)
             return _loop(runner, state, tracker, total, run_root, console, startup, skipped,
-                         ghash, val_prompts, ctrl_c, logged, _rollout_ahead(driver_state, ahead))
+                         ghash, val_prompts, ctrl_c, logged, ahead, producer)
     except KeyboardInterrupt:
         if tracker is not None:
             with CtrlC() as again, again.held(then_raise=False):  # a 2nd Ctrl-C waits for it
@@ -248,6 +257,8 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
             _mark_ended(tracker, "FAILED", console)
         raise
     finally:
+        if producer is not None:
+            producer.stop()
         ex.shutdown()  # every stage's workers, the driver stage's operators (a reward pool) too
         if owner is not None:
             owner.release()
@@ -262,18 +273,17 @@ def _mark_ended(tracker: Tracker, status: str, console: Console) -> None:
         console.print(f"[yellow]warning:[/] could not mark MLflow run {tracker.run_id} {status}: {e}")
 
 
-def _rollout_ahead(driver_state: dict, table) -> Rollout | None:
-    """The rollout a one_step_off checkpoint holds for the step after it, as it was collected
-    (None where it holds none)."""
-    saved = driver_state.get("ahead")
-    if saved is None:
-        return None
-    return Rollout(table if saved["batch"] else None, dict(saved["metrics"]), int(saved["policy_version"]))
+def _rollouts_ahead(driver_state: dict, tables: list) -> list[Rollout]:
+    """The rollouts a one_step_off or async checkpoint holds for the steps after it, as they
+    were collected (their tables in ``tables``, in order; None for a step that trained nothing)."""
+    return [Rollout(table if saved["batch"] else None, dict(saved["metrics"]), int(saved["policy_version"]))
+            for saved, table in zip(driver_state.get("ahead") or [], tables)]
 
 
 def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_root: Path,
           console: Console, startup: float, skipped: int, ghash: str, val_prompts,
-          ctrl_c: CtrlC, logged: dict[int, set[str]], ahead: Rollout | None) -> dict:
+          ctrl_c: CtrlC, logged: dict[int, set[str]], ahead: list[Rollout],
+          producer: RolloutProducer | None) -> dict:
     run = runner.run
     overlap = run.rollout_mode == "one_step_off"
     spec = runner.plan.spec
@@ -301,7 +311,12 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
             ctrl_c.check()
             step = state.step + 1
             t0 = time.perf_counter()
-            metrics, ahead = runner.step(state, ahead, collect_next=overlap and step < total)
+            if producer is not None:
+                metrics = producer.step(state)
+            else:
+                metrics, next_batch = runner.step(state, ahead[0] if ahead else None,
+                                                  collect_next=overlap and step < total)
+                ahead = [next_batch] if next_batch is not None else []
             seconds = time.perf_counter() - t0
             state.wall_seconds += seconds
             metrics["time/step"] = seconds
@@ -324,7 +339,11 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
             ckpt_due = run.checkpoint_every and (step % run.checkpoint_every == 0 or step == total)
             with ctrl_c.held():  # a checkpoint and its metrics are written whole
                 if ckpt_due:
-                    _checkpoint(runner, state, tracker, run_root, trained, pending, ahead)
+                    if producer is None:
+                        _checkpoint(runner, state, tracker, run_root, trained, pending, ahead)
+                    else:
+                        with producer.paused() as collected:  # what it holds, none in flight
+                            _checkpoint(runner, state, tracker, run_root, trained, pending, collected)
                 if ckpt_due or not run.checkpoint_every:
                     _flush(tracker, pending, logged)
                     pending.clear()
@@ -344,10 +363,10 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
 
 
 def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, trained,
-                unlogged: list[tuple[int, dict]], ahead: Rollout | None) -> None:
+                unlogged: list[tuple[int, dict]], ahead: list[Rollout]) -> None:
     """The models, operator states and driver state after ``state.step``; ``ahead``, the next
-    step's rollout a one_step_off run collected already, is saved whole (trained once, after
-    a resume, as it would have been)."""
+    steps' rollouts a one_step_off or async run collected already, are saved whole (each
+    trained once, after a resume, as it would have been)."""
     ex = runner.ex
     stages = sorted(set(runner.stage_of.values()))
     op_states = {s: ex.get(ex.call(s, "op_states")) for s in stages}
@@ -356,8 +375,9 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
         "samples_generated": state.samples_generated, "wall_seconds": state.wall_seconds,
         "keep_rate": state.keep_rate, "skipped_in_a_row": state.skipped_in_a_row,
         "policy_version": state.policy_version,
-        "ahead": None if ahead is None else {"batch": ahead.batch is not None, "metrics": ahead.metrics,
-                                             "policy_version": ahead.policy_version},
+        "carry_version": state.carry.version if state.carry is not None else None,
+        "ahead": [{"batch": a.batch is not None, "metrics": a.metrics, "policy_version": a.policy_version}
+                  for a in ahead],
         "trained_models": trained,
         "unlogged_metrics": [[s, m] for s, m in unlogged],
         "graph": runner.plan.spec.model_dump(mode="json"),  # what --resume diffs a changed graph with
@@ -369,7 +389,7 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
 
     checkpoint.save(root, state.step, driver=driver, op_states=op_states, save_models=save_models,
                     carry=runner.fetch(state.carry.table) if state.carry is not None else None,
-                    ahead=runner.fetch(ahead.batch) if ahead is not None and ahead.batch is not None else None)
+                    ahead=[runner.fetch(a.batch) if a.batch is not None else None for a in ahead])
     keep = runner.run.keep_checkpoints
     if keep:
         checkpoint.prune(root, keep)

@@ -50,7 +50,10 @@ def test_each_batch_after_the_first_is_generated_before_the_update_before_it(wor
     logprobs differ from the sampler's (in a synchronous run of this float32 model they agree to
     rounding, the first step here too). Every call of the plan runs, the rollout phase of the
     next step before the weight sync of this one."""
+    from dapo_flow.graph.compiler import explain
+
     path = small_graph(workdir, steps=3, ckpt=0)
+    assert "one_step_off: runs for the next step while this step trains" in explain(_placed(path, ONE_STEP_OFF))
     off = _history(workdir, _placed(path, ONE_STEP_OFF + MISMATCH))
     sync = _history(workdir, _placed(path, [("set", "placement.mode=disaggregated")] + MISMATCH))
     assert off["rollout/staleness"] == [(1, 0.0), (2, 1.0), (3, 1.0)]
@@ -79,7 +82,7 @@ def test_with_the_weights_unchanged_it_is_the_synchronous_run(workdir, small_gra
 
 
 def test_a_resumed_run_trains_the_batch_it_had_collected(workdir, small_graph, monkeypatch):
-    """The checkpoint after step 2 holds step 3's batch, collected already (ahead.arrow): a run
+    """The checkpoint after step 2 holds step 3's batch, collected already (ahead_0.arrow): a run
     that fails in step 3's update and resumes logs what 4 steps straight do, and generates no
     batch twice."""
     from dapo_flow.runtime.loop import Runner
@@ -101,7 +104,7 @@ def test_a_resumed_run_trains_the_batch_it_had_collected(workdir, small_graph, m
     monkeypatch.setattr(Runner, "train", train)
     [checkpoint] = [c for c in (workdir / "dapo-flow-runs" / "checkpoints").glob("*/*/step_000002")
                     if not (c.parent / "step_000004").exists()]  # the failed run's
-    assert (checkpoint / "ahead.arrow").is_file()
+    assert (checkpoint / "ahead_0.arrow").is_file()
     resumed = _history(workdir, placed, resume=True)
     assert resumed == straight
     assert [s for s, _ in straight["rollout/staleness"]] == [1, 2, 3, 4]

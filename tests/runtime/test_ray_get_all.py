@@ -21,6 +21,7 @@ def _executor_shell(ray, actors: dict) -> RayExecutor:
     return ex
 
 
+@pytest.mark.slow  # a Ray cluster's start-up (5-40 s on 2 busy cores)
 @pytest.mark.shared_ray
 @pytest.mark.timeout(120)  # waiting for the sleeping side (600 s) would time the test out
 def test_a_side_that_dies_is_named_while_the_other_still_waits():

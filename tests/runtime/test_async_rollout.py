@@ -1,0 +1,85 @@
+"""run.rollout_mode: async on the local executor: the staleness bound holds, every step trains
+once, and a failed run resumes from what its checkpoint collected."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from dapo_flow.errors import GraphError
+from dapo_flow.graph.edits import edit_file, parse_cli_edits
+from dapo_flow.graph.plan import Cluster
+from dapo_flow.runtime import execute
+from dapo_flow.tracking import read_run
+
+CLUSTER = Cluster(cpus=2)
+
+
+def _async(bound: int) -> list:
+    return [("set", "run.rollout_mode=async"), ("set", f"run.max_staleness={bound}"),
+            ("set", "placement.mode=disaggregated")]
+
+
+def _placed(path, edits):
+    return edit_file(str(path), parse_cli_edits(edits)).compile(CLUSTER)
+
+
+def _history(workdir, placed, **kw) -> dict:
+    summary = execute(placed, executor="local", console=Console(file=open(workdir / "log.txt", "a")), **kw)
+    run = read_run(summary["tracking_uri"], summary["run_id"])
+    assert run["status"] == "FINISHED"
+    return run["history"]
+
+
+def test_max_staleness_is_for_async_only(workdir, small_graph):
+    with pytest.raises(GraphError, match=r"max_staleness bounds rollout_mode async only \(this run is "
+                                         r"one_step_off: staleness 1\)"):
+        _placed(small_graph(workdir), [("set", "run.rollout_mode=one_step_off"), ("set", "run.max_staleness=2")])
+    with pytest.raises(GraphError, match=r"async runs the rollout phase while the model trains"):
+        _placed(small_graph(workdir), [("set", "run.rollout_mode=async")])
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_every_step_trains_once_within_the_staleness_bound(workdir, small_graph, bound):
+    from dapo_flow.graph.compiler import explain
+
+    placed = _placed(small_graph(workdir, steps=5, ckpt=0), _async(bound))
+    assert f"async: runs on in a thread of its own, up to {bound} step(s) ahead of training" in explain(placed)
+    history = _history(workdir, placed)
+    for key in ("batch/reward_mean", "actor/pg_loss", "rollout/staleness", "rollout/buffer_depth",
+                "time/trainer_wait", "time/rollout_phase"):
+        assert [s for s, _ in history[key]] == [1, 2, 3, 4, 5], key
+    staleness = [v for _, v in history["rollout/staleness"]]
+    assert staleness[0] == 0.0 and all(0 <= v <= bound for v in staleness), staleness
+    assert all(0 <= v <= bound for _, v in history["rollout/buffer_depth"])
+    assert history["sampling/samples_generated_total"][-1][1] >= 5 * 4 * 4  # prompts x samples
+
+
+def test_a_failed_run_resumes_from_what_its_checkpoint_collected(workdir, small_graph, monkeypatch):
+    """The run fails in step 3's update; its checkpoint after step 2 holds the batches the
+    producer had collected (paused between batches to take them): the resume trains them
+    first, then collects on, and every step is logged once."""
+    from dapo_flow.runtime.loop import Runner
+
+    train, trained = Runner.train, []
+
+    def failing_at_step_3(runner, rollout):
+        trained.append(rollout)
+        if len(trained) == 3:
+            raise RuntimeError("the trainer's node went away")
+        return train(runner, rollout)
+
+    monkeypatch.setattr(Runner, "train", failing_at_step_3)
+    placed = _placed(small_graph(workdir, steps=5, ckpt=2), _async(2))
+    with pytest.raises(RuntimeError, match="went away"):
+        _history(workdir, placed)
+    monkeypatch.setattr(Runner, "train", train)
+    [checkpoint] = list((workdir / "dapo-flow-runs" / "checkpoints").glob("*/*/step_000002"))
+    import json
+
+    held = json.loads((checkpoint / "driver.json").read_text())["ahead"]
+    assert 0 <= len(held) <= 2 and all((checkpoint / f"ahead_{i}.arrow").is_file() for i in range(len(held)))
+    history = _history(workdir, placed, resume=True)
+    for key in ("batch/reward_mean", "actor/pg_loss", "rollout/staleness"):
+        assert [s for s, _ in history[key]] == [1, 2, 3, 4, 5], key
+    assert all(v <= 2 for _, v in history["rollout/staleness"])
