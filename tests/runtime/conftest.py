@@ -53,3 +53,34 @@ def workdir(tmp_path, monkeypatch, tiny_adder_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return tmp_path
+
+
+@pytest.fixture()
+def fails_in_update(monkeypatch):
+    """``with fails_in_update(k): run`` makes the k-th update of the runs inside raise (a
+    trainer's node lost mid-run: RuntimeError "the trainer's node went away"); after the block,
+    updates run again."""
+    import contextlib
+
+    from dapo_flow.runtime.loop import Runner
+
+    train = Runner.train
+
+    @contextlib.contextmanager
+    def failing(k: int):
+        calls = []
+
+        def train_or_fail(runner, rollout):
+            calls.append(rollout)
+            if len(calls) == k:
+                raise RuntimeError("the trainer's node went away")
+            return train(runner, rollout)
+
+        monkeypatch.setattr(Runner, "train", train_or_fail)
+        try:
+            with pytest.raises(RuntimeError, match="went away"):
+                yield
+        finally:
+            monkeypatch.setattr(Runner, "train", train)
+
+    return failing

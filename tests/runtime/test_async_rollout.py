@@ -55,28 +55,16 @@ def test_every_step_trains_once_within_the_staleness_bound(workdir, small_graph,
     assert history["sampling/samples_generated_total"][-1][1] >= 5 * 4 * 4  # prompts x samples
 
 
-def test_a_failed_run_resumes_from_what_its_checkpoint_collected(workdir, small_graph, monkeypatch):
+def test_a_failed_run_resumes_from_what_its_checkpoint_collected(workdir, small_graph, fails_in_update):
     """The run fails in step 3's update; its checkpoint after step 2 holds the batches the
     producer had collected (paused between batches to take them): the resume trains them
     first, then collects on, and every step is logged once."""
-    from dapo_flow.runtime.loop import Runner
-
-    train, trained = Runner.train, []
-
-    def failing_at_step_3(runner, rollout):
-        trained.append(rollout)
-        if len(trained) == 3:
-            raise RuntimeError("the trainer's node went away")
-        return train(runner, rollout)
-
-    monkeypatch.setattr(Runner, "train", failing_at_step_3)
-    placed = _placed(small_graph(workdir, steps=5, ckpt=2), _async(2))
-    with pytest.raises(RuntimeError, match="went away"):
-        _history(workdir, placed)
-    monkeypatch.setattr(Runner, "train", train)
-    [checkpoint] = list((workdir / "dapo-flow-runs" / "checkpoints").glob("*/*/step_000002"))
     import json
 
+    placed = _placed(small_graph(workdir, steps=5, ckpt=2), _async(2))
+    with fails_in_update(3):
+        _history(workdir, placed)
+    [checkpoint] = list((workdir / "dapo-flow-runs" / "checkpoints").glob("*/*/step_000002"))
     held = json.loads((checkpoint / "driver.json").read_text())["ahead"]
     assert 0 <= len(held) <= 2 and all((checkpoint / f"ahead_{i}.arrow").is_file() for i in range(len(held)))
     history = _history(workdir, placed, resume=True)

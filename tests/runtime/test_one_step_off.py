@@ -81,27 +81,15 @@ def test_with_the_weights_unchanged_it_is_the_synchronous_run(workdir, small_gra
     assert off == sync
 
 
-def test_a_resumed_run_trains_the_batch_it_had_collected(workdir, small_graph, monkeypatch):
+def test_a_resumed_run_trains_the_batch_it_had_collected(workdir, small_graph, fails_in_update):
     """The checkpoint after step 2 holds step 3's batch, collected already (ahead_0.arrow): a run
     that fails in step 3's update and resumes logs what 4 steps straight do, and generates no
     batch twice."""
-    from dapo_flow.runtime.loop import Runner
-
     path = small_graph(workdir, steps=4, ckpt=2)
     straight = _history(workdir, _placed(path, ONE_STEP_OFF))
-    train, trained = Runner.train, []
-
-    def failing_at_step_3(runner, rollout):
-        trained.append(rollout)
-        if len(trained) == 3:
-            raise RuntimeError("the trainer's node went away")
-        return train(runner, rollout)
-
-    monkeypatch.setattr(Runner, "train", failing_at_step_3)
     placed = _placed(path, ONE_STEP_OFF)
-    with pytest.raises(RuntimeError, match="went away"):
+    with fails_in_update(3):
         _history(workdir, placed)
-    monkeypatch.setattr(Runner, "train", train)
     [checkpoint] = [c for c in (workdir / "dapo-flow-runs" / "checkpoints").glob("*/*/step_000002")
                     if not (c.parent / "step_000004").exists()]  # the failed run's
     assert (checkpoint / "ahead_0.arrow").is_file()
