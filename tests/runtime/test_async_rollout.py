@@ -55,6 +55,7 @@ def test_every_step_trains_once_within_the_staleness_bound(workdir, small_graph,
     assert history["sampling/samples_generated_total"][-1][1] >= 5 * 4 * 4  # prompts x samples
 
 
+@pytest.mark.slow  # two runs (~12 s)
 def test_a_failed_run_resumes_from_what_its_checkpoint_collected(workdir, small_graph, fails_in_update):
     """The run fails in step 3's update; its checkpoint after step 2 holds the batches the
     producer had collected (paused between batches to take them): the resume trains them

@@ -81,6 +81,7 @@ def test_with_the_weights_unchanged_it_is_the_synchronous_run(workdir, small_gra
     assert off == sync
 
 
+@pytest.mark.slow  # three runs (~10 s)
 def test_a_resumed_run_trains_the_batch_it_had_collected(workdir, small_graph, fails_in_update):
     """The checkpoint after step 2 holds step 3's batch, collected already (ahead_0.arrow): a run
     that fails in step 3's update and resumes logs what 4 steps straight do, and generates no
