@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 
-from dapo_flow.graph import columns as C
 from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import IN_ACTOR, Call
 from dapo_flow.runtime.weight_sync import WeightSyncs
