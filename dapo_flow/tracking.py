@@ -204,13 +204,24 @@ def _client(uri: str, *, write: bool = False):
 
 
 def _copy_empty_store(db: Path) -> None:
-    """Start a new sqlite store as a copy of an empty one of this MLflow version, migrated once
-    and kept under $DAPO_FLOW_HOME/mlflow: MLflow creates a store by running its ~60
-    migrations (1-2.5 s of CPU, every new run folder, every test's store); a copy takes
-    milliseconds. The copy holds no experiment, so MLflow makes its Default one on opening it,
-    with this store's artifact location. Where the template cannot be made or copied, MLflow
-    creates the store as usual."""
+    """Start a new sqlite store as a copy of an empty one of this MLflow version
+    (:func:`_empty_store`): MLflow creates a store by running its ~60 migrations (1-2.5 s of
+    CPU, every new run folder, every test's store); a copy takes milliseconds. Where the
+    template cannot be made or copied, MLflow creates the store as usual."""
     import shutil
+    import sqlite3
+
+    try:
+        shutil.copyfile(_empty_store(), db)
+    except (OSError, sqlite3.Error):
+        db.unlink(missing_ok=True)  # MLflow creates it
+
+
+def _empty_store() -> Path:
+    """An empty store of this MLflow version, migrated once and kept under
+    $DAPO_FLOW_HOME/mlflow. It holds no experiment, so MLflow makes the Default one on opening a
+    copy, with that store's artifact location."""
+    import contextlib
     import sqlite3
     import tempfile
 
@@ -220,26 +231,20 @@ def _copy_empty_store(db: Path) -> None:
     from dapo_flow.home import dapo_flow_home
 
     template = dapo_flow_home() / "mlflow" / f"empty-store-{mlflow.__version__}.db"
-    try:
-        if not template.exists():
-            template.parent.mkdir(parents=True, exist_ok=True)
-            with FileLock(f"{template}.lock", timeout=STORE_LOCK_TIMEOUT_S):
-                if not template.exists():
-                    with tempfile.TemporaryDirectory(dir=template.parent) as tmp:
-                        made = Path(tmp) / "store.db"
-                        from mlflow import MlflowClient
-
-                        MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()
-                        con = sqlite3.connect(made)
-                        try:  # its Default experiment's artifacts would point into tmp
-                            with con:
-                                con.execute("DELETE FROM experiments")
-                        finally:
-                            con.close()
-                        os.replace(made, template)
-        shutil.copyfile(template, db)
-    except (OSError, sqlite3.Error):
-        db.unlink(missing_ok=True)  # MLflow creates it
+    if template.exists():
+        return template
+    template.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{template}.lock", timeout=STORE_LOCK_TIMEOUT_S):
+        if template.exists():  # another process made it while this one waited
+            return template
+        with tempfile.TemporaryDirectory(dir=template.parent) as tmp:
+            made = Path(tmp) / "store.db"
+            mlflow.MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()
+            # its Default experiment's artifacts would point into tmp
+            with contextlib.closing(sqlite3.connect(made)) as con, con:
+                con.execute("DELETE FROM experiments")
+            os.replace(made, template)
+    return template
 
 
 def open_store(uri: str) -> None:

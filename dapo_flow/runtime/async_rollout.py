@@ -90,12 +90,7 @@ class RolloutProducer:
         metrics = dict(rollout.metrics)
         metrics["time/trainer_wait"] = time.perf_counter() - start
         metrics["rollout/buffer_depth"] = float(depth)  # batches collected beyond this one
-        train_start = time.perf_counter()
-        if rollout.batch is not None:
-            metrics["rollout/staleness"] = float(state.policy_version - rollout.policy_version)
-            metrics.update(self.runner.train(rollout))
-            state.policy_version += 1
-        metrics["time/train_phase"] = time.perf_counter() - train_start
+        metrics.update(self.runner.update(state, rollout))
         if rollout.batch is not None:
             metrics.update(self.runner.sync(state.policy_version))
         with self.cond:

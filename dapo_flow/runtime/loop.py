@@ -2,7 +2,8 @@
 
 rollout until the group filter has enough groups -> train segment (old/ref logprobs ->
 advantages -> update) -> weight sync -> log -> validate -> checkpoint; under
-``run.rollout_mode: one_step_off`` the next step's rollout runs beside the train segment.
+``run.rollout_mode: one_step_off`` the next step's rollout runs beside the train segment
+(:class:`Ahead`), under ``async`` in a producer thread of its own (runtime.async_rollout).
 
 Variants are nodes of the graph, never `if` branches here: the loop only knows the
 plan's segments (rollout, train), its group filter and its weight syncs.
@@ -52,7 +53,7 @@ class LoopState:
 class Rollout:
     batch: Any  # the batch's handle (a prompts table without a group filter); None: skip this step
     metrics: dict[str, float] = field(default_factory=dict)
-    policy_version: int = 0  # the version of the weights it was generated with (LoopState's)
+    policy_version: int = 0  # the oldest weights' version its generation batches were queued under
 
 
 class Ahead:
@@ -275,8 +276,9 @@ class Runner:
         order = [g for k in kept for g in k.groups]
         chosen, surplus = order[:need], order[need:]
         batch = cut([k.table for k in kept], chosen)
+        oldest = min(k.version for k in kept)
         if self.run.carry_surplus and surplus:
-            state.carry = Kept(cut([k.table for k in kept], surplus), tuple(surplus), min(k.version for k in kept))
+            state.carry = Kept(cut([k.table for k in kept], surplus), tuple(surplus), oldest)
         state.samples_generated += generated
         metrics = acc.result()
         metrics.update({
@@ -288,7 +290,7 @@ class Runner:
         })
         if state.keep_rate is not None:
             metrics["sampling/keep_rate"] = state.keep_rate
-        return Rollout(batch, metrics, min(k.version for k in kept))
+        return Rollout(batch, metrics, oldest)
 
     def _count_skipped(self, state: LoopState, fparams, groups: int, batches: int) -> None:
         """One more step that trains nothing; max_skipped_steps of them in a row stop the run."""
@@ -312,14 +314,8 @@ class Runner:
         rollout = ahead if ahead is not None else self.collect(state)
         collected = time.perf_counter() - start  # 0 where the last step collected it ahead
         next_rollout = Ahead(self, state) if collect_next else None
-        metrics = dict(rollout.metrics)
-        train_start = time.perf_counter()
-        if rollout.batch is not None:
-            metrics["rollout/staleness"] = float(state.policy_version - rollout.policy_version)
-            metrics.update(self.train(rollout))
-            state.policy_version += 1
+        metrics = {**rollout.metrics, **self.update(state, rollout)}
         trained_at = time.perf_counter()
-        metrics["time/train_phase"] = trained_at - train_start
         metrics["time/rollout_phase"] = collected
         ahead = None
         if next_rollout is not None:
@@ -330,6 +326,18 @@ class Runner:
         if rollout.batch is not None:
             metrics.update(self.sync(state.policy_version))
         return metrics, ahead
+
+    def update(self, state: LoopState, rollout: Rollout) -> dict[str, float]:
+        """The train segment on ``rollout`` (nothing for a step that trains nothing): its metrics
+        with the batch's staleness and time/train_phase; the trained weights are one version on."""
+        start = time.perf_counter()
+        metrics = {}
+        if rollout.batch is not None:
+            metrics["rollout/staleness"] = float(state.policy_version - rollout.policy_version)
+            metrics.update(self.train(rollout))
+            state.policy_version += 1
+        metrics["time/train_phase"] = time.perf_counter() - start
+        return metrics
 
     # --- phase 2: train segment -------------------------------------------------
     def train(self, rollout: Rollout) -> dict[str, float]:

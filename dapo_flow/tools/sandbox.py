@@ -3,7 +3,8 @@
 Each call writes the code to ``main.py`` in a new temporary directory (removed afterwards) and
 runs Python (``-I -u``; isolated, the base interpreter with the standard library only, not the
 environment's packages) on it in its own process group, with a nearly empty environment (one
-BLAS thread, HOME and TMPDIR in its working directory) and stdin closed. By default (``isolation: bwrap``) the program runs in a bubblewrap sandbox
+BLAS thread, HOME and TMPDIR in its working directory) and stdin closed. By default
+(``isolation: bwrap``) the program runs in a bubblewrap sandbox
 (:mod:`dapo_flow.tools.isolation`): no network, no view of the host's files (the user's home,
 the project, checkpoints, the MLflow store), its own PID namespace, so nothing it starts
 outlives the call, and, when dapo-flow runs as root, the uid ``nobody``. A machine without
