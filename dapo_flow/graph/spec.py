@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 PROMPTS_SOURCE = "prompts"  # the implicit source node fed by `data.train`
@@ -369,13 +369,14 @@ class RunSpec(_Frozen):
         "steps ahead).",
     )
 
-    @model_validator(mode="after")
-    def _staleness_bounds_async_only(self) -> "RunSpec":
-        if self.max_staleness != 1 and self.rollout_mode != "async":
-            raise ValueError(f"max_staleness bounds rollout_mode async only (this run is "
-                             f"{self.rollout_mode}: staleness {0 if self.rollout_mode == 'sync' else 1}); "
-                             "set rollout_mode: async or remove max_staleness")
-        return self
+    @field_validator("max_staleness")
+    @classmethod
+    def _staleness_bounds_async_only(cls, v: int, info: ValidationInfo) -> int:
+        mode = info.data.get("rollout_mode", "sync")  # validated before it (field order)
+        if v != 1 and mode != "async":
+            raise ValueError(f"max_staleness bounds rollout_mode async only (this run is {mode}: staleness "
+                             f"{0 if mode == 'sync' else 1}); set rollout_mode: async or remove max_staleness")
+        return v
 
 
 class TrackingSpec(_Frozen):
