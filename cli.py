@@ -125,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a step_* checkpoint folder, or a run's or graph's folder (its newest)")
     p.add_argument("-o", "--out", required=True, help="new (or empty) output folder")
     p.add_argument("--model", help="which trained model (default: the checkpoint's only one)")
+    p.add_argument("--adapter", action="store_true",
+                   help="a model trained with train.lora: write its adapters in peft's format "
+                        "(PeftModel.from_pretrained) instead of the weights merged into its base")
     p = command("sweep", "Run every variant of a patch file (x seeds) as MLflow child runs of one parent.",
                 _sweep)
     p.add_argument("patch", help="patch YAML file, e.g. graphs/ablations/dapo-ladder.yaml")
@@ -324,9 +327,10 @@ def _export(args: argparse.Namespace) -> int:
 
     from dapo_flow.runtime.export import export
 
-    step, model, at = export(Path(args.checkpoint).expanduser(), Path(args.out), args.model)
-    _line(f"wrote {args.out}: model '{model}' at step {at} of {step} (Hugging Face format; point a graph's "
-          f"path: at it)", markup=False)
+    step, model, at = export(Path(args.checkpoint).expanduser(), Path(args.out), args.model, args.adapter)
+    what = ("LoRA adapters, peft's format: PeftModel.from_pretrained(base, path)" if args.adapter
+            else "Hugging Face format; point a graph's path: at it")
+    _line(f"wrote {args.out}: model '{model}' at step {at} of {step} ({what})", markup=False)
     return 0
 
 

@@ -14,6 +14,7 @@ in float32) and the pass (a fifth of the main job's step) is saved; with a separ
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Literal
 
 import numpy as np
@@ -93,13 +94,16 @@ class Logprob:
         if p.source == "rollout":  # the generator's logprobs, computed with these weights
             return with_columns(batch, {C.OLD_LOGP: batch.column(C.ROLLOUT_LOGP)})
         entropy_wanted = p.role == "actor" and p.with_entropy
-        logp, entropy, mask = self.ctx.model.policy.response_logprobs(
-            token_lists(batch.column(C.PROMPT_IDS)),
-            token_lists(batch.column(C.RESPONSE_IDS)),
-            temperature=p.temperature,
-            micro_batch_size=p.micro_batch_size,
-            with_entropy=entropy_wanted,
-        )
+        policy = self.ctx.model.policy
+        # a reference on a LoRA-trained model reads its base: the adapters off, no second copy
+        with policy.base_weights() if p.role == "ref" else nullcontext():
+            logp, entropy, mask = policy.response_logprobs(
+                token_lists(batch.column(C.PROMPT_IDS)),
+                token_lists(batch.column(C.RESPONSE_IDS)),
+                temperature=p.temperature,
+                micro_batch_size=p.micro_batch_size,
+                with_entropy=entropy_wanted,
+            )
         lengths = mask.sum(dim=1).numpy()
         out = {(C.OLD_LOGP if p.role == "actor" else C.REF_LOGP): _ragged(logp, lengths)}
         if entropy_wanted:

@@ -37,6 +37,7 @@ TARGET=(--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_
 # on the lent GPU machine): pydantic, ruamel.yaml, polars, jsonschema, MLflow's tracking client
 # with its sqlite store, and what each needs that the image does not have. cryptography with cffi
 # and pycparser: MLflow's sqlalchemy store imports cryptography.fernet.
+# peft with accelerate and psutil: train.lora.
 PACKAGES=(
   pydantic pydantic-core annotated-types typing-inspection
   ruamel.yaml
@@ -46,6 +47,7 @@ PACKAGES=(
   opentelemetry-api opentelemetry-sdk opentelemetry-proto opentelemetry-semantic-conventions
   fastapi starlette importlib-metadata truststore
   cryptography cffi pycparser
+  peft accelerate psutil
 )
 MODELS=(tiny-adder tiny-adder-critic tiny-adder-rm tiny-adder-judge tiny-agent)
 

@@ -93,7 +93,8 @@ def validate(doc: GraphDoc) -> ValidGraph:
         index = {n.id: n.index for n in nodes}
         topo = nx.lexicographical_topological_sort(graph, key=lambda n: index.get(n, -1))
         order = tuple(n for n in topo if n != PROMPTS_SOURCE)
-        _check_training(found, nodes, {m for m, h in heads.items() if h == "value"})
+        lora = {name for name, m in spec.models.items() if m.train.lora is not None} if spec is not None else set()
+        _check_training(found, nodes, {m for m, h in heads.items() if h == "value"}, lora)
         schemas = _propagate(found, nodes, order)
         _check_group_filter(found, nodes, graph, schemas)
         _check_greedy_groups(found, nodes, graph)
@@ -283,7 +284,7 @@ def _check_heads(found: Found, nodes: list[_Node], heads: dict[str, str]) -> Non
                   f"'{model}' is {HEAD_WORDS[heads[model]]}", fix)
 
 
-def _check_training(found: Found, nodes: list[_Node], value_models: set[str]) -> None:
+def _check_training(found: Found, nodes: list[_Node], value_models: set[str], lora: set[str]) -> None:
     """One trainer per model; trained models feed a generator (a critic's values feed the
     advantages instead); refs stay frozen."""
     if any(n.cls is None for n in nodes):
@@ -312,10 +313,11 @@ def _check_training(found: Found, nodes: list[_Node], value_models: set[str]) ->
     for node in nodes:
         if role(node.cls) == "logprob" and getattr(node.params, "role", None) == "ref":
             model = node.spec.model
-            if model in updates:
+            if model in updates and model not in lora:  # under LoRA the reference is the base: adapters off
                 found.add(node.path + ("model",), f"a reference model must stay frozen, but "
                           f"'{model}' is updated by node '{updates[model].id}'",
-                          "declare a separate model (same path) for the reference and use it here")
+                          "declare a separate model (same path) for the reference and use it here, or "
+                          f"train '{model}' with train.lora (the reference is then its base, adapters off)")
 
 
 @dataclass(frozen=True)

@@ -300,6 +300,25 @@ def _columns(schema: pa.Schema | dict[str, pa.DataType]) -> str:
     return ", ".join(f"{name}:{type_name(t)}" for name, t in items) or "-"
 
 
+def _lora_settings(model) -> str:
+    """`train.lora` as explain prints it: the adapters' rank, scale and where, and their size."""
+    lora = model.train.lora
+    if lora is None:
+        return ""
+    from dapo_flow.graph.memory import ModelShape, lora_param_count
+    from dapo_flow.models import model_config
+
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else ", ".join(lora.target_modules)
+    size = ""
+    config = model_config(model.path)
+    if config is not None:
+        shape = ModelShape.from_config(config)
+        trained = lora_param_count(shape, lora.rank, lora.target_modules)
+        count = f"{trained / 1e6:.3g}M" if trained >= 1e6 else f"{trained / 1e3:.3g}k"
+        size = f": {count} trained parameters, {trained / shape.num_params():.2%} of the model's"
+    return f", LoRA rank {lora.rank} alpha {lora.alpha:g} on {targets}{size}"
+
+
 def explain(placed: PlacedPlan) -> str:
     """The placed plan as text: models, stages, then one step phase by phase."""
     p, spec, cluster = placed.plan, placed.plan.spec, placed.cluster
@@ -315,7 +334,7 @@ def explain(placed: PlacedPlan) -> str:
              if m.train.max_tokens_per_micro_batch else "")
           + (", gradient checkpointing" if m.train.grad_checkpointing else "")
           + (f", logprobs in chunks of {m.train.logprob_chunk_tokens} tokens" if m.train.logprob_chunk_tokens else "")
-          + _group_settings(p, name) + ")"
+          + _group_settings(p, name) + _lora_settings(m) + ")"
           + _rollout_settings(p, name)
           for name, m in spec.models.items()),
         "",

@@ -24,7 +24,8 @@ from typing import Mapping
 
 from dapo_flow.errors import Problem
 from dapo_flow.graph.memory import (DTYPE_BYTES, GPU_OVERHEAD_BYTES, GiB, Budget, ModelShape, Term,
-                                    estimate_forward, estimate_rollout, estimate_training)
+                                    estimate_forward, estimate_rollout, estimate_training,
+                                    lora_param_count)
 from dapo_flow.graph.plan import Cluster, Plan, Stage
 
 GENERATION = "generation"
@@ -162,7 +163,8 @@ def _training(plan: Plan, stage: Stage, model: str, shape: ModelShape, update, o
         mixed_precision=train.mixed_precision, grad_checkpointing=train.grad_checkpointing,
         cpu_offload=train.cpu_offload, rows_per_micro_batch=rows,
         entropy_in_loss=getattr(update.params, "entropy_coef", 0.0) > 0, on_gpu=on_gpu,
-        logprob_chunk_tokens=train.logprob_chunk_tokens)
+        logprob_chunk_tokens=train.logprob_chunk_tokens,
+        lora_params=lora_param_count(shape, train.lora.rank, train.lora.target_modules) if train.lora else 0)
     return list(budget.terms)
 
 

@@ -274,6 +274,7 @@ def estimate_training(
     optimizer: str = "adamw",
     on_gpu: bool = True,
     title: str = "training",
+    lora_params: int = 0,
 ) -> Budget:
     """Bytes per worker of one update step (a micro-batch's forward and backward, then AdamW).
 
@@ -290,6 +291,10 @@ def estimate_training(
     ``dtype`` (which is then the copies' that are not trained). Without FSDP2 that is
     torch.autocast, which also keeps a bf16 copy of the weights its matmuls use. ``on_gpu``: add
     the fixed CUDA overhead and price the step as torch's foreach AdamW (CPU: per-tensor).
+    ``lora_params``: LoRA adapters of this many parameters (:func:`lora_param_count`) are all
+    that trains: gradients, AdamW moments and the step's temporaries are theirs, the base is
+    stored in ``dtype`` beside them; activations as without (the adapters' own, rank-wide, are
+    small against a layer's).
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
@@ -315,17 +320,23 @@ def estimate_training(
     state_fix = "more train.workers (FSDP2 shards it)" + (
         "" if cpu_offload else ", or train.cpu_offload: true" + ("" if sharded else " (strategy: fsdp2)"))
     of = f" (1/{shard} shard)" if sharded else ""
-    terms = [
-        Term(f"parameters{of}", p * store // shard, state_at, fix=state_fix),
-        Term(f"gradients{of}", p * store // shard, state_at, fix=state_fix),
-        Term(f"AdamW moments{of}", 2 * p * store // shard, state_at, fix=state_fix),
-        _step_temporaries(shape, store, shard, on_gpu, state_at),
+    if lora_params:  # the base frozen in its dtype; the adapters float32 (peft's choice too)
+        trained, store = lora_params, FP32
+        terms = [Term(f"base weights (frozen){of}", p * DTYPE_BYTES[dtype] // shard, state_at, fix=state_fix),
+                 Term(f"LoRA adapters{of}", lora_params * store // shard, state_at)]
+    else:
+        trained = p
+        terms = [Term(f"parameters{of}", p * store // shard, state_at, fix=state_fix)]
+    terms += [
+        Term(f"gradients{of}", trained * store // shard, state_at, fix=state_fix),
+        Term(f"AdamW moments{of}", 2 * trained * store // shard, state_at, fix=state_fix),
+        _step_temporaries(shape, store, shard, on_gpu, state_at, trained if lora_params else None),
     ]
     if on_gpu:
         terms.append(Term("CUDA context and workspaces", GPU_OVERHEAD_BYTES))
     if sharded:
         terms += _gathered(shape, compute, store, mixed_precision)
-    elif mixed_precision:
+    elif mixed_precision and not (lora_params and DTYPE_BYTES[dtype] == compute):  # a bf16 base: no copies
         terms += _autocast_weights(shape, compute, grad_checkpointing)
     padded = rows_per_micro_batch > 1 if padded is None else padded
     terms += _activations(shape, compute, micro_batch_tokens, response_tokens_per_micro_batch,
@@ -334,11 +345,34 @@ def estimate_training(
     return Budget(title, tuple(t for t in terms if t.bytes > 0))
 
 
-def _step_temporaries(shape: ModelShape, store: int, shard: int, on_gpu: bool, where: Where) -> Term:
+def _step_temporaries(shape: ModelShape, store: int, shard: int, on_gpu: bool, where: Where,
+                      lora_params: int | None = None) -> Term:
     """torch's foreach AdamW (its default on GPU) makes one sqrt(exp_avg_sq) for all parameters
-    at once; the per-tensor loop (CPU) one for the largest tensor (the embeddings)."""
-    n = shape.num_params() if on_gpu else shape.vocab_size * shape.hidden_size
+    at once; the per-tensor loop (CPU) one for the largest tensor (the embeddings; under LoRA
+    an adapter matrix, a bound of its size: all of them)."""
+    if lora_params is not None:
+        n = lora_params
+    else:
+        n = shape.num_params() if on_gpu else shape.vocab_size * shape.hidden_size
     return Term("optimizer step temporaries", n * store // shard, where, (OPTIMIZER_STEP,))
+
+
+LINEAR_SHAPES = {  # a Llama/Qwen2-style decoder layer's linears: name -> (in, out) of the shape
+    "q_proj": lambda s: (s.hidden_size, s.q_dim), "k_proj": lambda s: (s.hidden_size, s.kv_dim),
+    "v_proj": lambda s: (s.hidden_size, s.kv_dim), "o_proj": lambda s: (s.q_dim, s.hidden_size),
+    "gate_proj": lambda s: (s.hidden_size, s.intermediate_size),
+    "up_proj": lambda s: (s.hidden_size, s.intermediate_size),
+    "down_proj": lambda s: (s.intermediate_size, s.hidden_size),
+}
+
+
+def lora_param_count(shape: ModelShape, rank: int, target_modules: str | list[str]) -> int:
+    """Parameters of rank-``rank`` adapters (A: rank x in, B: out x rank) on every decoder
+    layer's targeted linears (`all-linear`: the seven of a Llama/Qwen2 layer; names outside
+    them are not counted)."""
+    names = LINEAR_SHAPES if target_modules == "all-linear" else [t for t in target_modules if t in LINEAR_SHAPES]
+    per_layer = sum(rank * sum(LINEAR_SHAPES[n](shape)) for n in names)
+    return shape.num_hidden_layers * per_layer
 
 
 def _gathered(shape: ModelShape, compute: int, store: int, mixed_precision: str | None) -> list[Term]:

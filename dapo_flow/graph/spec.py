@@ -23,6 +23,28 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class LoraSpec(_Frozen):
+    """LoRA adapters on the trained model (peft): only they train."""
+
+    rank: int = Field(..., ge=1, le=4096, description="The adapters' rank r (verl's lora_rank; its docs "
+                      "advise >= 32 on large models, and ~10x the full fine-tuning learning rate).")
+    alpha: float = Field(16.0, gt=0, description="lora_alpha: the update is scaled by alpha / rank "
+                         "(verl's default 16).")
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear", description="The linear layers that get adapters: `all-linear` (every linear "
+        "layer of the decoder but the output head) or module names, e.g. [q_proj, v_proj].")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input in the "
+                           "update's gradient passes only (rollout and logprobs run without): above 0 "
+                           "the PPO ratio no longer starts at 1.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("name at least one module (e.g. [q_proj, v_proj]), or `all-linear`")
+        return v
+
+
 class TrainSpec(_Frozen):
     """How a model is trained (the `update` node that trains it reads this)."""
 
@@ -65,6 +87,12 @@ class TrainSpec(_Frozen):
         False, description="Recompute each decoder layer's activations in the backward pass instead of "
         "keeping them: less memory for about one more forward of compute; the same gradients."
     )
+    lora: LoraSpec | None = Field(
+        None, description="Train LoRA adapters instead of every weight (`{rank: 32, alpha: 16}`; "
+        "peft): gradients and AdamW state are the adapters' only, weight syncs send the merged "
+        "weights, checkpoints hold the adapters and name the base, and a `logprob` node with role "
+        "ref on this model reads the base (adapters off) instead of a second copy. null: full "
+        "fine-tuning.")
     logprob_chunk_tokens: int | None = Field(
         None, ge=1, description="Compute logprobs (and entropy) over at most this many response positions at "
         "a time, recomputing each chunk's logits in the backward pass: logits memory is bounded by the chunk "

@@ -189,6 +189,8 @@ class HFPolicy:
         logprob_chunk_tokens: int | None = None,
         mixed_precision: str | None = None,
         head: str = "lm",
+        lora: Any = None,
+        adapters: Path | None = None,
     ) -> None:
         """``head``: `lm` loads the causal LM (sampling, logprobs); `value` the value model of a
         PPO critic (:mod:`dapo_flow.models.heads`: :meth:`response_values`; it does not sample).
@@ -201,7 +203,9 @@ class HFPolicy:
         the optimizer's state stay in ``dtype``: float32 for a trained copy, the master weights
         (``load_resource`` loads it so whatever the model's ``dtype``); logits are cast to
         float32 before any log-softmax. Not with :meth:`shard` (FSDP2 casts the parameters
-        itself: pass ``mixed_precision`` there)."""
+        itself: pass ``mixed_precision`` there). ``lora`` (``train.lora``): LoRA adapters on the
+        model (:mod:`dapo_flow.models.lora`), the only weights that train; ``adapters``: a
+        directory of trained ones to load into them (a checkpoint's)."""
         from dapo_flow.models.heads import load_torch_model, skip_unneeded_transformers_imports
 
         skip_unneeded_transformers_imports()  # before the first transformers import below
@@ -224,6 +228,9 @@ class HFPolicy:
         self.head = head
         self.model.eval()  # no dropout in RL: rollout and training must see the same function
         self.model.requires_grad_(trainable)
+        self.lora = lora
+        if lora is not None:
+            self._add_adapters(lora, trainable, adapters)
         self.grad_checkpointing = grad_checkpointing
         self.logprob_chunk_tokens = logprob_chunk_tokens
         if logprob_chunk_tokens is not None and getattr(self.model.config, "final_logit_softcapping", None):
@@ -239,6 +246,34 @@ class HFPolicy:
         self.eos_id = self.eos_ids[0]
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_id  # pads are masked; any id works
+
+    def _add_adapters(self, lora: Any, trainable: bool, adapters: Path | None) -> None:
+        from dapo_flow.models import lora as lora_lib
+
+        if self.head != "lm":
+            raise ModelError(f"{self.path}: train.lora on a model with `head: {self.head}`: its new head "
+                             "must train in full, which adapters do not do; train it without lora")
+        try:
+            lora_lib.add_adapters(self.model, lora, trainable=trainable)
+        except ValueError as exc:
+            raise ModelError(f"{self.path}: {exc}") from None
+        if adapters is not None:
+            try:
+                lora_lib.load_adapter_state(self.model, lora_lib.read_adapters(Path(adapters)))
+            except ValueError as exc:
+                raise ModelError(f"{adapters}: {exc}") from None
+
+    @contextmanager
+    def base_weights(self) -> Iterator[None]:
+        """Forwards inside see the weights a reference model shares with this policy: under
+        LoRA the base (adapters off: no second copy of the model); else the policy itself."""
+        if self.lora is None:
+            yield
+            return
+        from dapo_flow.models.lora import adapters_disabled
+
+        with adapters_disabled(self.model):
+            yield
 
     # --- a training group's shard (FSDP2) --------------------------------------------------------
 
@@ -580,14 +615,20 @@ class HFPolicy:
         """Train mode for a gradient pass when checkpointing (HF recomputes layers only in train
         mode; the model has no dropout, so nothing else changes), eval mode again after, so
         generation keeps its KV cache."""
-        if not self.grad_checkpointing:
-            yield
-            return
-        self.model.train()
-        try:
-            yield
-        finally:
-            self.model.eval()
+        dropout = nullcontext()
+        if self.lora is not None and self.lora.dropout > 0:
+            from dapo_flow.models.lora import dropout_active
+
+            dropout = dropout_active(self.model)
+        with dropout:
+            if not self.grad_checkpointing:
+                yield
+                return
+            self.model.train()
+            try:
+                yield
+            finally:
+                self.model.eval()
 
     def _logprobs_pass(
         self, batch: dict[str, torch.Tensor], rows: slice, temperature: float, with_entropy: bool
@@ -603,8 +644,7 @@ class HFPolicy:
     def named_weights(self) -> dict[str, np.ndarray]:
         """float32 copies of every weight, ``lm_head.weight`` included even when tied. Sharded:
         every worker of the group must call it (each gets the full weights)."""
-        out = {k: _full(v).detach().to("cpu", torch.float32, copy=True).numpy()
-               for k, v in self.model.state_dict().items()}
+        out = {k: v.detach().to("cpu", torch.float32, copy=True).numpy() for k, v in self._weights()}
         if self.head == "lm" and "lm_head.weight" not in out:  # tied embeddings: engines such as vLLM still want it
             head = self.model.get_output_embeddings().weight
             out["lm_head.weight"] = _full(head).detach().to("cpu", torch.float32, copy=True).numpy()
@@ -617,9 +657,9 @@ class HFPolicy:
         when tied. Sharded: each tensor is gathered on the way (a collective: every worker of the
         group iterates in step)."""
         names = set()
-        for name, value in self.model.state_dict().items():
+        for name, value in self._weights():
             names.add(name)
-            yield name, _full(value).detach()
+            yield name, value.detach()
         if self.head == "lm" and "lm_head.weight" not in names:  # tied embeddings: engines such as vLLM still want it
             yield "lm_head.weight", _full(self.model.get_output_embeddings().weight).detach()
 
@@ -628,17 +668,33 @@ class HFPolicy:
         full shape and dtype, in the same order (a broadcast sync's plan: models.weight_bus)."""
         from dapo_flow.models.weight_bus import manifest_of
 
-        pairs = list(self.model.state_dict().items())
+        if self.lora is not None:
+            from dapo_flow.models.lora import merged_manifest_pairs
+
+            pairs = merged_manifest_pairs(self.model)
+        else:
+            pairs = list(self.model.state_dict().items())
         if self.head == "lm" and "lm_head.weight" not in dict(pairs):
             pairs.append(("lm_head.weight", self.model.get_output_embeddings().weight))
         return manifest_of(pairs)
+
+    def _weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every weight of the state dict: under LoRA the merged
+        model's, under the base names (what an engine without adapters loads)."""
+        if self.lora is not None:
+            from dapo_flow.models.lora import merged_weights
+
+            yield from merged_weights(self.model, _full)
+            return
+        for name, value in self.model.state_dict().items():
+            yield name, _full(value)
 
     def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
         """Copy ``weights`` (a mapping, as from :meth:`named_weights`, or (name, tensor) pairs,
         as from :meth:`iter_weights`) into the model, in place; every weight must come. Each is
         cast to this model's own dtype (float32 master weights into a bfloat16 rollout copy)."""
-        if self.sharded:
-            raise ModelError("a training group's sharded policy takes no weights from outside "
+        if self.sharded or self.lora is not None:
+            raise ModelError("a trained policy (a group's shard, or LoRA's) takes no weights from outside "
                              "(it is the source of weight syncs, not a target)")
         params = self.model.state_dict()
         seen, unknown = set(), []
@@ -664,6 +720,8 @@ class HFPolicy:
         """A Hugging Face model directory (weights, config, tokenizer) that ``path:`` can point at.
         Sharded: every worker must call it; the first writes the gathered weights."""
         out = Path(out_dir)
+        if self.lora is not None:
+            return self._save_adapters(out)
         if self.sharded:
             from dapo_flow.models import fsdp
 
@@ -672,6 +730,19 @@ class HFPolicy:
                 save_hf_dir(out, self.model, self.tokenizer, state_dict=dict(state))
             return out
         save_hf_dir(out, self.model, self.tokenizer)
+        return out
+
+
+    def _save_adapters(self, out: Path) -> Path:
+        """LoRA: the adapters in peft's format, the tokenizer and a note naming the base (the
+        model directory this policy loaded); every worker of a sharded group must call it."""
+        from dapo_flow.models import fsdp
+        from dapo_flow.models.lora import adapter_state, save_adapters
+
+        state = adapter_state(self.model, _full)  # sharded: a collective
+        if not self.sharded or fsdp.rank() == 0:
+            save_adapters(out, state, self.lora, base=self.path)
+            self.tokenizer.save_pretrained(out)
         return out
 
 

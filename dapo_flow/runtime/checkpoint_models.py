@@ -1,5 +1,9 @@
 """A trained model in a checkpoint: an HF directory (one unsharded worker), or sharded.
 
+LoRA layout (``train.lora``), ``models/NAME/``: the adapters as peft saves them
+(``adapter_config.json``, ``adapter_model.safetensors``), the tokenizer and ``lora_base.json``
+naming the base model's directory; the base itself is the graph's `path:`.
+
 Sharded layout, ``models/NAME/``: ``dcp/`` (torch.distributed.checkpoint: every worker of the
 group writes its own shards of the weights and of the optimizer state, so neither passes
 through one process), and beside it the model's config, generation config and tokenizer
@@ -14,14 +18,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SHARDED, HF = "sharded", "hf"
+SHARDED, HF, LORA = "sharded", "hf", "lora"
 DCP_DIR = "dcp"
 SHARDED_INFO = "sharded.json"
 
 
 def checkpoint_format(path: Path) -> str:
-    """How a checkpoint's model folder holds its weights: :data:`SHARDED` or :data:`HF`."""
-    return SHARDED if (path / DCP_DIR).is_dir() else HF
+    """How a checkpoint's model folder holds its weights: :data:`SHARDED`, :data:`LORA`
+    (adapters only, in peft's format, and the base's name: dapo_flow.models.lora) or :data:`HF`."""
+    from dapo_flow.models.lora import is_adapter_dir
+
+    if (path / DCP_DIR).is_dir():
+        return SHARDED
+    return LORA if is_adapter_dir(path) else HF
+
+
+def holds_full_weights(path: Path) -> bool:
+    """Whether a checkpoint's model folder is a whole HF model (an engine can load it as it
+    is); otherwise the actors built from the spec's path get the weights by a sync."""
+    return checkpoint_format(path) == HF
 
 
 def save_sharded_model(out: Path, policy, optimizer) -> None:

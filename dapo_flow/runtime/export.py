@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dapo_flow.errors import RunError
 from dapo_flow.runtime import checkpoint
-from dapo_flow.runtime.checkpoint_models import DCP_DIR, SHARDED, SHARDED_INFO, checkpoint_format
+from dapo_flow.runtime.checkpoint_models import DCP_DIR, LORA, SHARDED, SHARDED_INFO, checkpoint_format
 
 
 def step_folder(path: Path, flag: str) -> Path:
@@ -35,9 +35,10 @@ def step_folder(path: Path, flag: str) -> Path:
     return step
 
 
-def export(path: Path, out: Path, model: str | None = None) -> tuple[Path, str, int]:
+def export(path: Path, out: Path, model: str | None = None, adapter: bool = False) -> tuple[Path, str, int]:
     """Write the checkpoint's trained ``model`` (default: its only one) to ``out`` as an HF
-    directory. Returns (the step folder read, the model, its step)."""
+    directory; a LoRA-trained one merged into its base, or with ``adapter`` as the adapters in
+    peft's format. Returns (the step folder read, the model, its step)."""
     step = step_folder(path, "export")
     driver = checkpoint.load_driver(step)
     trained = list(driver["trained_models"])
@@ -51,11 +52,17 @@ def export(path: Path, out: Path, model: str | None = None) -> tuple[Path, str, 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise RunError(f"-o {out}: exists and is not an empty folder; pass a new path (nothing was written)")
     source = step / "models" / model
+    lora = checkpoint_format(source) == LORA
+    if adapter and not lora:
+        raise RunError(f"--adapter: model '{model}' of checkpoint {step} was trained without train.lora: "
+                       "it has no adapters; leave --adapter out (the whole model is written)")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         if checkpoint_format(source) == SHARDED:
             _gather_sharded(source, staging)
+        elif lora and not adapter:
+            _merge_adapters(source, staging)
         else:
             shutil.copytree(source, staging, dirs_exist_ok=True)
         if out.exists():
@@ -93,3 +100,24 @@ def _gather_sharded(source: Path, out: Path) -> None:
     with hf_progress_bars_off():
         model.save_pretrained(out)
     (out / "dapo_flow_export.json").write_text(json.dumps({"from": str(source)}) + "\n")
+
+
+def _merge_adapters(source: Path, out: Path) -> None:
+    """A LoRA checkpoint's adapters merged into the base they name (peft's merge_and_unload),
+    saved with the checkpoint's tokenizer."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dapo_flow.models.hf import hf_progress_bars_off
+    from dapo_flow.models.lora import base_of
+
+    base = base_of(source)
+    if base is None or not Path(base).is_dir():
+        raise RunError(f"{source}: the LoRA adapters' base model {base!r} is not a folder here; export "
+                       "with --adapter (peft's format) and merge where the base is")
+    with hf_progress_bars_off():
+        model = AutoModelForCausalLM.from_pretrained(base)
+        merged = PeftModel.from_pretrained(model, str(source)).merge_and_unload()
+        merged.save_pretrained(out)
+        AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    (out / "dapo_flow_export.json").write_text(json.dumps({"from": str(source), "base": base}) + "\n")

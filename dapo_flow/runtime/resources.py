@@ -68,8 +68,10 @@ def model_device(spec: ModelSpec) -> str:
 def trained_dtype(spec: ModelSpec) -> str:
     """The dtype of the copy of a model that an update trains: float32 (the master weights)
     under ``train.mixed_precision``, else the model's ``dtype``. Every copy that is not trained
-    (a rollout engine, a reference, a rollout actor's torch copy) loads ``dtype``."""
-    return "float32" if spec.train.mixed_precision else spec.dtype
+    (a rollout engine, a reference, a rollout actor's torch copy) loads ``dtype``. Under
+    ``train.lora`` the base is frozen and stays in ``dtype`` (peft keeps the adapters of a half-
+    precision base in float32: they are the master weights)."""
+    return "float32" if spec.train.mixed_precision and spec.train.lora is None else spec.dtype
 
 
 def load_resource(
@@ -89,11 +91,17 @@ def load_resource(
 
     A sharded checkpoint holds no HF weights: the model is built from the spec's path and the
     worker loads the shards into it (StageWorker), or a weight sync brings them (a rollout actor).
+    Nor does a LoRA one (adapters and the base's name): the trained copy loads the spec's base
+    and the checkpoint's adapters, any other copy the base and then a weight sync (merged).
     """
     from dapo_flow.models import resolve_model
     from dapo_flow.models.hf import HFPolicy
-    from dapo_flow.runtime.checkpoint_models import SHARDED, checkpoint_format
+    from dapo_flow.runtime.checkpoint_models import LORA, SHARDED, checkpoint_format
 
+    adapters = None
+    if path is not None and checkpoint_format(Path(path)) == LORA:
+        adapters = Path(path) if trainable else None  # a copy not trained gets a weight sync (merged)
+        path = None
     if path is not None and checkpoint_format(Path(path)) == SHARDED:
         path = None
     model_path = Path(path) if path is not None else resolve_model(spec.path)
@@ -111,7 +119,8 @@ def load_resource(
                           grad_checkpointing=trainable and spec.train.grad_checkpointing,
                           logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
                           mixed_precision=None if strategy == "fsdp2" else spec.train.mixed_precision,
-                          head=spec.resolved_head)
+                          head=spec.resolved_head, lora=spec.train.lora if trainable else None,
+                          adapters=adapters)
         if strategy == "fsdp2":
             policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
         elif strategy == "ddp":

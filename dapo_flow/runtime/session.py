@@ -23,7 +23,7 @@ from rich.table import Table
 from dapo_flow.errors import RunError
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
-from dapo_flow.runtime.checkpoint_models import SHARDED, checkpoint_format
+from dapo_flow.runtime.checkpoint_models import holds_full_weights
 from dapo_flow.runtime.executors import executor_class
 from dapo_flow.runtime.async_rollout import RolloutProducer
 from dapo_flow.runtime.loop import Kept, LoopState, Rollout, Runner
@@ -225,7 +225,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
             version = int(driver_state.get("policy_version", driver_state.get("step", 0)))
             runner = Runner(placed, ex, None)
             runner.rollout_version = version  # the weights every actor was built from
-            if any(checkpoint_format(Path(p)) == SHARDED for p in model_paths.values()):
+            if not all(holds_full_weights(Path(p)) for p in model_paths.values()):
                 runner.sync(version)  # rollout actors were built from the spec's weights: the checkpoint's now
             sampler = train_sampler(placed.plan, train_prompts, ex)
             if driver_state:

@@ -101,7 +101,9 @@ class AdamWTrainer:
         self.label, self.prefix, self.metrics, self.group_summed = label, prefix, metrics, group_summed
         self.seed = seed
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=params.lr, weight_decay=params.weight_decay)
+        # the trained weights: all of them, or under LoRA the adapters (no state for frozen ones)
+        self.trained = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trained, lr=params.lr, weight_decay=params.weight_decay)
         self.steps_done = 0
         self.nonfinite_in_a_row = 0  # optimizer steps skipped for a nan/inf grad norm, in a row
         self.skipped_total = 0  # all optimizer steps skipped so far, for PREFIX/skipped_steps_total
@@ -251,7 +253,7 @@ class AdamWTrainer:
             summed = self.parallel.sum([stats[k] for k in self.group_summed])
             stats.update(zip(self.group_summed, summed))
             self.parallel.reduce_gradients()  # DDP: one all-reduce per optimizer step (FSDP2: done)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trained, self.params.grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # sharded: a DTensor holding the global norm
             grad_norm = grad_norm.full_tensor()
         finite = bool(torch.isfinite(grad_norm))

@@ -1,0 +1,93 @@
+"""A graph trained with `train.lora` end to end (local executor): checkpoints hold the
+adapters and name the base, a run that dies resumes to exactly what an uninterrupted one logs,
+`export` writes the merged model (or, with --adapter, peft's format), and a `logprob` node with
+role ref on the trained model reads its base (the adapters off) with no second copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cli
+from dapo_flow.graph.compiler import compile_graph
+from dapo_flow.models import lora as lora_lib
+from dapo_flow.models.hf import HFPolicy
+from dapo_flow.runtime import checkpoint, execute
+from dapo_flow.runtime.resume import checkpoint_root
+from dapo_flow.tracking import read_run
+
+from test_checkpoints import CLUSTER, _deterministic, _quiet, _run_and_die
+
+STEPS = 4
+LORA = "  policy: {path: \"builtin:tiny-adder\", backend: hf, train: {lora: {rank: 8, alpha: 16}}}\n"
+
+
+def _lora_graph(small_graph, where, *, ref: bool = False, **options):
+    path = small_graph(where, steps=STEPS, ckpt=2, **options)
+    text = path.read_text().replace('  policy: {path: "builtin:tiny-adder", backend: hf}\n', LORA)
+    text = text.replace("lr: 1.0e-4", "lr: 2.0e-3")
+    if ref:  # a reference on the trained model itself, and the KL as a loss term
+        text = text.replace("  - {id: adv,", "  - {id: ref_logp, op: logprob, model: policy, inputs: [old_logp], "
+                            "params: {role: ref}}\n  - {id: adv,").replace("inputs: [old_logp]}", "inputs: [ref_logp]}")
+        text = text.replace("mini_batches: 2}", "mini_batches: 1, kl_coef: 0.01}")  # step 1: fresh adapters
+    assert LORA in text
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, small_graph, tiny_adder_path) -> dict:
+    where = tmp_path_factory.mktemp("lora-straight")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(where)
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        summary = execute(compile_graph(_lora_graph(small_graph, where), CLUSTER), executor="local",
+                          console=_quiet())
+        return _deterministic(read_run(summary["tracking_uri"], summary["run_id"])["history"])
+
+
+def test_a_lora_run_checkpoints_its_adapters_and_resumes_exactly(workdir, small_graph, straight, tiny_adder_path):
+    placed = compile_graph(_lora_graph(small_graph, workdir), CLUSTER)
+    _run_and_die(placed, 3)  # dies in step 4: the checkpoint of step 2 is the newest
+    [run_folder] = checkpoint_root(placed.plan.spec).iterdir()
+    saved = checkpoint.step_dir(run_folder, 2) / "models" / "policy"
+    assert lora_lib.is_adapter_dir(saved) and lora_lib.base_of(saved) == str(tiny_adder_path)
+    adapters = (saved / lora_lib.ADAPTER_WEIGHTS).stat().st_size
+    assert adapters < 0.5 * (tiny_adder_path / "model.safetensors").stat().st_size
+
+    summary = execute(placed, executor="local", resume=True, console=_quiet())
+    run = read_run(summary["tracking_uri"], summary["run_id"])
+    assert [s for s, _ in run["history"]["actor/pg_loss"]] == list(range(1, STEPS + 1))
+    assert _deterministic(run["history"]) == straight  # the adapters and AdamW state came back exactly
+
+    final = checkpoint.step_dir(run_folder, STEPS)
+    merged_dir, adapter_dir = workdir / "merged", workdir / "adapter"
+    assert cli.main(["export", str(final), "-o", str(merged_dir)]) == 0
+    assert cli.main(["export", str(final), "-o", str(adapter_dir), "--adapter"]) == 0
+    assert lora_lib.is_adapter_dir(adapter_dir) and not lora_lib.is_adapter_dir(merged_dir)
+    # the merged export computes what the trained adapters do
+    trained = HFPolicy(tiny_adder_path, trainable=True, lora=placed.plan.spec.models["policy"].train.lora,
+                       adapters=final / "models" / "policy")
+    ids = torch.tensor([[1, 5, 7, 9, 11, 3]])
+    with torch.no_grad():
+        want = trained.model(input_ids=ids).logits
+        got = HFPolicy(merged_dir).model(input_ids=ids).logits
+        base = HFPolicy(tiny_adder_path).model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want, base, atol=1e-4)  # the run trained something
+
+
+def test_export_without_adapters_refuses_adapter(workdir, small_graph):
+    path = small_graph(workdir, steps=2, ckpt=2)
+    execute(compile_graph(path, CLUSTER), executor="local", console=_quiet())
+    assert cli.main(["export", "dapo-flow-runs", "-o", str(workdir / "out"), "--adapter"]) == 2
+    assert not (workdir / "out").exists()
+
+
+def test_a_reference_on_the_lora_model_is_its_base(workdir, small_graph):
+    placed = compile_graph(_lora_graph(small_graph, workdir, ref=True), CLUSTER)
+    summary = execute(placed, executor="local", console=_quiet())
+    history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    kl = [v for _, v in history["actor/kl_loss"]]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7)  # step 1: fresh adapters, the policy is its base
+    assert kl[-1] > 1e-7  # later the adapters moved it away from the base the reference reads
