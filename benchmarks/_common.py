@@ -67,12 +67,17 @@ def final_checkpoint(summary: dict, placed, model: str = "policy") -> Path:
     """HF directory of ``model`` in the run's last checkpoint (one folder per run id); a sharded
     checkpoint (a training group's) is exported beside it first, as `dapo-flow export` does."""
     from dapo_flow.runtime.checkpoint import step_dir
-    from dapo_flow.runtime.checkpoint_models import SHARDED, checkpoint_format
+    from dapo_flow.runtime.checkpoint_models import LORA, SHARDED, checkpoint_format
     from dapo_flow.runtime.export import export
     from dapo_flow.runtime.resume import checkpoint_root
 
     step = step_dir(checkpoint_root(placed.plan.spec) / summary["run_id"], summary["steps"])
     path = step / "models" / model
+    if checkpoint_format(path) == LORA:  # adapters only: merged into their base, as `export` does
+        exported = step.parent / f"{step.name}-{model}-merged"
+        if not exported.is_dir():
+            export(step, exported, model)
+        return exported
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpointed model at {path} (checkpoint_every must hit the last step)")
     if checkpoint_format(path) == SHARDED:

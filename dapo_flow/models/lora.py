@@ -44,7 +44,8 @@ def lora_config(settings: Any, base: str | None = None):
 
 def add_adapters(model: torch.nn.Module, settings: Any, *, trainable: bool) -> None:
     """Inject LoRA adapters into ``model`` (in place). ``trainable``: only the adapters take
-    gradients; else nothing does. Fresh adapters change nothing: ``lora_B`` starts at zero."""
+    gradients, held in float32 whatever the base's dtype; else nothing does. Fresh adapters
+    change nothing: ``lora_B`` starts at zero."""
     from peft import inject_adapter_in_model
 
     model.requires_grad_(False)
@@ -52,9 +53,11 @@ def add_adapters(model: torch.nn.Module, settings: Any, *, trainable: bool) -> N
         inject_adapter_in_model(lora_config(settings), model)
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
         raise ValueError(f"train.lora.target_modules: {exc}") from None
-    if trainable:
+    if trainable:  # float32 adapters over a half-precision base: they are the master weights
         for name, param in model.named_parameters():
             param.requires_grad_(".lora_" in name)
+            if ".lora_" in name and param.dtype in (torch.bfloat16, torch.float16):
+                param.data = param.data.float()
 
 
 def has_adapters(model: torch.nn.Module) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from dapo_flow.errors import RunError
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.models.engines import BACKENDS, RolloutEngine, TrainablePolicy
 
@@ -100,8 +101,7 @@ def load_resource(
 
     adapters = None
     if path is not None and checkpoint_format(Path(path)) == LORA:
-        adapters = Path(path) if trainable else None  # a copy not trained gets a weight sync (merged)
-        path = None
+        adapters, path = Path(path), None  # the base from the spec, the adapters from the checkpoint
     if path is not None and checkpoint_format(Path(path)) == SHARDED:
         path = None
     model_path = Path(path) if path is not None else resolve_model(spec.path)
@@ -120,7 +120,7 @@ def load_resource(
                           logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
                           mixed_precision=None if strategy == "fsdp2" else spec.train.mixed_precision,
                           head=spec.resolved_head, lora=spec.train.lora if trainable else None,
-                          adapters=adapters)
+                          adapters=adapters if trainable else None)
         if strategy == "fsdp2":
             policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
         elif strategy == "ddp":
@@ -132,5 +132,21 @@ def load_resource(
             options = options.model_copy(update={"max_model_len": max_model_len})
         generator = backend.factory()(model_path, dtype=spec.dtype, device=device, seed=seed, trainer=policy,
                                       options=options)
+    if adapters is not None and not trainable:  # a frozen copy (eval, a rollout actor): merged
+        merged = merged_checkpoint_weights(model_path, spec, adapters)
+        for engine in {id(e): e for e in (policy, generator) if e is not None}.values():
+            engine.load_weights(merged.items())
     tokenizer = policy.tokenizer if policy is not None else generator.tokenizer
     return ModelResource(name, spec, model_path, policy, generator, tokenizer)
+
+
+def merged_checkpoint_weights(base: Path, spec: ModelSpec, adapters: Path) -> dict:
+    """A LoRA checkpoint's adapters merged into ``base``, as float32 host arrays under the
+    base names (what a weight sync sends), for a copy of the model that is not trained."""
+    from dapo_flow.models.hf import HFPolicy
+
+    if spec.train.lora is None:
+        raise RunError(f"{adapters} holds LoRA adapters, but model '{spec.path}' has no train.lora: "
+                       "set the train.lora it was trained with (its adapter_config.json says)")
+    adapted = HFPolicy(base, dtype="float32", lora=spec.train.lora, adapters=adapters)
+    return adapted.named_weights()

@@ -106,6 +106,34 @@ def test_weight_sync_changes_outputs_to_match_hf(generator, tiny_adder_path, pro
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_a_lora_trainers_merged_weights_sync_into_vllm(generator, tiny_adder_path, prompts):
+    """train.lora: the engine knows nothing of adapters; it takes the merged weights under the
+    base names, samples what the adapted trainer samples, and its logprobs are the trainer's."""
+    import torch
+
+    from dapo_flow.graph.spec import LoraSpec
+
+    trainer = HFPolicy(tiny_adder_path, trainable=True, lora=LoraSpec(rank=8, alpha=16))
+    greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=8)
+    before = generator.generate(prompts, greedy).response_ids
+    with torch.no_grad():  # trained adapters: B off its zero start
+        gen = torch.Generator().manual_seed(0)
+        for name, p in trainer.model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    generator.load_weights(trainer.iter_weights())
+    after = generator.generate(prompts, greedy).response_ids
+    assert after != before and after == trainer.generate(prompts, greedy).response_ids
+    cfg = SamplingConfig(n=2, temperature=1.0, max_tokens=8, seed=5)
+    out = generator.generate(prompts[:16], cfg)
+    logp, _, mask = trainer.response_logprobs([prompts[i] for i in out.prompt_index], out.response_ids)
+    np.testing.assert_allclose(logp[mask].numpy(), flat(out.logprobs), atol=1e-4)
+    generator.load_weights(HFPolicy(tiny_adder_path).named_weights())  # later tests see the original
+    assert generator.generate(prompts, greedy).response_ids == before
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_a_streamed_sync_writes_nothing_to_disk(generator, tiny_adder_path, prompts):
     sync_dir = Path(generator._sync_dir.name)
     generator.load_weights(HFPolicy(tiny_adder_path).iter_weights())

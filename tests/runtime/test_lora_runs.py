@@ -5,6 +5,7 @@ role ref on the trained model reads its base (the adapters off) with no second c
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ import cli
 from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.models import lora as lora_lib
 from dapo_flow.models.hf import HFPolicy
+from dapo_flow.experiments.evaluate import evaluate
 from dapo_flow.runtime import checkpoint, execute
 from dapo_flow.runtime.resume import checkpoint_root
 from dapo_flow.tracking import read_run
@@ -46,7 +48,8 @@ def straight(tmp_path_factory, small_graph, tiny_adder_path) -> dict:
         return _deterministic(read_run(summary["tracking_uri"], summary["run_id"])["history"])
 
 
-def test_a_lora_run_checkpoints_its_adapters_and_resumes_exactly(workdir, small_graph, straight, tiny_adder_path):
+def test_a_lora_run_checkpoints_its_adapters_and_resumes_exactly(workdir, small_graph, straight, tiny_adder_path,
+                                                                 policies):
     placed = compile_graph(_lora_graph(small_graph, workdir), CLUSTER)
     _run_and_die(placed, 3)  # dies in step 4: the checkpoint of step 2 is the newest
     [run_folder] = checkpoint_root(placed.plan.spec).iterdir()
@@ -61,6 +64,16 @@ def test_a_lora_run_checkpoints_its_adapters_and_resumes_exactly(workdir, small_
     assert _deterministic(run["history"]) == straight  # the adapters and AdamW state came back exactly
 
     final = checkpoint.step_dir(run_folder, STEPS)
+    # eval of the checkpoint reads the adapters (merged into a frozen copy), not the bare base:
+    # step 4's validation reproduced exactly (greedy)
+    policies.clear()
+    evaluated = evaluate(placed, which=str(final), console=_quiet())
+    assert evaluated["metrics"]["val/acc"] == run["history"]["val/acc"][-1][1]
+    merged = HFPolicy(tiny_adder_path, trainable=True, lora=placed.plan.spec.models["policy"].train.lora,
+                      adapters=final / "models" / "policy").named_weights()
+    sampler = policies[-1].named_weights()  # the copy eval sampled with: the adapters merged in
+    assert sampler.keys() == merged.keys()
+    assert all(np.allclose(sampler[k], merged[k], atol=1e-6) for k in merged)
     merged_dir, adapter_dir = workdir / "merged", workdir / "adapter"
     assert cli.main(["export", str(final), "-o", str(merged_dir)]) == 0
     assert cli.main(["export", str(final), "-o", str(adapter_dir), "--adapter"]) == 0

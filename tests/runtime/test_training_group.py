@@ -20,12 +20,13 @@ pytestmark = pytest.mark.slow
 
 STAGE = "model:policy"
 UPDATE = {"lr": 1e-3, "micro_batch_size": 3, "ppo_epochs": 2, "clip_high": 0.28}
+LORA = None  # train.lora of the graphs (a test sets it)
 
 
 def _graph(model_path, workers: int, strategy: str | None) -> GraphSpec:
     return GraphSpec.model_validate({
         "name": "group", "models": {"policy": {"path": str(model_path), "train": {
-            "workers": workers, "strategy": strategy}}},
+            "workers": workers, "strategy": strategy, **({"lora": LORA} if LORA else {})}}},
         "data": {"train": {"source": "builtin:addition"}},
         "nodes": [{"id": "train", "op": "update", "model": "policy", "inputs": ["prompts"], "params": UPDATE}],
     })
@@ -186,3 +187,26 @@ def _start_weights(path) -> dict:
     from dapo_flow.models.hf import HFPolicy
 
     return HFPolicy(path).named_weights()
+
+
+def test_a_lora_fsdp2_group_makes_the_update_one_worker_makes(ray_cluster, tiny_adder_path, monkeypatch):
+    """LoRA adapters on FSDP2 shards: the adapters' gradients reduced across the group, the
+    frozen base sharded beside them; the merged weights the group exports are one worker's."""
+    monkeypatch.setitem(globals(), "LORA", {"rank": 4, "alpha": 8})
+    one = _local(tiny_adder_path)
+    try:
+        one_metrics, one_weights = _train(one, BATCHES), _weights(one)
+    finally:
+        one.shutdown()
+    two = _group(tiny_adder_path, strategy="fsdp2")
+    try:
+        two_metrics, two_weights = _train(two, BATCHES), _weights(two)
+    finally:
+        two.shutdown()
+    _same_metrics(one_metrics, two_metrics)
+    _same(one_weights, two_weights)
+    start = _start_weights(tiny_adder_path)
+    assert set(two_weights) == set(start)  # the merged model, under the base names
+    assert not np.allclose(two_weights["model.layers.0.self_attn.q_proj.weight"],
+                           start["model.layers.0.self_attn.q_proj.weight"])  # the adapters merged in
+    assert np.array_equal(two_weights["lm_head.weight"], start["lm_head.weight"])  # not adapted: frozen
