@@ -1,7 +1,9 @@
 """LoRA against full fine-tuning: one update step's time and memory, in one run.
 
-A random-init Qwen2 (``_common.random_qwen2``; default 8 layers, hidden 512, 8 query / 2 KV
-heads, intermediate 1536, vocabulary 8192: 37M parameters) trained by dapo-flow's `update`
+A random-init Qwen2 (``_common.random_qwen2``; on CPU 8 layers, hidden 512, 8 query / 2 KV
+heads, intermediate 1536, vocabulary 8192: 28M parameters, 16 rows of 64 + 192 tokens; on CUDA
+gpu_step.py's 24 layers, hidden 896, 14 / 2 heads, intermediate 4864, vocabulary 8192: 0.37B, 64
+rows of 64 + 448 tokens in micro-batches of 16, bf16 autocast over float32 weights) trained by dapo-flow's `update`
 operator on a fixed batch of random tokens (``--rows`` rows of ``--prompt`` + ``--response``
 tokens, micro-batches of ``--micro-batch`` rows, one AdamW step per call, old logprobs from the
 `logprob` operator), once with every weight trained and once per ``--ranks`` with
@@ -39,6 +41,9 @@ from _common import fmt, make_console, random_qwen2, write_json  # noqa: E402
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
              intermediate_size=1536, vocab_size=8192)
+# on CUDA: gpu_step.py's 0.36B Qwen2 shape (its vocabulary aside)
+GPU_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=8192)
 QUICK_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=256, vocab_size=2048)
 
@@ -73,8 +78,10 @@ def run_variant(cfg: dict) -> dict:
     rank = cfg["rank"]
     spec = ModelSpec(path=cfg["model"], train={"lora": {"rank": rank, "alpha": 2 * rank}} if rank else {})
     cpu = device.type == "cpu"
+    # CUDA: as `dtype: bfloat16, train.mixed_precision: bf16` trains: full fine-tuning holds
+    # float32 master weights, LoRA a bf16 base under float32 adapters (resources.trained_dtype)
     policy = HFPolicy(cfg["model"], trainable=True, device=str(device), lora=spec.train.lora,
-                      mixed_precision=None if cpu else "bf16")
+                      dtype="bfloat16" if rank and not cpu else "float32", mixed_precision=None if cpu else "bf16")
     rng = random.Random(0)
     vocab = cfg["vocab"]
     prompts = [[rng.randrange(3, vocab) for _ in range(cfg["prompt"])] for _ in range(cfg["rows"])]
@@ -132,6 +139,7 @@ def estimate(cfg: dict, shape: dict, rank: int) -> int:
         model, micro_batch_tokens=rows * (cfg["prompt"] + cfg["response"]),
         response_tokens_per_micro_batch=rows * cfg["response"], rows_per_micro_batch=rows, padded=False,
         on_gpu=cfg["device"] != "cpu", mixed_precision=None if cfg["device"] == "cpu" else "bf16",
+        dtype="bfloat16" if rank and cfg["device"] != "cpu" else "float32",
         lora_params=lora_param_count(model, rank, "all-linear") if rank else 0)
     return budget.total
 
@@ -155,11 +163,12 @@ def main() -> None:
         return
     console = make_console()
     quick = args.quick
-    shape = QUICK_SHAPE if quick else SHAPE
+    gpu = args.device == "cuda" and not quick
+    shape = QUICK_SHAPE if quick else GPU_SHAPE if gpu else SHAPE
     cfg = dict(device=args.device, threads=args.threads, vocab=shape["vocab_size"],
-               rows=args.rows or (4 if quick else 16), prompt=args.prompt or (16 if quick else 64),
-               response=args.response or (48 if quick else 192), micro_batch=args.micro_batch or (4 if quick else 8),
-               reps=args.reps or (2 if quick else 3))
+               rows=args.rows or (4 if quick else 64 if gpu else 16), prompt=args.prompt or (16 if quick else 64),
+               response=args.response or (48 if quick else 448 if gpu else 192),
+               micro_batch=args.micro_batch or (4 if quick else 16 if gpu else 8), reps=args.reps or (2 if quick else 3))
     ranks = [0] + [int(r) for r in args.ranks.split(",") if r]
     from dapo_flow.models.tokenizer import build_char_tokenizer
 

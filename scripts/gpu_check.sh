@@ -12,10 +12,12 @@
 # are used as they are; its models go into a fresh DAPO_FLOW_HOME.
 #
 # OUT_DIR gets: machine.txt (torch, CUDA, the GPU), pytest-gpu.log and pytest-gpu.xml
-# (`pytest -m gpu`), gpu_step.json and gpu_step.log (benchmarks/gpu_step.py), summary.txt.
-# GPU_CHECK_TESTS_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT (seconds) bound each part with `timeout`, so a
-# leased machine's minutes leave room for the other part (exit 124 means it ran out of time).
-# Exit status: 0 when the tests passed and the benchmark ran; 1 when either failed; 3 when torch
+# (`pytest -m gpu`), gpu_step.json and gpu_step.log (benchmarks/gpu_step.py), lora.json and
+# lora.log (benchmarks/lora.py: LoRA against full fine-tuning), summary.txt.
+# GPU_CHECK_TESTS_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT / GPU_CHECK_LORA_TIMEOUT (seconds) bound each
+# part with `timeout`, so a leased machine's minutes leave room for the other parts (exit 124
+# means it ran out of time).
+# Exit status: 0 when the tests passed and the benchmarks ran; 1 when any failed; 3 when torch
 # sees no CUDA device (the gpu tests would all skip: nothing would have been checked).
 set -uo pipefail
 
@@ -83,9 +85,15 @@ echo "== benchmarks/gpu_step.py"
 "${limit_bench[@]}" "$PY" benchmarks/gpu_step.py --json "$OUT_DIR/gpu_step.json" 2>&1 | tee "$OUT_DIR/gpu_step.log"
 bench_rc=${PIPESTATUS[0]}
 
+echo "== benchmarks/lora.py"
+limit_lora=(); [[ -n ${GPU_CHECK_LORA_TIMEOUT:-} ]] && limit_lora=(timeout "$GPU_CHECK_LORA_TIMEOUT")
+"${limit_lora[@]}" "$PY" benchmarks/lora.py --device cuda --json "$OUT_DIR/lora.json" 2>&1 | tee "$OUT_DIR/lora.log"
+lora_rc=${PIPESTATUS[0]}
+
 {
   cat "$OUT_DIR/machine.txt"
   echo "pytest -m gpu: exit $tests_rc ($(tail -n 1 "$OUT_DIR/pytest-gpu.log"))"
   echo "benchmarks/gpu_step.py: exit $bench_rc"
+  echo "benchmarks/lora.py: exit $lora_rc"
 } | tee "$OUT_DIR/summary.txt"
-(( tests_rc == 0 && bench_rc == 0 )) || exit 1
+(( tests_rc == 0 && bench_rc == 0 && lora_rc == 0 )) || exit 1

@@ -73,3 +73,9 @@ def test_lora_prices_gradients_and_adamw_state_of_the_adapters_only():
     bf16 = {t.name: t.bytes for t in estimate_training(shape, lora_params=lora, dtype="bfloat16",
                                                        mixed_precision="bf16", **kw).terms}
     assert bf16["base weights (frozen)"] == shape.num_params() * 2 and "bf16 weight copies (autocast)" not in bf16
+
+
+def test_lora_on_a_value_model_is_refused_at_its_key():
+    edits = [("set", "models.critic.train.lora.rank=8")]
+    with pytest.raises(GraphError, match="(?s)models.critic.train.lora.*value head.*without train.lora"):
+        edit_file(ROOT / "graphs" / "ppo.yaml", parse_cli_edits(edits)).compile(Cluster(cpus=2))

@@ -94,6 +94,11 @@ def validate(doc: GraphDoc) -> ValidGraph:
         topo = nx.lexicographical_topological_sort(graph, key=lambda n: index.get(n, -1))
         order = tuple(n for n in topo if n != PROMPTS_SOURCE)
         lora = {name for name, m in spec.models.items() if m.train.lora is not None} if spec is not None else set()
+        for name in sorted(lora):
+            if heads.get(name, "lm") != "lm":  # a new value/reward head must train in full
+                found.add(("models", name, "train", "lora"), f"model '{name}' has a {heads[name]} head, "
+                          "which LoRA adapters cannot train (the new head must train in full)",
+                          f"train '{name}' without train.lora")
         _check_training(found, nodes, {m for m, h in heads.items() if h == "value"}, lora)
         schemas = _propagate(found, nodes, order)
         _check_group_filter(found, nodes, graph, schemas)

@@ -143,11 +143,9 @@ def test_an_update_trains_the_adapters_only_and_keeps_state_for_them_only(tiny_a
     assert len(state) == sum(1 for n, p in policy.model.named_parameters() if ".lora_" in n)
 
 
-def test_a_value_head_is_refused():
-    from dapo_flow.models import resolve_model
-
-    with pytest.raises(ModelError, match="lora"):
-        HFPolicy(resolve_model("builtin:tiny-adder-critic"), trainable=True, lora=LORA, head="value")
+def test_a_value_head_is_refused(tiny_adder_path):
+    with pytest.raises(ModelError, match="lora"):  # a new head must train in full (validate says so first)
+        HFPolicy(tiny_adder_path, trainable=True, lora=LORA, head="value")
 
 
 def test_lora_settings_are_checked():
