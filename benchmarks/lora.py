@@ -16,7 +16,8 @@ allocates the gradients and AdamW's state. Times: the first step apart, then the
 
 JSON: each variant's ``trained_params``, ``step_s``, ``first_step_s``, ``peak_bytes``, and
 ``ratios`` (variant / full: step time and peak), ``estimate_ratio`` (dapo-flow's memory estimate
-for the step / the measured peak; CPU: the estimate's device terms).
+for the step / the measured peak; on CUDA less the estimate's fixed CUDA-context term, which
+``max_memory_allocated`` does not see).
 
 Run: python benchmarks/lora.py [--quick] [--json PATH] [--device cpu|cuda] [--ranks 8,32]
 ``--quick``: 2 layers, hidden 128, 4 rows of 16 + 48 tokens, 2 reps: seconds.
@@ -104,7 +105,6 @@ def run_variant(cfg: dict) -> dict:
         baseline = _status("VmRSS")
     else:
         torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
     start = time.perf_counter()
     update(batch)
     sync()
@@ -115,10 +115,12 @@ def run_variant(cfg: dict) -> dict:
         update(batch)
         sync()
         seconds.append(time.perf_counter() - start)
-    peak = (_status("VmHWM") if cpu else torch.cuda.max_memory_allocated()) - baseline
     weights = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    # the step's peak with the weights: CPU, the resident growth over the loaded process plus the
+    # weights; CUDA, all that was allocated (nothing but the model lives on the device before)
+    peak = _status("VmHWM") - baseline + weights if cpu else torch.cuda.max_memory_allocated()
     return {"rank": rank, "trained_params": sum(p.numel() for p in policy.model.parameters() if p.requires_grad),
-            "step_s": statistics.median(seconds), "first_step_s": first, "peak_bytes": peak + (weights if cpu else 0),
+            "step_s": statistics.median(seconds), "first_step_s": first, "peak_bytes": peak,
             "weights_bytes": weights}
 
 
@@ -131,7 +133,7 @@ class _Model:
 
 def estimate(cfg: dict, shape: dict, rank: int) -> int:
     """dapo-flow's estimate of the step's device bytes (what `explain` prints) at these shapes."""
-    from dapo_flow.graph.memory import ModelShape, estimate_training, lora_param_count
+    from dapo_flow.graph.memory import GPU_OVERHEAD_BYTES, ModelShape, estimate_training, lora_param_count
 
     model = ModelShape.from_config({**shape, "tie_word_embeddings": True})
     rows = cfg["micro_batch"]
@@ -141,7 +143,7 @@ def estimate(cfg: dict, shape: dict, rank: int) -> int:
         on_gpu=cfg["device"] != "cpu", mixed_precision=None if cfg["device"] == "cpu" else "bf16",
         dtype="bfloat16" if rank and cfg["device"] != "cpu" else "float32",
         lora_params=lora_param_count(model, rank, "all-linear") if rank else 0)
-    return budget.total
+    return budget.total - (GPU_OVERHEAD_BYTES if cfg["device"] != "cpu" else 0)
 
 
 def main() -> None:
@@ -189,7 +191,7 @@ def main() -> None:
                 console.print(proc.stderr[-3000:])
                 raise SystemExit(f"variant rank {rank} failed")
             out = json.loads(proc.stdout.strip().splitlines()[-1])
-            out["estimate_bytes"] = estimate(cfg, shape, rank)
+            out["estimate_bytes"] = estimate(cfg, shape, rank)  # CUDA: less its fixed context term
             results.append(out)
             console.print(f"  {'full' if not rank else f'LoRA r{rank}'} done: {out['step_s']:.3f} s a step")
     full = results[0]

@@ -336,12 +336,16 @@ def estimate_training(
         terms.append(Term("CUDA context and workspaces", GPU_OVERHEAD_BYTES))
     if sharded:
         terms += _gathered(shape, compute, store, mixed_precision)
-    elif mixed_precision and not (lora_params and DTYPE_BYTES[dtype] == compute):  # a bf16 base: no copies
+    bf16_base = bool(lora_params) and bool(mixed_precision) and DTYPE_BYTES[dtype] == compute
+    if not sharded and mixed_precision and not bf16_base:  # a bf16 base needs no bf16 copies
         terms += _autocast_weights(shape, compute, grad_checkpointing)
     padded = rows_per_micro_batch > 1 if padded is None else padded
     terms += _activations(shape, compute, micro_batch_tokens, response_tokens_per_micro_batch,
                           rows_per_micro_batch, padded, grad_checkpointing, mixed_precision, entropy_in_loss,
-                          logprob_chunk_tokens, autocast=bool(mixed_precision) and not sharded)
+                          logprob_chunk_tokens,
+                          # a bf16 base under LoRA: the residual stream is bf16 too (autocast keeps
+                          # the float32 one of a float32 model's)
+                          autocast=bool(mixed_precision) and not sharded and not bf16_base)
     return Budget(title, tuple(t for t in terms if t.bytes > 0))
 
 
