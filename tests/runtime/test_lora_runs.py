@@ -20,6 +20,8 @@ from dapo_flow.tracking import read_run
 
 from test_checkpoints import CLUSTER, _deterministic, _quiet, _run_and_die
 
+pytestmark = pytest.mark.slow  # end-to-end runs (the fast tier keeps tests/models/test_lora.py)
+
 STEPS = 4
 LORA = "  policy: {path: \"builtin:tiny-adder\", backend: hf, train: {lora: {rank: 8, alpha: 16}}}\n"
 
