@@ -120,7 +120,7 @@ def load_resource(
                           logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
                           mixed_precision=None if strategy == "fsdp2" else spec.train.mixed_precision,
                           head=spec.resolved_head, lora=spec.train.lora if trainable else None,
-                          adapters=adapters if trainable else None)
+                          adapters=adapters if trainable else None, pack=spec.train.pack)
         if strategy == "fsdp2":
             policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
         elif strategy == "ddp":
