@@ -429,8 +429,8 @@ CASES = {
     # input needs no gradient of its own, e.g. the first layer's norms save less)
     "1m-lora": _case(LLAMA_1M, lora=16, within=0.06),
     "5m-padded-lora": _case(LLAMA_5M, pad=True, lora=16, within=0.06),
-    # train.pack: the padded case's rows as one sequence of their real tokens, under one
-    # block-diagonal mask; and 2 long rows, where that mask (1024^2 a layer) is most of it
+    # train.pack: the padded cases' rows packed into bins of the longest row (two of these rows
+    # never fit one bin: the shorter ones leave a tail), each bin under a block-diagonal mask
     "5m-packed": _case(LLAMA_5M, pad=True, pack=True),
     "5m-long-packed": _case(LLAMA_5M, rows=2, prompt=256, response=768, pad=True, pack=True),
     "narrow-ckpt-bf16": _case(NARROW_VOCAB, dtype="bfloat16", checkpointing=True),

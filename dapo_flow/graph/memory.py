@@ -295,9 +295,9 @@ def estimate_training(
     ``lora_params``: LoRA adapters of this many parameters (:func:`lora_param_count`) are all
     that trains: gradients, AdamW moments and the step's temporaries are theirs, the base is
     stored in ``dtype`` beside them; activations as without (the adapters' own, rank-wide, are
-    small against a layer's). ``packed`` (``train.pack``): the micro-batch's rows run as one
-    sequence of ``micro_batch_tokens`` (its rows' real tokens: no padding), under one
-    block-diagonal mask of that length squared (transformers builds it for SDPA).
+    small against a layer's). ``packed`` (``train.pack``): the rows run packed into bins of the
+    longest row's length (dapo_flow.models.packing), each under a block-diagonal mask: in the
+    worst case (every row as long as the longest) what the padded rows take.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
@@ -439,10 +439,11 @@ def _activations(shape: ModelShape, compute: int, tokens: int, response: int, ro
     terms.append(Term("layer backward temporaries", tokens * 2 * shape.intermediate_size * compute,
                       phases=(LAYER_BACKWARD,), fix=budget_fix))
     if padded:  # SDPA turns the bool mask into an additive one per call and saves it
-        masks, seq = (1, tokens) if packed else (rows, math.ceil(tokens / rows))  # packed: one block-diagonal
+        # packed: a block-diagonal mask per bin of the longest row's length, at most one per row
+        seq = math.ceil(tokens / rows)
         kept = 1 if checkpointing else layers
-        name = "attention mask (packed rows)" if packed else "attention masks (padded rows)"
-        terms.append(Term(name, masks * seq * seq * (kept * compute + 1), phases=FWD_BWD, fix=budget_fix))
+        name = "attention masks (packed rows)" if packed else "attention masks (padded rows)"
+        terms.append(Term(name, rows * seq * seq * (kept * compute + 1), phases=FWD_BWD, fix=budget_fix))
     # chunked logprobs take the fused path, in float32 or in low precision (algos.logprobs)
     fused = LOGITS_FUSED_BUFFERS if compute == FP32 and not mixed_precision else LOGITS_FUSED_LOW_PRECISION_BUFFERS
     return terms + _logits(shape, resid, response, entropy_in_loss, chunk, budget_fix, fused)

@@ -145,7 +145,7 @@ def response_logprobs_of(
 def packed_logprobs_of(model: torch.nn.Module, packed, device: torch.device, *, temperature: float = 1.0,
                        with_entropy: bool = False, chunk_tokens: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`response_logprobs_of` on rows packed into one sequence
+    """:func:`response_logprobs_of` on rows packed into bins
     (:class:`~dapo_flow.models.packing.Packed`): one forward without padding or attention mask
     (position ids restart per row, so attention stays in each row), the output head run only on
     the positions that predict a response token (all at once, or ``chunk_tokens`` at a time),
@@ -161,8 +161,8 @@ def packed_logprobs_of(model: torch.nn.Module, packed, device: torch.device, *, 
     mask = packed.response_mask.to(device)
 
     def head(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The head's stand-in. Shape: (1, T, h) -> logp (b, R)[, entropy (b, R)]."""
-        real = hidden[0, predict]  # (N, h)
+        """The head's stand-in. Shape: (bins, L, h) -> logp (b, R)[, entropy (b, R)]."""
+        real = hidden.reshape(-1, hidden.shape[-1])[predict]  # (N, h)
         if chunk_tokens is None:
             logits = F.linear(real, lm_head.weight, lm_head.bias).float() / temperature  # (N, V)
             logp = logprobs_from_logits(logits, targets)
@@ -244,8 +244,8 @@ class HFPolicy:
         itself: pass ``mixed_precision`` there). ``lora`` (``train.lora``): LoRA adapters on the
         model (:mod:`dapo_flow.models.lora`), the only weights that train; ``adapters``: a
         directory of trained ones to load into them (a checkpoint's). ``pack``: logprob and
-        value passes run on the rows concatenated into one sequence (:mod:`dapo_flow.models.packing`:
-        no padding; the same values)."""
+        value passes run on the rows packed end to end into a few sequences
+        (:mod:`dapo_flow.models.packing`: next to no padding; the same values)."""
         from dapo_flow.models.heads import load_torch_model, skip_unneeded_transformers_imports
 
         skip_unneeded_transformers_imports()  # before the first transformers import below
@@ -679,8 +679,8 @@ class HFPolicy:
         packed = pack_rows(batch["prompts"][rows], batch["responses"][rows], batch["response_mask"].shape[1])
         with self.compute_precision():
             out = self.model(input_ids=packed.input_ids.to(self.device),
-                             position_ids=packed.position_ids.to(self.device), use_cache=False).logits  # (1, T, 1)
-        return packed.unpack(out[0, packed.predict.to(self.device), 0].float())
+                             position_ids=packed.position_ids.to(self.device), use_cache=False).logits  # (bins, L, 1)
+        return packed.unpack(out.reshape(-1)[packed.predict.to(self.device)].float())
 
     def _scores_pass(self, batch: dict[str, torch.Tensor], rows: slice) -> torch.Tensor:
         """The score head at each row's last real token. Shape: -> (b,) float32."""

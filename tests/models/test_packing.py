@@ -10,7 +10,7 @@ import torch
 
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.models.hf import HFPolicy
-from dapo_flow.models.packing import pack_rows
+from dapo_flow.models.packing import first_fit_bins, pack_rows
 
 from test_mixed_precision import _batch, _problems, _update, _with_old_logp
 
@@ -48,12 +48,25 @@ def _rows(count: int = 7, seed: int = 0) -> tuple[list[list[int]], list[list[int
 
 
 def test_pack_rows_layout():
-    packed = pack_rows([[5, 6], [7]], [[8, 9, 10], [11]])
-    assert packed.input_ids.tolist() == [[5, 6, 8, 9, 10, 7, 11]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1]]
-    assert packed.predict.tolist() == [1, 2, 3, 5] and packed.targets.tolist() == [8, 9, 10, 11]
-    assert packed.response_mask.tolist() == [[True, True, True], [True, False, False]]
-    assert packed.unpack(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist() == [[1, 2, 3], [4, 0, 0]]
+    # rows of 5, 2 and 3 tokens: bins of 5, the longest alone, the other two together
+    packed = pack_rows([[5, 6], [7], [12]], [[8, 9, 10], [11], [13, 14]])
+    assert packed.input_ids.tolist() == [[5, 6, 8, 9, 10], [12, 13, 14, 7, 11]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
+    assert packed.predict.tolist() == [1, 2, 3, 8, 5, 6] and packed.targets.tolist() == [8, 9, 10, 11, 13, 14]
+    assert packed.response_mask.tolist() == [[True, True, True], [True, False, False], [True, True, False]]
+    assert packed.unpack(torch.arange(1.0, 7.0)).tolist() == [[1, 2, 3], [4, 0, 0], [5, 6, 0]]
+    # a bin's unfilled tail is a segment of its own (positions restart)
+    tail = pack_rows([[1, 2, 3], [4]], [[5, 6], [7]])
+    assert tail.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
+
+
+def test_first_fit_bins_never_exceed_the_capacity():
+    rng = random.Random(7)
+    lengths = [rng.randint(1, 50) for _ in range(40)]
+    bins = first_fit_bins(lengths, 50)
+    assert sorted(i for b in bins for i in b) == list(range(40))
+    assert all(sum(lengths[i] for i in b) <= 50 for b in bins)
+    assert len(bins) < 40  # rows share bins
 
 
 @pytest.mark.parametrize("chunk", [None, 5])
@@ -126,4 +139,4 @@ def test_explain_says_packed_and_prices_the_one_mask():
 
     graph = Path(__file__).resolve().parents[2] / "graphs" / "dapo.yaml"
     text = explain(edit_file(graph, parse_cli_edits([("set", "models.policy.train.pack=true")])).compile(Cluster(cpus=2)))
-    assert "packed micro-batches" in text and "attention mask (packed rows)" in text
+    assert "packed micro-batches" in text and "attention masks (packed rows)" in text
