@@ -63,7 +63,7 @@ def _measure(args: dict) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from dapo_flow import algos
-    from dapo_flow.models.hf import left_pad, positions, response_logprobs_of, right_pad
+    from dapo_flow.models.hf import left_pad, packed_logprobs_of, positions, response_logprobs_of, right_pad
 
     torch.set_num_threads(1)  # small and repeatable; the suite shares the machine
     cfg = args["config"]
@@ -76,6 +76,11 @@ def _measure(args: dict) -> dict:
                                  generator=gen).tolist() for c in cut]
         responses = [torch.randint(1, cfg["vocab_size"], (args["response"] - c * args["response"] // 4,),
                                    generator=gen).tolist() for c in cut]
+        if args["pack"]:  # train.pack: the rows as one sequence (HFPolicy's packed pass)
+            from dapo_flow.models.packing import pack_rows
+
+            packed = pack_rows(prompts, responses)
+            return packed, packed.targets, packed.response_mask
         p_ids, p_mask = left_pad(prompts, 0)
         r_ids, r_mask = right_pad(responses, 0)
         mask = torch.cat([p_mask, r_mask], 1)
@@ -102,8 +107,12 @@ def _measure(args: dict) -> dict:
         n_tokens = sum(int(m.sum()) for _, _, m in batches)
         for inputs, resp, resp_mask in batches:  # HFPolicy's logprob pass, chunked or not
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args["mixed_precision"])):
-                logp, entropy = response_logprobs_of(model, inputs, resp, resp_mask, with_entropy=True,
-                                                     chunk_tokens=args["chunk"])
+                if args["pack"]:
+                    logp, entropy = packed_logprobs_of(model, inputs, torch.device("cpu"), with_entropy=True,
+                                                       chunk_tokens=args["chunk"])
+                else:
+                    logp, entropy = response_logprobs_of(model, inputs, resp, resp_mask, with_entropy=True,
+                                                         chunk_tokens=args["chunk"])
             adv = torch.ones(logp.shape[0], 1).expand(-1, logp.shape[1])
             loss, _ = algos.policy_loss(logp.detach() + 0.01, logp, adv, resp_mask, agg="token-mean",
                                         num_tokens=n_tokens, num_seqs=len(resp))
@@ -127,7 +136,8 @@ def _measure(args: dict) -> dict:
     model, opt = build()
     step(model, opt, batches[:1])
     step(model, opt, batches[1:])  # the 2nd micro-batch runs with gradients and AdamW state alive
-    tokens = int(batches[0][0]["input_ids"].numel())
+    first = batches[0][0]
+    tokens = int((first.input_ids if args["pack"] else first["input_ids"]).numel())
     return dict(peak=_status("VmHWM") - baseline, baseline=baseline, tokens=tokens,
                 response_tokens=int(batches[0][1].numel()),
                 params=sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n))
@@ -163,7 +173,7 @@ def _measure_forward(args: dict, build, batches) -> dict:
 def _case(config: dict, *, rows: int = 4, prompt: int = 64, response: int = 192, checkpointing: bool = False,
           pad: bool = False, dtype: str = "float32", entropy_coef: float = 0.0, chunk: int | None = None,
           mixed_precision: str | None = None, forward: bool = False, phase: str | None = None,
-          within: float | None = None, lora: int = 0) -> dict:
+          within: float | None = None, lora: int = 0, pack: bool = False) -> dict:
     """What :func:`_measure` runs (and :func:`estimate` prices) for one measured case, the moment
     its estimate must peak at (None: any) and how close to the measured peak it must be (default:
     CLOSE for training, TOLERANCE for a frozen forward). ``lora``: the rank of LoRA adapters on
@@ -171,7 +181,7 @@ def _case(config: dict, *, rows: int = 4, prompt: int = 64, response: int = 192,
     return dict(config=config, rows=rows, prompt=prompt, response=response, checkpointing=checkpointing,
                 pad=pad, dtype=dtype, entropy_coef=entropy_coef, chunk=chunk, mixed_precision=mixed_precision,
                 forward=forward, phase=phase, within=within if within is not None else TOLERANCE if forward else CLOSE,
-                lora=lora)
+                lora=lora, pack=pack)
 
 
 def measure(cases: list[dict]) -> list[dict]:
@@ -192,7 +202,7 @@ def estimate(args: dict, measured: dict) -> Budget:
                              entropy_in_loss=args["entropy_coef"] > 0, logprob_chunk_tokens=args["chunk"],
                              response_tokens_per_micro_batch=measured["response_tokens"],
                              grad_checkpointing=args["checkpointing"], rows_per_micro_batch=args["rows"],
-                             padded=args["pad"], on_gpu=False,
+                             padded=args["pad"], on_gpu=False, packed=args["pack"],
                              lora_params=lora_param_count(ModelShape.from_config(args["config"]), args["lora"],
                                                           "all-linear") if args["lora"] else 0)
 
@@ -419,6 +429,10 @@ CASES = {
     # input needs no gradient of its own, e.g. the first layer's norms save less)
     "1m-lora": _case(LLAMA_1M, lora=16, within=0.06),
     "5m-padded-lora": _case(LLAMA_5M, pad=True, lora=16, within=0.06),
+    # train.pack: the padded cases' rows packed into bins of the longest row (two of these rows
+    # never fit one bin: the shorter ones leave a tail), each bin under a block-diagonal mask
+    "5m-packed": _case(LLAMA_5M, pad=True, pack=True),
+    "5m-long-packed": _case(LLAMA_5M, rows=2, prompt=256, response=768, pad=True, pack=True),
     "narrow-ckpt-bf16": _case(NARROW_VOCAB, dtype="bfloat16", checkpointing=True),
     # train.mixed_precision: bf16 without FSDP2: float32 weights and state, the forward under
     # torch.autocast(bf16)
@@ -452,7 +466,7 @@ CASES = {
 # (bigger models, bf16 matmuls, which are slow on CPU) by what they show; each batch a test
 BATCHES = {
     "fast": ["1m", "1m-ckpt", "5m-gqa-padded", "narrow-ckpt", "1m-autocast", "1m-chunk64", "1m-chunk64-ckpt",
-             "5m-padded-chunk128", "1m-lora", "5m-padded-lora"],
+             "5m-padded-chunk128", "1m-lora", "5m-padded-lora", "5m-packed", "5m-long-packed"],
     "forward-fast": ["forward-1m", "forward-narrow-padded"],
     "20m": ["20m", "20m-ckpt"],
     "long-padded-rows": ["5m-long-padded", "5m-long-padded-ckpt"],

@@ -333,6 +333,7 @@ def explain(placed: PlacedPlan) -> str:
           + (f", update micro-batches of <= {m.train.max_tokens_per_micro_batch} tokens"
              if m.train.max_tokens_per_micro_batch else "")
           + (", gradient checkpointing" if m.train.grad_checkpointing else "")
+          + (", packed micro-batches" if m.train.pack else "")
           + (f", logprobs in chunks of {m.train.logprob_chunk_tokens} tokens" if m.train.logprob_chunk_tokens else "")
           + _group_settings(p, name) + _lora_settings(m) + ")"
           + _rollout_settings(p, name)

@@ -161,7 +161,7 @@ def _training(plan: Plan, stage: Stage, model: str, shape: ModelShape, update, o
         shape, micro_batch_tokens=rows * context, response_tokens_per_micro_batch=rows * response,
         workers=stage.workers, strategy=train.resolved_strategy, dtype=spec.dtype,
         mixed_precision=train.mixed_precision, grad_checkpointing=train.grad_checkpointing,
-        cpu_offload=train.cpu_offload, rows_per_micro_batch=rows,
+        cpu_offload=train.cpu_offload, rows_per_micro_batch=rows, packed=train.pack,
         entropy_in_loss=getattr(update.params, "entropy_coef", 0.0) > 0, on_gpu=on_gpu,
         logprob_chunk_tokens=train.logprob_chunk_tokens,
         lora_params=lora_param_count(shape, train.lora.rank, train.lora.target_modules) if train.lora else 0)

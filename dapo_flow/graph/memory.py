@@ -275,6 +275,7 @@ def estimate_training(
     on_gpu: bool = True,
     title: str = "training",
     lora_params: int = 0,
+    packed: bool = False,
 ) -> Budget:
     """Bytes per worker of one update step (a micro-batch's forward and backward, then AdamW).
 
@@ -294,7 +295,9 @@ def estimate_training(
     ``lora_params``: LoRA adapters of this many parameters (:func:`lora_param_count`) are all
     that trains: gradients, AdamW moments and the step's temporaries are theirs, the base is
     stored in ``dtype`` beside them; activations as without (the adapters' own, rank-wide, are
-    small against a layer's).
+    small against a layer's). ``packed`` (``train.pack``): the rows run packed into bins of the
+    longest row's length (dapo_flow.models.packing), each under a block-diagonal mask: in the
+    worst case (every row as long as the longest) what the padded rows take.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
@@ -341,11 +344,11 @@ def estimate_training(
         terms += _autocast_weights(shape, compute, grad_checkpointing)
     padded = rows_per_micro_batch > 1 if padded is None else padded
     terms += _activations(shape, compute, micro_batch_tokens, response_tokens_per_micro_batch,
-                          rows_per_micro_batch, padded, grad_checkpointing, mixed_precision, entropy_in_loss,
+                          rows_per_micro_batch, padded or packed, grad_checkpointing, mixed_precision, entropy_in_loss,
                           logprob_chunk_tokens,
                           # a bf16 base under LoRA: the residual stream is bf16 too (autocast keeps
                           # the float32 one of a float32 model's)
-                          autocast=bool(mixed_precision) and not sharded and not bf16_base)
+                          autocast=bool(mixed_precision) and not sharded and not bf16_base, packed=packed)
     return Budget(title, tuple(t for t in terms if t.bytes > 0))
 
 
@@ -409,7 +412,7 @@ def _autocast_weights(shape: ModelShape, compute: int, checkpointing: bool) -> l
 
 def _activations(shape: ModelShape, compute: int, tokens: int, response: int, rows: int, padded: bool,
                  checkpointing: bool, mixed_precision: str | None, entropy_in_loss: bool,
-                 chunk: int | None, autocast: bool = False) -> list[Term]:
+                 chunk: int | None, autocast: bool = False, packed: bool = False) -> list[Term]:
     """What one micro-batch's forward keeps for its backward, and the logits.
 
     Per token: each layer's saved tensors (:func:`layer_activation_bytes`); with gradient
@@ -436,10 +439,11 @@ def _activations(shape: ModelShape, compute: int, tokens: int, response: int, ro
     terms.append(Term("layer backward temporaries", tokens * 2 * shape.intermediate_size * compute,
                       phases=(LAYER_BACKWARD,), fix=budget_fix))
     if padded:  # SDPA turns the bool mask into an additive one per call and saves it
+        # packed: a block-diagonal mask per bin of the longest row's length, at most one per row
         seq = math.ceil(tokens / rows)
         kept = 1 if checkpointing else layers
-        terms.append(Term("attention masks (padded rows)", rows * seq * seq * (kept * compute + 1),
-                          phases=FWD_BWD, fix=budget_fix))
+        name = "attention masks (packed rows)" if packed else "attention masks (padded rows)"
+        terms.append(Term(name, rows * seq * seq * (kept * compute + 1), phases=FWD_BWD, fix=budget_fix))
     # chunked logprobs take the fused path, in float32 or in low precision (algos.logprobs)
     fused = LOGITS_FUSED_BUFFERS if compute == FP32 and not mixed_precision else LOGITS_FUSED_LOW_PRECISION_BUFFERS
     return terms + _logits(shape, resid, response, entropy_in_loss, chunk, budget_fix, fused)

@@ -87,6 +87,11 @@ class TrainSpec(_Frozen):
         False, description="Recompute each decoder layer's activations in the backward pass instead of "
         "keeping them: less memory for about one more forward of compute; the same gradients."
     )
+    pack: bool = Field(
+        False, description="Padding-free micro-batches: each pass of the update, and every logprob "
+        "or value pass of this model, runs its rows concatenated into one sequence (positions restart "
+        "per row, attention stays inside each row), so no compute goes to padding; the same values "
+        "and gradients. With max_tokens_per_micro_batch the budget then bounds a pass's real tokens.")
     lora: LoraSpec | None = Field(
         None, description="Train LoRA adapters instead of every weight (`{rank: 32, alpha: 16}`; "
         "peft): gradients and AdamW state are the adapters' only, weight syncs send the merged "

@@ -142,6 +142,43 @@ def response_logprobs_of(
     return out[0], out[1] if with_entropy else None
 
 
+def packed_logprobs_of(model: torch.nn.Module, packed, device: torch.device, *, temperature: float = 1.0,
+                       with_entropy: bool = False, chunk_tokens: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`response_logprobs_of` on rows packed into bins
+    (:class:`~dapo_flow.models.packing.Packed`): one forward without padding or attention mask
+    (position ids restart per row, so attention stays in each row), the output head run only on
+    the positions that predict a response token (all at once, or ``chunk_tokens`` at a time),
+    inside the model's forward as there. Shape: -> logp (b, R) float32 (0 at padding), entropy
+    (b, R) or None, in ``packed.response_mask``'s layout."""
+    import torch.nn.functional as F
+
+    lm_head = model.get_output_embeddings()
+    if not isinstance(lm_head, torch.nn.Linear):
+        raise ModelError(f"packed logprobs need a linear output head; {type(model).__name__}'s is "
+                         f"{type(lm_head).__name__}: set train.pack: false")
+    predict, targets = packed.predict.to(device), packed.targets.to(device)
+    mask = packed.response_mask.to(device)
+
+    def head(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The head's stand-in. Shape: (bins, L, h) -> logp (b, R)[, entropy (b, R)]."""
+        real = hidden.reshape(-1, hidden.shape[-1])[predict]  # (N, h)
+        if chunk_tokens is None:
+            logits = F.linear(real, lm_head.weight, lm_head.bias).float() / temperature  # (N, V)
+            logp = logprobs_from_logits(logits, targets)
+            ent = entropy_from_logits(logits) if with_entropy else None
+        else:
+            logp, ent = chunked_linear_logprobs(real, lm_head.weight, targets, bias=lm_head.bias,
+                                                chunk_tokens=chunk_tokens, temperature=temperature,
+                                                with_entropy=with_entropy)
+        return tuple(_unpack(v, mask) for v in (logp, ent) if v is not None)
+
+    with _forward_replaced(lm_head, head):
+        out = model(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
+                    use_cache=False).logits  # head's tuple
+    return out[0], out[1] if with_entropy else None
+
+
 def _unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``values`` of the True positions of ``mask`` in place, 0 elsewhere. Shape: (N,), (b, R) -> (b, R)."""
     out = values.new_zeros(mask.shape)
@@ -191,6 +228,7 @@ class HFPolicy:
         head: str = "lm",
         lora: Any = None,
         adapters: Path | None = None,
+        pack: bool = False,
     ) -> None:
         """``head``: `lm` loads the causal LM (sampling, logprobs); `value` the value model of a
         PPO critic (:mod:`dapo_flow.models.heads`: :meth:`response_values`; it does not sample).
@@ -205,7 +243,9 @@ class HFPolicy:
         float32 before any log-softmax. Not with :meth:`shard` (FSDP2 casts the parameters
         itself: pass ``mixed_precision`` there). ``lora`` (``train.lora``): LoRA adapters on the
         model (:mod:`dapo_flow.models.lora`), the only weights that train; ``adapters``: a
-        directory of trained ones to load into them (a checkpoint's)."""
+        directory of trained ones to load into them (a checkpoint's). ``pack``: logprob and
+        value passes run on the rows packed end to end into a few sequences
+        (:mod:`dapo_flow.models.packing`: next to no padding; the same values)."""
         from dapo_flow.models.heads import load_torch_model, skip_unneeded_transformers_imports
 
         skip_unneeded_transformers_imports()  # before the first transformers import below
@@ -233,9 +273,12 @@ class HFPolicy:
             self._add_adapters(lora, trainable, adapters)
         self.grad_checkpointing = grad_checkpointing
         self.logprob_chunk_tokens = logprob_chunk_tokens
-        if logprob_chunk_tokens is not None and getattr(self.model.config, "final_logit_softcapping", None):
+        self.packed = pack
+        capped = getattr(self.model.config, "final_logit_softcapping", None)
+        if capped and (logprob_chunk_tokens is not None or pack):
+            setting = "train.logprob_chunk_tokens: null" if logprob_chunk_tokens is not None else "train.pack: false"
             raise ModelError(f"{self.path}: the model soft-caps its logits after the output head, which "
-                             "chunked logprobs leave out; set train.logprob_chunk_tokens: null")
+                             f"chunked and packed logprobs leave out; set {setting}")
         if grad_checkpointing:  # active only in train mode: gradient passes switch to it (_grad_mode)
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
@@ -517,8 +560,10 @@ class HFPolicy:
         results on the host.
         Shape: -> logp (B, R) float32 (0 at padding), entropy (B, R) or None, response_mask (B, R) bool.
         """
-        batch = {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
         temp = temperature or 1.0  # greedy rollouts are scored at temperature 1
+        if self.packed:
+            return self._packed_logprobs(prompt_ids, response_ids, temp, micro_batch_size, with_entropy, grad)
+        batch = {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
         if grad:
             with self._grad_mode():
                 logp, ent = self._logprobs_pass(batch, slice(None), temp, with_entropy)
@@ -532,6 +577,32 @@ class HFPolicy:
             ent = torch.cat([p[1] for p in parts]) if with_entropy and parts else None
             return to_host((logp, ent, batch["response_mask"]))
         return logp, ent, batch["response_mask"]
+
+    def _packed_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float,
+                         micro_batch_size: int, with_entropy: bool, grad: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """:meth:`response_logprobs` with each pass's rows packed into one sequence."""
+        from dapo_flow.models.packing import pack_rows
+
+        _check_prompts(prompt_ids)
+        width = max(1, max(map(len, response_ids), default=1))  # as pack(): one column at least
+
+        def one_pass(rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+            packed = pack_rows(prompt_ids[rows], response_ids[rows], width)
+            with self.compute_precision():
+                return packed_logprobs_of(self.model, packed, self.device, temperature=temperature,
+                                          with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens)
+
+        mask = pack_rows([[0]] * len(response_ids), response_ids, width).response_mask  # (B, R)
+        if grad:
+            with self._grad_mode():
+                logp, ent = one_pass(slice(None)) if prompt_ids else (mask.float().to(self.device), None)
+            return logp, ent, mask.to(self.device)
+        with self.gathered(), torch.inference_mode():
+            parts = [one_pass(slice(i, i + micro_batch_size)) for i in range(0, len(prompt_ids), micro_batch_size)]
+        logp = torch.cat([p[0] for p in parts]) if parts else mask.float()
+        ent = torch.cat([p[1] for p in parts]) if with_entropy and parts else None
+        return to_host((logp, ent, mask))
 
     def response_values(
         self,
@@ -551,7 +622,10 @@ class HFPolicy:
         """
         batch = self._scalar_head_batch("value", prompt_ids, response_ids)
         empty = batch["response_mask"].float()  # (0, R) when there are no rows
-        values = self._by_rows(self._values_pass, batch, micro_batch_size, grad, empty)
+        if self.packed:  # the rows' ids, packed per pass (the padded batch gives the mask and width)
+            batch = {**batch, "prompts": prompt_ids, "responses": response_ids}
+        one_pass = self._packed_values_pass if self.packed else self._values_pass
+        values = self._by_rows(one_pass, batch, micro_batch_size, grad, empty)
         return (values, batch["response_mask"]) if grad else to_host((values, batch["response_mask"]))
 
     def response_scores(self, prompt_ids: list[list[int]], response_ids: list[list[int]], *,
@@ -597,6 +671,16 @@ class HFPolicy:
             out = self.model(**inputs, use_cache=False).logits  # (b, P+R, 1)
         values = out[:, start - 1 : start - 1 + mask.shape[1], 0].float()
         return values.masked_fill(~mask, 0.0)
+
+    def _packed_values_pass(self, batch: dict, rows: slice) -> torch.Tensor:
+        """:meth:`_values_pass` on ``rows`` packed into one sequence. Shape: -> (b, R) float32."""
+        from dapo_flow.models.packing import pack_rows
+
+        packed = pack_rows(batch["prompts"][rows], batch["responses"][rows], batch["response_mask"].shape[1])
+        with self.compute_precision():
+            out = self.model(input_ids=packed.input_ids.to(self.device),
+                             position_ids=packed.position_ids.to(self.device), use_cache=False).logits  # (bins, L, 1)
+        return packed.unpack(out.reshape(-1)[packed.predict.to(self.device)].float())
 
     def _scores_pass(self, batch: dict[str, torch.Tensor], rows: slice) -> torch.Tensor:
         """The score head at each row's last real token. Shape: -> (b,) float32."""

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from dapo_flow.errors import RunError
 from dapo_flow.runtime import checkpoint
-from dapo_flow.runtime.checkpoint_models import DCP_DIR, LORA, SHARDED, SHARDED_INFO, checkpoint_format
+from dapo_flow.models.lora import is_adapter_dir
+from dapo_flow.runtime.checkpoint_models import DCP_DIR, SHARDED, SHARDED_INFO, checkpoint_format
 
 
 def step_folder(path: Path, flag: str) -> Path:
@@ -52,17 +53,19 @@ def export(path: Path, out: Path, model: str | None = None, adapter: bool = Fals
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise RunError(f"-o {out}: exists and is not an empty folder; pass a new path (nothing was written)")
     source = step / "models" / model
-    lora = checkpoint_format(source) == LORA
+    lora = is_adapter_dir(source)  # LoRA's adapters (an FSDP2 group writes them beside its shards)
     if adapter and not lora:
         raise RunError(f"--adapter: model '{model}' of checkpoint {step} was trained without train.lora: "
                        "it has no adapters; leave --adapter out (the whole model is written)")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        if checkpoint_format(source) == SHARDED:
-            _gather_sharded(source, staging)
-        elif lora and not adapter:
+        if lora and not adapter:
             _merge_adapters(source, staging)
+        elif lora:
+            _copy_adapters(source, staging)
+        elif checkpoint_format(source) == SHARDED:
+            _gather_sharded(source, staging)
         else:
             shutil.copytree(source, staging, dirs_exist_ok=True)
         if out.exists():
@@ -121,3 +124,11 @@ def _merge_adapters(source: Path, out: Path) -> None:
         merged.save_pretrained(out)
         AutoTokenizer.from_pretrained(source).save_pretrained(out)
     (out / "dapo_flow_export.json").write_text(json.dumps({"from": str(source), "base": base}) + "\n")
+
+
+def _copy_adapters(source: Path, out: Path) -> None:
+    """The adapters in peft's format, with the tokenizer and the note naming the base (not a
+    group's shards beside them)."""
+    for item in source.iterdir():
+        if item.is_file() and item.name != SHARDED_INFO:
+            shutil.copy2(item, out / item.name)

@@ -97,12 +97,15 @@ def load_resource(
     """
     from dapo_flow.models import resolve_model
     from dapo_flow.models.hf import HFPolicy
+    from dapo_flow.models.lora import is_adapter_dir
     from dapo_flow.runtime.checkpoint_models import LORA, SHARDED, checkpoint_format
 
     adapters = None
     if path is not None and checkpoint_format(Path(path)) == LORA:
         adapters, path = Path(path), None  # the base from the spec, the adapters from the checkpoint
     if path is not None and checkpoint_format(Path(path)) == SHARDED:
+        if not trainable and is_adapter_dir(Path(path)):  # an FSDP2 group's LoRA: its adapters beside
+            adapters = Path(path)
         path = None
     model_path = Path(path) if path is not None else resolve_model(spec.path)
     device = model_device(spec)
@@ -120,7 +123,7 @@ def load_resource(
                           logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
                           mixed_precision=None if strategy == "fsdp2" else spec.train.mixed_precision,
                           head=spec.resolved_head, lora=spec.train.lora if trainable else None,
-                          adapters=adapters if trainable else None)
+                          adapters=adapters if trainable else None, pack=spec.train.pack)
         if strategy == "fsdp2":
             policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
         elif strategy == "ddp":

@@ -21,6 +21,7 @@ from dapo_flow.runtime.tables import ChainInfo, assemble, info_of, merge_inputs
 from dapo_flow.graph.contract import Contract, OpContext, contract_of
 from dapo_flow.graph.plan import GROUP_STRATEGIES
 from dapo_flow.graph.spec import GraphSpec
+from dapo_flow.models.lora import is_adapter_dir
 from dapo_flow.runtime.checkpoint_models import (SHARDED, checkpoint_format, load_sharded_model,
                                                  save_sharded_model)
 
@@ -167,7 +168,8 @@ class StageWorker:
             self.model_of[node.id] = node.model
             self.ops[node.id] = cls(params, ctx)
         for name, path in setup.model_paths.items():  # resume: sharded states need the optimizers
-            if name in self.resources and checkpoint_format(Path(path)) == SHARDED:
+            frozen_lora = name not in setup.trainable and is_adapter_dir(Path(path))  # merged at load
+            if name in self.resources and checkpoint_format(Path(path)) == SHARDED and not frozen_lora:
                 self._load_sharded(name, Path(path))
 
     def ready(self) -> bool:
@@ -314,6 +316,8 @@ class StageWorker:
             policy = self.resources[name].policy
             if policy.sharded:
                 save_sharded_model(Path(out_dir) / name, policy, self._optimizer_of(name))
+                if policy.lora is not None:  # beside the shards: what a frozen copy or export reads
+                    policy.save(Path(out_dir) / name)
             elif self.setup.group is None or self.setup.group.rank == 0:  # DDP replicas are alike
                 policy.save(Path(out_dir) / name)
             saved.append(name)

@@ -189,9 +189,13 @@ def _start_weights(path) -> dict:
     return HFPolicy(path).named_weights()
 
 
-def test_a_lora_fsdp2_group_makes_the_update_one_worker_makes(ray_cluster, tiny_adder_path, monkeypatch):
+def test_a_lora_fsdp2_group_makes_the_update_one_worker_makes(ray_cluster, tiny_adder_path, monkeypatch, tmp_path):
     """LoRA adapters on FSDP2 shards: the adapters' gradients reduced across the group, the
-    frozen base sharded beside them; the merged weights the group exports are one worker's."""
+    frozen base sharded beside them; the merged weights the group exports are one worker's, and
+    its checkpoint holds the adapters beside the shards, which a frozen copy loads merged."""
+    from dapo_flow.graph.spec import ModelSpec
+    from dapo_flow.runtime.resources import merged_checkpoint_weights
+
     monkeypatch.setitem(globals(), "LORA", {"rank": 4, "alpha": 8})
     one = _local(tiny_adder_path)
     try:
@@ -201,8 +205,13 @@ def test_a_lora_fsdp2_group_makes_the_update_one_worker_makes(ray_cluster, tiny_
     two = _group(tiny_adder_path, strategy="fsdp2")
     try:
         two_metrics, two_weights = _train(two, BATCHES), _weights(two)
+        two.get(two.call(STAGE, "save_models", str(tmp_path)))
     finally:
         two.shutdown()
+    saved = tmp_path / "policy"
+    assert (saved / "dcp" / ".metadata").is_file() and (saved / "adapter_config.json").is_file()
+    spec = ModelSpec(path=str(tiny_adder_path), train={"lora": LORA})
+    _same(merged_checkpoint_weights(tiny_adder_path, spec, saved), two_weights, atol=1e-6)
     _same_metrics(one_metrics, two_metrics)
     _same(one_weights, two_weights)
     start = _start_weights(tiny_adder_path)
