@@ -2,7 +2,7 @@
 (forward and backward) and its memory peak, at two length spreads, in one run.
 
 A random-init Qwen2 (``_common.random_qwen2``: 4 layers, hidden 256, 4 query / 2 KV heads,
-intermediate 768, vocabulary 4096; ``--quick``: 2 layers, hidden 128) runs
+intermediate 768, vocabulary 4096: 4.2M parameters; ``--quick``: 2 layers, hidden 128, 0.4M) runs
 ``HFPolicy.response_logprobs(grad=True)`` with the entropy, then a token-mean loss's backward,
 micro-batch after micro-batch (``--micro-batch`` rows), over the same rows padded and packed:
 
