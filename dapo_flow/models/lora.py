@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is touched: the checkpoint-format helpers
+    import torch  # below serve the CLI, which starts without it
 
 ADAPTER = "default"  # peft's name for the one adapter a policy has
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file: its presence marks a LoRA checkpoint
@@ -46,6 +47,7 @@ def add_adapters(model: torch.nn.Module, settings: Any, *, trainable: bool) -> N
     """Inject LoRA adapters into ``model`` (in place). ``trainable``: only the adapters take
     gradients, held in float32 whatever the base's dtype; else nothing does. Fresh adapters
     change nothing: ``lora_B`` starts at zero."""
+    import torch
     from peft import inject_adapter_in_model
 
     model.requires_grad_(False)
@@ -139,6 +141,8 @@ def adapter_state(model: torch.nn.Module, full: Callable[[torch.Tensor], torch.T
                   ) -> dict[str, torch.Tensor]:
     """The adapters' weights under peft's file keys (``base_model.model.<path>.lora_A.weight``),
     on the host in float32."""
+    import torch
+
     out = {}
     for name, value in model.state_dict().items():
         if ".lora_" in name:
@@ -150,6 +154,8 @@ def adapter_state(model: torch.nn.Module, full: Callable[[torch.Tensor], torch.T
 def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy adapter weights (:func:`adapter_state`'s keys) into ``model``'s adapters; every
     adapter must come, and nothing else."""
+    import torch
+
     params = dict(model.state_dict())
     wanted = {PEFT_PREFIX + n.replace(f".{ADAPTER}.", "."): n for n in params if ".lora_" in n}
     missing, unexpected = sorted(set(wanted) - set(state)), sorted(set(state) - set(wanted))
