@@ -466,7 +466,8 @@ CASES = {
 # (bigger models, bf16 matmuls, which are slow on CPU) by what they show; each batch a test
 BATCHES = {
     "fast": ["1m", "1m-ckpt", "5m-gqa-padded", "narrow-ckpt", "1m-autocast", "1m-chunk64", "1m-chunk64-ckpt",
-             "5m-padded-chunk128", "1m-lora", "5m-padded-lora", "5m-packed", "5m-long-packed"],
+             "5m-padded-chunk128", "1m-lora"],
+    "lora-and-packing": ["5m-padded-lora", "5m-packed", "5m-long-packed"],
     "forward-fast": ["forward-1m", "forward-narrow-padded"],
     "20m": ["20m", "20m-ckpt"],
     "long-padded-rows": ["5m-long-padded", "5m-long-padded-ckpt"],
@@ -489,11 +490,20 @@ def _estimated(c: str, measured: dict) -> tuple[Budget, float]:
     return budget, budget.total / measured["peak"]
 
 
+# the fast batches in the fast tier, SLOW_BATCHES in the whole suite; the others (bigger models,
+# bf16 matmuls: ~8 min of a core) in the figures tier, beside the other measurements docs/ prints
+# (`pytest -m figures`)
+SLOW_BATCHES = {"lora-and-packing"}
+
+
+def _tier(batch: str) -> tuple:
+    if batch.endswith("fast"):
+        return ()
+    return (pytest.mark.slow,) if batch in SLOW_BATCHES else (pytest.mark.slow, pytest.mark.figures)
+
+
 @needs_proc
-# the fast batches in the suite; the others (bigger models, bf16 matmuls: ~8 min of a core)
-# in the figures tier, beside the other measurements docs/ prints (`pytest -m figures`)
-@pytest.mark.parametrize("batch", [pytest.param(b, marks=() if b.endswith("fast") else
-                                                (pytest.mark.slow, pytest.mark.figures)) for b in BATCHES])
+@pytest.mark.parametrize("batch", [pytest.param(b, marks=_tier(b)) for b in BATCHES])
 def test_estimates_match_measured(batch):
     """Each case's estimate within its precision of the measured peak (CLOSE for training,
     unless the case says why not; TOLERANCE for a frozen forward), peaking at the moment the
