@@ -185,3 +185,25 @@ def random_qwen2(out_dir: Path, shape: dict, tokenizer: Any, *, dtype: str = "fl
         "model_bytes": sum(p.numel() * p.element_size() for p in params),
         "largest_tensor_bytes": max(p.numel() * p.element_size() for p in params),
     }
+
+
+def proc_status(field: str) -> int:
+    """Bytes of a /proc/self/status field (VmRSS, VmHWM): this process's memory, Linux only."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def run_variant_process(script: str, cfg: dict, *, threads: int, console: Console, what: str) -> dict:
+    """``python SCRIPT --variant CFG`` in a fresh process (its own memory peak, its own torch
+    threads) and the JSON it prints last; a failure prints its stderr and stops the benchmark."""
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run([sys.executable, "-W", "ignore", script, "--variant", json.dumps(cfg)],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        console.print(proc.stderr[-3000:])
+        raise SystemExit(f"{what} failed")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

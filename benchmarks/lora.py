@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import fmt, make_console, random_qwen2, write_json  # noqa: E402
+from _common import fmt, make_console, proc_status, random_qwen2, run_variant_process, write_json  # noqa: E402
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
              intermediate_size=1536, vocab_size=8192)
@@ -47,13 +45,6 @@ GPU_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, 
                  intermediate_size=4864, vocab_size=8192)
 QUICK_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=256, vocab_size=2048)
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def run_variant(cfg: dict) -> dict:
@@ -102,7 +93,7 @@ def run_variant(cfg: dict) -> dict:
 
     if cpu:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak from here on
-        baseline = _status("VmRSS")
+        baseline = proc_status("VmRSS")
     else:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -118,7 +109,7 @@ def run_variant(cfg: dict) -> dict:
     weights = sum(p.numel() * p.element_size() for p in policy.model.parameters())
     # the step's peak with the weights: CPU, the resident growth over the loaded process plus the
     # weights; CUDA, all that was allocated (nothing but the model lives on the device before)
-    peak = _status("VmHWM") - baseline + weights if cpu else torch.cuda.max_memory_allocated()
+    peak = proc_status("VmHWM") - baseline + weights if cpu else torch.cuda.max_memory_allocated()
     return {"rank": rank, "trained_params": sum(p.numel() for p in policy.model.parameters() if p.requires_grad),
             "step_s": statistics.median(seconds), "first_step_s": first, "peak_bytes": peak,
             "weights_bytes": weights}
@@ -184,13 +175,8 @@ def main() -> None:
                       f"{cfg['prompt']} + {cfg['response']} tokens, micro-batch {cfg['micro_batch']}, "
                       f"{args.device}, {cfg['reps']} reps")
         for rank in ranks:
-            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MALLOC_MMAP_THRESHOLD_="65536")
-            proc = subprocess.run([sys.executable, "-W", "ignore", __file__, "--variant",
-                                   json.dumps({**cfg, "rank": rank})], capture_output=True, text=True, env=env)
-            if proc.returncode != 0:
-                console.print(proc.stderr[-3000:])
-                raise SystemExit(f"variant rank {rank} failed")
-            out = json.loads(proc.stdout.strip().splitlines()[-1])
+            out = run_variant_process(__file__, {**cfg, "rank": rank}, threads=args.threads, console=console,
+                                      what=f"variant rank {rank}")
             out["estimate_bytes"] = estimate(cfg, shape, rank)  # CUDA: less its fixed context term
             results.append(out)
             console.print(f"  {'full' if not rank else f'LoRA r{rank}'} done: {out['step_s']:.3f} s a step")

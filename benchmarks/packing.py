@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import fmt, make_console, random_qwen2, write_json  # noqa: E402
+from _common import fmt, make_console, proc_status, random_qwen2, run_variant_process, write_json  # noqa: E402
 
 SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=768, vocab_size=4096)
@@ -60,13 +58,6 @@ def rows_of(spread: str, count: int, vocab: int, seed: int = 0) -> tuple[list[li
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(20, 40))] for _ in range(count)]
     responses = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
     return prompts, responses
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def run_variant(cfg: dict) -> dict:
@@ -95,7 +86,7 @@ def run_variant(cfg: dict) -> dict:
 
     one_pass()  # warm-up: one-time allocations go to the baseline
     Path("/proc/self/clear_refs").write_text("5")
-    baseline = _status("VmRSS")
+    baseline = proc_status("VmRSS")
     seconds = []
     for _ in range(cfg["reps"]):
         start = time.perf_counter()
@@ -103,7 +94,7 @@ def run_variant(cfg: dict) -> dict:
         seconds.append(time.perf_counter() - start)
     tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses))
     return {"seconds": statistics.median(seconds), "tokens": tokens, "tokens_per_s": tokens / statistics.median(seconds),
-            "peak_bytes": _status("VmHWM") - baseline, "first_logp": first.tolist()}
+            "peak_bytes": proc_status("VmHWM") - baseline, "first_logp": first.tolist()}
 
 
 def main() -> None:
@@ -132,16 +123,11 @@ def main() -> None:
         base["model"] = str(Path(tmp) / "model")
         console.print(f"model: Qwen2, {facts['num_parameters'] / 1e6:.1f}M parameters; {base['rows']} rows a spread, "
                       f"micro-batches of {base['micro_batch']}, {base['reps']} timed passes, {args.threads} thread(s)")
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MALLOC_MMAP_THRESHOLD_="65536")
         for spread in SPREADS:
             for variant in ("padded", "packed"):
                 cfg = {**base, "spread": spread, "pack": variant == "packed"}
-                proc = subprocess.run([sys.executable, "-W", "ignore", __file__, "--variant", json.dumps(cfg)],
-                                      capture_output=True, text=True, env=env)
-                if proc.returncode != 0:
-                    console.print(proc.stderr[-3000:])
-                    raise SystemExit(f"{spread} {variant} failed")
-                runs.setdefault(spread, {})[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+                runs.setdefault(spread, {})[variant] = run_variant_process(
+                    __file__, cfg, threads=args.threads, console=console, what=f"{spread} {variant}")
                 console.print(f"  {spread} {variant}: {runs[spread][variant]['tokens_per_s']:,.0f} tokens/s")
     from rich.table import Table
 
