@@ -22,6 +22,7 @@ JSON keys: ``speedup_chat``, ``speedup_long_tail`` (packed / padded tokens/s),
 Target on CPU: ``speedup_long_tail`` >= 1.5.
 
 Run: python benchmarks/packing.py [--quick] [--json PATH] [--rows N] [--micro-batch M] [--reps R]
+     [--spreads chat,long_tail]
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per pass (default 8)")
     ap.add_argument("--reps", type=int, help="timed passes (default 3; --quick 2)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    ap.add_argument("--spreads", default=",".join(SPREADS),
+                    help=f"which length spreads to run (default all: {','.join(SPREADS)}); long_tail is always run")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # internal: one run, its JSON printed
     args = ap.parse_args()
     if args.variant:
@@ -123,7 +126,7 @@ def main() -> None:
         base["model"] = str(Path(tmp) / "model")
         console.print(f"model: Qwen2, {facts['num_parameters'] / 1e6:.1f}M parameters; {base['rows']} rows a spread, "
                       f"micro-batches of {base['micro_batch']}, {base['reps']} timed passes, {args.threads} thread(s)")
-        for spread in SPREADS:
+        for spread in [s for s in SPREADS if s in args.spreads.split(",") or s == "long_tail"]:
             for variant in ("padded", "packed"):
                 cfg = {**base, "spread": spread, "pack": variant == "packed"}
                 runs.setdefault(spread, {})[variant] = run_variant_process(
