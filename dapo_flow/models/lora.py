@@ -51,10 +51,12 @@ def add_adapters(model: torch.nn.Module, settings: Any, *, trainable: bool) -> N
     from peft import inject_adapter_in_model
 
     model.requires_grad_(False)
+    training = model.training
     try:
         inject_adapter_in_model(lora_config(settings), model)
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
         raise ValueError(f"train.lora.target_modules: {exc}") from None
+    model.train(training)  # new modules come in train mode: the adapters' dropout would be on everywhere
     if trainable:  # float32 adapters over a half-precision base: they are the master weights
         for name, param in model.named_parameters():
             param.requires_grad_(".lora_" in name)

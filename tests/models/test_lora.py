@@ -153,3 +153,15 @@ def test_lora_settings_are_checked():
         LoraSpec(rank=0)
     with pytest.raises(ValueError, match="at least one module"):
         LoraSpec(rank=4, target_modules=[])
+
+
+def test_the_adapters_dropout_applies_in_gradient_passes_only(tiny_adder_path):
+    policy = HFPolicy(tiny_adder_path, trainable=True, lora=LoraSpec(rank=4, dropout=0.5))
+    assert not any(m.training for m in policy.model.modules())  # injected modules follow the model's eval
+    _randomise_adapters(policy)
+    prompts, responses = [[1, 5, 6, 7]], [[8, 9, 3]]
+    grads = [policy.response_logprobs(prompts, responses, grad=True)[0].detach() for _ in range(4)]
+    assert any(not torch.equal(grads[0], g) for g in grads[1:])  # dropout: a new mask each pass
+    assert not any(m.training for m in policy.model.modules())  # off again after
+    scored = [policy.response_logprobs(prompts, responses)[0] for _ in range(2)]
+    assert torch.equal(scored[0], scored[1])  # rollout and old logprobs see no dropout
