@@ -94,11 +94,7 @@ def validate(doc: GraphDoc) -> ValidGraph:
         topo = nx.lexicographical_topological_sort(graph, key=lambda n: index.get(n, -1))
         order = tuple(n for n in topo if n != PROMPTS_SOURCE)
         lora = {name for name, m in spec.models.items() if m.train.lora is not None} if spec is not None else set()
-        for name in sorted(lora):
-            if heads.get(name, "lm") != "lm":  # a new value/reward head must train in full
-                found.add(("models", name, "train", "lora"), f"model '{name}' has a {heads[name]} head, "
-                          "which LoRA adapters cannot train (the new head must train in full)",
-                          f"train '{name}' without train.lora")
+        _check_lora_heads(found, lora, heads)
         _check_training(found, nodes, {m for m, h in heads.items() if h == "value"}, lora)
         schemas = _propagate(found, nodes, order)
         _check_group_filter(found, nodes, graph, schemas)
@@ -287,6 +283,15 @@ def _check_heads(found: Found, nodes: list[_Node], heads: dict[str, str]) -> Non
             fix = f"name a causal-LM model here (the policy or a reference), not the critic '{model}'"
         found.add(node.model_path, f"op '{node.spec.op}' needs {HEAD_WORDS[wanted]}, but model "
                   f"'{model}' is {HEAD_WORDS[heads[model]]}", fix)
+
+
+def _check_lora_heads(found: Found, lora: set[str], heads: dict[str, str]) -> None:
+    """`train.lora` only on a causal LM: a value or reward model's new head must train in full."""
+    for name in sorted(lora):
+        if heads.get(name, "lm") != "lm":
+            found.add(("models", name, "train", "lora"), f"model '{name}' has a {heads[name]} head, "
+                      "which LoRA adapters cannot train (the new head must train in full)",
+                      f"train '{name}' without train.lora")
 
 
 def _check_training(found: Found, nodes: list[_Node], value_models: set[str], lora: set[str]) -> None:

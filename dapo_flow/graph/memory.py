@@ -402,8 +402,8 @@ def _autocast_weights(shape: ModelShape, compute: int, checkpointing: bool) -> l
     projections and the lm_head; not the embeddings or norms), cast once per forward and saved
     for the backward. With gradient checkpointing a layer's copies are recomputed with the
     layer: the lm_head's and one layer's stay."""
-    h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
-    layer = 2 * h * q + 2 * h * kv + 3 * h * i
+    h = shape.hidden_size
+    layer = sum(i * o for i, o in (dims(shape) for dims in LINEAR_SHAPES.values()))
     kept = 1 if checkpointing else shape.num_hidden_layers
     return [Term("bf16 weight copies (autocast)", (kept * layer + shape.out_features * h) * compute,
                  phases=FWD_BWD, fix="train.grad_checkpointing: true (recomputes a layer's copies)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -122,24 +122,11 @@ def response_logprobs_of(
         ent = entropy_from_logits(logits).masked_fill(~response_mask, 0.0) if with_entropy else None
         return logp, ent
 
-    lm_head = model.get_output_embeddings()
-    if not isinstance(lm_head, torch.nn.Linear):
-        raise ModelError(f"chunked logprobs need a linear output head; {type(model).__name__}'s is "
-                         f"{type(lm_head).__name__}: set train.logprob_chunk_tokens: null")
-
-    def head(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The head's stand-in. Shape: (b, R+1, h) -> logp (b, R)[, entropy (b, R)]. Separate
-        tensors, not one stacked, so an entropy that is only logged gets no (zero) gradient; and
-        a model that post-processes its logits (scales, soft-caps) fails on the tuple, loudly."""
-        real = hidden[:, :-1][response_mask]  # (N, h): padding gets no logits at all
-        logp, ent = chunked_linear_logprobs(real, lm_head.weight, response_ids[response_mask],
-                                            bias=lm_head.bias, chunk_tokens=chunk_tokens,
-                                            temperature=temperature, with_entropy=with_entropy)
-        return tuple(_unpack(v, response_mask) for v in (logp, ent) if v is not None)
-
-    with _forward_replaced(lm_head, head):
-        out = model(**inputs, use_cache=False, logits_to_keep=keep).logits  # head's tuple
-    return out[0], out[1] if with_entropy else None
+    return _logprobs_at(model, dict(inputs, logits_to_keep=keep),
+                        lambda hidden: hidden[:, :-1][response_mask],  # padding gets no logits at all
+                        response_ids[response_mask], response_mask, temperature=temperature,
+                        with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+                        setting="train.logprob_chunk_tokens: null")
 
 
 def packed_logprobs_of(model: torch.nn.Module, packed, device: torch.device, *, temperature: float = 1.0,
@@ -151,18 +138,35 @@ def packed_logprobs_of(model: torch.nn.Module, packed, device: torch.device, *, 
     the positions that predict a response token (all at once, or ``chunk_tokens`` at a time),
     inside the model's forward as there. Shape: -> logp (b, R) float32 (0 at padding), entropy
     (b, R) or None, in ``packed.response_mask``'s layout."""
+    predict = packed.predict.to(device)
+    inputs = {"input_ids": packed.input_ids.to(device), "position_ids": packed.position_ids.to(device)}
+    return _logprobs_at(model, inputs, lambda hidden: hidden.reshape(-1, hidden.shape[-1])[predict],
+                        packed.targets.to(device), packed.response_mask.to(device), temperature=temperature,
+                        with_entropy=with_entropy, chunk_tokens=chunk_tokens, setting="train.pack: false")
+
+
+def _logprobs_at(model: torch.nn.Module, inputs: dict, select, targets: torch.Tensor, mask: torch.Tensor, *,
+                 temperature: float, with_entropy: bool, chunk_tokens: int | None, setting: str
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward of ``model`` on ``inputs`` whose output head runs only on the hidden states
+    ``select`` picks, (N, h), the positions predicting ``targets`` (N,): their float32 logits all
+    at once, or ``chunk_tokens`` at a time (:func:`~dapo_flow.algos.logprobs.chunked_linear_logprobs`).
+    The head runs inside the model's own forward (:func:`_forward_replaced`), so a model sharded
+    by FSDP2 has its weight gathered there. ``setting``: what turns this path off (the fix when
+    the model's head is not a linear layer). Shape: -> logp (b, R) float32 (0 where ``mask``,
+    (b, R), is False), entropy (b, R) or None."""
     import torch.nn.functional as F
 
     lm_head = model.get_output_embeddings()
     if not isinstance(lm_head, torch.nn.Linear):
-        raise ModelError(f"packed logprobs need a linear output head; {type(model).__name__}'s is "
-                         f"{type(lm_head).__name__}: set train.pack: false")
-    predict, targets = packed.predict.to(device), packed.targets.to(device)
-    mask = packed.response_mask.to(device)
+        raise ModelError(f"chunked and packed logprobs need a linear output head; {type(model).__name__}'s "
+                         f"is {type(lm_head).__name__}: set {setting}")
 
     def head(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The head's stand-in. Shape: (bins, L, h) -> logp (b, R)[, entropy (b, R)]."""
-        real = hidden.reshape(-1, hidden.shape[-1])[predict]  # (N, h)
+        """The head's stand-in. Shape: hidden -> logp (b, R)[, entropy (b, R)]. Separate tensors,
+        not one stacked, so an entropy that is only logged gets no (zero) gradient; and a model
+        that post-processes its logits (scales, soft-caps) fails on the tuple, loudly."""
+        real = select(hidden)  # (N, h)
         if chunk_tokens is None:
             logits = F.linear(real, lm_head.weight, lm_head.bias).float() / temperature  # (N, V)
             logp = logprobs_from_logits(logits, targets)
@@ -174,8 +178,7 @@ def packed_logprobs_of(model: torch.nn.Module, packed, device: torch.device, *, 
         return tuple(_unpack(v, mask) for v in (logp, ent) if v is not None)
 
     with _forward_replaced(lm_head, head):
-        out = model(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
-                    use_cache=False).logits  # head's tuple
+        out = model(**inputs, use_cache=False).logits  # head's tuple
     return out[0], out[1] if with_entropy else None
 
 
@@ -581,7 +584,7 @@ class HFPolicy:
     def _packed_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float,
                          micro_batch_size: int, with_entropy: bool, grad: bool
                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """:meth:`response_logprobs` with each pass's rows packed into one sequence."""
+        """:meth:`response_logprobs` with each pass's rows packed into bins (``train.pack``)."""
         from dapo_flow.models.packing import pack_rows
 
         _check_prompts(prompt_ids)
@@ -593,7 +596,7 @@ class HFPolicy:
                 return packed_logprobs_of(self.model, packed, self.device, temperature=temperature,
                                           with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens)
 
-        mask = pack_rows([[0]] * len(response_ids), response_ids, width).response_mask  # (B, R)
+        mask = right_pad(response_ids, self.pad_id, width)[1].bool()  # (B, R), as pack() makes it
         if grad:
             with self._grad_mode():
                 logp, ent = one_pass(slice(None)) if prompt_ids else (mask.float().to(self.device), None)
@@ -673,7 +676,7 @@ class HFPolicy:
         return values.masked_fill(~mask, 0.0)
 
     def _packed_values_pass(self, batch: dict, rows: slice) -> torch.Tensor:
-        """:meth:`_values_pass` on ``rows`` packed into one sequence. Shape: -> (b, R) float32."""
+        """:meth:`_values_pass` on ``rows`` packed into bins. Shape: -> (b, R) float32."""
         from dapo_flow.models.packing import pack_rows
 
         packed = pack_rows(batch["prompts"][rows], batch["responses"][rows], batch["response_mask"].shape[1])
@@ -699,20 +702,15 @@ class HFPolicy:
         """Train mode for a gradient pass when checkpointing (HF recomputes layers only in train
         mode; the model has no dropout, so nothing else changes), eval mode again after, so
         generation keeps its KV cache."""
-        dropout = nullcontext()
-        if self.lora is not None and self.lora.dropout > 0:
-            from dapo_flow.models.lora import dropout_active
+        with ExitStack() as stack:
+            if self.lora is not None and self.lora.dropout > 0:  # the adapters' dropout: gradient passes only
+                from dapo_flow.models.lora import dropout_active
 
-            dropout = dropout_active(self.model)
-        with dropout:
-            if not self.grad_checkpointing:
-                yield
-                return
-            self.model.train()
-            try:
-                yield
-            finally:
-                self.model.eval()
+                stack.enter_context(dropout_active(self.model))
+            if self.grad_checkpointing:
+                self.model.train()
+                stack.callback(self.model.eval)
+            yield
 
     def _logprobs_pass(
         self, batch: dict[str, torch.Tensor], rows: slice, temperature: float, with_entropy: bool
@@ -815,7 +813,6 @@ class HFPolicy:
             return out
         save_hf_dir(out, self.model, self.tokenizer)
         return out
-
 
     def _save_adapters(self, out: Path) -> Path:
         """LoRA: the adapters in peft's format, the tokenizer and a note naming the base (the

@@ -64,10 +64,6 @@ def add_adapters(model: torch.nn.Module, settings: Any, *, trainable: bool) -> N
                 param.data = param.data.float()
 
 
-def has_adapters(model: torch.nn.Module) -> bool:
-    return any(_is_adapted(m) for m in model.modules())
-
-
 def _is_adapted(module: torch.nn.Module) -> bool:
     from peft.tuners.lora import LoraLayer
 

@@ -98,13 +98,13 @@ def load_resource(
     from dapo_flow.models import resolve_model
     from dapo_flow.models.hf import HFPolicy
     from dapo_flow.models.lora import is_adapter_dir
-    from dapo_flow.runtime.checkpoint_models import LORA, SHARDED, checkpoint_format
+    from dapo_flow.runtime.checkpoint_models import SHARDED, checkpoint_format, holds_full_weights
 
     adapters = None
-    if path is not None and checkpoint_format(Path(path)) == LORA:
-        adapters, path = Path(path), None  # the base from the spec, the adapters from the checkpoint
-    if path is not None and checkpoint_format(Path(path)) == SHARDED:
-        if not trainable and is_adapter_dir(Path(path)):  # an FSDP2 group's LoRA: its adapters beside
+    if path is not None and not holds_full_weights(Path(path)):  # built from the spec's path, then filled
+        # LoRA adapters: loaded into the trained copy, merged into any other; an FSDP2 group's
+        # trained copy reads its shards instead (the adapters beside them serve the others)
+        if is_adapter_dir(Path(path)) and not (trainable and checkpoint_format(Path(path)) == SHARDED):
             adapters = Path(path)
         path = None
     model_path = Path(path) if path is not None else resolve_model(spec.path)
