@@ -412,11 +412,11 @@ def _models_build(args: argparse.Namespace) -> int:
 
 
 def _ui(args: argparse.Namespace) -> int:
+    _require_free_port(args.port, args.host)  # before seconds of importing MLflow
     try:
         from dapo_flow.tracking import default_tracking_uri, newest_experiment, open_store
     except ImportError as exc:
         raise DapoFlowError(f"tracking is not available: {exc}") from None
-    _require_free_port(args.port, args.host)
     warning = ui_host_warning(args.host)
     if warning:
         _line(f"warning: {warning}", stderr=True, markup=False)

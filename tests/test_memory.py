@@ -465,10 +465,11 @@ CASES = {
 # measured in a process of its own, forked from it): the fast ones together, the slow ones
 # (bigger models, bf16 matmuls, which are slow on CPU) by what they show; each batch a test
 BATCHES = {
-    "fast": ["1m", "1m-ckpt", "5m-gqa-padded", "narrow-ckpt", "1m-autocast", "1m-chunk64", "1m-chunk64-ckpt",
-             "5m-padded-chunk128", "1m-lora"],
+    # one of each kind in the fast tier: plain, padded GQA, chunked logprobs, LoRA, a frozen forward
+    "fast": ["1m", "5m-gqa-padded", "1m-chunk64", "1m-lora", "forward-1m"],
+    "checkpointing-and-autocast": ["1m-ckpt", "narrow-ckpt", "1m-chunk64-ckpt", "1m-autocast",
+                                   "5m-padded-chunk128", "forward-narrow-padded"],
     "lora-and-packing": ["5m-padded-lora", "5m-packed", "5m-long-packed"],
-    "forward-fast": ["forward-1m", "forward-narrow-padded"],
     "20m": ["20m", "20m-ckpt"],
     "long-padded-rows": ["5m-long-padded", "5m-long-padded-ckpt"],
     "entropy-bonus": ["1m-entropy", "5m-padded-entropy", "1m-chunk64-entropy"],
@@ -490,14 +491,14 @@ def _estimated(c: str, measured: dict) -> tuple[Budget, float]:
     return budget, budget.total / measured["peak"]
 
 
-# the fast batches in the fast tier, SLOW_BATCHES in the whole suite; the others (bigger models,
+# the fast batch in the fast tier, SLOW_BATCHES in the whole suite; the others (bigger models,
 # bf16 matmuls: ~8 min of a core) in the figures tier, beside the other measurements docs/ prints
 # (`pytest -m figures`)
-SLOW_BATCHES = {"lora-and-packing"}
+SLOW_BATCHES = {"checkpointing-and-autocast", "lora-and-packing"}
 
 
 def _tier(batch: str) -> tuple:
-    if batch.endswith("fast"):
+    if batch == "fast":
         return ()
     return (pytest.mark.slow,) if batch in SLOW_BATCHES else (pytest.mark.slow, pytest.mark.figures)
 

@@ -167,7 +167,8 @@ def _read_only(path: Path, argv: list[str]) -> list[str]:
     return ["unshare", "-m", "sh", "-c", script, "sh", str(path), *argv]
 
 
-@pytest.mark.parametrize("read_only", ["file", "folder"])
+# a read-only folder is the same check a level up: the whole suite runs it
+@pytest.mark.parametrize("read_only", ["file", pytest.param("folder", marks=pytest.mark.slow)])
 def test_read_only_store_exits_2_with_the_fix(tmp_path, read_only):
     """`dapo-flow run` on a read-only mlflow.db (or folder): exit 2 before loading anything, with
     what/where/fix and no traceback; reading the store (what compare does) still works."""

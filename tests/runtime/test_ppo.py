@@ -195,17 +195,19 @@ def test_the_ppo_graph_learns(workdir):
 @pytest.mark.timeout(1200)
 def test_a_critic_trained_by_a_group_matches_one_worker(workdir):
     """The critic on an FSDP2 group of 2 (Ray, gloo) learns what one worker learns: the same
-    value losses and values, step by step (the group cuts mini-batches as one worker does)."""
-    def history(name: str, **train) -> dict:
+    value losses and values, step by step (the group cuts mini-batches as one worker does). The
+    one worker runs in-process (the local executor computes what Ray's one actor does:
+    tests/runtime/test_ray_run.py), which spares a second Ray run's actor starts."""
+    def history(name: str, executor: str, **train) -> dict:
         path = ppo_graph(workdir, name=name, steps=3, ckpt=0)
         if train:
             path.write_text(path.read_text().replace(
                 'critic: {path: "builtin:tiny-adder-critic"}',
                 'critic: {path: "builtin:tiny-adder-critic", train: {workers: 2, strategy: fsdp2}}'))
-        summary = execute(compile_graph(path, CLUSTER), executor="ray", console=_quiet())
+        summary = execute(compile_graph(path, CLUSTER), executor=executor, console=_quiet())
         return read_run(summary["tracking_uri"], summary["run_id"])["history"]
 
-    one, group = history("ppo-one"), history("ppo-group", workers=2)
+    one, group = history("ppo-one", "local"), history("ppo-group", "ray", workers=2)
     for key in ("critic/vf_loss", "critic/values_mean", "critic/vpred_mean"):
         # float rounding of the group's reductions, through two Adam steps: ~5e-5 on values ~0.01
         np.testing.assert_allclose([v for _, v in group[key]], [v for _, v in one[key]], rtol=1e-3, atol=2e-4)
