@@ -151,10 +151,10 @@ def dapo_flow_phases(model_dir: Path, prompts: list[list[int]], args, device, pr
     from dapo_flow.graph.spec import ModelSpec
     from dapo_flow.models.hf import HFPolicy
     from dapo_flow.models.sampling import SamplingConfig
-    from operators.logprob import Logprob
-    from operators.logprob import Params as LogprobParams
-    from operators.update import Params as UpdateParams
-    from operators.update import Update
+    from dapo_flow.operators.logprob import Logprob
+    from dapo_flow.operators.logprob import Params as LogprobParams
+    from dapo_flow.operators.update import Params as UpdateParams
+    from dapo_flow.operators.update import Update
 
     policy = HFPolicy(model_dir, device=str(device), trainable=True, mixed_precision=precision)
     model = SimpleNamespace(policy=policy, spec=ModelSpec(path=str(model_dir), train={"mixed_precision": precision}))

@@ -60,10 +60,10 @@ def run_variant(cfg: dict) -> dict:
     from dapo_flow.graph.contract import OpContext
     from dapo_flow.graph.spec import ModelSpec
     from dapo_flow.models.hf import HFPolicy
-    from operators.logprob import Logprob
-    from operators.logprob import Params as LogprobParams
-    from operators.update import Params as UpdateParams
-    from operators.update import Update
+    from dapo_flow.operators.logprob import Logprob
+    from dapo_flow.operators.logprob import Params as LogprobParams
+    from dapo_flow.operators.update import Params as UpdateParams
+    from dapo_flow.operators.update import Update
 
     torch.set_num_threads(cfg["threads"])
     device = torch.device(cfg["device"])

@@ -426,7 +426,7 @@ def _ours(name, old, logp, adv, mask, mode, tot, clip_low=0.2, clip_high=0.28, *
 def test_policy_losses_table_and_update_choices():
     from typing import get_args
 
-    from operators.update import Params
+    from dapo_flow.operators.update import Params
 
     assert list(POLICY_LOSSES) == ["vanilla", "gspo", "cispo", "gpg"]
     assert set(get_args(Params.model_fields["policy_loss"].annotation)) == set(POLICY_LOSSES)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import cli
+from dapo_flow import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DAPO = str(ROOT / "graphs" / "dapo.yaml")
@@ -17,7 +17,7 @@ BAD = ROOT / "tests" / "graphs_bad"
 
 
 def test_validate_ok_without_ray_or_mlflow():
-    code = ("import sys, cli; rc = cli.main(['validate', sys.argv[1]]); "
+    code = ("import sys; from dapo_flow import cli; rc = cli.main(['validate', sys.argv[1]]); "
             "print('heavy:', [m for m in ('ray', 'mlflow') if m in sys.modules]); sys.exit(rc)")
     # COLUMNS narrower than the line, as a long checkout path makes it: the line is not folded
     r = subprocess.run([sys.executable, "-c", code, DAPO], cwd=ROOT, capture_output=True, text=True,
@@ -80,7 +80,7 @@ def test_ops(capsys):
 def test_help(capsys):
     # as a process, as `dapo-flow --help` runs: the command list without importing torch (0.9 s
     # instead of 3.8: the operators, which need it, load with the first command)
-    code = ("import sys, cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit as e:\n    code = e.code\n"
+    code = ("import sys\nfrom dapo_flow import cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit as e:\n    code = e.code\n"
             "print('torch loaded:', 'torch' in sys.modules)\nsys.exit(code)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -225,7 +225,7 @@ def test_table_keeps_every_number_whole_at_80_columns():
 
 
 def test_cli_compare_errors_exit_2(tmp_path, monkeypatch, capsys):
-    import cli
+    from dapo_flow import cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

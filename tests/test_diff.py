@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import cli
+from dapo_flow import cli
 from dapo_flow.graph.edits import apply_edits
 from dapo_flow.graph.diff import Change, diff_graphs, flatten_graph
 from dapo_flow.graph.loader import load

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import cli
+from dapo_flow import cli
 from dapo_flow.graph.compiler import explain
 from dapo_flow.graph.edits import (
     DropEdit,
@@ -312,7 +312,7 @@ def test_cli_bad_edit_exits_2(flags, where, message, hint, capsys):
 
 
 def test_cli_subprocess_exit_2_without_traceback():
-    r = subprocess.run([sys.executable, "-m", "cli", "validate", DAPO, "--set", "trian.lr=1", "--drop", "nope",
+    r = subprocess.run([sys.executable, "-m", "dapo_flow.cli", "validate", DAPO, "--set", "trian.lr=1", "--drop", "nope",
                         "--insert", "x:logprb:after=adv"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "3 problems in the graph" in r.stderr

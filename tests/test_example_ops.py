@@ -44,7 +44,7 @@ def test_kimi_length_reward_hand_worked():
 
 
 def test_length_penalty_sweep_runs_the_custom_operator(tmp_path, monkeypatch, tiny_adder_path):
-    import cli
+    from dapo_flow import cli
     from dapo_flow.tracking import child_runs, default_tracking_uri, latest_run
 
     monkeypatch.chdir(tmp_path)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import cli
+from dapo_flow import cli
 from dapo_flow.errors import GraphError
 from dapo_flow.graph.compiler import explain
 from dapo_flow.graph.edits import edit_file, parse_cli_edits

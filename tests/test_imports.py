@@ -58,7 +58,7 @@ def test_module_reference_that_exits_is_an_import_spec_error(tmp_path, monkeypat
 
 def test_validate_reports_an_impl_that_exits_instead_of_exiting_silently():
     graph = ROOT / "tests" / "graphs_bad" / "bad_custom_impl_exits.yaml"
-    r = subprocess.run([sys.executable, "-m", "cli", "validate", str(graph)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "dapo_flow.cli", "validate", str(graph)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2  # it was 3, the operator file's own exit code, with no message
     assert "called sys.exit(3)" in r.stderr and "Traceback" not in r.stderr

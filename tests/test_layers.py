@@ -13,13 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: package -> modules it must never import (prefix match on dotted names)
 FORBIDDEN = {
-    "dapo_flow.runtime": ("dapo_flow.experiments", "cli", "dapo_flow.graph.compiler", "dapo_flow.graph.drawing",
+    "dapo_flow.runtime": ("dapo_flow.experiments", "dapo_flow.cli", "dapo_flow.graph.compiler", "dapo_flow.graph.drawing",
                           "dapo_flow.graph.edits"),
-    "dapo_flow.graph": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "cli",
+    "dapo_flow.graph": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "dapo_flow.cli",
                         "dapo_flow.models.hf", "dapo_flow.models.vllm_engine", "dapo_flow.models.recipes",
                         "torch", "ray", "mlflow", "vllm"),
     "dapo_flow.algos": ("dapo_flow.graph", "dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.models",
-                        "dapo_flow.data", "dapo_flow.tracking", "ray", "mlflow", "pyarrow", "operators"),
+                        "dapo_flow.data", "dapo_flow.tracking", "ray", "mlflow", "pyarrow", "dapo_flow.operators"),
     "dapo_flow.models": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking",
                          "dapo_flow.graph.compiler", "ray", "mlflow"),
     "dapo_flow.data": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "ray", "mlflow"),
@@ -27,15 +27,15 @@ FORBIDDEN = {
                            "ray", "torch"),
     # the agent loop drives an engine and tools through their interfaces: no Ray, no tables
     "dapo_flow.agent": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "dapo_flow.graph",
-                        "ray", "mlflow", "pyarrow", "operators"),
+                        "ray", "mlflow", "pyarrow", "dapo_flow.operators"),
     "dapo_flow.tools": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "dapo_flow.agent",
-                        "dapo_flow.models", "dapo_flow.data", "ray", "mlflow", "pyarrow", "torch", "operators"),
+                        "dapo_flow.models", "dapo_flow.data", "ray", "mlflow", "pyarrow", "torch", "dapo_flow.operators"),
     # an operator says what its loss is; optimizer steps and a group's collectives are a trainer's
-    "operators": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "ray", "mlflow",
+    "dapo_flow.operators": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "ray", "mlflow",
                   "torch.distributed", "dapo_flow.models.fsdp"),
     # the trainer turns losses into optimizer steps: no tables, no runtime, no tracking
     "dapo_flow.training": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "dapo_flow.data",
-                           "dapo_flow.graph.compiler", "ray", "mlflow", "pyarrow", "operators"),
+                           "dapo_flow.graph.compiler", "ray", "mlflow", "pyarrow", "dapo_flow.operators"),
 }
 
 

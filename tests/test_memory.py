@@ -55,7 +55,7 @@ def _status(key: str) -> int:
 
 def _measure(args: dict) -> dict:
     """Peak bytes above the baseline of two update steps (1 micro-batch, then 2) the way
-    operators/update.py runs them: logits for the response positions only, float32 logprobs
+    dapo_flow/operators/update.py runs them: logits for the response positions only, float32 logprobs
     and entropy (kept through backward), the policy loss, backward, grad clip, AdamW."""
     import gc
 

@@ -192,7 +192,7 @@ def test_score_accepts_numpy_and_bool_values(tmp_path):
     rewards.write_text(REWARDS)
     out = _op("score", reward=f"{rewards}:fine")(_rollouts())
     assert out.column(C.SCORE).to_pylist() == [0.5] * 3 and out.column(C.ACC).to_pylist() == [1.0] * 3
-    from operators.score import as_number
+    from dapo_flow.operators.score import as_number
 
     assert as_number(np.float64(2.5)) == 2.5 and as_number(np.bool_(True)) == 1.0
     assert as_number(np.array(3)) == 3.0 and as_number(np.array([1, 2])) is None

@@ -119,7 +119,7 @@ def test_tensor_parallel_must_divide_the_attention_heads(tmp_path):
 
 
 def test_a_bad_rollout_setting_is_a_graph_error_with_its_line(tmp_path, capsys):
-    import cli
+    from dapo_flow import cli
 
     original = (ROOT / "graphs" / "dapo.yaml").read_text()
     graph = original.replace('    backend: hf\n', '    backend: hf\n    rollout: {kv_cache_gib: 2}\n')

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import cli
+from dapo_flow import cli
 from dapo_flow.graph.edits import InsertEdit, SetEdit
 from dapo_flow.errors import GraphError
 from dapo_flow.experiments.sweep import load_patch, plan_jobs, validate_jobs
@@ -148,7 +148,7 @@ def test_bad_variant_names_the_patch_line(tmp_path, text, where):
 def test_cli_dry_run_ladder():
     import os
 
-    r = subprocess.run([sys.executable, "-m", "cli", "sweep", str(LADDER), "--dry-run", "--seeds", "0,1"],
+    r = subprocess.run([sys.executable, "-m", "dapo_flow.cli", "sweep", str(LADDER), "--dry-run", "--seeds", "0,1"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
     assert r.returncode == 0, r.stderr
     for name in [*RUNGS, "dr-grpo", "rloo", "dapo-verl"]:

@@ -175,7 +175,7 @@ def test_read_only_store_exits_2_with_the_fix(tmp_path, read_only):
     store = tmp_path / tracking.RUNS_DIR
     uri = f"sqlite:///{store / 'mlflow.db'}"
     Tracker(uri, "ro", run_name="kept").finish()
-    code = ("import sys, cli; from dapo_flow.tracking import search_runs; "
+    code = ("import sys; from dapo_flow import cli; from dapo_flow.tracking import search_runs; "
             f"print('read:', [r['name'] for r in search_runs({uri!r}, 'ro')]); "
             "sys.exit(cli.main(['run', sys.argv[1], '--executor', 'local', '--steps', '1']))")
     argv = _read_only(store / "mlflow.db" if read_only == "file" else store,

@@ -102,7 +102,7 @@ def test_ui_refuses_a_busy_port(tmp_path):
 
 @pytest.mark.parametrize("port", ["70000", "0", "-1", "http"])
 def test_ui_refuses_an_invalid_port(port, capsys):
-    import cli
+    from dapo_flow import cli
 
     with pytest.raises(SystemExit) as info:
         cli.main(["ui", "--port", port])
@@ -112,7 +112,7 @@ def test_ui_refuses_an_invalid_port(port, capsys):
 
 def test_the_ui_opens_on_the_training_runs_of_the_newest_experiment(tmp_path, monkeypatch):
     """Not on MLflow's landing page (its GenAI overview): the runs of the experiment run last."""
-    import cli
+    from dapo_flow import cli
     from dapo_flow.tracking import Tracker, default_tracking_uri, newest_experiment
 
     monkeypatch.chdir(tmp_path)
@@ -129,7 +129,7 @@ def test_the_ui_opens_on_the_training_runs_of_the_newest_experiment(tmp_path, mo
 
 
 def test_serving_beyond_loopback_is_a_warning():
-    import cli
+    from dapo_flow import cli
 
     for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
         assert cli.ui_host_warning(host) is None, host
@@ -139,7 +139,7 @@ def test_serving_beyond_loopback_is_a_warning():
 
 
 def test_a_host_this_machine_cannot_serve_on_exits_2_before_the_store(tmp_path, monkeypatch, capsys):
-    import cli
+    from dapo_flow import cli
 
     monkeypatch.chdir(tmp_path)
     port = free_port()

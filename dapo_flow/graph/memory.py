@@ -34,7 +34,7 @@ LOGITS_PEAK_BUFFERS = 5.0
 # softmax's and the product's gradients; measured 7.2-7.4
 LOGITS_PEAK_BUFFERS_ENTROPY = 7.5
 # ... and still alive while the decoder layers run backward when the entropy is only a metric:
-# its graph keeps the scaled logits and probs (operators/update.py keeps `entropy` through
+# its graph keeps the scaled logits and probs (dapo_flow/operators/update.py keeps `entropy` through
 # loss.backward()); with an entropy bonus that graph has run and freed them
 LOGITS_HELD_BUFFERS = 2
 # chunked logprobs on a float32 head outside autocast take the fused path (algos.logprobs): one

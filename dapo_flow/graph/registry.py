@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
-from operators.advantage import Advantage
-from operators.agent_generate import AgentGenerate
-from operators.baseline import Baseline
-from operators.critic_update import CriticUpdate
-from operators.generate import Generate
-from operators.group_filter import GroupFilter
-from operators.kl import KL
-from operators.logprob import Logprob
-from operators.overlong_filter import OverlongFilter
-from operators.overlong_shape import OverlongShape
-from operators.rollout_correction import RolloutCorrection
-from operators.score import Score
-from operators.update import Update
-from operators.values import Values
+from dapo_flow.operators.advantage import Advantage
+from dapo_flow.operators.agent_generate import AgentGenerate
+from dapo_flow.operators.baseline import Baseline
+from dapo_flow.operators.critic_update import CriticUpdate
+from dapo_flow.operators.generate import Generate
+from dapo_flow.operators.group_filter import GroupFilter
+from dapo_flow.operators.kl import KL
+from dapo_flow.operators.logprob import Logprob
+from dapo_flow.operators.overlong_filter import OverlongFilter
+from dapo_flow.operators.overlong_shape import OverlongShape
+from dapo_flow.operators.rollout_correction import RolloutCorrection
+from dapo_flow.operators.score import Score
+from dapo_flow.operators.update import Update
+from dapo_flow.operators.values import Values
 
 OPERATORS: dict[str, type] = {
     "generate": Generate,

@@ -77,7 +77,7 @@ def test_a_call_then_an_answer_masks_the_tool_tokens():
     assert (r.status, r.stop, r.turns, r.tool_calls, r.tool_errors, r.truncated) == (
         Status.COMPLETED, "answer", 2, 1, 0, False)
     assert engine.contexts[-1] == "6*7=<call>calculator: 6*7</call><result>42</result>"  # what turn 2 saw
-    from operators.agent_generate import conversation
+    from dapo_flow.operators.agent_generate import conversation
 
     assert conversation(r, TOK) == "[assistant] <call>calculator: 6*7</call>\n[tool] <result>42</result>\n[assistant] 42"
     m = rollout_metrics(out, 4)

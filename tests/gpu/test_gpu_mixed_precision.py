@@ -37,9 +37,9 @@ def test_a_bf16_update_on_the_gpu_keeps_float32_master_weights(builtin, device):
     from dapo_flow.graph.contract import OpContext
     from dapo_flow.graph.spec import ModelSpec
     from dapo_flow.models.hf import HFPolicy
-    from operators.logprob import Logprob
-    from operators.logprob import Params as LogprobParams
-    from operators.update import Params, Update
+    from dapo_flow.operators.logprob import Logprob
+    from dapo_flow.operators.logprob import Params as LogprobParams
+    from dapo_flow.operators.update import Params, Update
 
     path = builtin("tiny-adder")
     policy = HFPolicy(path, device=str(device), trainable=True, mixed_precision="bf16")

@@ -21,9 +21,9 @@ from dapo_flow.graph.contract import OpContext
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.models.hf import HFPolicy
 from dapo_flow.models.sampling import SamplingConfig
-from operators.logprob import Logprob
-from operators.logprob import Params as LogprobParams
-from operators.update import Params, Update
+from dapo_flow.operators.logprob import Logprob
+from dapo_flow.operators.logprob import Params as LogprobParams
+from dapo_flow.operators.update import Params, Update
 from figures import assert_figures, start_end
 
 MIXED = ModelSpec(path="builtin:tiny-adder", train={"mixed_precision": "bf16"})

@@ -9,7 +9,7 @@ import torch
 
 from dapo_flow.models.hf import HFPolicy
 from dapo_flow.models.sampling import SamplingConfig, sample_keys, uniforms
-from operators.generate import prompt_seed
+from dapo_flow.operators.generate import prompt_seed
 
 
 def test_uniforms_are_uniform_and_independent_across_steps_and_rows():

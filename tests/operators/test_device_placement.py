@@ -19,9 +19,9 @@ from dapo_flow.graph import columns as C
 from dapo_flow.graph.contract import OpContext
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.models.devices import host_floats, to_device, to_host
-from operators.critic_update import CriticUpdate, ValueLoss
-from operators.critic_update import Params as CriticParams
-from operators.update import Params, PolicyLoss, Update
+from dapo_flow.operators.critic_update import CriticUpdate, ValueLoss
+from dapo_flow.operators.critic_update import Params as CriticParams
+from dapo_flow.operators.update import Params, PolicyLoss, Update
 
 META = torch.device("meta")
 

@@ -10,7 +10,7 @@ from dapo_flow.graph import columns as C
 from dapo_flow.graph.contract import OpContext, produces, requires
 from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster
-from operators.logprob import Logprob, Params
+from dapo_flow.operators.logprob import Logprob, Params
 
 DAPO = "graphs/dapo.yaml"
 

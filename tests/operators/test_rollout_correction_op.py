@@ -11,7 +11,7 @@ import torch
 from dapo_flow import algos
 from dapo_flow.data.arrow_utils import ragged_to_padded
 from dapo_flow.graph import columns as C
-from operators.rollout_correction import Params, RolloutCorrection
+from dapo_flow.operators.rollout_correction import Params, RolloutCorrection
 
 
 def rows(seed: int = 0, n: int = 6, loss_mask: bool = False) -> pa.Table:
@@ -101,7 +101,7 @@ def test_every_policy_loss_scales_each_tokens_loss_by_its_weight(loss):
 
 
 def test_update_uses_the_weights_when_they_reach_it():
-    from operators.update import Params as UpdateParams, Update
+    from dapo_flow.operators.update import Params as UpdateParams, Update
 
     available = {**C.typed(C.ROLLOUT_IS_WEIGHT, C.OLD_LOGP)}
     assert Update.resolve(UpdateParams(), available).rollout_is_weights == "use"

@@ -15,7 +15,7 @@ from dapo_flow import algos
 from dapo_flow.graph import columns as C
 from dapo_flow.graph.contract import OpContext
 from dapo_flow.graph.spec import ModelSpec
-from operators.update import Params, Update
+from dapo_flow.operators.update import Params, Update
 
 
 def test_params_policy_loss_validation():

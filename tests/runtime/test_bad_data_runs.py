@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-import cli
+from dapo_flow import cli
 from dapo_flow.tracking import default_tracking_uri, search_runs
 
 TRAIN = 'train: {source: "builtin:addition", split: train}'

@@ -12,7 +12,7 @@ from dapo_flow.tracking import read_run
 CLUSTER = Cluster(cpus=2)
 
 WRAPPER = '''
-from operators.generate import Generate
+from dapo_flow.operators.generate import Generate
 
 
 class WrappedGenerate:

@@ -78,7 +78,7 @@ def test_eval_base_then_latest_checkpoint(workdir, small_graph, tiny_adder_path,
 
 
 def test_eval_errors_are_exit_2(workdir, small_graph, capsys):
-    import cli
+    from dapo_flow import cli
 
     path = str(small_graph(workdir, steps=2, ckpt=2))
     assert cli.main(["eval", path, "--checkpoint", str(workdir / "nowhere")]) == 2
@@ -94,7 +94,7 @@ def test_eval_errors_are_exit_2(workdir, small_graph, capsys):
 
 
 def test_eval_sweep_compares_every_variant_checkpoint(tmp_path, monkeypatch, capsys, tiny_adder_path, policies):
-    import cli
+    from dapo_flow import cli
     from dapo_flow.tracking import PARENT_TAG
     from dapo_flow.tracking import child_runs, default_tracking_uri, latest_run
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import cli
+from dapo_flow import cli
 from dapo_flow import algos
 from dapo_flow.graph.registry import OPERATORS
 from dapo_flow.models.engines import BACKENDS, Backend

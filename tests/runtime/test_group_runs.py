@@ -64,7 +64,7 @@ def test_a_sharded_checkpoint_exports_to_a_directory_that_evaluates_as_it_does(w
     assert (sharded / DCP_DIR / ".metadata").is_file() and (sharded / SHARDED_INFO).is_file()
     assert len(list((sharded / DCP_DIR).glob("*.distcp"))) == 2  # each worker wrote its own shards
 
-    import cli
+    from dapo_flow import cli
 
     out = workdir / "exported"
     assert cli.main(["export", str(final.parent), "-o", str(out)]) == 0  # a run folder: its newest

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import cli
+from dapo_flow import cli
 from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import executors

@@ -191,7 +191,7 @@ def test_resume_continues_the_killed_run_not_the_finished_one(workdir, small_gra
     """Run A finishes; run B of the same graph is SIGKILLed after its first checkpoint:
     `--resume` continues B into B's MLflow run (every step once, A's numbers: same graph, same
     seed) and leaves A's checkpoints alone; once both finished, `--resume` is a clear exit 2."""
-    import cli
+    from dapo_flow import cli
 
     path = _graph(small_graph, workdir)
     a = execute(compile_graph(path, CLUSTER), executor="local")

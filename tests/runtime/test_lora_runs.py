@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import cli
+from dapo_flow import cli
 from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.models import lora as lora_lib
 from dapo_flow.models.hf import HFPolicy

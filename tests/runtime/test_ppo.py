@@ -30,7 +30,7 @@ from dapo_flow.runtime.loop import Runner
 from dapo_flow.runtime.resume import checkpoint_root
 from dapo_flow.tracking import read_run
 from figures import assert_learned, results_row
-from operators.advantage import Advantage, Params as AdvantageParams
+from dapo_flow.operators.advantage import Advantage, Params as AdvantageParams
 
 pytestmark = pytest.mark.models("tiny-adder-critic")
 
@@ -145,7 +145,7 @@ def test_bad_critic_combinations_are_validate_time_errors(workdir):
     assert "op 'generate' needs a causal LM (it generates and gives token logprobs), but model 'critic' is a " \
            "value model" in _errors(bad)
     # and from the CLI: exit 2, the file and line
-    r = subprocess.run([sys.executable, "-m", "cli", "validate", str(ppo_graph(workdir, critic_model="policy"))],
+    r = subprocess.run([sys.executable, "-m", "dapo_flow.cli", "validate", str(ppo_graph(workdir, critic_model="policy"))],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "ppo-small.yaml" in r.stdout + r.stderr and "Traceback" not in r.stderr
 

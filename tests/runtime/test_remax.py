@@ -19,7 +19,7 @@ from dapo_flow.graph.compiler import compile_graph, explain
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
 from dapo_flow.tracking import read_run
-from operators.baseline import Baseline, Params
+from dapo_flow.operators.baseline import Baseline, Params
 from figures import assert_learned, results_row
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,7 +29,7 @@ from dapo_flow.models.hf import HFPolicy
 from dapo_flow.runtime import execute
 from dapo_flow.tracking import read_run
 from figures import assert_learned, results_row
-from operators.score import Params, Score
+from dapo_flow.operators.score import Params, Score
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = Cluster(cpus=2)

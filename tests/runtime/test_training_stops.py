@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import cli
+from dapo_flow import cli
 from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import Cluster

@@ -285,7 +285,7 @@ def test_the_isolation_that_runs_is_in_the_nodes_params_as_mlflow_logs_them():
     and the run's MLflow params (flattened as the session logs them) say which isolation ran."""
     from dapo_flow.tools.base import ToolSpec
     from dapo_flow.tracking import flatten
-    from operators.agent_generate import Params
+    from dapo_flow.operators.agent_generate import Params
 
     params = Params(tools=[ToolSpec(name="calculator"), ToolSpec(name="python", timeout_s=3.0)])
     logged = flatten(params.model_dump(mode="json"), "nodes.rollout.params.")

@@ -22,7 +22,7 @@ from dapo_flow.graph import columns as C
 from dapo_flow.graph.contract import OpContext
 from dapo_flow.models.devices import host_floats
 from dapo_flow.training import OptimizerParams, make_trainer
-from operators.update import metrics_row, step_rows
+from dapo_flow.operators.update import metrics_row, step_rows
 
 METRICS = (
     "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",

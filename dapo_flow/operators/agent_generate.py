@@ -28,7 +28,7 @@ from dapo_flow.graph import columns as C
 from dapo_flow.graph.contract import OpContext
 from dapo_flow.models.sampling import SamplingConfig
 from dapo_flow.tools.base import ToolSpec
-from operators.generate import CallSeeds, Params as GenerateParams
+from dapo_flow.operators.generate import CallSeeds, Params as GenerateParams
 
 
 class Params(GenerateParams):
