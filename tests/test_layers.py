@@ -33,6 +33,10 @@ FORBIDDEN = {
     # an operator says what its loss is; optimizer steps and a group's collectives are a trainer's
     "dapo_flow.operators": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "ray", "mlflow",
                   "torch.distributed", "dapo_flow.models.fsdp"),
+    # how a metric adds up: the ground floor, which the math names its metrics with too
+    "dapo_flow.reductions": ("dapo_flow.graph", "dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking",
+                             "dapo_flow.models", "dapo_flow.data", "dapo_flow.algos", "dapo_flow.operators",
+                             "dapo_flow.training", "torch", "ray", "mlflow", "pyarrow"),
     # the trainer turns losses into optimizer steps: no tables, no runtime, no tracking
     "dapo_flow.training": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "dapo_flow.data",
                            "dapo_flow.graph.compiler", "ray", "mlflow", "pyarrow", "dapo_flow.operators"),

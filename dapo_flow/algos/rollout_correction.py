@@ -29,6 +29,7 @@ from torch import Tensor
 
 from dapo_flow.algos.errors import AlgoError
 from dapo_flow.algos.masked import _masked, masked_mean
+from dapo_flow.reductions import Max, Min
 
 SAFETY_BOUND = 20.0
 """|log ratio| is clamped here before exp: exp(20) ~ 4.9e8."""
@@ -124,8 +125,8 @@ def _is_metrics(weights: Tensor, raw: Tensor, log_ratio_for_metrics: Tensor, mas
     if level == "sequence":
         log_upper = torch.log(torch.tensor(upper, device=weights.device))
         log_lower = torch.log(torch.tensor(lower, device=weights.device))
-        m["rollout_is_max"] = torch.exp(log_ratio_for_metrics.max().clamp(max=SAFETY_BOUND)).item()
-        m["rollout_is_min"] = torch.exp(log_ratio_for_metrics.min()).item()
+        m["rollout_is_max"] = Max(torch.exp(log_ratio_for_metrics.max().clamp(max=SAFETY_BOUND)).item())
+        m["rollout_is_min"] = Min(torch.exp(log_ratio_for_metrics.min()).item())
         m["rollout_is_mean"] = masked_mean(weights, mask).item()
         m["rollout_is_ratio_fraction_high"] = (log_ratio_for_metrics > log_upper).float().mean().item()
         m["rollout_is_ratio_fraction_low"] = (log_ratio_for_metrics < log_lower).float().mean().item()
@@ -133,8 +134,8 @@ def _is_metrics(weights: Tensor, raw: Tensor, log_ratio_for_metrics: Tensor, mas
         m["rollout_is_mean"] = masked_mean(weights, mask).item()
         m["rollout_is_ratio_fraction_high"] = masked_mean((raw > upper).float(), mask).item()
         m["rollout_is_ratio_fraction_low"] = masked_mean((raw < lower).float(), mask).item()
-        m["rollout_is_max"] = weights.masked_fill(~valid, float("-inf")).max().item()
-        m["rollout_is_min"] = weights.masked_fill(~valid, float("inf")).min().item()
+        m["rollout_is_max"] = Max(weights.masked_fill(~valid, float("-inf")).max().item())
+        m["rollout_is_min"] = Min(weights.masked_fill(~valid, float("inf")).min().item())
     clamped = weights.clamp(min=0.0, max=upper)
     mean_clamped = masked_mean(clamped, mask)
     if mask.sum() > 1:
@@ -147,8 +148,8 @@ def _is_metrics(weights: Tensor, raw: Tensor, log_ratio_for_metrics: Tensor, mas
         per_seq = masked_mean(weights, mask.to(weights.dtype), dim=-1)
         m["rollout_is_seq_mean"] = per_seq.mean().item()
         m["rollout_is_seq_std"] = per_seq.std().item() if per_seq.numel() > 1 else 0.0
-        m["rollout_is_seq_max"] = per_seq.max().item()
-        m["rollout_is_seq_min"] = per_seq.min().item()
+        m["rollout_is_seq_max"] = Max(per_seq.max().item())
+        m["rollout_is_seq_min"] = Min(per_seq.min().item())
         m["rollout_is_seq_max_deviation"] = (per_seq - 1.0).abs().max().item()
         # the raw per-sequence mean: a mean of clamped weights never exceeds the bound
         raw_per_seq = masked_mean(raw, mask.to(raw.dtype), dim=-1)
@@ -275,12 +276,12 @@ def _rs_metrics(option: str, stat: Tensor, mask: Tensor, seq_valid: Tensor, per_
     sequence_level = per_seq is not None and seq_ok.numel() > 0
     m = {f"{p}_mean": masked_mean(stat, mask).item()}
     if sequence_level:
-        m[f"{p}_max"], m[f"{p}_min"] = seq_ok.max().item(), seq_ok.min().item()
+        m[f"{p}_max"], m[f"{p}_min"] = Max(seq_ok.max().item()), Min(seq_ok.min().item())
         m[f"{p}_fraction_high"] = (seq_ok > upper).float().mean().item()
         m[f"{p}_fraction_low"] = (seq_ok < lower).float().mean().item() if lower is not None else 0.0
     else:
-        m[f"{p}_max"] = stat.masked_fill(~valid, float("-inf")).max().item()
-        m[f"{p}_min"] = stat.masked_fill(~valid, float("inf")).min().item()
+        m[f"{p}_max"] = Max(stat.masked_fill(~valid, float("-inf")).max().item())
+        m[f"{p}_min"] = Min(stat.masked_fill(~valid, float("inf")).min().item())
         m[f"{p}_fraction_high"] = masked_mean((stat > upper).float(), mask).item()
         m[f"{p}_fraction_low"] = masked_mean((stat < lower).float(), mask).item() if lower is not None else 0.0
     if mask.sum() > 1:

@@ -47,7 +47,9 @@ An operator is a plain class (no base class to inherit from):
   inputs that share their rows; each input must bring its ``input_requires`` columns, and the
   rows going on are the first input's.
 - ``__init__(params, ctx)``, ``__call__(batch: pa.Table) -> pa.Table``, and optionally
-  ``last_metrics() -> dict[str, float]`` for what the last call measured, ``state_dict()`` /
+  ``last_metrics() -> dict[str, float]`` for what the last call measured (a plain float is
+  averaged over a step's calls; a count, a time, a throughput or an extreme says so by its
+  value's type: ``dapo_flow.reductions``), ``state_dict()`` /
   ``load_state_dict(state)`` for what a checkpoint keeps, ``close()`` for what to release.
 
 The compiler and the runtime read all of this through one frozen object per class,

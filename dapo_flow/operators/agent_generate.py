@@ -29,6 +29,7 @@ from dapo_flow.graph.contract import OpContext
 from dapo_flow.models.sampling import SamplingConfig
 from dapo_flow.tools.base import ToolSpec
 from dapo_flow.operators.generate import CallSeeds, Params as GenerateParams
+from dapo_flow.reductions import Rate, Seconds, Total
 
 
 class Params(GenerateParams):
@@ -134,9 +135,9 @@ class AgentGenerate:
         reqs = out.requests
         responses = [r.response_ids for r in reqs]
         self._metrics = {
-            "gen/tokens": float(out.tokens_generated),
-            "gen/seconds": out.engine_seconds,
-            "gen/tokens_per_s": float(out.tokens_generated / max(out.engine_seconds, 1e-9)),
+            "gen/tokens": Total(out.tokens_generated),
+            "gen/seconds": Seconds(out.engine_seconds),
+            "gen/tokens_per_s": Rate(out.tokens_generated / max(out.engine_seconds, 1e-9)),
             **rollout_metrics(out, p.max_turns),
         }
         total = sum(out.tool_rewards.values()) if out.tool_rewards else np.zeros(len(reqs))

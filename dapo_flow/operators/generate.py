@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 from dapo_flow.graph import columns as C
 from dapo_flow.data.arrow_utils import token_lists, with_columns
 from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.reductions import Rate, Seconds, Total
 
 
 class Params(BaseModel):
@@ -78,9 +79,9 @@ class Generate:
         logp = pa.array(out.logprobs, type=C.TOKEN_FLOATS)
         texts = model.tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         self._metrics = {
-            "gen/tokens": float(out.tokens_generated),
-            "gen/seconds": float(out.seconds),
-            "gen/tokens_per_s": float(out.tokens_generated / max(out.seconds, 1e-9)),
+            "gen/tokens": Total(out.tokens_generated),
+            "gen/seconds": Seconds(out.seconds),
+            "gen/tokens_per_s": Rate(out.tokens_generated / max(out.seconds, 1e-9)),
         }
         return with_columns(
             rows,

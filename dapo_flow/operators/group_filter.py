@@ -18,6 +18,7 @@ from dapo_flow import algos
 from dapo_flow.graph import columns as C
 from dapo_flow.data.arrow_utils import group_codes
 from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.reductions import Total
 
 # verl's metric names map onto our columns
 METRIC_COLUMNS = {
@@ -67,7 +68,7 @@ class GroupFilter:
         groups = group_codes(batch.column(C.PROMPT_ID))
         keep = algos.keep_groups(groups, batch.column(self.column).to_numpy())
         kept = int(np.count_nonzero(np.bincount(groups.codes[keep], minlength=groups.n_groups)))
-        self._metrics = {"filter/kept_groups": float(kept), "filter/dropped_groups": float(groups.n_groups - kept)}
+        self._metrics = {"filter/kept_groups": Total(kept), "filter/dropped_groups": Total(groups.n_groups - kept)}
         return batch.filter(pa.array(keep))
 
     def last_metrics(self) -> dict[str, float]:

@@ -56,6 +56,7 @@ from dapo_flow.data.reward_pool import (  # as_number: re-exported, tests and pl
 )
 from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.errors import RunError
+from dapo_flow.reductions import Total
 
 __all__ = ["Params", "Score", "as_number"]
 
@@ -232,7 +233,7 @@ class Score:
                          # a dict's extra values, averaged over the batch (verl logs its reward_extra_info so)
                          **{f"score/extra/{name}": float(values.mean()) for name, values in extras.items()}}
         if self.params.timeout_s is not None:
-            self._metrics["score/timeouts"] = float(timed_out)
+            self._metrics["score/timeouts"] = Total(timed_out)
         return with_columns(batch, {C.SCORE: score, C.ACC: acc, **extras})
 
     def last_metrics(self) -> dict[str, float]:

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from dapo_flow.graph import columns as C
+from dapo_flow.reductions import kind_of, over_workers
 from dapo_flow.runtime.tables import ChainInfo, Report
 
 
@@ -125,29 +126,12 @@ def join_infos(infos: Sequence[ChainInfo], sink: bool) -> ChainInfo:
     )
 
 
-def _combine(key: str, values: list[float], weights: list[int]) -> float:
-    """One metric from every worker's value: wall times the slowest worker's (they run at once),
-    token and sample counts and throughputs added, maxima and minima as such, the rest the
-    mean weighted by the rows each worker had (operators that reduce over the group report
-    the same value everywhere, which the mean keeps)."""
-    if key.startswith("time/") or key.endswith("/seconds"):
-        return max(values)
-    if key.endswith(("/tokens", "/tokens_per_s", "/samples")):
-        return float(sum(values))
-    if key.endswith("_max"):
-        return max(values)
-    if key.endswith("_min"):
-        return min(values)
-    total = sum(weights)
-    if total == 0:
-        return float(np.mean(values))
-    return float(sum(v * w for v, w in zip(values, weights)) / total)
-
-
 def join_reports(reports: Sequence[Report], rows: Sequence[int]) -> Report:
-    """The workers' per-node reports as one, node by node (every worker ran the same chain);
-    a metric only some workers report (e.g. batch/* of a worker that had rows) is combined over
-    those that did."""
+    """The workers' per-node reports as one, node by node (every worker ran the same chain),
+    each metric as its value's kind says (:func:`dapo_flow.reductions.over_workers`: wall times
+    the slowest worker's, counts and throughputs added, a plain float the mean weighted by the
+    rows each worker had); a metric only some workers report (e.g. batch/* of a worker that had
+    rows) is combined over those that did."""
     out: Report = []
     for entries in zip(*reports):
         nid = entries[0][0]
@@ -155,6 +139,6 @@ def join_reports(reports: Sequence[Report], rows: Sequence[int]) -> Report:
         metrics = {}
         for key in keys:
             have = [(m[key], w) for (_, m, _), w in zip(entries, rows) if key in m]
-            metrics[key] = _combine(key, [v for v, _ in have], [w for _, w in have])
+            metrics[key] = over_workers(kind_of(have[0][0]), [v for v, _ in have], [w for _, w in have])
         out.append((nid, metrics, max(seconds for _, _, seconds in entries)))
     return out

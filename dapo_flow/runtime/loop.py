@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import IN_ACTOR, Call
+from dapo_flow.reductions import Seconds
 from dapo_flow.runtime.weight_sync import WeightSyncs
 from dapo_flow.runtime.metrics import MetricAccumulator, first_row
 from dapo_flow.runtime.tables import ChainInfo, cut, parts_of
@@ -169,7 +170,7 @@ class Runner:
         info = self.ex.get(handle.info)
         for nid, metrics, seconds in info.report:
             acc.add(metrics)
-            acc.add({f"time/{nid}": seconds})
+            acc.add({f"time/{nid}": Seconds(seconds)})
         self.traffic.add_output(info.bytes_out)
         return Output(handle.table, info)
 

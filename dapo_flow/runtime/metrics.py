@@ -9,26 +9,24 @@ import numpy as np
 import pyarrow as pa
 
 from dapo_flow.graph import columns as C
-
-# counters and times add up over a step's calls (generation batches, chunks); the rest is averaged
-_SUMMED_SUFFIXES = ("_groups", "/tokens", "/seconds", "/samples", "/skipped_minibatches", "/timeouts")
-_SUMMED_PREFIXES = ("time/",)
+from dapo_flow.reductions import Max, kind_of, over_calls
 
 
 class MetricAccumulator:
+    """A step's metrics from its calls, each reduced as its value's kind says
+    (:mod:`dapo_flow.reductions`: a plain float is averaged)."""
+
     def __init__(self) -> None:
         self._values: dict[str, list[float]] = defaultdict(list)
+        self._kinds: dict[str, type] = {}
 
     def add(self, metrics: Mapping[str, float], prefix: str = "") -> None:
         for key, value in metrics.items():
             self._values[prefix + key].append(float(value))
+            self._kinds.setdefault(prefix + key, kind_of(value))
 
     def result(self) -> dict[str, float]:
-        out = {}
-        for key, values in self._values.items():
-            summed = key.endswith(_SUMMED_SUFFIXES) or key.startswith(_SUMMED_PREFIXES)
-            out[key] = float(np.sum(values)) if summed else float(np.mean(values))
-        return out
+        return {key: over_calls(self._kinds[key], values) for key, values in self._values.items()}
 
 
 def batch_stats(batch: pa.Table, prefix: str = "batch/") -> dict[str, float]:
@@ -43,7 +41,7 @@ def batch_stats(batch: pa.Table, prefix: str = "batch/") -> dict[str, float]:
     if C.RESPONSE_LEN in names:
         lengths = batch.column(C.RESPONSE_LEN).to_numpy()
         out[f"{prefix}response_len_mean"] = float(lengths.mean())
-        out[f"{prefix}response_len_max"] = float(lengths.max())
+        out[f"{prefix}response_len_max"] = Max(lengths.max())
     if C.TRUNCATED in names:
         out[f"{prefix}overlong_frac"] = float(np.mean(batch.column(C.TRUNCATED).to_numpy(zero_copy_only=False)))
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from dapo_flow.reductions import Seconds
 from dapo_flow.runtime import group
 from dapo_flow.runtime.tables import (ChainInfo, TableParts, assemble, cut, groups_of, info_of,
                                       merge_inputs, parts_of)
@@ -78,10 +79,10 @@ def test_a_members_share_is_its_part_of_the_groups_split():
 
 
 def test_a_groups_info_joins_rows_and_groups_in_rank_order():
-    a = ChainInfo([("n", {"m": 1.0, "time/x": 1.0}, 1.0)], 2, 4, 40, ("p", "q"))
-    b = ChainInfo([("n", {"m": 3.0, "time/x": 2.0}, 3.0)], 6, 2, 20, ("r",))
+    a = ChainInfo([("n", {"m": 1.0, "time/x": Seconds(1.0)}, 1.0)], 2, 4, 40, ("p", "q"))
+    b = ChainInfo([("n", {"m": 3.0, "time/x": Seconds(2.0)}, 3.0)], 6, 2, 20, ("r",))
     joined = group.join_infos([a, b], sink=False)
     assert (joined.rows_in, joined.rows_out, joined.bytes_out, joined.groups) == (8, 6, 60, ("p", "q", "r"))
-    assert joined.report == [("n", {"m": 2.5, "time/x": 2.0}, 3.0)]  # mean weighted by rows taken
+    assert joined.report == [("n", {"m": 2.5, "time/x": 2.0}, 3.0)]  # mean weighted by rows taken; a time the slowest
     sink = group.join_infos([a, b], sink=True)
     assert (sink.rows_out, sink.bytes_out) == (4, 40)

@@ -1,0 +1,52 @@
+"""A metric's reduction travels with its value (dapo_flow.reductions): over a step's calls in the
+driver (MetricAccumulator), over a training group's workers (join_reports), through pickling
+(Ray) and into MLflow / JSON as a plain float."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from dapo_flow.reductions import Max, Min, Rate, Seconds, Total, kind_of, over_calls, over_workers
+from dapo_flow.runtime.group import join_reports
+from dapo_flow.runtime.metrics import MetricAccumulator
+
+
+def test_each_kind_adds_up_over_calls():
+    acc = MetricAccumulator()
+    for tokens, seconds, rate, longest, shortest, loss in [(10, 1.0, 10.0, 7, 2, 0.5), (30, 2.0, 15.0, 9, 1, 1.5)]:
+        acc.add({"gen/tokens": Total(tokens), "gen/seconds": Seconds(seconds), "gen/tokens_per_s": Rate(rate),
+                 "len_max": Max(longest), "len_min": Min(shortest), "loss": loss})
+    out = acc.result()
+    assert out == {"gen/tokens": 40.0, "gen/seconds": 3.0, "gen/tokens_per_s": 12.5, "len_max": 9.0,
+                   "len_min": 1.0, "loss": 1.0}
+    assert type(out["gen/tokens"]) is Total and type(out["loss"]) is float  # the kind stays for the next sum
+
+
+def test_each_kind_adds_up_over_a_groups_workers():
+    """Two workers, the first with 3 rows, the second with 1: times the slowest, counts and
+    throughputs added, extremes as such, a plain float weighted by rows."""
+    reports = [[("gen", {"t": Seconds(2.0), "n": Total(6), "r": Rate(5.0), "hi": Max(4), "lo": Min(1), "m": 1.0}, 2.0)],
+               [("gen", {"t": Seconds(3.0), "n": Total(2), "r": Rate(7.0), "hi": Max(9), "lo": Min(0), "m": 5.0}, 3.0)]]
+    [(nid, metrics, seconds)] = join_reports(reports, [3, 1])
+    assert (nid, seconds) == ("gen", 3.0)
+    assert metrics == {"t": 3.0, "n": 8.0, "r": 12.0, "hi": 9.0, "lo": 0.0, "m": 2.0}
+    assert all(type(metrics[k]) is type(reports[0][0][1][k]) for k in metrics)
+
+
+@pytest.mark.parametrize("kind", [Total, Seconds, Rate, Max, Min])
+def test_a_kind_survives_pickling_and_reads_as_a_float(kind):
+    value = pickle.loads(pickle.dumps(kind(1.5)))
+    assert kind_of(value) is kind and value == 1.5
+    assert json.loads(json.dumps({"x": value})) == {"x": 1.5}
+    assert kind_of(value + 1) is float  # arithmetic gives a plain float: a derived metric averages
+
+
+def test_a_float_and_an_unknown_subclass_average():
+    class Odd(float):
+        pass
+
+    assert kind_of(Odd(2.0)) is float and kind_of(3.0) is float
+    assert over_calls(float, [1.0, 2.0]) == 1.5 and over_workers(float, [1.0, 3.0], [0, 0]) == 2.0
