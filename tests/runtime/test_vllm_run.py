@@ -99,12 +99,6 @@ def test_vllm_ray_run_syncs_weights_into_the_engine(workdir, small_graph, vllm_i
     _assert_engine_has_trainer_weights(h, 2)
 
 
-@pytest.mark.shared_ray
-def test_disaggregated_hf_syncs_weights_between_actors(workdir, small_graph):
-    h = _history(_graph(small_graph, workdir, backend="hf", steps=3, disaggregated=True), "ray", 3)
-    _assert_engine_has_trainer_weights(h, 3)
-
-
 def test_without_sync_the_check_catches_stale_weights(workdir, small_graph, monkeypatch):
     """Negative control: the same disaggregated run (in-process) with weight import disabled."""
     monkeypatch.setattr(StageWorker, "import_weights", lambda self, model, weights: 0.0)
@@ -123,8 +117,10 @@ def test_disaggregated_vllm_takes_broadcast_weights_on_ray(workdir, small_graph)
 
 
 @pytest.mark.shared_ray
-def test_broadcast_and_object_store_syncs_make_the_same_run(workdir, small_graph):
-    """Both carry the float32 weights exactly: every metric of the run is the same."""
+def test_disaggregated_hf_syncs_weights_between_actors_both_ways_alike(workdir, small_graph):
+    """Between hf actors on Ray, the broadcast (the default) and the object store each bring the
+    rollout actor the trainer's weights, and carry them exactly: every metric of the run is the
+    same."""
     path = _graph(small_graph, workdir, backend="hf", steps=2, disaggregated=True)
     from dapo_flow.graph.edits import edit_file, parse_cli_edits
 
@@ -134,6 +130,7 @@ def test_broadcast_and_object_store_syncs_make_the_same_run(workdir, small_graph
         summary = execute(placed, executor="ray")
         history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
         runs[how] = {key: [v for _, v in points] for key, points in history.items()}
+        _assert_engine_has_trainer_weights(runs[how], 2)
     keys = [k for k in runs["broadcast"] if k.startswith(("actor/", "batch/", "val/", "check/"))]
     assert "actor/pg_loss" in keys and METRIC in keys
     for key in keys:
