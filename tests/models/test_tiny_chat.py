@@ -17,6 +17,9 @@ from model_builds import short_tiny_chat
 
 SHORT = short_tiny_chat()
 
+# the whole suite only: every test reads a model built for it (a short recipe, ~15 s)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def chat_dir(short_tiny_chat_dir) -> Path:
@@ -50,7 +53,7 @@ def test_shape_config_matches_the_built_config(chat_dir):
     assert {k: built[k] for k in declared} == declared
 
 
-@pytest.mark.slow  # a second build (~20 s)
+# a second build (~20 s)
 def test_build_info_and_determinism(chat_dir, tmp_path):
     info = json.loads((chat_dir / tiny_chat.BUILD_INFO).read_text())
     assert info["name"] == "tiny-chat" and info["tokenizer_size"] == SHORT.vocab_size
@@ -60,7 +63,6 @@ def test_build_info_and_determinism(chat_dir, tmp_path):
         assert (again / name).read_bytes() == (chat_dir / name).read_bytes(), name
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_the_dapo_chat_graph_runs_on_a_path_to_the_directory(chat_dir, backend, tmp_path, monkeypatch):
     """graphs/dapo-chat.yaml with `path:` at the directory (as with a downloaded model), 2 steps."""

@@ -93,6 +93,7 @@ def test_eval_errors_are_exit_2(workdir, small_graph, capsys):
     assert "name a .parquet file" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a sweep of two trained variants, then their evals
 def test_eval_sweep_compares_every_variant_checkpoint(tmp_path, monkeypatch, capsys, tiny_adder_path, policies):
     from dapo_flow import cli
     from dapo_flow.tracking import PARENT_TAG
