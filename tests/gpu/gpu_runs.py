@@ -51,7 +51,7 @@ def cli_without_gpu(args: list[str], cwd: Path, timeout: float = 300) -> subproc
     machine, as far as torch can tell, e.g. a head node resuming a run a GPU worker trained."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run([sys.executable, str(ROOT / "dapo_flow" / "cli.py"), *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "dapo_flow.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
