@@ -50,3 +50,24 @@ def test_a_float_and_an_unknown_subclass_average():
 
     assert kind_of(Odd(2.0)) is float and kind_of(3.0) is float
     assert over_calls(float, [1.0, 2.0]) == 1.5 and over_workers(float, [1.0, 3.0], [0, 0]) == 2.0
+
+
+@pytest.mark.parametrize("rs", ["token_k1", "seq_mean_k3", "token_k1,seq_max_k2"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_every_extreme_the_rollout_correction_math_names_declares_it(rs, level):
+    """A metric named *_max / *_min by algos.rollout_correction is a Max / Min, so a training
+    group's join takes the extreme over its workers (as a name suffix used to decide)."""
+    import torch
+
+    from dapo_flow import algos
+
+    torch.manual_seed(0)
+    log_ratio, mask = torch.randn(4, 6) * 0.3, torch.ones(4, 6)
+    mask[1, 4:] = 0
+    _, is_metrics = algos.rollout_correction_weights(log_ratio, mask, level, 2.0)
+    _, rs_metrics = algos.rollout_rejection_mask(log_ratio, mask, rs, 10.0)
+    named = {**is_metrics, **rs_metrics}
+    extremes = {k: v for k, v in named.items() if k.endswith(("_max", "_min"))}
+    assert extremes, named
+    for key, value in extremes.items():
+        assert kind_of(value) is (Max if key.endswith("_max") else Min), key

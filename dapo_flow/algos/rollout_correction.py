@@ -293,7 +293,7 @@ def _rs_metrics(option: str, stat: Tensor, mask: Tensor, seq_valid: Tensor, per_
     if seq_ok.numel() > 0:
         m[f"{p}_seq_mean"] = seq_ok.mean().item()
         m[f"{p}_seq_std"] = seq_ok.std().item() if seq_ok.numel() > 1 else 0.0
-        m[f"{p}_seq_max"], m[f"{p}_seq_min"] = seq_ok.max().item(), seq_ok.min().item()
+        m[f"{p}_seq_max"], m[f"{p}_seq_min"] = Max(seq_ok.max().item()), Min(seq_ok.min().item())
         m[f"{p}_seq_max_deviation"] = seq_ok.abs().max().item()
         m[f"{p}_seq_fraction_high"] = (seq_ok > upper).float().mean().item()
         if lower is not None:
