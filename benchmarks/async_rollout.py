@@ -2,7 +2,8 @@
 
 Runs the graph (default graphs/dapo.yaml, the main job) on Ray with disaggregated placement,
 one rollout actor and one training worker (`models.policy.train.workers=1`): synchronous, then
-one_step_off, then async (`run.max_staleness` 1), and reads each run's per-step timings back
+one_step_off, then async (`run.max_staleness` 1), then async with `run.partial_rollouts` (each
+sync goes into the generation in flight), and reads each run's per-step timings back
 from its MLflow history, over the steps after a warm-up of 2 (actor start-up and step 1, which
 the overlapped modes run synchronously, excluded):
 
@@ -16,6 +17,10 @@ the overlapped modes run synchronously, excluded):
 - ``trainer_wait_s`` / ``rollout_idle_s``: median seconds per step the trainer waited for the
   next batch after its update, and the rollout actor sat idle waiting for the update
   (one_step_off); ``async_trainer_wait_s`` and ``async_staleness_mean`` for async.
+- ``async_weight_sync_s`` / ``partial_weight_sync_s``: median `time/weight_sync` of async
+  without and with partial rollouts (without, a sync waits for the generation batch in flight);
+  ``partial_step_s`` its step, ``partial_samples`` the mean fraction of trained samples whose
+  tokens span two policy versions, ``partial_token_staleness_mean`` how far their tokens lag.
 
 ``--nodes 2`` runs both on a simulated 2-node Ray cluster (``ray.cluster_utils.Cluster``, one
 CPU per node): the rollout and training actors on different nodes, the weights synced between
@@ -43,7 +48,9 @@ from _common import (DEFAULT_GRAPH, LoadSampler, fmt, make_console, run_graph, s
 
 WARMUP_STEPS = 2
 TARGET_OVERLAP = 1.15
-MODES = ("sync", "one_step_off", "async")
+MODES = {"sync": ["run.rollout_mode=sync"], "one_step_off": ["run.rollout_mode=one_step_off"],
+         "async": ["run.rollout_mode=async"],
+         "async_partial": ["run.rollout_mode=async", "run.partial_rollouts=true"]}
 SETS = ["placement.mode=disaggregated", "models.policy.train.workers=1", "run.val_every=0",
         "run.checkpoint_every=0"]
 
@@ -51,7 +58,7 @@ SETS = ["placement.mode=disaggregated", "models.policy.train.workers=1", "run.va
 def medians(history: dict[str, dict[int, float]], warmup: int) -> dict[str, float]:
     """Median per step, after ``warmup`` steps, of the timings this benchmark reports."""
     keys = ("time/step", "time/rollout_phase", "time/train_phase", "time/weight_sync", "time/trainer_wait",
-            "time/rollout_idle", "rollout/staleness")
+            "time/rollout_idle", "rollout/staleness", "batch/partial_samples", "rollout/token_staleness_mean")
     out = {}
     for key in keys:
         values = [v for step, v in sorted(history.get(key, {}).items()) if step > warmup]
@@ -101,12 +108,12 @@ def main() -> None:
     runs = {}
     with scratch_dir(args.keep, console), simulated_cluster(args.nodes) as (cluster, address), \
             LoadSampler() as load:
-        for mode in MODES:
+        for mode, sets in MODES.items():
             console.rule(f"{mode}: {args.graph.name}, {steps} steps, {args.nodes} node(s)")
-            summary, _ = run_graph(args.graph, [*SETS, f"run.rollout_mode={mode}"], executor="ray",
+            summary, _ = run_graph(args.graph, [*SETS, *sets], executor="ray",
                                    steps=steps, console=console, cluster=cluster, address=address)
             runs[mode] = medians(step_history(summary), WARMUP_STEPS)
-    sync, off, asy = runs["sync"], runs["one_step_off"], runs["async"]
+    sync, off, asy, partial = runs["sync"], runs["one_step_off"], runs["async"], runs["async_partial"]
     generate_s, train_s = sync["time/rollout_phase"], sync["time/train_phase"]
     longer = max(generate_s, train_s)
     result = {
@@ -114,7 +121,10 @@ def main() -> None:
         "generate_s": generate_s, "train_s": train_s,
         "sync_step_s": sync["time/step"], "one_step_off_step_s": off["time/step"], "async_step_s": asy["time/step"],
         "async_speedup": sync["time/step"] / asy["time/step"], "async_trainer_wait_s": asy["time/trainer_wait"],
-        "async_staleness_mean": asy["staleness_mean"],
+        "async_staleness_mean": asy["staleness_mean"], "async_weight_sync_s": asy["time/weight_sync"],
+        "partial_step_s": partial["time/step"], "partial_weight_sync_s": partial["time/weight_sync"],
+        "partial_samples": partial["batch/partial_samples"],
+        "partial_token_staleness_mean": partial["rollout/token_staleness_mean"],
         "overlap_ratio": off["time/step"] / longer, "speedup": sync["time/step"] / off["time/step"],
         "weight_sync_s": off["time/weight_sync"], "trainer_wait_s": off["time/trainer_wait"],
         "rollout_idle_s": off["time/rollout_idle"],
@@ -133,7 +143,9 @@ def main() -> None:
     console.print(f"one_step_off: {result['speedup']:.2f}x the synchronous step; overlap ratio "
                   f"{result['overlap_ratio']:.3f} ({verdict} the target {TARGET_OVERLAP}); async: "
                   f"{result['async_speedup']:.2f}x, staleness {fmt(result['async_staleness_mean'], '.2f')} "
-                  "on average", highlight=False)
+                  f"on average; with partial rollouts a sync takes {fmt(result['partial_weight_sync_s'])} s "
+                  f"(without: {fmt(result['async_weight_sync_s'])} s), {fmt(result['partial_samples'], '.2f')} of "
+                  "the trained samples span two policy versions", highlight=False)
     write_json(args.json, result, console)
 
 

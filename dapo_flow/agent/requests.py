@@ -49,6 +49,7 @@ class Request:
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per token: the policy version that sampled it
     turns: int = 0
     turn_tokens: list[int] = field(default_factory=list)  # tokens of each model turn
     tool_calls: int = 0  # calls run
@@ -76,15 +77,20 @@ class Request:
         self._expect(Status.PENDING, "start")
         self.status = Status.RUNNING
 
-    def turn(self, tokens: list[int], logprobs: list[float], finished: bool, calls: ParsedCalls) -> None:
+    def turn(self, tokens: list[int], logprobs: list[float], finished: bool, calls: ParsedCalls,
+             versions: list[int] | None = None) -> None:
         """The model's turn: ``tokens`` as the engine produced them (EOS included when it ended
-        the turn: ``finished``), and the tool calls parsed from their text."""
+        the turn: ``finished``), and the tool calls parsed from their text; ``versions``: each
+        token's policy version (None: the version of the response so far, 0 at first)."""
         self._expect(Status.RUNNING, "a model turn")
         finished = finished and len(tokens) <= self.remaining  # a turn past the budget is cut: a length stop
+        if versions is None:
+            versions = [self.versions[-1] if self.versions else 0] * len(tokens)
         tokens, logprobs = list(tokens[: self.remaining]), list(logprobs[: self.remaining])
         self.segments.append(("assistant", len(self.response_ids), len(self.response_ids) + len(tokens)))
         self.response_ids += tokens
         self.logprobs += logprobs
+        self.versions += list(versions[: len(tokens)])
         self.loss_mask += [1] * len(tokens)
         self.turns += 1
         self.turn_tokens.append(len(tokens))
@@ -112,6 +118,7 @@ class Request:
         self.segments.append(("tool", len(self.response_ids), len(self.response_ids) + len(tokens)))
         self.response_ids += tokens
         self.logprobs += [0.0] * len(tokens)
+        self.versions += [self.versions[-1] if self.versions else 0] * len(tokens)  # the turn they answer
         self.loss_mask += [0] * len(tokens)
         self.status = Status.RUNNING
 

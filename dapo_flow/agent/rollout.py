@@ -128,10 +128,12 @@ def _model_turns(engine: Any, tokenizer: Any, fmt: Any, schemas: Mapping[str, An
     out.engine_seconds += float(rolled.seconds)
     texts = tokenizer.batch_decode(rolled.response_ids, skip_special_tokens=True)
     none = ParsedCalls((), ())
-    for r, ids, logps, truncated, text in zip(running, rolled.response_ids, rolled.logprobs, rolled.truncated, texts):
+    versions = rolled.token_versions(engine.weights_version)
+    for r, ids, logps, truncated, text, vs in zip(running, rolled.response_ids, rolled.logprobs, rolled.truncated,
+                                                  texts, versions):
         finished = not bool(truncated)
         calls = parse_calls(text, fmt, schemas, limits.max_tool_calls_per_turn) if finished else none
-        r.turn(list(ids), list(logps), finished, calls)
+        r.turn(list(ids), list(logps), finished, calls, versions=list(vs))
 
 
 def _user_call(tool: str, method: str, fn: Any, *args: Any, **kwargs: Any) -> Any:

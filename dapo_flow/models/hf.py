@@ -21,6 +21,7 @@ from dapo_flow.algos.logprobs import chunked_linear_logprobs, entropy_from_logit
 from dapo_flow.errors import ModelError
 from dapo_flow.models.devices import prepare_device, to_device, to_host
 from dapo_flow.models.sampling import Rollouts, SamplingConfig, sample_keys, uniforms
+from dapo_flow.models.weight_gate import WeightGate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIXED_PRECISION = {"bf16": torch.bfloat16}  # train.mixed_precision -> the autocast compute dtype
@@ -292,6 +293,8 @@ class HFPolicy:
         self.eos_id = self.eos_ids[0]
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_id  # pads are masked; any id works
+        # the weights' policy version, and the lock between decode steps and weight loads
+        self.gate = WeightGate()
 
     def _add_adapters(self, lora: Any, trainable: bool, adapters: Path | None) -> None:
         from dapo_flow.models import lora as lora_lib
@@ -409,23 +412,27 @@ class HFPolicy:
     def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig) -> Rollouts:
         """``cfg.n`` samples per prompt. Each sample draws from its own generator, seeded by its
         prompt's seed (``cfg.seeds_for``) and its index: what a prompt samples does not depend on
-        the other prompts of the batch, on the chunking, or on which replica or worker runs it."""
+        the other prompts of the batch, on the chunking, or on which replica or worker runs it.
+        New weights loaded beside it (:attr:`gate`) take over from the next token: each token's
+        version says which weights sampled it."""
         start = time.perf_counter()
         seeds = cfg.seeds_for(len(prompt_ids))
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         truncated: list[bool] = []
+        versions: list[list[int]] = []
         with self.gathered():
             at = 0
             for chunk in self._prompt_chunks(prompt_ids, cfg.n):
                 keys = sample_keys(seeds[at:at + len(chunk)], cfg.n)
                 at += len(chunk)
-                r, lp, tr = self._generate_batch(chunk, cfg, keys)
+                r, lp, tr, v = self._generate_batch(chunk, cfg, keys)
                 responses += r
                 logprobs += lp
                 truncated += tr
+                versions += v
         return Rollouts.contiguous(len(prompt_ids), cfg.n, responses, logprobs, truncated,
-                                   time.perf_counter() - start)
+                                   time.perf_counter() - start, versions=versions)
 
     def _prompt_chunks(self, prompt_ids: list[list[int]], n: int) -> Iterator[list[list[int]]]:
         _check_prompts(prompt_ids)
@@ -436,27 +443,33 @@ class HFPolicy:
     @torch.inference_mode()
     def _generate_batch(
         self, prompts: list[list[int]], cfg: SamplingConfig, keys: np.ndarray
-    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+    ) -> tuple[list[list[int]], list[list[float]], list[bool], list[list[int]]]:
         """Sampled in the precision of the update's forwards (:meth:`compute_precision`): under
         bf16 autocast the sampled tokens' logprobs (``source: rollout`` old logprobs) are the
         trainer's up to bf16 rounding of the KV-cached decoding (docs/semantics.md)."""
         with self.compute_precision():
             return self._generate_batch_in(prompts, cfg, keys)
 
-    def _generate_batch_in(
-        self, prompts: list[list[int]], cfg: SamplingConfig, keys: np.ndarray
-    ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
-        ids, mask = left_pad(prompts, self.pad_id)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        # Prefill each prompt once, then fan its KV cache out to its n samples.
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor):
+        """The KV cache of left-padded ``ids`` and the logits of each row's next token."""
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1
         )
-        cache = out.past_key_values
-        logits = out.logits[:, -1].float().repeat_interleave(cfg.n, 0)  # (S, V)
-        if cfg.n > 1:
-            cache.batch_repeat_interleave(cfg.n)
-        mask = mask.repeat_interleave(cfg.n, 0)
+        return out.past_key_values, out.logits[:, -1].float()
+
+    def _generate_batch_in(
+        self, prompts: list[list[int]], cfg: SamplingConfig, keys: np.ndarray
+    ) -> tuple[list[list[int]], list[list[float]], list[bool], list[list[int]]]:
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)
+        prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
+        with self.gate.step() as version:
+            # Prefill each prompt once, then fan its KV cache out to its n samples.
+            cache, logits = self._prefill(prompt_ids, prompt_mask)
+            logits = logits.repeat_interleave(cfg.n, 0)  # (S, V)
+            if cfg.n > 1:
+                cache.batch_repeat_interleave(cfg.n)
+        weights = version  # the version of the weights behind the cache and logits
+        mask = prompt_mask.repeat_interleave(cfg.n, 0)
         next_pos = mask.sum(-1, keepdim=True)  # (S, 1): position of the first response token
         num = logits.shape[0]
         eos = torch.tensor(self.eos_ids, device=self.device)
@@ -465,6 +478,7 @@ class HFPolicy:
         lengths = torch.zeros(num, dtype=torch.long, device=self.device)
         done = torch.zeros(num, dtype=torch.bool, device=self.device)
         finite = torch.ones((), dtype=torch.bool, device=self.device)
+        step_versions: list[int] = []  # the weights' version at each step (all rows alike)
         # The host looks at the device every `every` tokens only (a CUDA sync each time): the
         # uniforms of the next `every` steps go over in one copy, and a batch whose samples all
         # ended decodes up to every-1 more steps, whose tokens are dropped (same results).
@@ -473,28 +487,37 @@ class HFPolicy:
             if t % every == 0:
                 steps = range(t, min(t + every, cfg.max_tokens))
                 block = torch.from_numpy(np.stack([uniforms(keys, s) for s in steps])).to(self.device)
-            tok, lp, ok = self._sample(logits, cfg, block[t % every])
-            finite &= ok
-            tokens[:, t] = tok.masked_fill(done, self.pad_id)
-            lps[:, t] = lp
-            lengths += (~done).long()
-            done |= torch.isin(tok, eos)
-            if t + 1 == cfg.max_tokens or ((t + 1) % every == 0 and not bool(finite & ~done.all())):
-                break
-            # Finished rows keep decoding (cheaper than compacting the cache); their tokens are dropped.
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = self.model(
-                input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                past_key_values=cache, use_cache=True,
-            )
-            logits = out.logits[:, -1].float()
-            next_pos = next_pos + 1
+            with self.gate.step() as version:
+                if version != weights:  # new weights came: recompute the cache with them (partial rollout)
+                    mask = torch.cat([prompt_mask.repeat_interleave(cfg.n, 0), torch.ones_like(tokens[:, :t])], dim=1)
+                    cache, logits = self._prefill(
+                        torch.cat([prompt_ids.repeat_interleave(cfg.n, 0), tokens[:, :t]], dim=1), mask)
+                    weights = version
+                tok, lp, ok = self._sample(logits, cfg, block[t % every])
+                step_versions.append(weights)
+                finite &= ok
+                tokens[:, t] = tok.masked_fill(done, self.pad_id)
+                lps[:, t] = lp
+                lengths += (~done).long()
+                done |= torch.isin(tok, eos)
+                if t + 1 == cfg.max_tokens or ((t + 1) % every == 0 and not bool(finite & ~done.all())):
+                    break
+                # Finished rows keep decoding (cheaper than compacting the cache); their tokens are
+                # dropped (a recomputed cache reads pads there: only their own later tokens see them).
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                out = self.model(
+                    input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                    past_key_values=cache, use_cache=True,
+                )
+                logits = out.logits[:, -1].float()
+                next_pos = next_pos + 1
         if not bool(finite):
             raise ModelError(NONFINITE_LOGITS)
         lens = lengths.tolist()
         tok_rows, lp_rows = tokens.tolist(), lps.tolist()
         responses = [row[:n] for row, n in zip(tok_rows, lens)]
-        return responses, [row[:n] for row, n in zip(lp_rows, lens)], (~done).tolist()
+        return (responses, [row[:n] for row, n in zip(lp_rows, lens)], (~done).tolist(),
+                [step_versions[:n] for n in lens])
 
     @staticmethod
     def _sample(logits: torch.Tensor, cfg: SamplingConfig, u: torch.Tensor
@@ -771,13 +794,30 @@ class HFPolicy:
         for name, value in self.model.state_dict().items():
             yield name, _full(value)
 
-    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+    @property
+    def weights_version(self) -> int:
+        """The policy version of the weights (RL steps trained into them; each sampled token
+        reports the version that sampled it)."""
+        return self.gate.version
+
+    def set_weights_version(self, version: int) -> None:
+        """The trainer changed the weights in place: they are now ``version``."""
+        self.gate.set_version(version)
+
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                     version: int | None = None) -> None:
         """Copy ``weights`` (a mapping, as from :meth:`named_weights`, or (name, tensor) pairs,
         as from :meth:`iter_weights`) into the model, in place; every weight must come. Each is
-        cast to this model's own dtype (float32 master weights into a bfloat16 rollout copy)."""
+        cast to this model's own dtype (float32 master weights into a bfloat16 rollout copy).
+        ``version``: the policy version they are (None: as before). A generation running in
+        another thread pauses between two tokens for the load and goes on with these weights."""
         if self.sharded or self.lora is not None:
             raise ModelError("a trained policy (a group's shard, or LoRA's) takes no weights from outside "
                              "(it is the source of weight syncs, not a target)")
+        with self.gate.loading(version):
+            self._load_weights(weights)
+
+    def _load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
         params = self.model.state_dict()
         seen, unknown = set(), []
         with torch.no_grad():

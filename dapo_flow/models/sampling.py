@@ -95,8 +95,8 @@ def uniforms(keys: np.ndarray, step: int) -> np.ndarray:
 class Rollouts:
     """``len(prompts) * n`` samples; the samples of one prompt are contiguous, prompts in order.
 
-    Shape: prompt_index, sample_idx, truncated: (samples,); response_ids / logprobs: ragged,
-    one list per sample, EOS included when it was generated.
+    Shape: prompt_index, sample_idx, truncated: (samples,); response_ids / logprobs / versions:
+    ragged, one list per sample, EOS included when it was generated.
     """
 
     prompt_index: np.ndarray  # int32
@@ -106,6 +106,9 @@ class Rollouts:
     truncated: np.ndarray  # bool: hit max_tokens without EOS
     tokens_generated: int = 0
     seconds: float = 0.0
+    # each token's policy version: of the weights that sampled it (an engine that takes new
+    # weights mid-generation switches from one token to the next); None: the engine's version
+    versions: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -122,6 +125,8 @@ class Rollouts:
             problems.append("samples are not n contiguous rows per prompt in prompt order")
         if not len(self.response_ids) == len(self.logprobs) == len(self.truncated) == len(prompt_index):
             problems.append("response_ids / logprobs / truncated lengths differ from prompts * n")
+        if self.versions is not None and [len(v) for v in self.versions] != [len(r) for r in self.response_ids]:
+            problems.append("versions are not one per response token")
         stop = set(eos_ids)
         for i, (ids, lps, trunc) in enumerate(zip(self.response_ids, self.logprobs, self.truncated)):
             ends_with_eos = bool(ids) and ids[-1] in stop
@@ -136,7 +141,8 @@ class Rollouts:
 
     @classmethod
     def contiguous(cls, num_prompts: int, n: int, response_ids: list[list[int]],
-                   logprobs: list[list[float]], truncated: list[bool], seconds: float) -> "Rollouts":
+                   logprobs: list[list[float]], truncated: list[bool], seconds: float,
+                   versions: list[list[int]] | None = None) -> "Rollouts":
         """Rollouts whose samples come ``n`` per prompt, in prompt order (what backends emit)."""
         prompt_index, sample_idx = cls.layout(num_prompts, n)
         return cls(
@@ -147,7 +153,14 @@ class Rollouts:
             truncated=np.asarray(truncated, dtype=bool),
             tokens_generated=sum(map(len, response_ids)),
             seconds=seconds,
+            versions=versions,
         )
+
+    def token_versions(self, version: int) -> list[list[int]]:
+        """Each token's policy version: :attr:`versions`, or ``version`` for every token."""
+        if self.versions is not None:
+            return self.versions
+        return [[version] * len(ids) for ids in self.response_ids]
 
     @staticmethod
     def layout(num_prompts: int, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -103,6 +103,7 @@ class VLLMGenerator:
         self.tensor_parallel = tensor_parallel
         self.sleeps = sleep
         self.asleep: set[str] = set()  # what sleep released and is not woken yet: "weights", "kv_cache"
+        self.weights_version = 0  # the policy version of the weights (each sampled token reports it)
         # reload_weights repoints the model config at the weights dir: keep one dir for the engine's life.
         self._sync_dir = tempfile.TemporaryDirectory(prefix="dapo-flow-vllm-sync-")
 
@@ -141,9 +142,12 @@ class VLLMGenerator:
         return Rollouts.contiguous(len(prompt_ids), cfg.n, responses, logprobs, truncated,
                                    time.perf_counter() - start)
 
-    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                     version: int | None = None) -> None:
         """Load ``weights`` (HF names: a mapping, as from ``HFPolicy.named_weights``, or (name,
-        tensor) pairs, as ``HFPolicy.iter_weights`` streams them) into the engine.
+        tensor) pairs, as ``HFPolicy.iter_weights`` streams them) into the engine; ``version``:
+        their policy version (None: as before). Not beside a generate call: one vLLM call at a
+        time (partial rollouts are the hf engine's).
 
         In-process engine (tensor_parallel 1): the pairs go straight into the model runner's
         ``reload_weights`` as an iterator, each copied into its parameter as it comes: no disk,
@@ -164,6 +168,8 @@ class VLLMGenerator:
             self._load_through_disk(stream)
         if "kv_cache" not in self.asleep:  # (sleep cleared the prefix cache with the KV cache)
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if version is not None:
+            self.weights_version = version
 
     def _load_through_disk(self, stream: Iterable[tuple[str, Any]]) -> None:
         from safetensors.torch import save_file

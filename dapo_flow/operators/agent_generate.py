@@ -94,7 +94,7 @@ class AgentGenerate:
     @classmethod
     def produces(cls, params: Params) -> dict[str, pa.DataType]:
         return {**C.typed(C.SAMPLE_IDX, C.RESPONSE_IDS, C.RESPONSE_TEXT, C.RESPONSE_LEN, C.TRUNCATED,
-                          C.ROLLOUT_LOGP, C.LOSS_MASK, C.NUM_TURNS, C.NUM_TOOL_CALLS, C.TOOL_ERRORS,
+                          C.ROLLOUT_LOGP, C.ROLLOUT_VERSION, C.LOSS_MASK, C.NUM_TURNS, C.NUM_TOOL_CALLS, C.TOOL_ERRORS,
                           C.TOOL_REWARD, C.CONVERSATION),
                 **{tool_reward_column(t.name): pa.float32() for t in params.tools}}
 
@@ -148,6 +148,7 @@ class AgentGenerate:
             C.RESPONSE_LEN: np.array([len(ids) for ids in responses], dtype=np.int32),
             C.TRUNCATED: np.array([r.truncated for r in reqs], dtype=bool),
             C.ROLLOUT_LOGP: pa.array([r.logprobs for r in reqs], C.TOKEN_FLOATS),
+            C.ROLLOUT_VERSION: pa.array([r.versions for r in reqs], C.TOKENS),
             C.LOSS_MASK: pa.array([r.loss_mask for r in reqs], C.TOKEN_FLAGS),
             C.NUM_TURNS: np.array([r.turns for r in reqs], dtype=np.int32),
             C.NUM_TOOL_CALLS: np.array([r.tool_calls for r in reqs], dtype=np.int32),

@@ -2,7 +2,8 @@
 
 One output row per sample; samples of a prompt are contiguous and share its
 ``prompt_id`` (the group id). Rollout logprobs are log-softmax(logits / temperature)
-of the sampled tokens, as verl records them.
+of the sampled tokens, as verl records them; each token's ``rollout_version`` is the policy
+version of the weights that sampled it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class Generate:
     Params = Params
     REQUIRES = C.typed(C.PROMPT_ID, C.PROMPT_IDS)
     PRODUCES = C.typed(
-        C.SAMPLE_IDX, C.RESPONSE_IDS, C.RESPONSE_TEXT, C.RESPONSE_LEN, C.TRUNCATED, C.ROLLOUT_LOGP
+        C.SAMPLE_IDX, C.RESPONSE_IDS, C.RESPONSE_TEXT, C.RESPONSE_LEN, C.TRUNCATED, C.ROLLOUT_LOGP,
+        C.ROLLOUT_VERSION,
     )
     CARDINALITY = "expand"
     NEEDS_MODEL = True
@@ -92,6 +94,7 @@ class Generate:
                 C.RESPONSE_LEN: lengths,
                 C.TRUNCATED: np.asarray(out.truncated, dtype=bool),
                 C.ROLLOUT_LOGP: logp,
+                C.ROLLOUT_VERSION: pa.array(out.token_versions(model.weights_version), type=C.TOKENS),
             },
         )
 

@@ -148,9 +148,15 @@ class Update:
     def load_state_dict(self, state: dict) -> None:
         self.trainer.load_state_dict(state)
         self.rl_steps = int(state.get("rl_steps", self.trainer.steps_done))
+        self.policy.set_weights_version(self.rl_steps)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         self.rl_steps += 1
+        out = self._train(batch)
+        self.policy.set_weights_version(self.rl_steps)  # RL steps, as the driver counts them (warm-up too)
+        return out
+
+    def _train(self, batch: pa.Table) -> pa.Table:
         if self.rl_steps <= self.params.critic_warmup:  # the critic learns first; nothing moves
             return metrics_row(METRICS, {"actor/lr": self.trainer.lr,
                                          "actor/skipped_steps_total": float(self.trainer.skipped_total)})

@@ -24,7 +24,7 @@ from dapo_flow.runtime import group
 from dapo_flow.runtime.ports import free_port, node_address
 from dapo_flow.runtime.tables import TableParts, assemble
 from dapo_flow.graph.contract import contract_of
-from dapo_flow.runtime.worker import GroupMember, Share, StageSetup, StageWorker, resolve_op
+from dapo_flow.runtime.worker import LIVE_METHODS, GroupMember, Share, StageSetup, StageWorker, resolve_op
 from dapo_flow.graph.plan import DRIVER, Cluster
 from dapo_flow.graph.spec import GraphSpec
 
@@ -103,6 +103,8 @@ class LocalExecutor:
             raise
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
+        if method in LIVE_METHODS:  # beside the stage's call in flight, as an actor's concurrency group
+            return getattr(self.workers[stage], method)(*args)
         with self.locks[stage]:
             return getattr(self.workers[stage], method)(*args)
 
@@ -192,6 +194,27 @@ class ActorStageWorker:
 
     def niceness(self) -> int:
         return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+@_forwarding_to_stage_worker
+class LiveRolloutStageWorker:
+    """A rollout actor of a run with ``run.partial_rollouts``: its weight loads
+    (:data:`~dapo_flow.runtime.worker.LIVE_METHODS`) run in a concurrency group of their own
+    (:data:`LIVE_GROUP`), so they reach the engine while a generate call is in flight. Every
+    other actor runs one call at a time on its main thread (threaded actors only where needed)."""
+
+    __init__ = ActorStageWorker.__init__  # the same functions, not a subclass
+    niceness = ActorStageWorker.niceness
+
+
+LIVE_GROUP = "weights"  # LiveRolloutStageWorker's concurrency group for its weight loads
+
+
+def _live_actor_class(ray) -> Any:
+    """:class:`LiveRolloutStageWorker` as a Ray actor class, its live methods in :data:`LIVE_GROUP`."""
+    for name in LIVE_METHODS:
+        ray.method(concurrency_group=LIVE_GROUP)(getattr(LiveRolloutStageWorker, name))
+    return ray.remote(concurrency_groups={LIVE_GROUP: 1})(LiveRolloutStageWorker)
 
 
 def resolve_refs(parts: list, get: Callable[[list], list]) -> list:
@@ -286,6 +309,7 @@ class RayExecutor:
         self.owns_cluster = connect_ray(address)
         remote_cls = ray.remote(ActorStageWorker)
         driver_cls = ray.remote(DriverStageWorker)
+        live_cls = _live_actor_class(ray) if graph.run.partial_rollouts else None
         self.actors = {}
         self.groups: dict[str, WorkerGroup] = {}
         self.placement_groups = []
@@ -293,8 +317,10 @@ class RayExecutor:
         try:
             for name, setup in setups.items():
                 cpus, gpus = resources.get(name, (1.0, 0.0))
+                # a rollout actor that takes weights mid-generation (never a trainer: validate)
+                actor_cls = live_cls if live_cls is not None and setup.generates and not setup.trainable else remote_cls
                 if setup.grouped or setup.workers > 1:
-                    self.groups[name] = self._start_group(remote_cls, graph, name, setup, seed, cpus, gpus)
+                    self.groups[name] = self._start_group(actor_cls, graph, name, setup, seed, cpus, gpus)
                 elif name == DRIVER:  # see DriverStageWorker: the driver's CPU share, not Ray's
                     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -302,7 +328,7 @@ class RayExecutor:
                     self.actors[name] = driver_cls.options(num_cpus=0, max_restarts=0, scheduling_strategy=here
                                                            ).remote(graph, setup, seed)
                 else:
-                    self.actors[name] = remote_cls.options(
+                    self.actors[name] = actor_cls.options(
                         num_cpus=cpus, num_gpus=gpus, name=None, max_restarts=0
                     ).remote(graph, setup, seed)
             # surface load errors (bad model path...) now, with the actor's message; a short

@@ -11,6 +11,7 @@ plan's segments (rollout, train), its group filter and its weight syncs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -21,7 +22,7 @@ import pyarrow as pa
 
 from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import IN_ACTOR, Call
-from dapo_flow.reductions import Seconds
+from dapo_flow.reductions import Max, Seconds
 from dapo_flow.runtime.weight_sync import WeightSyncs
 from dapo_flow.runtime.metrics import MetricAccumulator, first_row
 from dapo_flow.runtime.tables import ChainInfo, cut, parts_of
@@ -336,6 +337,7 @@ class Runner:
         if rollout.batch is not None:
             metrics["rollout/staleness"] = float(state.policy_version - rollout.policy_version)
             metrics.update(self.train(rollout))
+            metrics.update(token_staleness(metrics, state.policy_version))
             state.policy_version += 1
         metrics["time/train_phase"] = time.perf_counter() - start
         return metrics
@@ -356,15 +358,20 @@ class Runner:
     # --- phase 3: weight sync ---------------------------------------------------
     def sync(self, version: int) -> dict[str, float]:
         """The plan's weight syncs (none where a stage generates with the policy it trains): the
-        rollout actors hold ``version`` of the weights after it."""
+        rollout actors hold ``version`` of the weights after it. It waits for the generation
+        batch in flight, unless ``run.partial_rollouts``: then the weights go in between two of
+        its tokens, and the batch's tokens record which weights sampled them."""
         seconds = 0.0
-        with self.rollout_lock:
+        live = self.run.partial_rollouts
+        with contextlib.nullcontext() if live else self.rollout_lock:
             for sync in self.placed.syncs:
                 self.call_log.append(("sync", sync.source, (sync.target, sync.kind)))
                 if sync.kind == IN_ACTOR:
                     seconds += self.ex.get(self.ex.call(sync.source, "sync_generators"))
                 else:
-                    seconds += self.syncs.transfer(sync)
+                    seconds += self.syncs.transfer(sync, version, live=live)
+            # live: set once every target holds the weights, so a batch queued after reads a
+            # version its tokens are at least at (one queued before keeps the older, a lower bound)
             self.rollout_version = version
         return {"time/weight_sync": seconds}
 
@@ -414,6 +421,15 @@ class Runner:
         if metrics:
             metrics["time/validate"] = time.perf_counter() - start
         return metrics, tally.samples
+
+
+def token_staleness(metrics: dict[str, float], trained_version: int) -> dict[str, float]:
+    """How many policy versions the trained batch's tokens lag the weights that train on them
+    (from its ``batch/rollout_version_*``: the sink's report): the most, and the token mean."""
+    if "batch/rollout_version_min" not in metrics:
+        return {}
+    return {"rollout/token_staleness_max": Max(trained_version - metrics["batch/rollout_version_min"]),
+            "rollout/token_staleness_mean": trained_version - metrics["batch/rollout_version_mean"]}
 
 
 def _nothing_kept(fparams, what: str) -> str:

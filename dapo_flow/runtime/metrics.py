@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from dapo_flow.graph import columns as C
-from dapo_flow.reductions import Max, kind_of, over_calls
+from dapo_flow.reductions import Max, Min, kind_of, over_calls
 
 
 class MetricAccumulator:
@@ -44,7 +44,25 @@ def batch_stats(batch: pa.Table, prefix: str = "batch/") -> dict[str, float]:
         out[f"{prefix}response_len_max"] = Max(lengths.max())
     if C.TRUNCATED in names:
         out[f"{prefix}overlong_frac"] = float(np.mean(batch.column(C.TRUNCATED).to_numpy(zero_copy_only=False)))
+    if C.ROLLOUT_VERSION in names:
+        out.update(version_stats(batch.column(C.ROLLOUT_VERSION), prefix))
     return out
+
+
+def version_stats(versions: pa.ChunkedArray, prefix: str = "batch/") -> dict[str, float]:
+    """The policy versions a batch's tokens were sampled under (``rollout_version``): the
+    oldest, the token mean, and the fraction of samples whose tokens span more than one (partial
+    rollouts: weights that changed mid-generation). The driver turns them into staleness."""
+    array = versions.combine_chunks()
+    flat = array.flatten().to_numpy()
+    if len(flat) == 0:
+        return {}
+    offsets = array.offsets.to_numpy() - array.offsets[0].as_py()  # a slice's start at 0, as flatten's
+    starts = offsets[:-1][offsets[:-1] < offsets[1:]]  # rows with tokens
+    spans = np.maximum.reduceat(flat, starts) > np.minimum.reduceat(flat, starts)
+    return {f"{prefix}rollout_version_min": Min(flat.min()),
+            f"{prefix}rollout_version_mean": float(flat.mean()),
+            f"{prefix}partial_samples": float(spans.mean())}
 
 
 def first_row(table: pa.Table) -> dict[str, float]:

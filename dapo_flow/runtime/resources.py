@@ -31,8 +31,14 @@ class ModelResource:
         if self.policy is None or self.generator is None or self.generator is self.policy:
             return 0.0
         start = time.perf_counter()
-        self.generator.load_weights(self.policy.iter_weights())  # streamed: no copy of the model
+        # streamed: no copy of the model
+        self.generator.load_weights(self.policy.iter_weights(), version=self.policy.weights_version)
         return time.perf_counter() - start
+
+    @property
+    def weights_version(self) -> int:
+        """The policy version of the weights this actor samples with (else, of its torch copy)."""
+        return (self.generator if self.generator is not None else self.policy).weights_version
 
     def rest_generator(self) -> None:
         """Between generate calls, an engine that shares this actor with the trained policy
@@ -42,12 +48,13 @@ class ModelResource:
             if sleep is not None:
                 sleep()
 
-    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> float:
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                     version: int | None = None) -> float:
         """Weights from another actor (disaggregated sync: a mapping through the object store,
-        or pairs streamed off a weight bus); seconds taken."""
+        or pairs streamed off a weight bus), of policy ``version``; seconds taken."""
         start = time.perf_counter()
         target = self.policy if self.policy is not None else self.generator
-        target.load_weights(weights)
+        target.load_weights(weights, version=version)
         return time.perf_counter() - start
 
     def close(self) -> None:

@@ -34,17 +34,20 @@ class WeightSyncs:
         spec = self.placed.plan.spec.models[sync.model].rollout
         return spec.weight_sync == "broadcast" and hasattr(self.ex, "call_each")
 
-    def transfer(self, sync: Sync) -> float:
-        """One transfer sync; the seconds its slowest side took."""
+    def transfer(self, sync: Sync, version: int, *, live: bool = False) -> float:
+        """One transfer sync of the weights of policy ``version``; the seconds its slowest side
+        took. ``live`` (run.partial_rollouts): the targets take them beside a generate call in
+        flight (the `_live` methods: a concurrency group of their own), between two tokens."""
+        suffix = "_live" if live else ""
         if not self.broadcasts(sync):
             weights = self.ex.call(sync.source, "export_weights", sync.model)
-            return self.ex.get(self.ex.call(sync.target, "import_weights", sync.model, weights))
+            return self.ex.get(self.ex.call(sync.target, "import_weights" + suffix, sync.model, weights, version))
         if sync.model not in self.manifests:
             self._join(sync)
         bucket = int(self.placed.plan.spec.models[sync.model].rollout.sync_bucket_mb * MB)
         manifest = self.manifests[sync.model]
         send = self.ex.call(sync.source, "send_weights", sync.model, manifest, bucket)
-        receive = self.ex.call(sync.target, "receive_weights", sync.model, manifest, bucket)
+        receive = self.ex.call(sync.target, "receive_weights" + suffix, sync.model, manifest, bucket, version)
         # both at once: a side that dies is named now, not when its peer's collective times out
         return max(self.ex.get((send, receive)))
 

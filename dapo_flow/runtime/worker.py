@@ -26,6 +26,12 @@ from dapo_flow.runtime.checkpoint_models import (SHARDED, checkpoint_format, loa
                                                  save_sharded_model)
 
 
+#: Methods an executor runs beside the worker's other calls (run.partial_rollouts: a weight load
+#: while a generate call is in flight; the engine's WeightGate keeps them apart token by token).
+#: Every other call of a worker runs after the one before it, as an actor takes them.
+LIVE_METHODS = frozenset({"import_weights_live", "receive_weights_live"})
+
+
 @dataclass(frozen=True)
 class NodeSetup:
     """What a worker needs to build one node; picklable across processes."""
@@ -241,8 +247,13 @@ class StageWorker:
     def export_weights(self, model: str) -> dict:
         return self.resources[model].policy.named_weights()
 
-    def import_weights(self, model: str, weights: dict) -> float:
-        return self.resources[model].load_weights(weights)
+    def import_weights(self, model: str, weights: dict, version: int | None = None) -> float:
+        """``model``'s weights (of policy ``version``) from the object store; seconds taken."""
+        return self.resources[model].load_weights(weights, version)
+
+    def import_weights_live(self, model: str, weights: dict, version: int) -> float:
+        """:meth:`import_weights` beside a generate call in flight (:data:`LIVE_METHODS`)."""
+        return self.import_weights(model, weights, version)
 
     # --- broadcast weight sync (rollout.weight_sync: broadcast; models.weight_bus) -------------
     def weight_bus_address(self) -> tuple[str, int]:
@@ -278,10 +289,14 @@ class StageWorker:
             bus.send(policy.iter_weights(), manifest, bucket_bytes)
         return time.perf_counter() - start
 
-    def receive_weights(self, model: str, manifest: list, bucket_bytes: int) -> float:
-        """Take ``model``'s weights from its bus into this actor's engine (or torch copy), a
-        bucket at a time; seconds taken."""
-        return self.resources[model].load_weights(self.buses[model].receive(manifest, bucket_bytes))
+    def receive_weights(self, model: str, manifest: list, bucket_bytes: int, version: int | None = None) -> float:
+        """Take ``model``'s weights (of policy ``version``) from its bus into this actor's engine
+        (or torch copy), a bucket at a time; seconds taken."""
+        return self.resources[model].load_weights(self.buses[model].receive(manifest, bucket_bytes), version)
+
+    def receive_weights_live(self, model: str, manifest: list, bucket_bytes: int, version: int) -> float:
+        """:meth:`receive_weights` beside a generate call in flight (:data:`LIVE_METHODS`)."""
+        return self.receive_weights(model, manifest, bucket_bytes, version)
 
     def close(self) -> None:
         """Release what operators hold (a reward pool's processes), rollout engines that are not

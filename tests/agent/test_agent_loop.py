@@ -31,6 +31,8 @@ class ScriptedEngine:
     ends with EOS unless its text ends with "~" (then it runs to max_tokens, truncated).
     Records how many requests each call carried."""
 
+    weights_version = 0
+
     def __init__(self, script: dict[str, list[str]]):
         self.script, self.batches, self.contexts = script, [], []
 

@@ -40,6 +40,9 @@ class FakeAcceleratorPolicy:
     def to_device(self, value):
         return to_device(value, self.device)
 
+    def set_weights_version(self, version):
+        self.weights_version = version
+
     def _shape(self, responses):
         return len(responses), max(map(len, responses))
 

@@ -3,6 +3,8 @@ once, and a failed run resumes from what its checkpoint collected."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from rich.console import Console
 
@@ -51,6 +53,11 @@ def test_every_step_trains_once_within_the_staleness_bound(workdir, small_graph,
         assert [s for s, _ in history[key]] == [1, 2, 3, 4, 5], key
     staleness = [v for _, v in history["rollout/staleness"]]
     assert staleness[0] == 0.0 and all(0 <= v <= bound for v in staleness), staleness
+    # a sync waits for the generation batch in flight: every token was sampled by the weights its
+    # batch was queued under (each rollout_version as the sync named it), so the oldest token
+    # lags by the batch's staleness
+    assert [v for _, v in history["rollout/token_staleness_max"]] == staleness
+    assert [v for _, v in history["batch/partial_samples"]] == [0.0] * 5
     assert all(0 <= v <= bound for _, v in history["rollout/buffer_depth"])
     assert history["sampling/samples_generated_total"][-1][1] >= 5 * 4 * 4  # prompts x samples
 
@@ -76,3 +83,38 @@ def test_a_failed_run_resumes_from_what_its_checkpoint_collected(workdir, small_
     for key in ("batch/reward_mean", "actor/pg_loss", "rollout/staleness"):
         assert [s for s, _ in history[key]] == [1, 2, 3, 4, 5], key
     assert all(v <= 2 for _, v in history["rollout/staleness"])
+
+
+def test_partial_rollouts_are_for_async_and_an_engine_that_takes_weights_mid_generation(workdir, small_graph):
+    with pytest.raises(GraphError, match=r"partial_rollouts lets weight syncs into a generation in flight, "
+                                         r"which only rollout_mode async has \(this run is one_step_off"):
+        _placed(small_graph(workdir), [("set", "run.rollout_mode=one_step_off"), ("set", "run.partial_rollouts=true"),
+                                       ("set", "placement.mode=disaggregated")])
+    with pytest.raises(GraphError, match=r"backend 'vllm' of model 'policy' cannot do(.|\n)*set models.policy.backend: hf"):
+        _placed(small_graph(workdir, backend="vllm"), _async(1) + [("set", "run.partial_rollouts=true")])
+
+
+def test_with_partial_rollouts_a_sync_goes_into_the_generation_in_flight(workdir, small_graph, monkeypatch):
+    """Generation slowed (a test-only sleep per decode step) to ~10x a training step: each sync
+    lands in the middle of the next batch's generation, which goes on with the new weights. The
+    tokens say so (rollout_version), within the staleness bound, never older than their batch."""
+    from dapo_flow.graph.compiler import explain
+    from dapo_flow.models.hf import HFPolicy
+
+    sample = HFPolicy._sample
+
+    def slow_sample(logits, cfg, u):
+        time.sleep(0.03)
+        return sample(logits, cfg, u)
+
+    monkeypatch.setattr(HFPolicy, "_sample", staticmethod(slow_sample))
+    placed = _placed(small_graph(workdir, steps=4, ckpt=0), _async(1) + [("set", "run.partial_rollouts=true")])
+    assert "partial rollouts: a weight sync goes into the generation in flight" in explain(placed)
+    history = _history(workdir, placed)
+    batch = [v for _, v in history["rollout/staleness"]]
+    tokens = [v for _, v in history["rollout/token_staleness_max"]]
+    assert all(0 <= t <= b <= 1 for t, b in zip(tokens, batch)), (tokens, batch)
+    partial = [v for _, v in history["batch/partial_samples"]]
+    assert partial[0] == 0.0 and max(partial[1:]) > 0, partial  # step 1's batch ran before any sync
+    means = [v for _, v in history["rollout/token_staleness_mean"]]
+    assert all(0 <= m <= t for m, t in zip(means, tokens)), (means, tokens)

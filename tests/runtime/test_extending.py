@@ -70,8 +70,12 @@ class CountingEngine:
         USED["backend"] += 1
         return self.inner.generate(prompt_ids, cfg)
 
-    def load_weights(self, weights):
-        self.inner.load_weights(weights)
+    @property
+    def weights_version(self):
+        return self.inner.weights_version
+
+    def load_weights(self, weights, version=None):
+        self.inner.load_weights(weights, version)
 
     def close(self):
         pass
