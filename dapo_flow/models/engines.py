@@ -44,6 +44,9 @@ class RolloutEngine(Protocol):
         (``TrainablePolicy.iter_weights``, a sync inside one actor: no copy of the model);
         ``version``: their policy version (None: the version stays)."""
 
+    def set_weights_version(self, version: int) -> None:
+        """The weights it holds are ``version`` (built from a checkpoint of it)."""
+
     def close(self) -> None:
         """Release what the engine holds (KV cache, files); it is not used afterwards."""
 

@@ -801,7 +801,8 @@ class HFPolicy:
         return self.gate.version
 
     def set_weights_version(self, version: int) -> None:
-        """The trainer changed the weights in place: they are now ``version``."""
+        """The weights are now ``version`` (the trainer changed them in place, or they were
+        loaded from a checkpoint of it)."""
         self.gate.set_version(version)
 
     def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]],

@@ -171,6 +171,10 @@ class VLLMGenerator:
         if version is not None:
             self.weights_version = version
 
+    def set_weights_version(self, version: int) -> None:
+        """The weights it holds are ``version`` (built from a checkpoint of it)."""
+        self.weights_version = version
+
     def _load_through_disk(self, stream: Iterable[tuple[str, Any]]) -> None:
         from safetensors.torch import save_file
 

@@ -35,6 +35,11 @@ class ModelResource:
         self.generator.load_weights(self.policy.iter_weights(), version=self.policy.weights_version)
         return time.perf_counter() - start
 
+    def set_weights_version(self, version: int) -> None:
+        """The weights every copy here holds are ``version`` (loaded from a checkpoint of it)."""
+        for copy in {id(c): c for c in (self.policy, self.generator) if c is not None}.values():
+            copy.set_weights_version(version)
+
     @property
     def weights_version(self) -> int:
         """The policy version of the weights this actor samples with (else, of its torch copy)."""

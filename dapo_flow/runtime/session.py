@@ -193,7 +193,8 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
                       f"{driver_state['mlflow_run_id']})", highlight=False)
 
     tokenizer = generator_tokenizer(placed.plan)
-    setups = stage_setups(placed, model_paths)
+    version = int(driver_state.get("policy_version", driver_state.get("step", 0)))
+    setups = stage_setups(placed, model_paths, weights_version=version)
     start = time.perf_counter()
     ex = start_executor(placed, setups, executor, address, console)
     startup = time.perf_counter() - start
@@ -222,7 +223,6 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
             for stage, states in op_states.items():
                 if states:
                     ex.get(ex.call(stage, "load_op_states", states))
-            version = int(driver_state.get("policy_version", driver_state.get("step", 0)))
             runner = Runner(placed, ex, None)
             runner.rollout_version = version  # the weights every actor was built from
             if not all(holds_full_weights(Path(p)) for p in model_paths.values()):

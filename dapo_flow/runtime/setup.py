@@ -41,7 +41,10 @@ def graph_hash(spec) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str, StageSetup]:
+def stage_setups(placed, model_paths: dict[str, str] | None = None, weights_version: int = 0
+                 ) -> dict[str, StageSetup]:
+    """Each stage's setup; on resume ``model_paths`` (the checkpoint's trained models) and
+    ``weights_version`` (the policy version they are at)."""
     plan = placed.plan
     base_dir = str(Path(plan.file).resolve().parent)
     specs = {n.id: n for n in plan.spec.nodes}
@@ -67,6 +70,7 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None) -> dict[str,
             scores=tuple(m for m in stage.models if any(
                 n.model == m and n.role != "generate" for n in members)),
             model_paths=dict(model_paths or {}),
+            weights_version=weights_version,
             max_model_len=plan.engine_context(),
             num_threads=_threads(stage),
             strategy=stage.strategy, workers=stage.workers, placement_strategy=stage.placement_strategy,

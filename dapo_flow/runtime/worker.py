@@ -53,6 +53,7 @@ class StageSetup:
     generates: tuple[str, ...] = ()  # models some node of this stage generates with
     scores: tuple[str, ...] = ()  # models used by logprob/update nodes here
     model_paths: Mapping[str, str] = field(default_factory=dict)  # overrides (resume)
+    weights_version: int = 0  # the policy version of the model_paths' weights (resume: the checkpoint's)
     max_model_len: Mapping[str, int] = field(default_factory=dict)  # engines' default context (setup)
     num_threads: int = 0  # threads.configure(num_threads) in the worker; 0 = the process's as they are
     strategy: str = "none"  # the group's: "fsdp2" (each worker a shard) | "ddp" (each a full copy)
@@ -156,6 +157,9 @@ class StageWorker:
             )
             for name in setup.models
         }
+        for name in setup.model_paths:  # resumed weights: each sampled token reports their version
+            if name in self.resources:
+                self.resources[name].set_weights_version(setup.weights_version)
         self.ops: dict[str, Any] = {}
         self.op_classes: dict[str, type] = {}
         self.contracts: dict[str, Contract] = {}  # each node's operator contract, read once

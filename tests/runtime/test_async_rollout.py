@@ -83,6 +83,8 @@ def test_a_failed_run_resumes_from_what_its_checkpoint_collected(workdir, small_
     for key in ("batch/reward_mean", "actor/pg_loss", "rollout/staleness"):
         assert [s for s, _ in history[key]] == [1, 2, 3, 4, 5], key
     assert all(v <= 2 for _, v in history["rollout/staleness"])
+    # the resumed actors know their weights' version (the checkpoint's): tokens lag as batches do
+    assert history["rollout/token_staleness_max"] == history["rollout/staleness"]
 
 
 def test_partial_rollouts_are_for_async_and_an_engine_that_takes_weights_mid_generation(workdir, small_graph):

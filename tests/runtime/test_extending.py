@@ -77,6 +77,9 @@ class CountingEngine:
     def load_weights(self, weights, version=None):
         self.inner.load_weights(weights, version)
 
+    def set_weights_version(self, version):
+        self.inner.set_weights_version(version)
+
     def close(self):
         pass
 
