@@ -17,10 +17,11 @@ the overlapped modes run synchronously, excluded):
 - ``trainer_wait_s`` / ``rollout_idle_s``: median seconds per step the trainer waited for the
   next batch after its update, and the rollout actor sat idle waiting for the update
   (one_step_off); ``async_trainer_wait_s`` and ``async_staleness_mean`` for async.
-- ``async_weight_sync_s`` / ``partial_weight_sync_s``: median `time/weight_sync` of async
-  without and with partial rollouts (without, a sync waits for the generation batch in flight);
-  ``partial_step_s`` its step, ``partial_samples`` the mean fraction of trained samples whose
-  tokens span two policy versions, ``partial_token_staleness_mean`` how far their tokens lag.
+- ``async_sync_wait_s`` / ``partial_sync_wait_s``: median `time/sync_wait` of async without and
+  with partial rollouts, the seconds a sync waited for the generation batch in flight before
+  sending (0 with them); ``async_weight_sync_s`` / ``partial_weight_sync_s`` the transfer
+  itself; ``partial_step_s`` the step, ``partial_samples`` the mean fraction of trained samples
+  whose tokens span two policy versions, ``partial_token_staleness_mean`` how far tokens lag.
 
 ``--nodes 2`` runs both on a simulated 2-node Ray cluster (``ray.cluster_utils.Cluster``, one
 CPU per node): the rollout and training actors on different nodes, the weights synced between
@@ -30,7 +31,12 @@ The runs learn differently (the overlapped modes train on batches one version st
 rewards are printed, not compared: tests/runtime/test_one_step_off.py and test_async_rollout.py
 check what each mode computes.
 
-Run: python benchmarks/async_rollout.py [--quick] [--steps N] [--nodes 2] [--json out.json]
+``--max-staleness K`` lets the async runs collect up to K steps ahead: with K >= 2 the producer
+is often mid-generation when an update ends, which is where partial rollouts matter (without
+them the sync, and so the trainer, waits for that generation batch).
+
+Run: python benchmarks/async_rollout.py [--quick] [--steps N] [--nodes 2] [--max-staleness K]
+         [--set KEY=VALUE ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -58,11 +64,14 @@ SETS = ["placement.mode=disaggregated", "models.policy.train.workers=1", "run.va
 def medians(history: dict[str, dict[int, float]], warmup: int) -> dict[str, float]:
     """Median per step, after ``warmup`` steps, of the timings this benchmark reports."""
     keys = ("time/step", "time/rollout_phase", "time/train_phase", "time/weight_sync", "time/trainer_wait",
-            "time/rollout_idle", "rollout/staleness", "batch/partial_samples", "rollout/token_staleness_mean")
+            "time/rollout_idle", "rollout/staleness", "time/sync_wait")
     out = {}
     for key in keys:
         values = [v for step, v in sorted(history.get(key, {}).items()) if step > warmup]
         out[key] = statistics.median(values) if values else None
+    for key in ("batch/partial_samples", "rollout/token_staleness_mean"):  # mostly 0: means, not medians
+        values = [v for step, v in sorted(history.get(key, {}).items()) if step > warmup]
+        out[key] = statistics.fmean(values) if values else None
     staleness = list(history.get("rollout/staleness", {}).values())
     out["staleness_mean"] = statistics.fmean(staleness) if staleness else None
     rewards = list(history.get("batch/reward_mean", {}).values())
@@ -102,6 +111,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures to this file")
     ap.add_argument("--keep", default=None, help="working directory to keep (MLflow store, logs)")
     ap.add_argument("--nodes", type=int, default=1, help="a simulated Ray cluster of this many 1-CPU nodes")
+    ap.add_argument("--max-staleness", type=int, default=1, help="run.max_staleness of the async runs")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an edit of the graph for every run (e.g. run.gen_prompts_per_batch=144: generation-bound)")
     args = ap.parse_args()
     steps = args.steps or (8 if args.quick else 20)
     console = make_console()
@@ -110,19 +122,21 @@ def main() -> None:
             LoadSampler() as load:
         for mode, sets in MODES.items():
             console.rule(f"{mode}: {args.graph.name}, {steps} steps, {args.nodes} node(s)")
-            summary, _ = run_graph(args.graph, [*SETS, *sets], executor="ray",
+            bound = [f"run.max_staleness={args.max_staleness}"] if mode.startswith("async") else []
+            summary, _ = run_graph(args.graph, [*SETS, *args.set, *sets, *bound], executor="ray",
                                    steps=steps, console=console, cluster=cluster, address=address)
             runs[mode] = medians(step_history(summary), WARMUP_STEPS)
     sync, off, asy, partial = runs["sync"], runs["one_step_off"], runs["async"], runs["async_partial"]
     generate_s, train_s = sync["time/rollout_phase"], sync["time/train_phase"]
     longer = max(generate_s, train_s)
     result = {
-        "graph": str(args.graph), "nodes": args.nodes, "steps": steps, "warmup_steps": WARMUP_STEPS, "load_avg": load.mean,
+        "graph": str(args.graph), "nodes": args.nodes, "steps": steps, "max_staleness": args.max_staleness, "sets": args.set, "warmup_steps": WARMUP_STEPS, "load_avg": load.mean,
         "generate_s": generate_s, "train_s": train_s,
         "sync_step_s": sync["time/step"], "one_step_off_step_s": off["time/step"], "async_step_s": asy["time/step"],
         "async_speedup": sync["time/step"] / asy["time/step"], "async_trainer_wait_s": asy["time/trainer_wait"],
         "async_staleness_mean": asy["staleness_mean"], "async_weight_sync_s": asy["time/weight_sync"],
         "partial_step_s": partial["time/step"], "partial_weight_sync_s": partial["time/weight_sync"],
+        "async_sync_wait_s": asy["time/sync_wait"], "partial_sync_wait_s": partial["time/sync_wait"],
         "partial_samples": partial["batch/partial_samples"],
         "partial_token_staleness_mean": partial["rollout/token_staleness_mean"],
         "overlap_ratio": off["time/step"] / longer, "speedup": sync["time/step"] / off["time/step"],
@@ -132,20 +146,23 @@ def main() -> None:
         "target_overlap_ratio": TARGET_OVERLAP,
     }
     table = Table(title=f"seconds per step (median of steps {WARMUP_STEPS + 1}-{steps}; load {fmt(load.mean, '.2f')})")
-    for column in ("", "step", "rollout phase", "train phase", "weight sync", "trainer waits", "rollout idle"):
+    for column in ("", "step", "rollout phase", "train phase", "weight sync", "sync waits", "trainer waits",
+                   "rollout idle"):
         table.add_column(column, justify="right")
     for mode in MODES:
         r = runs[mode]
         table.add_row(mode, *(fmt(r[k]) for k in ("time/step", "time/rollout_phase", "time/train_phase",
-                                                  "time/weight_sync", "time/trainer_wait", "time/rollout_idle")))
+                                                  "time/weight_sync", "time/sync_wait", "time/trainer_wait",
+                                                  "time/rollout_idle")))
     console.print(table)
     verdict = "meets" if result["overlap_ratio"] <= TARGET_OVERLAP else "misses"
     console.print(f"one_step_off: {result['speedup']:.2f}x the synchronous step; overlap ratio "
                   f"{result['overlap_ratio']:.3f} ({verdict} the target {TARGET_OVERLAP}); async: "
                   f"{result['async_speedup']:.2f}x, staleness {fmt(result['async_staleness_mean'], '.2f')} "
-                  f"on average; with partial rollouts a sync takes {fmt(result['partial_weight_sync_s'])} s "
-                  f"(without: {fmt(result['async_weight_sync_s'])} s), {fmt(result['partial_samples'], '.2f')} of "
-                  "the trained samples span two policy versions", highlight=False)
+                  f"on average; a sync waits {fmt(result['async_sync_wait_s'])} s for the generation in flight, "
+                  f"{fmt(result['partial_sync_wait_s'])} s with partial rollouts, where "
+                  f"{fmt(result['partial_samples'], '.2f')} of the trained samples span two policy versions",
+                  highlight=False)
     write_json(args.json, result, console)
 
 

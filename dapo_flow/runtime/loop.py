@@ -361,9 +361,10 @@ class Runner:
         rollout actors hold ``version`` of the weights after it. It waits for the generation
         batch in flight, unless ``run.partial_rollouts``: then the weights go in between two of
         its tokens, and the batch's tokens record which weights sampled them."""
-        seconds = 0.0
+        seconds, asked = 0.0, time.perf_counter()
         live = self.run.partial_rollouts
         with contextlib.nullcontext() if live else self.rollout_lock:
+            waited = time.perf_counter() - asked  # for the generation batch in flight (an overlapped mode)
             for sync in self.placed.syncs:
                 self.call_log.append(("sync", sync.source, (sync.target, sync.kind)))
                 if sync.kind == IN_ACTOR:
@@ -373,7 +374,7 @@ class Runner:
             # live: set once every target holds the weights, so a batch queued after reads a
             # version its tokens are at least at (one queued before keeps the older, a lower bound)
             self.rollout_version = version
-        return {"time/weight_sync": seconds}
+        return {"time/weight_sync": seconds, "time/sync_wait": waited}
 
     # --- phase 4: validation ------------------------------------------------------
     def validate(self, val_prompts: pa.Table | None, log_samples: int, *, n: int | None = None,
