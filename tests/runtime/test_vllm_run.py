@@ -101,7 +101,7 @@ def test_vllm_ray_run_syncs_weights_into_the_engine(workdir, small_graph, vllm_i
 
 def test_without_sync_the_check_catches_stale_weights(workdir, small_graph, monkeypatch):
     """Negative control: the same disaggregated run (in-process) with weight import disabled."""
-    monkeypatch.setattr(StageWorker, "import_weights", lambda self, model, weights: 0.0)
+    monkeypatch.setattr(StageWorker, "import_weights", lambda self, model, weights, version=None: 0.0)
     h = _history(_graph(small_graph, workdir, backend="hf", steps=2, disaggregated=True), "local", 2)
     assert h[METRIC][0] < 1e-4  # step 1: nobody has updated yet
     print(f"\nwithout sync: {METRIC}: {h[METRIC]}")
