@@ -1,5 +1,6 @@
-"""Weights swapped into an hf engine in the middle of a generate call, at a chosen forward, and
-the check that each token then carries its version's logprob (tests/models and tests/gpu)."""
+"""Weights swapped into an engine (hf, vLLM) in the middle of a generate call, at a chosen call of
+its model or engine, and the check that each token then carries its version's logprob
+(tests/models and tests/gpu)."""
 
 from __future__ import annotations
 
@@ -13,24 +14,31 @@ import torch
 def swap_after_forward(policy, call: int, weights: dict, version: int) -> dict:
     """Make ``policy.load_weights(weights, version)`` happen, from another thread, right after
     the model's ``call``-th forward returns (before the next decode step starts: the load is
-    waiting at the gate by then). Returns a record of the forwards' count and the load thread."""
-    record = {"forwards": 0, "thread": None}
-    forward = policy.model.forward
+    waiting at the gate by then). Returns a record of the calls' count and the load thread."""
+    return swap_after_call(policy.model, "forward", policy, call, weights, version)
+
+
+def swap_after_call(owner, method: str, engine, call: int, weights: dict, version: int) -> dict:
+    """:func:`swap_after_forward` for any engine: the load into ``engine`` starts right after
+    ``owner.method``'s ``call``-th call returns (a vLLM engine's ``llm_engine.step``)."""
+    record = {"calls": 0, "thread": None}
+    inner = getattr(owner, method)
 
     def counted(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        record["forwards"] += 1
-        if record["forwards"] == call:
-            loader = threading.Thread(target=policy.load_weights, args=(weights,), kwargs={"version": version})
+        out = inner(*args, **kwargs)
+        record["calls"] += 1
+        if record["calls"] == call:
+            loader = threading.Thread(target=engine.load_weights, args=(weights,), kwargs={"version": version})
             loader.start()
             record["thread"] = loader
             deadline = time.monotonic() + 10
-            while policy.gate.waiting_loads == 0 and time.monotonic() < deadline:
+            while engine.gate.waiting_loads == 0 and time.monotonic() < deadline:
                 time.sleep(0.001)
-            assert policy.gate.waiting_loads == 1, "the load did not reach the gate"
+            assert engine.gate.waiting_loads == 1, "the load did not reach the gate"
         return out
 
-    policy.model.forward = counted
+    setattr(owner, method, counted)
+    record["restore"] = lambda: setattr(owner, method, inner)
     return record
 
 

@@ -147,8 +147,8 @@ def _partial_problems(plan: Plan) -> list[Problem]:
                     f"partial rollouts load new weights into the rollout engine between two tokens of a "
                     f"generation in flight, which backend {plan.spec.models[node.model].backend!r} of model "
                     f"'{node.model}' cannot do",
-                    f"set models.{node.model}.backend: hf, or remove run.partial_rollouts (the weight sync "
-                    "then waits for the generation batch in flight)")
+                    f"set models.{node.model}.backend to one that can (hf, vllm), or remove "
+                    "run.partial_rollouts (the weight sync then waits for the generation batch in flight)")
             for node in plan.with_role("generate")
             if node.model and not BACKENDS[plan.spec.models[node.model].backend].partial_rollouts]
 

