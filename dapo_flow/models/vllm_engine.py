@@ -118,12 +118,12 @@ class VLLMGenerator:
     def generate(self, prompt_ids: list[list[int]], cfg: SamplingConfig) -> Rollouts:
         """``cfg.n`` samples per prompt, contiguous per prompt, prompts in order.
 
-        Each sample is a request of its own, seeded as vLLM seeds sample j of a prompt (seed + j),
-        and the engine steps here (what ``LLM.generate`` does inside): between two steps, new
-        weights loaded from another thread (:attr:`gate`, ``run.partial_rollouts``) take over.
-        Then every unfinished sample is cut where it is and goes on as a new request whose
-        prompt is its prompt and tokens so far, with the prefix cache emptied: the new weights
-        recompute its KV cache, so each later token's logprob is theirs."""
+        One request per prompt for its ``n`` samples (vLLM seeds sample j with seed + j), stepped
+        here as ``LLM.generate`` steps them inside, so that between two steps new weights loaded
+        from another thread (:attr:`gate`, ``run.partial_rollouts``) can take over. Then every
+        unfinished sample is cut where it is and goes on as a request of its own whose prompt is
+        its prompt and tokens so far, with the prefix cache emptied: the new weights recompute
+        its KV cache, so each later token's logprob is theirs."""
         self._wake(SLEEP_TAGS)
         start = time.perf_counter()
         # One seed per prompt: a prompt's samples do not depend on the rest of the batch, so
@@ -131,46 +131,52 @@ class VLLMGenerator:
         seeds = cfg.seeds_for(len(prompt_ids))
         samples = [_Sample(list(prompt), seed + j) for prompt, seed in zip(prompt_ids, seeds) for j in range(cfg.n)]
         engine = self.llm.llm_engine
-        live: dict[str, int] = {}  # request id -> its sample
+        live: dict[str, int] = {}  # request id -> its first sample (a sample's index adds to it)
         weights = None
         while True:
             with self.gate.step() as version:
-                if version != weights:
-                    pending = list(live.values()) if weights is not None else range(len(samples))
-                    if weights is not None:  # new weights: cut every unfinished sample, recompute
-                        engine.abort_request(list(live))
-                        self.llm.reset_prefix_cache()  # its blocks were the old weights'
+                if weights is None:
+                    for i, seed in enumerate(seeds):
+                        live[self._submit(engine, samples[i * cfg.n].prompt, [], seed, cfg, cfg.n)] = i * cfg.n
+                elif version != weights:  # new weights: cut every unfinished sample, recompute
+                    engine.abort_request(list(live))
+                    self.llm.reset_prefix_cache()  # its blocks were the old weights'
                     live = {}
-                    for k in pending:
-                        self._submit(engine, samples[k], k, cfg, live)
-                    weights = version
+                    for k, sample in enumerate(samples):
+                        if sample.finish is None:
+                            live[self._submit(engine, sample.prompt, sample.ids, sample.seed, cfg, 1)] = k
+                weights = version
                 if not engine.has_unfinished_requests():
                     break
                 outputs = engine.step()
             for out in outputs:
-                k = live.get(out.request_id)
-                if k is not None:
-                    samples[k].take(out, weights)
-                    if out.finished:
-                        del live[out.request_id]
+                first = live.get(out.request_id)
+                if first is None:
+                    continue
+                for completion in out.outputs:
+                    samples[first + completion.index].take(completion, weights)
+                if out.finished:
+                    del live[out.request_id]
         return Rollouts.contiguous(len(prompt_ids), cfg.n, [s.ids for s in samples], [s.logprobs for s in samples],
                                    [s.finish == "length" for s in samples], time.perf_counter() - start,
                                    versions=[s.versions for s in samples])
 
-    def _submit(self, engine: Any, sample: "_Sample", k: int, cfg: SamplingConfig, live: dict[str, int]) -> None:
-        """Queue ``sample`` (from where it is) as a request; ``live`` maps its id to ``k``."""
+    def _submit(self, engine: Any, prompt: list[int], ids: list[int], seed: int, cfg: SamplingConfig,
+                n: int) -> str:
+        """Queue ``n`` samples of ``prompt`` (continuing after ``ids``) as one request; its id."""
         vllm = self._vllm
         self._requests += 1
-        sample.request, sample.base = f"dapo-flow-{self._requests}", len(sample.ids)
+        request = f"dapo-flow-{self._requests}"
         # a continuation draws from a stream of its own (the same seed would replay the first draws)
-        seed = sample.seed if not sample.ids else (sample.seed * 1_000_003 + len(sample.ids)) % (2**63)
-        params = vllm.SamplingParams(n=1, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                     max_tokens=cfg.max_tokens - len(sample.ids), seed=seed,
+        seed = seed if not ids else (seed * 1_000_003 + len(ids)) % (2**63)
+        params = vllm.SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                     max_tokens=cfg.max_tokens - len(ids), seed=seed,
                                      logprobs=0,  # just the sampled token's
-                                     detokenize=False)  # the graph decodes where it needs text
-        engine.add_request(sample.request, vllm.inputs.TokensPrompt(prompt_token_ids=sample.prompt + sample.ids),
-                           params)
-        live[sample.request] = k
+                                     detokenize=False,  # the graph decodes where it needs text
+                                     # each step's new tokens only: linear in the tokens, not quadratic
+                                     output_kind=vllm.sampling_params.RequestOutputKind.DELTA)
+        engine.add_request(request, vllm.inputs.TokensPrompt(prompt_token_ids=prompt + ids), params)
+        return request
 
     def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
                      version: int | None = None) -> None:
@@ -242,25 +248,23 @@ class VLLMGenerator:
 
 
 class _Sample:
-    """One sample of a generate call as its requests go: its prompt, its tokens, their logprobs
-    and versions so far, the request that continues it (and how many tokens it started from)."""
+    """One sample of a generate call as its requests go: its prompt and seed, and its tokens, their
+    logprobs and versions so far; ``finish``: vLLM's finish reason once it ended."""
 
     def __init__(self, prompt: list[int], seed: int):
         self.prompt, self.seed = prompt, seed
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
-        self.request, self.base, self.finish = "", 0, None
+        self.finish: str | None = None
 
-    def take(self, out: Any, version: int) -> None:
-        """A step's output of its request (cumulative: every token of the request so far)."""
-        completion = out.outputs[0]
+    def take(self, completion: Any, version: int) -> None:
+        """A step's output for this sample: the tokens it added (``RequestOutputKind.DELTA``)."""
         ids = list(completion.token_ids)
-        del self.ids[self.base:], self.logprobs[self.base:], self.versions[self.base:]
         self.ids += ids
         self.logprobs += [float(step[t].logprob) for step, t in zip(completion.logprobs, ids)]
         self.versions += [version] * len(ids)
-        if out.finished:
+        if completion.finish_reason is not None:
             self.finish = completion.finish_reason
 
 

@@ -62,6 +62,7 @@ def _fake_engine(sleeps: bool) -> tuple[VLLMGenerator, FakeSleepingLLM]:
     engine = object.__new__(VLLMGenerator)  # no vLLM engine: the fake stands in for `LLM`
     llm = FakeSleepingLLM()
     fake_vllm = SimpleNamespace(SamplingParams=lambda **kw: kw,
+                                sampling_params=SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta")),
                                 inputs=SimpleNamespace(TokensPrompt=lambda prompt_token_ids: prompt_token_ids))
     engine.llm, engine._vllm, engine.tensor_parallel, engine.sleeps, engine.asleep = llm, fake_vllm, 1, sleeps, set()
     engine.gate, engine._requests = WeightGate(), 0
