@@ -137,14 +137,14 @@ class VLLMGenerator:
             with self.gate.step() as version:
                 if weights is None:
                     for i, seed in enumerate(seeds):
-                        live[self._submit(engine, samples[i * cfg.n].prompt, [], seed, cfg, cfg.n)] = i * cfg.n
+                        live[self._submit(engine, samples[i * cfg.n].prompt, [], seed, cfg, cfg.n, version)] = i * cfg.n
                 elif version != weights:  # new weights: cut every unfinished sample, recompute
                     engine.abort_request(list(live))
                     self.llm.reset_prefix_cache()  # its blocks were the old weights'
                     live = {}
                     for k, sample in enumerate(samples):
                         if sample.finish is None:
-                            live[self._submit(engine, sample.prompt, sample.ids, sample.seed, cfg, 1)] = k
+                            live[self._submit(engine, sample.prompt, sample.ids, sample.seed, cfg, 1, version)] = k
                 weights = version
                 if not engine.has_unfinished_requests():
                     break
@@ -162,8 +162,11 @@ class VLLMGenerator:
                                    versions=[s.versions for s in samples])
 
     def _submit(self, engine: Any, prompt: list[int], ids: list[int], seed: int, cfg: SamplingConfig,
-                n: int) -> str:
-        """Queue ``n`` samples of ``prompt`` (continuing after ``ids``) as one request; its id."""
+                n: int, version: int) -> str:
+        """Queue ``n`` samples of ``prompt`` (continuing after ``ids``) as one request under the
+        weights of ``version``; its id. Its prefix-cache entries are salted with the version: no
+        request reads KV blocks another version's weights computed (also where the cache is
+        emptied asynchronously, a multiprocess engine core)."""
         vllm = self._vllm
         self._requests += 1
         request = f"dapo-flow-{self._requests}"
@@ -175,7 +178,8 @@ class VLLMGenerator:
                                      detokenize=False,  # the graph decodes where it needs text
                                      # each step's new tokens only: linear in the tokens, not quadratic
                                      output_kind=vllm.sampling_params.RequestOutputKind.DELTA)
-        engine.add_request(request, vllm.inputs.TokensPrompt(prompt_token_ids=prompt + ids), params)
+        engine.add_request(request, vllm.inputs.TokensPrompt(prompt_token_ids=prompt + ids,
+                                                             cache_salt=f"dapo-flow-v{version}"), params)
         return request
 
     def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]],

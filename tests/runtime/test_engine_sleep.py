@@ -63,7 +63,7 @@ def _fake_engine(sleeps: bool) -> tuple[VLLMGenerator, FakeSleepingLLM]:
     llm = FakeSleepingLLM()
     fake_vllm = SimpleNamespace(SamplingParams=lambda **kw: kw,
                                 sampling_params=SimpleNamespace(RequestOutputKind=SimpleNamespace(DELTA="delta")),
-                                inputs=SimpleNamespace(TokensPrompt=lambda prompt_token_ids: prompt_token_ids))
+                                inputs=SimpleNamespace(TokensPrompt=lambda prompt_token_ids, **_: prompt_token_ids))
     engine.llm, engine._vllm, engine.tensor_parallel, engine.sleeps, engine.asleep = llm, fake_vllm, 1, sleeps, set()
     engine.gate, engine._requests = WeightGate(), 0
     return engine, llm
