@@ -33,8 +33,9 @@ class ScriptedEngine:
 
     weights_version = 0
 
-    def __init__(self, script: dict[str, list[str]]):
+    def __init__(self, script: dict[str, list[str]], new_weights_each_call: bool = False):
         self.script, self.batches, self.contexts = script, [], []
+        self.new_weights_each_call = new_weights_each_call  # a weight sync after every call
 
     def generate(self, prompts: list[list[int]], cfg: SamplingConfig) -> Rollouts:
         assert cfg.n == 1 and cfg.prompt_seeds is not None and len(cfg.prompt_seeds) == len(prompts)
@@ -55,12 +56,17 @@ class ScriptedEngine:
             ids.append(tokens)
             logps.append([-0.5] * len(tokens))
         k = len(prompts)
-        return Rollouts(np.arange(k, dtype=np.int32), np.zeros(k, np.int32), ids, logps, np.array(truncated),
-                        tokens_generated=sum(map(len, ids)), seconds=0.01)
+        out = Rollouts(np.arange(k, dtype=np.int32), np.zeros(k, np.int32), ids, logps, np.array(truncated),
+                       tokens_generated=sum(map(len, ids)), seconds=0.01)
+        if self.new_weights_each_call:
+            out.versions = [[self.weights_version] * len(t) for t in ids]
+            self.weights_version += 1
+        return out
 
 
-def _run(script: dict[str, list[str]], tools=None, *, budget=400, max_turns=4, timeouts=None, n=1, calls=1):
-    engine = ScriptedEngine(script)
+def _run(script: dict[str, list[str]], tools=None, *, budget=400, max_turns=4, timeouts=None, n=1, calls=1,
+         new_weights_each_call=False):
+    engine = ScriptedEngine(script, new_weights_each_call)
     prompts = [TOK.encode(p) for p in script]  # BOS + the prompt, as the prompt table holds them
     tools = tools if tools is not None else {"calculator": Calculator()}
     out = run_agent(engine, TOK, tools, timeouts or {name: 5.0 for name in tools}, prompts,
@@ -85,6 +91,16 @@ def test_a_call_then_an_answer_masks_the_tool_tokens():
     m = rollout_metrics(out, 4)
     assert (m["agent/turns_mean"], m["agent/tool_call_success"], m["agent/stop_answer"]) == (2.0, 1.0, 1.0)
     assert m["agent/turn2_requests"] == 1 and m["agent/turn2_tokens_mean"] == 3
+
+
+def test_each_token_keeps_the_version_that_sampled_it_and_an_observation_its_turns():
+    """Weights that change between turns (partial rollouts): each model token reports its turn's
+    version, each tool token the version of the turn it answers."""
+    out, _ = _run({"6*7=": ["<call>calculator: 6*7</call>", "42"]}, new_weights_each_call=True)
+    (r,) = out.requests
+    model1, obs, model2 = enc("<call>calculator: 6*7</call>") + [EOS], enc("<result>42</result>"), enc("42") + [EOS]
+    assert r.versions == [0] * len(model1) + [0] * len(obs) + [1] * len(model2)
+    assert len(r.versions) == len(r.response_ids)
 
 
 def test_a_turn_that_runs_out_of_budget_is_a_length_stop():
