@@ -18,9 +18,9 @@ the overlapped modes run synchronously, excluded):
   next batch after its update, and the rollout actor sat idle waiting for the update
   (one_step_off); ``async_trainer_wait_s`` and ``async_staleness_mean`` for async.
 - ``async_sync_wait_s`` / ``partial_sync_wait_s``: median `time/sync_wait` of async without and
-  with partial rollouts, the seconds a sync waited for the generation batch in flight before
-  sending (0 with them); ``async_weight_sync_s`` / ``partial_weight_sync_s`` the transfer
-  itself; ``partial_step_s`` the step, ``partial_samples`` the mean fraction of trained samples
+  with partial rollouts, the seconds a sync waited for the driver to queue a generation batch;
+  ``async_weight_sync_s`` / ``partial_weight_sync_s`` the transfer (without partial rollouts it
+  queues behind the generate calls in flight on the rollout actor, so it includes their rest); ``partial_step_s`` the step, ``partial_samples`` the mean fraction of trained samples
   whose tokens span two policy versions, ``partial_token_staleness_mean`` how far tokens lag.
 
 ``--nodes 2`` runs both on a simulated 2-node Ray cluster (``ray.cluster_utils.Cluster``, one

@@ -210,9 +210,17 @@ class Runner:
         size = self.chunk or prompts.num_rows
         chunks = [prompts.slice(i, size) for i in range(0, prompts.num_rows, size)]
         stream = self.nodes[head.nodes[0]].inputs == (PROMPTS_SOURCE,)
-        with self.rollout_lock:  # a weight sync waits for the batch (an actor runs calls in turn anyway)
+        # A weight sync and the queueing of a batch's generation never interleave, so the batch
+        # knows its weights' version: the sync's calls go to the rollout actors after its
+        # generate calls (an actor runs calls in turn) and wait for them, not for the scoring and
+        # filtering after. Where the first call is not queued at once (it reads another node's
+        # output) the sync waits for the whole batch.
+        with contextlib.ExitStack() as held:
+            held.enter_context(self.rollout_lock)
             version = self.rollout_version
             handles = [self._submit("rollout", head, [c]) for c in chunks] if stream else [None] * len(chunks)
+            if stream:
+                held.close()  # the generate calls are queued: a sync may follow them now
             tables, groups = [], []
             for chunk, handle in zip(chunks, handles):
                 out = self.run_calls("rollout", {PROMPTS_SOURCE: chunk}, acc, first_done=handle)[self.plan.group_filter]
