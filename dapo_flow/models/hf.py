@@ -469,7 +469,8 @@ class HFPolicy:
             if cfg.n > 1:
                 cache.batch_repeat_interleave(cfg.n)
         weights = version  # the version of the weights behind the cache and logits
-        mask = prompt_mask.repeat_interleave(cfg.n, 0)
+        row_mask = prompt_mask.repeat_interleave(cfg.n, 0)  # (S, P): each sample row's prompt
+        mask = row_mask
         next_pos = mask.sum(-1, keepdim=True)  # (S, 1): position of the first response token
         num = logits.shape[0]
         eos = torch.tensor(self.eos_ids, device=self.device)
@@ -489,7 +490,7 @@ class HFPolicy:
                 block = torch.from_numpy(np.stack([uniforms(keys, s) for s in steps])).to(self.device)
             with self.gate.step() as version:
                 if version != weights:  # new weights came: recompute the cache with them (partial rollout)
-                    mask = torch.cat([prompt_mask.repeat_interleave(cfg.n, 0), torch.ones_like(tokens[:, :t])], dim=1)
+                    mask = torch.cat([row_mask, torch.ones_like(tokens[:, :t])], dim=1)
                     cache, logits = self._prefill(
                         torch.cat([prompt_ids.repeat_interleave(cfg.n, 0), tokens[:, :t]], dim=1), mask)
                     weights = version

@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-import numpy as np
-
 from dapo_flow.errors import ModelError
 from dapo_flow.models.sampling import Rollouts, SamplingConfig
 from dapo_flow.models.weight_gate import WeightGate
@@ -122,8 +120,8 @@ class VLLMGenerator:
         here as ``LLM.generate`` steps them inside, so that between two steps new weights loaded
         from another thread (:attr:`gate`, ``run.partial_rollouts``) can take over. Then every
         unfinished sample is cut where it is and goes on as a request of its own whose prompt is
-        its prompt and tokens so far, with the prefix cache emptied: the new weights recompute
-        its KV cache, so each later token's logprob is theirs."""
+        its prompt and tokens so far, under the new weights' cache salt (:meth:`_submit`): they
+        recompute its KV cache, so each later token's logprob is theirs."""
         self._wake(SLEEP_TAGS)
         start = time.perf_counter()
         # One seed per prompt: a prompt's samples do not depend on the rest of the batch, so
@@ -140,7 +138,6 @@ class VLLMGenerator:
                         live[self._submit(engine, samples[i * cfg.n].prompt, [], seed, cfg, cfg.n, version)] = i * cfg.n
                 elif version != weights:  # new weights: cut every unfinished sample, recompute
                     engine.abort_request(list(live))
-                    self.llm.reset_prefix_cache()  # its blocks were the old weights'
                     live = {}
                     for k, sample in enumerate(samples):
                         if sample.finish is None:
@@ -212,8 +209,8 @@ class VLLMGenerator:
         else:
             self._load_through_disk(stream)
         if "kv_cache" not in self.asleep:  # (sleep cleared the prefix cache with the KV cache)
-            # cached KV blocks were computed with the old weights (a generate call in flight holds
-            # some: it empties the cache again once it has cut its requests)
+            # cached KV blocks were computed with the old weights: free them (a generate call in
+            # flight holds some; its continuations never read them: another cache salt)
             self.llm.reset_prefix_cache()
 
     def set_weights_version(self, version: int) -> None:

@@ -28,8 +28,8 @@ class WeightGate:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[int]:
-        """One decode step (or a whole generation where nothing loads beside it); yields the
-        version of the weights it computes with, which no load changes until it exits."""
+        """One decode step (an engine step); yields the version of the weights it computes
+        with, which no load changes until it exits."""
         with self._cond:
             self._cond.wait_for(lambda: not self._loads and not self._stepping)
             self._stepping = True

@@ -366,13 +366,14 @@ class Runner:
     # --- phase 3: weight sync ---------------------------------------------------
     def sync(self, version: int) -> dict[str, float]:
         """The plan's weight syncs (none where a stage generates with the policy it trains): the
-        rollout actors hold ``version`` of the weights after it. It waits for the generation
-        batch in flight, unless ``run.partial_rollouts``: then the weights go in between two of
-        its tokens, and the batch's tokens record which weights sampled them."""
+        rollout actors hold ``version`` of the weights after it. It waits for the driver to queue
+        the generation batch in flight, and its transfer for those generate calls on the rollout
+        actors, unless ``run.partial_rollouts``: then the weights go in between two of their
+        tokens, and the batch's tokens record which weights sampled them."""
         seconds, asked = 0.0, time.perf_counter()
         live = self.run.partial_rollouts
         with contextlib.nullcontext() if live else self.rollout_lock:
-            waited = time.perf_counter() - asked  # for the generation batch in flight (an overlapped mode)
+            waited = time.perf_counter() - asked  # for a batch's generate calls to be queued (overlapped modes)
             for sync in self.placed.syncs:
                 self.call_log.append(("sync", sync.source, (sync.target, sync.kind)))
                 if sync.kind == IN_ACTOR:

