@@ -73,7 +73,7 @@ def random_model(out: Path, context: int) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dapo_flow.models import resolve_model
-    from dapo_flow.models.recipes.tiny_chat import shape_config
+    from dapo_flow.recipes.tiny_chat import shape_config
 
     chat = resolve_model("builtin:tiny-chat")
     torch.manual_seed(0)

@@ -33,7 +33,7 @@ Arrow), and the worker (input assembly, ChainInfo).
 
 Model: a random-init Qwen2 (``_common.random_qwen2``; hidden 512, 8 layers, 8 heads / 2 KV heads,
 head_dim 64, intermediate 1376, tied embeddings, float32) with a byte-level BPE tokenizer built
-like Qwen2's (``dapo_flow.models.recipes.chat_tokenizer``, trained in ~0.3 s on Python's bundled
+like Qwen2's (``dapo_flow.recipes.chat_tokenizer``, trained in ~0.3 s on Python's bundled
 documentation: 9,903 tokens, the vocabulary padded to a multiple of 64), so sampled ids decode to
 real text. Prompts: the first ``prompt_tokens`` tokens of documentation topics, in the ChatML
 template. Random weights sample near-uniformly, so almost every response runs to max_tokens.
@@ -93,7 +93,7 @@ def build_tokenizer(max_length: int):
     """Byte-level BPE like Qwen2's, trained on Python's bundled documentation (~0.3 s)."""
     import pydoc_data.topics
 
-    from dapo_flow.models.recipes.chat_tokenizer import train_chat_tokenizer
+    from dapo_flow.recipes.chat_tokenizer import train_chat_tokenizer
 
     return train_chat_tokenizer(list(pydoc_data.topics.topics.values()), vocab_size=32000,
                                 model_max_length=max_length)
@@ -105,7 +105,7 @@ def prompt_table(tokenizer, count: int, tokens: int):
     import pyarrow as pa
     import pydoc_data.topics
 
-    from dapo_flow.graph import columns as C
+    from dapo_flow.core import columns as C
 
     texts, ids = [], []
     for key in sorted(pydoc_data.topics.topics):
@@ -165,7 +165,7 @@ def call_dapo(worker, table, clock: VLLMClock) -> dict:
     import numpy as np
     import pyarrow.compute as pc
 
-    from dapo_flow.graph import columns as C
+    from dapo_flow.core import columns as C
 
     start = time.perf_counter()
     out, info = worker.run_chain(["rollout"], table)

@@ -3,7 +3,7 @@
 What it times, on a random-init Qwen2 built here from a config (``_common.random_qwen2``): 24
 layers, hidden 896, 14 query / 2 KV heads (head_dim 64), intermediate 4864, tied embeddings,
 0.36B parameters, vocabulary 4160 with builtin:tiny-chat's tokenizer (byte-level BPE trained as
-``dapo_flow.models.recipes.tiny_chat`` trains it, ChatML, ``<|im_end|>`` as EOS); prompts: the
+``dapo_flow.recipes.tiny_chat`` trains it, ChatML, ``<|im_end|>`` as EOS); prompts: the
 first ``prompts`` of builtin:chain's train split in the chat template. On CUDA the policy trains as
 `train.mixed_precision: bf16` does (float32 master weights, every forward under bf16 autocast);
 on CPU in float32.
@@ -80,7 +80,7 @@ LR = 1e-6
 TARGETS = {"update_ratio_max": 1.1, "rollout_ratio_max": 0.2, "chunked_logprob_time_ratio_max": 1.2,
            "memory_estimate_within": 0.15}
 LOGPROB_BENCH_FREE_FRACTION = 0.8
-VOCAB = 4160  # builtin:tiny-chat's padded vocabulary (dapo_flow.models.recipes.tiny_chat.RECIPE.padded_vocab_size)
+VOCAB = 4160  # builtin:tiny-chat's padded vocabulary (dapo_flow.recipes.tiny_chat.RECIPE.padded_vocab_size)
 
 
 # ------------------------------------------------------------------------------ timing
@@ -119,8 +119,8 @@ def free_device_memory(device) -> None:
 def chat_tokenizer():
     """builtin:tiny-chat's tokenizer, trained as its build trains it (seconds)."""
     from dapo_flow.data.chain_task import ChainTask
-    from dapo_flow.models.recipes import tiny_chat
-    from dapo_flow.models.recipes.chat_tokenizer import train_chat_tokenizer
+    from dapo_flow.recipes import tiny_chat
+    from dapo_flow.recipes.chat_tokenizer import train_chat_tokenizer
 
     return train_chat_tokenizer(tiny_chat.corpus(ChainTask()), vocab_size=tiny_chat.RECIPE.vocab_size,
                                 model_max_length=CONTEXT)
@@ -128,7 +128,7 @@ def chat_tokenizer():
 
 def chain_prompts(tokenizer, count: int) -> list[list[int]]:
     from dapo_flow.data.chain_task import ChainTask
-    from dapo_flow.models.recipes.tiny_chat import chat_prompt_ids
+    from dapo_flow.recipes.tiny_chat import chat_prompt_ids
 
     return chat_prompt_ids(tokenizer, [p.prompt for p in ChainTask().problems("train")[:count]])
 
@@ -146,8 +146,8 @@ def dapo_flow_phases(model_dir: Path, prompts: list[list[int]], args, device, pr
     import numpy as np
     import pyarrow as pa
 
-    from dapo_flow.graph import columns as C
-    from dapo_flow.graph.contract import OpContext
+    from dapo_flow.core import columns as C
+    from dapo_flow.core.contract import OpContext
     from dapo_flow.graph.spec import ModelSpec
     from dapo_flow.models.hf import HFPolicy
     from dapo_flow.models.sampling import SamplingConfig

@@ -56,8 +56,8 @@ def run_variant(cfg: dict) -> dict:
     import pyarrow as pa
     import torch
 
-    from dapo_flow.graph import columns as C
-    from dapo_flow.graph.contract import OpContext
+    from dapo_flow.core import columns as C
+    from dapo_flow.core.contract import OpContext
     from dapo_flow.graph.spec import ModelSpec
     from dapo_flow.models.hf import HFPolicy
     from dapo_flow.operators.logprob import Logprob

@@ -63,7 +63,7 @@ def math_rows(n: int, seed: int = 0):
 
 
 def measure(rows, reps: int) -> dict[int, dict]:
-    from dapo_flow.graph.contract import OpContext
+    from dapo_flow.core.contract import OpContext
     from dapo_flow.operators.score import Score
 
     ops = {w: Score(Score.Params(reward="builtin:math", workers=w), OpContext(f"score-{w}")) for w in SETTINGS}

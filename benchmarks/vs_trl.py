@@ -133,7 +133,7 @@ def load_split(model_dir: str, split: str, size: int | None, seed: int):
 
 def val_accuracy(model_dir: str | Path, val, max_tokens: int) -> float:
     """Sampled avg@4 at temperature 1: mean correctness over val prompts x 4 samples."""
-    from dapo_flow.graph import columns as C
+    from dapo_flow.core import columns as C
     from dapo_flow.models.hf import HFPolicy
     from dapo_flow.models.sampling import SamplingConfig
     from dapo_flow.data.tasks import verify_addition
@@ -185,7 +185,7 @@ def trl_python() -> str | None:
 
 
 def run_trl(settings: dict, train, val, workdir: Path, console: Console) -> dict:
-    from dapo_flow.graph import columns as C
+    from dapo_flow.core import columns as C
 
     python = trl_python()
     if python is None:

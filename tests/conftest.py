@@ -194,7 +194,7 @@ def tiny_adder_path() -> Path:
 @pytest.fixture(scope="session")
 def short_tiny_chat_dir(tmp_path_factory) -> Path:
     """A tiny-chat built by ``model_builds.short_tiny_chat``'s recipe (seconds)."""
-    from dapo_flow.models.recipes import tiny_chat
+    from dapo_flow.recipes import tiny_chat
 
     return tiny_chat.build_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), progress=False,
                                      recipe=model_builds.short_tiny_chat())

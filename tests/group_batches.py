@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 
 
 def group_batch(seed: int, group_sizes: list[int]) -> pa.Table:

@@ -99,6 +99,6 @@ def short_tiny_chat():
     for tests that do not need what its ~5-minute warm start teaches."""
     import dataclasses
 
-    from dapo_flow.models.recipes import tiny_chat
+    from dapo_flow.recipes import tiny_chat
 
     return dataclasses.replace(tiny_chat.RECIPE, steps=4, batch_size=8, eval_prompts=4, eval_samples_per_prompt=2)

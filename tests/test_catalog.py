@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 
 from dapo_flow.graph.catalog import print_catalog
-from dapo_flow.graph.contract import PARAMS_CONFIG
+from dapo_flow.core.contract import PARAMS_CONFIG
 from dapo_flow.graph.registry import CUSTOM_OP, OPERATORS
 
 
@@ -26,4 +26,4 @@ def test_the_catalog_prints_columns_params_and_docs():
     assert "max_nonfinite_steps: int = 3" in update
     assert "loss_agg_mode: 'token-mean' | 'token-sum'" in update
     assert "clip_c: float | None = 10.0  [> 1.0]" in update
-    assert text.rstrip().endswith("(see dapo_flow/graph/contract.py)")
+    assert text.rstrip().endswith("(see dapo_flow/core/contract.py)")

@@ -7,7 +7,7 @@ import pytest
 from dapo_flow.data.chain_task import ChainTask, evaluate, solution, verify_chain
 from dapo_flow.data.prompts import load_prompts
 from dapo_flow.errors import DataError
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 
 
 def test_splits_are_seeded_disjoint_and_sized():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dapo_flow.graph import rewrites
-from dapo_flow.graph.contract import produces
+from dapo_flow.core.contract import produces
 from dapo_flow.graph.compiler import compile_graph, explain, load, place, plan, validate
 from dapo_flow.errors import GraphError, SchemaError, UnknownOperatorError
 from dapo_flow.graph.plan import Call, Cluster, Sync
@@ -385,3 +385,29 @@ def test_explain_says_how_weights_travel_between_actors():
     assert "broadcast in 256 MB buckets on Ray, in-process when local" in sync_line()
     assert "broadcast in 64 MB buckets" in sync_line("models.policy.rollout.sync_bucket_mb=64")
     assert "through the object store as float32" in sync_line("models.policy.rollout.weight_sync=object-store")
+
+
+def test_the_op_registry_is_handed_to_the_compiler(tmp_path):
+    """As the cluster is: a caller's registry decides which op names a graph may use, in
+    validate, edits and the worker setups, without touching the default one."""
+    from dapo_flow.graph.edits import SwapEdit, edit_file
+    from dapo_flow.graph.registry import OPERATORS
+    from dapo_flow.operators.score import Score
+    from dapo_flow.runtime.setup import stage_setups
+
+    mine = {**{k: v for k, v in OPERATORS.items() if k != "score"}, "grade": Score}
+    with pytest.raises(GraphError) as err:
+        compile_graph(DAPO, operators=mine)
+    assert "unknown op 'score'" in str(err.value)
+    graph = tmp_path / "graded.yaml"
+    graph.write_text((DAPO).read_text().replace("op: score", "op: grade"))
+    with pytest.raises(GraphError, match="unknown op 'grade'"):
+        compile_graph(graph)
+    placed = compile_graph(graph, operators=mine)
+    setups = [n for s in stage_setups(placed).values() for n in s.nodes]
+    assert [(n.op, n.impl) for n in setups if n.op == "grade"] == [("grade", "dapo_flow.operators.score:Score")]
+    assert "grade" not in OPERATORS
+    swapped = edit_file(DAPO, [SwapEdit(node="verify", op="grade")], operators=mine).compile()
+    assert {n.id: n.op for n in swapped.plan.nodes}["verify"] == "grade"
+    with pytest.raises(GraphError, match="unknown op 'grade'"):
+        edit_file(DAPO, [SwapEdit(node="verify", op="grade")])

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.data.prompts import load_prompts
 from dapo_flow.errors import DataError
 from dapo_flow.models.tokenizer import build_char_tokenizer

@@ -144,6 +144,16 @@ def test_swap_keeps_id_wiring_and_the_params_the_new_op_has():
     assert same.plan.node("dynamic_sampling").params.on_cap == "train-on-what-we-have"
 
 
+
+def test_a_swap_or_insert_gives_a_model_only_to_a_node_whose_params_run_on_one():
+    """`score` may run on a model (a reward model, a judge); with a rule reward it runs on none,
+    so swapping to it (or inserting one) must not write the graph's model into its `model:`."""
+    swapped = edited(("swap", "verify=score"))
+    assert "model" not in node(swapped.doc, "verify") and swapped.compile(CLUSTER).plan.node("verify").model is None
+    doc = apply_edits(load(DAPO), [InsertEdit("again", "score", "verify", {"reward": "builtin:addition"})])
+    assert "model" not in node(doc, "again")
+    assert node(edited(("swap", "verify=logprob")).doc, "verify")["model"] == "policy"
+
 def test_insert_between_node_and_consumers():
     e = edited(("set", "models.ref.path=builtin:tiny-adder"), ("insert", "ref:logprob:after=old_logp:model=ref"),
                ("set", "ref.role=ref"))

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 
 ROOT = Path(__file__).resolve().parents[1]
 

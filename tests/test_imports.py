@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_flow.graph.imports import ImportSpecError, load_object
+from dapo_flow.core.imports import ImportSpecError, load_object
 
 ROOT = Path(__file__).resolve().parents[1]
 

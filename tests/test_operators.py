@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dapo_flow import algos
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import OpContext, requires, resolve
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import OpContext, requires, resolve
 from dapo_flow.graph.registry import OPERATORS
 
 

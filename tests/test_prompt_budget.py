@@ -15,11 +15,12 @@ from dapo_flow.data import stream
 from dapo_flow.data.prompts import load_prompts
 from dapo_flow.data.stream import OK, TokenizeBatch
 from dapo_flow.errors import DataError, GraphError
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.graph.compiler import explain
 from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster
-from dapo_flow.graph.prompt_budget import PromptBudget, Room, plan_budget, source_budget
+from dapo_flow.data.prompt_budget import PromptBudget
+from dapo_flow.graph.prompt_budget import Room, plan_budget, source_budget
 from dapo_flow.graph.spec import DataSpec
 from dapo_flow.models.tokenizer import build_char_tokenizer
 

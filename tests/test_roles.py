@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_flow.graph.contract import ROLES, contract_problems, role
+from dapo_flow.core.contract import ROLES, contract_problems, role
 from dapo_flow.graph.registry import OPERATORS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def test_the_compiler_and_runtime_read_operators_through_their_contract_only():
 
 
 def test_a_contract_holds_the_declarations_and_the_defaults():
-    from dapo_flow.graph.contract import contract_of
+    from dapo_flow.core.contract import contract_of
 
     update, score, baseline = (contract_of(OPERATORS[n]) for n in ("update", "score", "baseline"))
     assert (update.role, update.cardinality, update.needs_model, update.stateful) == ("train", "sink", True, True)

@@ -150,7 +150,7 @@ def test_the_driver_gets_its_stages_cpus():
 
 
 def test_the_tiny_adder_build_gets_its_one_thread_after_vllm_made_the_setter_a_no_op(monkeypatch):
-    from dapo_flow.models.recipes.warm_start import deterministic_torch
+    from dapo_flow.recipes.warm_start import deterministic_torch
 
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # an in-process vLLM engine ran
     before = torch.get_num_threads()

@@ -11,8 +11,8 @@ from dapo_flow.data.reward_pool import RewardSpec, evaluate, resolve_reward
 from dapo_flow.data.tool_arith import (TOOL_ARITH, ToolArithTask, call_text, final_answer, observation_text,
                                        operands, verify_tool_arith)
 from dapo_flow.errors import DataError
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import OpContext
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import OpContext
 from dapo_flow.graph.registry import OPERATORS
 
 
@@ -93,7 +93,7 @@ def test_special_token_strings_are_the_char_tokenizers():
 
 @pytest.fixture(scope="module")
 def tok():
-    from dapo_flow.models.recipes.tiny_agent import build_tokenizer
+    from dapo_flow.recipes.tiny_agent import build_tokenizer
 
     return build_tokenizer()
 

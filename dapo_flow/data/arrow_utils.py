@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 
 from dapo_flow import algos
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 
 
 def _flat(col: pa.ChunkedArray | pa.Array) -> pa.ListArray:

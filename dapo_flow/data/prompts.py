@@ -18,9 +18,9 @@ from typing import Any, Callable, Literal
 
 import pyarrow as pa
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.errors import DataError
-from dapo_flow.graph.prompt_budget import PromptBudget
+from dapo_flow.data.prompt_budget import PromptBudget
 from dapo_flow.data.chain_task import CHAIN, CHAIN_OPTIONS, ChainTask, question
 from dapo_flow.data.tasks import ADDITION, AdditionTask
 from dapo_flow.data.tool_arith import TOOL_ARITH, TOOL_ARITH_OPTIONS, ToolArithTask

@@ -72,7 +72,7 @@ def resolve_reward(spec: RewardSpec) -> Callable[[str, str, dict], Any]:
     the row's ``data_source`` (extra_info's) and the rest of extra_info, so verl reward files
     work unchanged."""
     from dapo_flow.data import chain_task, tasks, tool_arith
-    from dapo_flow.graph.imports import load_object
+    from dapo_flow.core.imports import load_object
 
     builtins = {"builtin:addition": tasks.verify_addition, "builtin:math": tasks.verify_math,
                 "builtin:chain": chain_task.verify_chain, tool_arith.TOOL_ARITH: tool_arith.verify_tool_arith}

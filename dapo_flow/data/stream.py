@@ -21,8 +21,8 @@ import pyarrow as pa
 
 from dapo_flow.data.prompts import _parquet_shards, _Record, _clip, prompt_table
 from dapo_flow.errors import DataError
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.prompt_budget import PromptBudget
+from dapo_flow.core import columns as C
+from dapo_flow.data.prompt_budget import PromptBudget
 
 READ_BATCH_ROWS = 1024  # raw rows per read / tokenize batch
 OK = "_ok"  # TokenizeBatch's per-row flag: the row is usable (else dropped and counted)
@@ -79,7 +79,7 @@ class TokenizeBatch:
     def __call__(self, raw: pa.Table) -> pa.Table:
         tokenizer = _TOKENIZERS.get(self.model_dir)
         if tokenizer is None:
-            from dapo_flow.models.heads import skip_unneeded_transformers_imports
+            from dapo_flow.core.imports import skip_unneeded_transformers_imports
 
             skip_unneeded_transformers_imports()
             from transformers import AutoTokenizer

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from dapo_flow.data.stream import numbered_batches, rebatched, stream_files
 from dapo_flow.errors import DataError, RunError
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.runtime.session import generator_tokenizer, load_source, prompt_stream
 
 SAVED_COLUMNS = (C.PROMPT_ID, C.SAMPLE_IDX, C.DATA_SOURCE, C.PROMPT_TEXT, C.RESPONSE_TEXT, C.GROUND_TRUTH,

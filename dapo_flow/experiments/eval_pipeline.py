@@ -150,7 +150,7 @@ def graded_batches(placed, setups: dict, prompts, *, n: int, temperature: float,
 def whole_prompts(tables: Iterator[pa.Table]) -> Iterator[pa.Table]:
     """Graded tables in source order -> the same rows, each table holding every sample of its
     prompts (pass@k needs a prompt's samples together; Ray Data may cut a big block in two)."""
-    from dapo_flow.graph import columns as C
+    from dapo_flow.core import columns as C
 
     held: pa.Table | None = None
     for table in tables:

@@ -3,7 +3,7 @@
 For each operator: the first paragraph of its module docstring, cardinality and whether it runs
 a model, the columns it needs and adds (Arrow types, for default params), and each param with
 its type, default, bounds and docstring (pydantic's ``use_attribute_docstrings``: see
-:data:`dapo_flow.graph.contract.PARAMS_CONFIG`).
+:data:`dapo_flow.core.contract.PARAMS_CONFIG`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import typing
 
 from rich.console import Console
 
-from dapo_flow.graph.contract import contract_of, produces, requires
+from dapo_flow.core.contract import contract_of, produces, requires
 from dapo_flow.graph.problems import type_name
 
 _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "min_length": "min length",
@@ -26,7 +26,7 @@ def print_catalog(operators: typing.Mapping[str, type], custom_op: str, out: Con
     for name, cls in operators.items():
         _print_op(name, cls, out)
     out.print(f"[bold cyan]{custom_op}[/]  your own class: `op: custom` with `impl: module:Class` "
-              "or `impl: file.py:Class` (see dapo_flow/graph/contract.py)")
+              "or `impl: file.py:Class` (see dapo_flow/core/contract.py)")
 
 
 def _print_op(name: str, cls: type, out: Console) -> None:

@@ -12,17 +12,17 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import networkx as nx
 import pyarrow as pa
 from pydantic import BaseModel, ValidationError
 
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import (contract_of, contract_problems, node_model, produces, requires, resolve, role,
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import (contract_of, contract_problems, node_model, produces, requires, resolve, role,
                                      model_head, upstream_problems, uses_model)
 from dapo_flow.errors import DapoFlowError, OperatorContractError, SchemaError, UnknownOperatorError
-from dapo_flow.graph.imports import load_object
+from dapo_flow.core.imports import load_object
 from dapo_flow.graph.loader import GraphDoc, PathKey
 from dapo_flow.graph.plan import ValidGraph
 from dapo_flow.graph.problems import COLUMN_TYPE, MISSING_COLUMN, Found, did_you_mean, pydantic_problems, type_name
@@ -67,8 +67,11 @@ class _Node:
         return self.path + ("params", *contract_of(self.cls).model_param)
 
 
-def validate(doc: GraphDoc) -> ValidGraph:
-    """Check everything; raise one GraphError listing every problem, sorted by line."""
+def validate(doc: GraphDoc, operators: Mapping[str, type] | None = None) -> ValidGraph:
+    """Check everything; raise one GraphError listing every problem, sorted by line.
+    ``operators``: the op names a node may use (default: the built-ins and loaded plugins,
+    ``registry.OPERATORS``)."""
+    operators = OPERATORS if operators is None else operators
     found = Found(doc)
     spec: GraphSpec | None = None
     try:
@@ -77,7 +80,7 @@ def validate(doc: GraphDoc) -> ValidGraph:
         pydantic_problems(found, err, (), GraphSpec)
     nodes = _node_specs(doc, spec)
     for node in nodes or []:
-        _check_op(found, node)
+        _check_op(found, node, operators)
     models = doc.get(("models",))
     declared = set(models) if isinstance(models, dict) else set()
     if nodes is None:  # some node is unreadable: its edges are unknown, stop here
@@ -96,7 +99,7 @@ def validate(doc: GraphDoc) -> ValidGraph:
         lora = {name for name, m in spec.models.items() if m.train.lora is not None} if spec is not None else set()
         _check_lora_heads(found, lora, heads)
         _check_training(found, nodes, {m for m, h in heads.items() if h == "value"}, lora)
-        schemas = _propagate(found, nodes, order)
+        schemas = _propagate(found, nodes, order, operators)
         _check_group_filter(found, nodes, graph, schemas)
         _check_greedy_groups(found, nodes, graph)
         _check_consistency(found, nodes, graph, order)
@@ -132,7 +135,7 @@ def _node_specs(doc: GraphDoc, spec: GraphSpec | None) -> list[_Node] | None:
         return None
 
 
-def _check_op(found: Found, node: _Node) -> None:
+def _check_op(found: Found, node: _Node, operators: Mapping[str, type]) -> None:
     """Resolve the node's operator class and validate its params."""
     s = node.spec
     if s.op == CUSTOM_OP:
@@ -152,16 +155,16 @@ def _check_op(found: Found, node: _Node) -> None:
         if bad:
             err = OperatorContractError(f"{s.impl} is not an operator: " + "; ".join(bad))
             found.add(node.path + ("impl",), f"{type(err).__name__}: {err}",
-                      "see dapo_flow/graph/contract.py for what an operator class provides")
+                      "see dapo_flow/core/contract.py for what an operator class provides")
             return
-    elif s.op in OPERATORS:
-        cls = OPERATORS[s.op]
+    elif s.op in operators:
+        cls = operators[s.op]
         if s.impl is not None:
             found.add(node.path + ("impl",), f"`impl` is only for op: custom, and '{s.op}' is built in",
                       "remove `impl:`, or write `op: custom` to use your own class")
     else:
         found.add(node.path + ("op",), f"unknown op '{s.op}'",
-                  did_you_mean(s.op, [*OPERATORS, CUSTOM_OP]), kind=UnknownOperatorError)
+                  did_you_mean(s.op, [*operators, CUSTOM_OP]), kind=UnknownOperatorError)
         return
     node.cls = cls
     try:
@@ -341,7 +344,8 @@ class _Rows:
     input_rows_from: str
 
 
-def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...]) -> dict[str, _Rows]:
+def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...],
+               operators: Mapping[str, type]) -> dict[str, _Rows]:
     """Arrow schemas along every edge, from `prompts` in topological order."""
     prompt = C.prompt_schema()
     src = {name: PROMPTS_SOURCE for name in prompt.names}
@@ -354,7 +358,7 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...]) -> dict
                 or any(by_id[i].cardinality == "sink" for i in inputs if i in by_id)):
             continue  # broken here or upstream: already reported, don't cascade
         if contract_of(node.cls).combine:  # joins its inputs itself, by key
-            _propagate_join(found, node, rows)
+            _propagate_join(found, node, rows, operators)
             continue
         origins = {i: rows[i].rows_from for i in inputs}
         if len(set(origins.values())) > 1:
@@ -384,7 +388,7 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...]) -> dict
         for name, typ in needed.items():
             if name not in cols:
                 found.add(node.path + ("inputs",), f"requires column '{name}' ({type_name(typ)}) "
-                          "but no upstream node produces it", _producer_hint(name), kind=SchemaError,
+                          "but no upstream node produces it", _producer_hint(name, operators), kind=SchemaError,
                           code=MISSING_COLUMN, column=name)
             elif cols[name] != typ:
                 found.add(node.path + ("inputs",), f"requires column '{name}' as {type_name(typ)}, "
@@ -408,7 +412,7 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...]) -> dict
     return rows
 
 
-def _propagate_join(found: Found, node: _Node, rows: dict[str, _Rows]) -> None:
+def _propagate_join(found: Found, node: _Node, rows: dict[str, _Rows], operators: Mapping[str, type]) -> None:
     """A node that combines its inputs itself (``combine``: e.g. `baseline` joins by prompt id):
     each input must bring its own columns (``input_requires``); the rows and columns going on
     are the first input's, plus what the node produces."""
@@ -423,7 +427,7 @@ def _propagate_join(found: Found, node: _Node, rows: dict[str, _Rows]) -> None:
         for name, typ in need.items():
             if name not in schema.names:
                 found.add(node.path + ("inputs", nth), f"input '{i}' lacks column '{name}' "
-                          f"({type_name(typ)})", _producer_hint(name), kind=SchemaError)
+                          f"({type_name(typ)})", _producer_hint(name, operators), kind=SchemaError)
             elif schema.field(name).type != typ:
                 found.add(node.path + ("inputs", nth), f"input '{i}' gives column '{name}' as "
                           f"{type_name(schema.field(name).type)}, not {type_name(typ)}",
@@ -436,16 +440,16 @@ def _propagate_join(found: Found, node: _Node, rows: dict[str, _Rows]) -> None:
                           first.rows_from)
 
 
-def _producer_hint(column: str) -> str:
-    """Which built-in op (and which params) produces ``column``."""
+def _producer_hint(column: str, operators: Mapping[str, type]) -> str:
+    """Which registered op (and which params) produces ``column``."""
     hints = []
-    for op, cls in OPERATORS.items():
+    for op, cls in operators.items():
         for label, params in _param_variants(cls):
             if column in produces(cls, params):
                 hints.append(f"op '{op}'" + (f" with {label}" if label else ""))
                 break
     if not hints:
-        return "no built-in op produces it: add a custom op that does"
+        return "no registered op produces it: add a custom op that does"
     return f"add an upstream node that produces it: {' or '.join(hints)}"
 
 

@@ -14,10 +14,10 @@ from typing import Mapping
 import pyarrow as pa
 from pydantic import BaseModel
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.graph import fit, sizing
 from dapo_flow.graph.checks import validate
-from dapo_flow.graph.contract import contract_of, node_model, produces, requires, role, uses_model
+from dapo_flow.core.contract import contract_of, node_model, produces, requires, role, uses_model
 from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import load
 from dapo_flow.graph.plan import (DRIVER, IN_ACTOR, TRANSFER, Call, Cluster, PlacedPlan, Plan, PlanNode, Stage,
@@ -30,9 +30,11 @@ from dapo_flow.graph.rewrites import REWRITES
 __all__ = ["Cluster", "compile_graph", "explain", "load", "place", "plan", "validate"]
 
 
-def compile_graph(path: str | Path, cluster: Cluster | None = None) -> PlacedPlan:
-    """The whole chain; ``cluster`` defaults to this machine."""
-    return place(plan(validate(load(path))), cluster or Cluster.local())
+def compile_graph(path: str | Path, cluster: Cluster | None = None,
+                  operators: Mapping[str, type] | None = None) -> PlacedPlan:
+    """The whole chain; ``cluster`` defaults to this machine, ``operators`` (the op registry:
+    op name -> operator class) to the built-ins and loaded plugins (``registry.OPERATORS``)."""
+    return place(plan(validate(load(path), operators)), cluster or Cluster.local())
 
 
 # --- plan and place -------------------------------------------------------------------

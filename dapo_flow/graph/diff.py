@@ -47,9 +47,12 @@ def _flat(value: Any, prefix: str, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
-def flatten_graph(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def flatten_graph(raw: Mapping[str, Any], operators: Mapping[str, type] | None = None
+                  ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """(section key -> value, node id -> {field or param -> value}), defaults filled in (an
-    invalid value is kept as written, its siblings still get their defaults)."""
+    invalid value is kept as written, its siblings still get their defaults); a node's params
+    from its class in ``operators`` (default ``registry.OPERATORS``)."""
+    operators = OPERATORS if operators is None else operators
     sections: dict[str, Any] = {}
     for name, info in GraphSpec.model_fields.items():
         if name == "nodes":
@@ -67,7 +70,7 @@ def flatten_graph(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dic
             continue
         fields = {k: node[k] for k in NODE_FIELDS if node.get(k) is not None}
         params = dict(node.get("params") or {})
-        cls = OPERATORS.get(node.get("op"))
+        cls = operators.get(node.get("op"))
         if cls is not None:
             params = _filled(cls.Params, params)
         for k, v in params.items():
@@ -100,9 +103,10 @@ def _filled(annotation: Any, value: Any) -> Any:
     return value
 
 
-def diff_graphs(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
+def diff_graphs(a: Mapping[str, Any], b: Mapping[str, Any],
+                operators: Mapping[str, type] | None = None) -> list[Change]:
     """Changes from graph ``a`` to graph ``b``: sections first, then nodes in graph order."""
-    (sa, na), (sb, nb) = flatten_graph(a), flatten_graph(b)
+    (sa, na), (sb, nb) = flatten_graph(a, operators), flatten_graph(b, operators)
     changes = _diff_keys(sa, sb, "")
     for node in _merged_order(list(na), list(nb)):
         if node not in nb:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.errors import DapoFlowError
 from dapo_flow.graph.plan import PlacedPlan, Plan
 from dapo_flow.graph.spec import PROMPTS_SOURCE

@@ -32,7 +32,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from dapo_flow.graph.compiler import place, plan, validate
-from dapo_flow.graph.contract import contract_of
+from dapo_flow.core.contract import contract_of, node_model, uses_model
 from dapo_flow.graph.problems import MISSING_COLUMN, did_you_mean
 from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import GraphDoc, PathKey, load
@@ -268,17 +268,19 @@ _PARSERS = {"set": _parse_set, "drop": _parse_drop, "swap": _parse_swap, "insert
 # --- applying -----------------------------------------------------------------------------
 
 
-def apply_edits(doc: GraphDoc, edits: Iterable[Edit]) -> GraphDoc:
+def apply_edits(doc: GraphDoc, edits: Iterable[Edit], operators: Mapping[str, type] | None = None) -> GraphDoc:
     """The edited document (a new object); edited keys carry marker lines (see module doc).
+    ``operators``: the op names a swap or insert may use (default ``registry.OPERATORS``).
 
     Problems in the edits themselves (unknown node, unknown op, duplicate id, ...) are all
     collected and raised as one GraphError, each located at its edit."""
+    operators = OPERATORS if operators is None else operators
     raw: dict[str, Any] = copy.deepcopy(dict(doc.raw))
     lines = dict(doc.lines)
     problems = []
     for k, edit in enumerate(edits):
         try:
-            _APPLY[type(edit)](raw, lines, edit, -1 - k)
+            _APPLY[type(edit)](raw, lines, edit, -1 - k, operators)
         except _EditProblem as p:
             problems.append(_problem(where(edit), p.message, p.hint))
     if problems:
@@ -348,7 +350,8 @@ def _set_path(raw: dict[str, Any], edit: SetEdit) -> PathKey:
     return ("nodes", index, "params", *rest)
 
 
-def _apply_set(raw: dict[str, Any], lines: dict[PathKey, int], edit: SetEdit, marker: int) -> None:
+def _apply_set(raw: dict[str, Any], lines: dict[PathKey, int], edit: SetEdit, marker: int,
+               operators: Mapping[str, type]) -> None:
     path = _set_path(raw, edit)
     target: Any = raw
     missing = False
@@ -375,7 +378,8 @@ def _apply_set(raw: dict[str, Any], lines: dict[PathKey, int], edit: SetEdit, ma
     _mark(lines, path, marker)
 
 
-def _apply_drop(raw: dict[str, Any], lines: dict[PathKey, int], edit: DropEdit, marker: int) -> None:
+def _apply_drop(raw: dict[str, Any], lines: dict[PathKey, int], edit: DropEdit, marker: int,
+                operators: Mapping[str, type]) -> None:
     index = _node_index(raw, edit.node)
     nodes = _nodes(raw)
     own_inputs = list(nodes[index].get("inputs") or [])
@@ -394,13 +398,24 @@ def _apply_drop(raw: dict[str, Any], lines: dict[PathKey, int], edit: DropEdit, 
     _shift_nodes(lines, index + 1, -1)
 
 
-def _op_class(op: str) -> type | None:
+def _op_class(op: str, operators: Mapping[str, type]) -> type | None:
     """The operator class of ``op`` (None for custom); _EditProblem when unknown."""
     if op == CUSTOM_OP:
         return None
-    if op not in OPERATORS:
-        raise _EditProblem(f"unknown op '{op}'", did_you_mean(op, [*OPERATORS, CUSTOM_OP]))
-    return OPERATORS[op]
+    if op not in operators:
+        raise _EditProblem(f"unknown op '{op}'", did_you_mean(op, [*operators, CUSTOM_OP]))
+    return operators[op]
+
+
+def _takes_model_field(cls: type, params: Mapping[str, Any]) -> bool:
+    """Whether a node of ``cls`` with ``params`` runs on a model named by its `model:` field (not
+    `score` with a rule reward, which runs on none, or with `reward: {model: rm}`, which names
+    it in its params); params that do not validate are judged by the op's ``NEEDS_MODEL``."""
+    try:
+        validated = cls.Params.model_validate(dict(params))
+    except Exception:  # reported by validate, at the edit
+        return contract_of(cls).needs_model
+    return uses_model(cls, validated) and node_model(cls, None, validated) is None
 
 
 def _default_model(raw: dict[str, Any], *candidates: Any) -> str | None:
@@ -412,15 +427,15 @@ def _default_model(raw: dict[str, Any], *candidates: Any) -> str | None:
     return next(iter(models)) if isinstance(models, dict) and len(models) == 1 else None
 
 
-def _apply_swap(raw: dict[str, Any], lines: dict[PathKey, int], edit: SwapEdit, marker: int) -> None:
+def _apply_swap(raw: dict[str, Any], lines: dict[PathKey, int], edit: SwapEdit, marker: int,
+                operators: Mapping[str, type]) -> None:
     index = _node_index(raw, edit.node)
-    cls = _op_class(edit.op)
+    cls = _op_class(edit.op, operators)
     node = _nodes(raw)[index]
     params = node.get("params") if isinstance(node.get("params"), dict) else {}
     if cls is not None:  # keep what the new op understands; the rest belonged to the old op
         params = {k: v for k, v in params.items() if k in cls.Params.model_fields}
-        needs = contract_of(cls).needs_model
-        model = _default_model(raw, node.get("model")) if needs else None
+        model = _default_model(raw, node.get("model")) if _takes_model_field(cls, params) else None
         if model is None:
             node.pop("model", None)
         else:
@@ -433,19 +448,20 @@ def _apply_swap(raw: dict[str, Any], lines: dict[PathKey, int], edit: SwapEdit, 
     lines[("nodes", index)] = marker
 
 
-def _apply_insert(raw: dict[str, Any], lines: dict[PathKey, int], edit: InsertEdit, marker: int) -> None:
+def _apply_insert(raw: dict[str, Any], lines: dict[PathKey, int], edit: InsertEdit, marker: int,
+                  operators: Mapping[str, type]) -> None:
     nodes = _nodes(raw)
     ids = [n.get("id") for n in nodes]
     if edit.new_id in ids or edit.new_id == PROMPTS_SOURCE:
         raise _EditProblem(f"node id '{edit.new_id}' already exists", "pick a new id for the inserted node")
-    cls = _op_class(edit.op)
+    cls = _op_class(edit.op, operators)
     if edit.after == PROMPTS_SOURCE:
         anchor, position = {}, 0
     else:
         position = _node_index(raw, edit.after) + 1
         anchor = nodes[position - 1]
     new: dict[str, Any] = {"id": edit.new_id, "op": edit.op, "inputs": [edit.after]}
-    needs = cls is not None and contract_of(cls).needs_model
+    needs = cls is not None and _takes_model_field(cls, edit.params)
     model = _default_model(raw, edit.model, anchor.get("model")) if needs else edit.model
     if model is not None:
         new["model"] = model
@@ -469,16 +485,17 @@ _APPLY = {SetEdit: _apply_set, DropEdit: _apply_drop, SwapEdit: _apply_swap, Ins
 
 
 def compile_edited(doc: GraphDoc, edits: Iterable[Edit] = (), cluster: Cluster | None = None,
-                   base: GraphDoc | None = None) -> PlacedPlan:
+                   base: GraphDoc | None = None, operators: Mapping[str, type] | None = None) -> PlacedPlan:
     """validate -> plan -> place an edited document. Problems at edited keys name the edit;
     with the unedited ``base``, so does a missing column that a dropped or swapped node made."""
     edits = tuple(edits)
     cluster = cluster or Cluster.local()
+    operators = OPERATORS if operators is None else operators
     try:
-        placed = place(plan(validate(doc)), cluster)
+        placed = place(plan(validate(doc, operators)), cluster)
     except GraphError as err:
-        made = _made_by_edits(base, edits) if base is not None else {}
-        raise type(err)([_relocate(p, edits, made, doc) for p in err.problems]) from None
+        made = _made_by_edits(base, edits, operators) if base is not None else {}
+        raise type(err)([_relocate(p, edits, made, doc, operators) for p in err.problems]) from None
     if not edits:
         return placed
     # compiled once: the markers (negative lines at edited keys) only served the problems above;
@@ -494,15 +511,16 @@ def _with_doc(placed: PlacedPlan, doc: GraphDoc) -> PlacedPlan:
     return dc_replace(placed, plan=dc_replace(placed.plan, nodes=nodes, doc=doc))
 
 
-def _made_by_edits(base: GraphDoc, edits: tuple[Edit, ...]) -> dict[str, tuple[int, str]]:
+def _made_by_edits(base: GraphDoc, edits: tuple[Edit, ...],
+                   operators: Mapping[str, type]) -> dict[str, tuple[int, str]]:
     """column -> (index of the drop/swap edit that removed its producer, that node's id)."""
-    from dapo_flow.graph.contract import produces
+    from dapo_flow.core.contract import produces
 
     out: dict[str, tuple[int, str]] = {}
     nodes = {n.get("id"): n for n in base.get(("nodes",), []) or [] if isinstance(n, dict)}
     for k, edit in enumerate(edits):
         node = nodes.get(getattr(edit, "node", None)) if isinstance(edit, (DropEdit, SwapEdit)) else None
-        cls = OPERATORS.get(node.get("op")) if node else None
+        cls = operators.get(node.get("op")) if node else None
         if cls is None:
             continue
         try:
@@ -515,11 +533,11 @@ def _made_by_edits(base: GraphDoc, edits: tuple[Edit, ...]) -> dict[str, tuple[i
 
 
 def _relocate(problem: Problem, edits: tuple[Edit, ...], made: Mapping[str, tuple[int, str]],
-              doc: GraphDoc) -> Problem:
+              doc: GraphDoc, operators: Mapping[str, type]) -> Problem:
     hint = problem.hint
     missing = problem.column if problem.code == MISSING_COLUMN else ""
     if missing:
-        hint = _param_fix(doc, problem.node, missing) or hint
+        hint = _param_fix(doc, problem.node, missing, operators) or hint
     if problem.line >= 0 and missing and missing in made:
         k, node = made[missing]
         edit = edits[k]
@@ -536,16 +554,16 @@ def _relocate(problem: Problem, edits: tuple[Edit, ...], made: Mapping[str, tupl
     return dc_replace(problem, file=origin.file, line=origin.line, hint=hint)
 
 
-def _param_fix(doc: GraphDoc, node_id: str, column: str) -> str:
+def _param_fix(doc: GraphDoc, node_id: str, column: str, operators: Mapping[str, type]) -> str:
     """'--set adv.reward_column=score' when a param of the node picks the missing column."""
     node = next((n for n in doc.get(("nodes",), []) or [] if isinstance(n, dict) and n.get("id") == node_id), None)
-    cls = OPERATORS.get(node.get("op")) if node else None
+    cls = operators.get(node.get("op")) if node else None
     if cls is None:
         return ""
     import typing
 
     given = node.get("params") or {}
-    made = _columns_made(doc)
+    made = _columns_made(doc, operators)
     for name, info in cls.Params.model_fields.items():
         value = given.get(name, info.default)
         options = typing.get_args(info.annotation) if typing.get_origin(info.annotation) is typing.Literal else ()
@@ -555,14 +573,14 @@ def _param_fix(doc: GraphDoc, node_id: str, column: str) -> str:
     return ""
 
 
-def _columns_made(doc: GraphDoc) -> set[str]:
+def _columns_made(doc: GraphDoc, operators: Mapping[str, type]) -> set[str]:
     """Every column some node of the graph (or the prompt source) produces."""
-    from dapo_flow.graph import columns as C
-    from dapo_flow.graph.contract import produces
+    from dapo_flow.core import columns as C
+    from dapo_flow.core.contract import produces
 
     made = set(C.prompt_schema().names)
     for n in doc.get(("nodes",), []) or []:
-        cls = OPERATORS.get(n.get("op")) if isinstance(n, dict) else None
+        cls = operators.get(n.get("op")) if isinstance(n, dict) else None
         if cls is None:
             continue
         try:
@@ -579,9 +597,10 @@ class Edited:
     doc: GraphDoc
     edits: tuple[Edit, ...]
     base: GraphDoc | None = None  # the unedited file, to name edits in downstream errors
+    operators: Mapping[str, type] | None = None  # the op registry (None: registry.OPERATORS)
 
     def compile(self, cluster: Cluster | None = None) -> PlacedPlan:
-        return compile_edited(self.doc, self.edits, cluster, self.base)
+        return compile_edited(self.doc, self.edits, cluster, self.base, self.operators)
 
     def yaml(self) -> str:
         return effective_yaml(self.doc, self.edits)
@@ -591,11 +610,11 @@ class Edited:
         return {f"edit.{i}": e.cli() for i, e in enumerate(self.edits)}
 
 
-def edit_file(path: str | Path, edits: Iterable[Edit] = ()) -> Edited:
-    """load + apply_edits."""
+def edit_file(path: str | Path, edits: Iterable[Edit] = (), operators: Mapping[str, type] | None = None) -> Edited:
+    """load + apply_edits; ``operators`` as for ``validate``."""
     edits = tuple(edits)
     doc = load(path)
-    return Edited(apply_edits(doc, edits) if edits else doc, edits, doc)
+    return Edited(apply_edits(doc, edits, operators) if edits else doc, edits, doc, operators)
 
 
 def effective_yaml(doc: GraphDoc, edits: Iterable[Edit] = ()) -> str:

@@ -1,4 +1,4 @@
-"""The prompt budget: how many tokens a prompt may have, and what happens to a longer one.
+"""The prompt budget of a graph: how many tokens a prompt may have, and what happens to a longer one.
 
 A graph sets it in its `data:` block with verl's names (`max_prompt_length`, `truncation`,
 `filter_overlong_prompts`), or per source (`max_prompt_tokens`, which takes the place of
@@ -14,38 +14,14 @@ Pure and light (no torch, no tokenizer): a model's context comes from its config
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Literal, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
+from dapo_flow.data.prompt_budget import Overlong, PromptBudget
 from dapo_flow.errors import DataError
 
 if TYPE_CHECKING:
     from dapo_flow.graph.plan import Plan
     from dapo_flow.graph.spec import DataSourceSpec, DataSpec, ModelSpec
-
-Overlong = Literal["error", "filter", "left", "right"]
-
-
-@dataclass(frozen=True)
-class PromptBudget:
-    """At most ``tokens`` prompt tokens. A longer prompt: ``error``, a bad row (the source's
-    on_bad_row decides); ``filter``, dropped and counted; ``left``, its last ``tokens`` kept;
-    ``right``, its first. ``name`` says what set the bound, ``fix`` how to let a row through
-    (both for the messages)."""
-
-    tokens: int
-    overlong: Overlong = "error"
-    name: str = "max_prompt_tokens"
-    fix: str = "raise max_prompt_tokens or shorten the prompt"
-
-    @classmethod
-    def of_source(cls, tokens: int) -> "PromptBudget":
-        """A source's own ``max_prompt_tokens``, longer prompts bad rows (the loaders' shorthand)."""
-        return cls(tokens, "error", f"max_prompt_tokens={tokens}")
-
-    def fit(self, ids: list[int]) -> list[int]:
-        """The token ids kept of a prompt over the budget (``left``/``right``; verl keeps
-        ``ids[-n:]`` / ``ids[:n]``, the BOS too when it is cut off)."""
-        return list(ids[-self.tokens:]) if self.overlong == "left" else list(ids[: self.tokens])
 
 
 @dataclass(frozen=True)

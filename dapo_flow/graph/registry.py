@@ -48,7 +48,7 @@ def load_plugins(registry: dict[str, type] = OPERATORS) -> dict[str, type]:
     entry-point group, and import the modules they declare under `dapo_flow.plugins` (whose
     top-level code adds to the other registries); called by the CLI, never at import time.
     A plugin that fails to import is an ImportSpecError naming it."""
-    from dapo_flow.graph.imports import ImportSpecError
+    from dapo_flow.core.imports import ImportSpecError
 
     for group in (PLUGIN_GROUP, MODULE_PLUGIN_GROUP):
         for ep in entry_points(group=group):

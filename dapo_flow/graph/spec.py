@@ -152,10 +152,6 @@ class TrainSpec(_Frozen):
         return self.resolved_strategy in ("fsdp2", "ddp")
 
 
-# defaults written out (a dump) are fine; these are placement and sync, which every backend takes
-PLACEMENT_ROLLOUT_OPTIONS = ("replicas", "weight_sync", "sync_bucket_mb")
-
-
 class RolloutSpec(_Frozen):
     """The rollout engine's settings (backends that take them: `vllm`; `replicas`: any)."""
 
@@ -235,14 +231,14 @@ class ModelSpec(_Frozen):
     @field_validator("backend")
     @classmethod
     def _known_backend(cls, value: str) -> str:
-        from dapo_flow.graph.contract import registered
+        from dapo_flow.core.contract import registered
         from dapo_flow.models.engines import BACKENDS  # the registry (light: no torch, no vllm)
 
         return registered(value, BACKENDS)
 
     @model_validator(mode="after")
     def _rollout_options_the_backend_takes(self) -> "ModelSpec":
-        from dapo_flow.models.engines import BACKENDS
+        from dapo_flow.models.engines import BACKENDS, PLACEMENT_ROLLOUT_OPTIONS
 
         backend = BACKENDS[self.backend]
         changed = {k for k, v in self.rollout.model_dump().items() if v != RolloutSpec.model_fields[k].default}

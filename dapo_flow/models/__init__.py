@@ -52,12 +52,12 @@ class Builtin:
 
 
 BUILTINS: dict[str, Builtin] = {
-    "tiny-adder": Builtin("dapo_flow.models.recipes.tiny_adder", "build_tiny_adder", "char"),
-    "tiny-chat": Builtin("dapo_flow.models.recipes.tiny_chat", "build_tiny_chat", "chat-bpe"),
-    "tiny-adder-critic": Builtin("dapo_flow.models.recipes.tiny_adder_critic", "build_tiny_adder_critic", "char"),
-    "tiny-adder-rm": Builtin("dapo_flow.models.recipes.tiny_adder_rm", "build_tiny_adder_rm", "char"),
-    "tiny-adder-judge": Builtin("dapo_flow.models.recipes.tiny_adder_judge", "build_tiny_adder_judge", "char"),
-    "tiny-agent": Builtin("dapo_flow.models.recipes.tiny_agent", "build_tiny_agent", "char"),
+    "tiny-adder": Builtin("dapo_flow.recipes.tiny_adder", "build_tiny_adder", "char"),
+    "tiny-chat": Builtin("dapo_flow.recipes.tiny_chat", "build_tiny_chat", "chat-bpe"),
+    "tiny-adder-critic": Builtin("dapo_flow.recipes.tiny_adder_critic", "build_tiny_adder_critic", "char"),
+    "tiny-adder-rm": Builtin("dapo_flow.recipes.tiny_adder_rm", "build_tiny_adder_rm", "char"),
+    "tiny-adder-judge": Builtin("dapo_flow.recipes.tiny_adder_judge", "build_tiny_adder_judge", "char"),
+    "tiny-agent": Builtin("dapo_flow.recipes.tiny_agent", "build_tiny_agent", "char"),
 }
 
 

@@ -95,6 +95,11 @@ class TrainablePolicy(Protocol):
 EngineFactory = Callable[..., RolloutEngine]
 
 
+#: the `rollout:` settings every backend takes: placement and the weight sync, which the runtime
+#: handles (defaults written out in a dump are fine for the rest, which a backend may not take)
+PLACEMENT_ROLLOUT_OPTIONS = ("replicas", "weight_sync", "sync_bucket_mb")
+
+
 @dataclass(frozen=True)
 class Backend:
     """A generation backend: how to build its engine, and whether that engine is the trainer."""
@@ -113,7 +118,7 @@ class Backend:
     partial_rollouts: bool = False
 
     def factory(self) -> EngineFactory:
-        from dapo_flow.graph.imports import load_object
+        from dapo_flow.core.imports import load_object
 
         return load_object(self.engine)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from dapo_flow.core.imports import skip_unneeded_transformers_imports
+
 HEADS: tuple[str, ...] = ("lm", "value", "reward")
 #: architecture name endings of the scalar heads, e.g. LlamaForTokenClassification
 HEAD_SUFFIXES = {"value": "ForTokenClassification", "reward": "ForSequenceClassification"}
@@ -32,33 +34,6 @@ def head_of_config(config: Mapping[str, Any] | None) -> str:
         if any(a.endswith(suffix) for a in archs):
             return head
     return "lm"
-
-
-#: transformers imports these, when installed, for features a language model's training and
-#: sampling never reach (sklearn: assisted decoding's confidence threshold; scipy: the object-
-#: detection losses): 1.8 of the ~6.4 CPU seconds a fresh process spends importing a model class
-#: (mlflow installs scikit-learn, so both are there). Each actor and worker process pays it.
-NOT_NEEDED_BY_LMS = ("is_sklearn_available", "is_scipy_available")
-
-
-def skip_unneeded_transformers_imports() -> None:
-    """Tell transformers that sklearn and scipy are absent, before its modeling code is first
-    imported in this process (a no-op after that, or if transformers renames the checks)."""
-    import sys
-
-    if "transformers.modeling_utils" in sys.modules:
-        return
-    import transformers.utils
-    import transformers.utils.import_utils
-
-    for name in NOT_NEEDED_BY_LMS:
-        for module in (transformers.utils, transformers.utils.import_utils):
-            if hasattr(module, name):
-                setattr(module, name, _absent)
-
-
-def _absent() -> bool:
-    return False
 
 
 def load_torch_model(path: Path, head: str, dtype) -> Any:

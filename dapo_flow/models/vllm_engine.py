@@ -280,7 +280,7 @@ def rollout_engine(path: Path | str, *, dtype: str, device: str, seed: int, trai
     """The `vllm` backend's engine (:data:`dapo_flow.models.engines.BACKENDS`): its own copy of
     the weights, synced from ``trainer`` after every update; ``options``: the model's `rollout:`
     settings (graph.spec.RolloutSpec)."""
-    from dapo_flow.graph.spec import PLACEMENT_ROLLOUT_OPTIONS
+    from dapo_flow.models.engines import PLACEMENT_ROLLOUT_OPTIONS
 
     # the engine's own settings (replicas and the weight sync are the runtime's)
     settings = options.model_dump(exclude=set(PLACEMENT_ROLLOUT_OPTIONS)) if options is not None else {}

@@ -23,8 +23,8 @@ from pydantic import BaseModel, Field, field_validator
 from dapo_flow import algos
 from dapo_flow.data.arrow_utils import (float_column, group_codes, padded_to_ragged, ragged_to_padded,
                                        response_mask, with_columns)
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import PARAMS_CONFIG, OpContext, registered
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import PARAMS_CONFIG, OpContext, registered
 
 class Params(BaseModel):
     model_config = PARAMS_CONFIG

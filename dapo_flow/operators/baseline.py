@@ -21,8 +21,8 @@ from pydantic import BaseModel
 
 from dapo_flow.data.arrow_utils import float_column, with_columns
 from dapo_flow.errors import RunError
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import PARAMS_CONFIG, OpContext
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import PARAMS_CONFIG, OpContext
 
 
 class Params(BaseModel):

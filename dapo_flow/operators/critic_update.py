@@ -18,8 +18,8 @@ from pydantic import Field
 
 from dapo_flow import algos
 from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, token_lists
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import OpContext
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import OpContext
 from dapo_flow.models.devices import host_floats
 from dapo_flow.training import OptimizerParams, make_trainer
 from dapo_flow.operators.update import metrics_row, step_rows

@@ -14,9 +14,9 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, Field
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import token_lists, with_columns
-from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.reductions import Rate, Seconds, Total
 
 

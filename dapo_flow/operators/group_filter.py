@@ -15,9 +15,9 @@ import pyarrow as pa
 from pydantic import BaseModel, Field
 
 from dapo_flow import algos
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import group_codes
-from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.reductions import Total
 
 # verl's metric names map onto our columns

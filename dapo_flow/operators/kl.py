@@ -18,9 +18,9 @@ import torch
 from pydantic import BaseModel, Field
 
 from dapo_flow import algos
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import float_column, ragged_to_padded, response_mask, with_columns
-from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
 
 KLType = Literal[algos.KL_BASE_KINDS]  # type: ignore[valid-type]
 

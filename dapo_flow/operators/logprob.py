@@ -21,9 +21,9 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, Field, model_validator
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import padded_to_ragged, response_mask, token_lists, with_columns
-from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
 
 
 class Params(BaseModel):

@@ -11,9 +11,9 @@ import pyarrow as pa
 from pydantic import BaseModel, Field, model_validator
 
 from dapo_flow import algos
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import float_column, with_columns
-from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
 
 
 class Params(BaseModel):

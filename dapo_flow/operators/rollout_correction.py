@@ -30,8 +30,8 @@ from pydantic import BaseModel, model_validator
 
 from dapo_flow import algos
 from dapo_flow.data.arrow_utils import padded_to_ragged, ragged_to_padded, response_mask, with_columns
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import PARAMS_CONFIG, OpContext
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import PARAMS_CONFIG, OpContext
 
 
 class Params(BaseModel):

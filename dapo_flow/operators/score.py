@@ -48,13 +48,13 @@ import pyarrow as pa
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from dapo_flow.algos import lowest_token_probability
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import token_lists, with_columns
 from dapo_flow.data.reward_pool import (  # as_number: re-exported, tests and plugins use it here
     BadReward, LoadFailed, RewardPool, RewardSpec, Row, WorkerDied, as_number, evaluate,
     exit_text, resolve_reward, short as _short,
 )
-from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.errors import RunError
 from dapo_flow.reductions import Total
 

@@ -24,8 +24,8 @@ from pydantic import Field, model_validator
 
 from dapo_flow import algos
 from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, token_lists
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import OpContext
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import OpContext
 from dapo_flow.models.devices import host_floats
 from dapo_flow.training import OptimizerParams, StepRows, make_trainer
 

@@ -13,8 +13,8 @@ import pyarrow as pa
 from pydantic import BaseModel, Field
 
 from dapo_flow.data.arrow_utils import padded_to_ragged, token_lists, with_columns
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
 
 
 class Params(BaseModel):

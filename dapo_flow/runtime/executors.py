@@ -23,7 +23,7 @@ from dapo_flow.errors import RunError
 from dapo_flow.runtime import group
 from dapo_flow.runtime.ports import free_port, node_address
 from dapo_flow.runtime.tables import TableParts, assemble
-from dapo_flow.graph.contract import contract_of
+from dapo_flow.core.contract import contract_of
 from dapo_flow.runtime.worker import LIVE_METHODS, GroupMember, Share, StageSetup, StageWorker, resolve_op
 from dapo_flow.graph.plan import DRIVER, Cluster
 from dapo_flow.graph.spec import GraphSpec

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.reductions import kind_of, over_workers
 from dapo_flow.runtime.tables import ChainInfo, Report
 

@@ -8,7 +8,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import pyarrow as pa
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.reductions import Max, Min, kind_of, over_calls
 
 

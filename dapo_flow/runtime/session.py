@@ -63,7 +63,7 @@ def generator_dir(plan):
 
 def generator_tokenizer(plan):
     """The tokenizer of :func:`generator_dir`'s model."""
-    from dapo_flow.models.heads import skip_unneeded_transformers_imports
+    from dapo_flow.core.imports import skip_unneeded_transformers_imports
 
     skip_unneeded_transformers_imports()
     from transformers import AutoTokenizer

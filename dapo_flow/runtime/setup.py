@@ -58,7 +58,8 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None, weights_vers
             nodes=tuple(
                 NodeSetup(
                     id=n.id, op=n.op, params=n.params.model_dump(mode="json"), model=n.model,
-                    impl=specs[n.id].impl, base_dir=base_dir,
+                    impl=specs[n.id].impl or f"{n.op_cls.__module__}:{n.op_cls.__qualname__}",
+                    base_dir=base_dir,
                 )
                 for n in members
             ),

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 
 Report = list[tuple[str, dict[str, float], float]]  # per node: (id, metrics, seconds)
 

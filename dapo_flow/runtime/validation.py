@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from dapo_flow import algos
 from dapo_flow.data.arrow_utils import group_codes
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 
 SAMPLE_COLUMNS = (C.PROMPT_TEXT, C.RESPONSE_TEXT, C.GROUND_TRUTH, C.SCORE, C.ACC,
                   C.NUM_TURNS, C.NUM_TOOL_CALLS, C.TOOL_ERRORS, C.CONVERSATION)  # agent-generate's, when there

@@ -18,7 +18,7 @@ from dapo_flow import threads
 from dapo_flow.runtime import group as group_rows
 from dapo_flow.runtime.metrics import batch_stats
 from dapo_flow.runtime.tables import ChainInfo, assemble, info_of, merge_inputs
-from dapo_flow.graph.contract import Contract, OpContext, contract_of
+from dapo_flow.core.contract import Contract, OpContext, contract_of
 from dapo_flow.graph.plan import GROUP_STRATEGIES
 from dapo_flow.graph.spec import GraphSpec
 from dapo_flow.models.lora import is_adapter_dir
@@ -39,9 +39,9 @@ class NodeSetup:
     id: str
     op: str
     params: Mapping[str, Any]
+    impl: str  # where its class is: `module:Class`, or a custom op's `file.py:Class`
     model: str | None = None
-    impl: str | None = None
-    base_dir: str = "."
+    base_dir: str = "."  # what a relative `file.py` resolves against
 
 
 @dataclass(frozen=True)
@@ -115,12 +115,11 @@ def quiet_libraries() -> None:
 
 
 def resolve_op(node: NodeSetup) -> type:
-    from dapo_flow.graph.imports import load_object
-    from dapo_flow.graph.registry import CUSTOM_OP, OPERATORS
+    """The node's operator class, imported in this process from where the compiler found it (a
+    plugin's too: no registry needs loading in an actor)."""
+    from dapo_flow.core.imports import load_object
 
-    if node.op == CUSTOM_OP:
-        return load_object(node.impl or "", base_dir=Path(node.base_dir))
-    return OPERATORS[node.op]
+    return load_object(node.impl, base_dir=Path(node.base_dir))
 
 
 class StageWorker:

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 from pydantic import BaseModel, Field
 
 from dapo_flow.errors import DapoFlowError
-from dapo_flow.graph.contract import PARAMS_CONFIG
+from dapo_flow.core.contract import PARAMS_CONFIG
 
 #: What OpenAI accepts as a function name; the name is also how calls and graphs refer to a tool.
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"

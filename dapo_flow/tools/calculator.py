@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
-from dapo_flow.graph.contract import PARAMS_CONFIG
+from dapo_flow.core.contract import PARAMS_CONFIG
 from dapo_flow.tools.base import ToolResult, error_result
 
 Number = int | float

@@ -12,7 +12,7 @@ from typing import Iterable
 
 from pydantic import BaseModel, ValidationError
 
-from dapo_flow.graph.imports import ImportSpecError, load_object
+from dapo_flow.core.imports import ImportSpecError, load_object
 from dapo_flow.tools.base import TOOL_METHODS, Tool, ToolError, ToolSpec
 from dapo_flow.tools.calculator import Calculator
 from dapo_flow.tools.sandbox import PythonSandbox

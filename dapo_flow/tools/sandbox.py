@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from dapo_flow.graph.contract import PARAMS_CONFIG
+from dapo_flow.core.contract import PARAMS_CONFIG
 from dapo_flow.tools import isolation
 from dapo_flow.tools.base import ToolError, ToolResult, error_result
 

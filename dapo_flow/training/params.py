@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from dapo_flow import algos
-from dapo_flow.graph.contract import PARAMS_CONFIG
+from dapo_flow.core.contract import PARAMS_CONFIG
 
 LossAgg = Literal[algos.LOSS_AGG_MODES]  # type: ignore[valid-type]
 

@@ -25,8 +25,8 @@ import polars as pl
 import pyarrow as pa
 from pydantic import BaseModel, Field
 
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import PARAMS_CONFIG
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import PARAMS_CONFIG
 
 
 class Params(BaseModel):

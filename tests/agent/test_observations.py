@@ -16,8 +16,8 @@ def test_compact_observations_are_result_blocks():
 
 
 def test_hermes_observations_follow_the_chat_template():
-    from dapo_flow.models.recipes import tiny_chat
-    from dapo_flow.models.recipes.chat_tokenizer import train_chat_tokenizer
+    from dapo_flow.recipes import tiny_chat
+    from dapo_flow.recipes.chat_tokenizer import train_chat_tokenizer
 
     # tiny-chat's ChatML tokenizer, trained as its build trains it (seconds; no model needed)
     tok = train_chat_tokenizer(tiny_chat.corpus(tiny_chat.ChainTask()), vocab_size=tiny_chat.RECIPE.vocab_size,

@@ -53,7 +53,7 @@ def chat_model(tmp_path_factory) -> str:
     else a build of its recipe cut to a few steps (seconds; the shipped one trains ~2-5 minutes on
     one core): the same directory layout, tokenizer and shapes, for runs of a few steps."""
     from dapo_flow.models import builtin_dir
-    from dapo_flow.models.recipes import tiny_chat
+    from dapo_flow.recipes import tiny_chat
 
     import model_builds
 

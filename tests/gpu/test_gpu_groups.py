@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
 
 STAGE = "model:policy"
 UPDATE = {"lr": 1e-3, "micro_batch_size": 3, "ppo_epochs": 2, "clip_high": 0.28}
+UPDATE_OP = "dapo_flow.operators.update:Update"  # where a worker imports the node's class from
 
 
 def _graph(model_path, strategy: str | None):
@@ -37,7 +38,7 @@ def _worker(model_path, strategy: str, model_paths: dict | None = None):
     from dapo_flow.runtime.ports import free_port
     from dapo_flow.runtime.worker import GroupMember, NodeSetup, StageSetup, StageWorker
 
-    setup = StageSetup(name=STAGE, nodes=(NodeSetup(id="train", op="update", params=UPDATE, model="policy"),),
+    setup = StageSetup(name=STAGE, nodes=(NodeSetup(id="train", op="update", params=UPDATE, impl=UPDATE_OP, model="policy"),),
                        models=("policy",), trainable=("policy",), scores=("policy",),
                        model_paths=model_paths or {}, strategy=strategy, workers=1)
     if strategy != "none":

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 def _batch(policy, count: int) -> pa.Table:
     """Each of ``count`` addition problems with its right answer (advantage +1) and a wrong one (-1)."""
     from dapo_flow.data.tasks import AdditionTask
-    from dapo_flow.graph import columns as C
+    from dapo_flow.core import columns as C
 
     tok = policy.tokenizer
     prompts, responses, adv = [], [], []
@@ -34,7 +34,7 @@ def _batch(policy, count: int) -> pa.Table:
 
 
 def test_a_bf16_update_on_the_gpu_keeps_float32_master_weights(builtin, device):
-    from dapo_flow.graph.contract import OpContext
+    from dapo_flow.core.contract import OpContext
     from dapo_flow.graph.spec import ModelSpec
     from dapo_flow.models.hf import HFPolicy
     from dapo_flow.operators.logprob import Logprob

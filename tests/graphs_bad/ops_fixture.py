@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 
 
 class NoParams(BaseModel):

@@ -24,7 +24,7 @@ import torch
 
 torch.set_num_threads(1)  # two ranks on two cores
 
-from dapo_flow.models.heads import skip_unneeded_transformers_imports  # noqa: E402
+from dapo_flow.core.imports import skip_unneeded_transformers_imports  # noqa: E402
 
 skip_unneeded_transformers_imports()  # as the training workers load models
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402

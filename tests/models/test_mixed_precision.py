@@ -16,8 +16,8 @@ import torch
 
 from dapo_flow.data.tasks import AdditionTask
 from dapo_flow.errors import ModelError
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import OpContext
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import OpContext
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.models.hf import HFPolicy
 from dapo_flow.models.sampling import SamplingConfig

@@ -13,7 +13,7 @@ import dapo_flow.models as models
 from dapo_flow.errors import ModelError
 from dapo_flow.home import dapo_flow_home
 from dapo_flow.models import build_builtin, resolve_model
-from dapo_flow.models.recipes.tiny_adder import BUILD_INFO, RECIPE_VERSION, build_tiny_adder
+from dapo_flow.recipes.tiny_adder import BUILD_INFO, RECIPE_VERSION, build_tiny_adder
 from dapo_flow.data.tasks import AdditionTask, verify_addition
 
 BAND = (0.20, 0.50)  # RL needs groups with both right and wrong samples
@@ -61,7 +61,7 @@ def test_a_short_recipe_build_is_byte_reproducible(tmp_path: Path):
     figures to the printed digit), so a second full build (~1 min) would add nothing."""
     import dataclasses
 
-    from dapo_flow.models.recipes import tiny_adder
+    from dapo_flow.recipes import tiny_adder
 
     short = dataclasses.replace(tiny_adder.RECIPE, steps=20, eval_samples_per_prompt=1)
     a, b = (build_tiny_adder(tmp_path / name, progress=False, recipe=short) for name in ("a", "b"))

@@ -17,8 +17,8 @@ import pytest
 from dapo_flow.data.tasks import Problem
 from dapo_flow.data.tool_arith import ToolArithTask, verify_tool_arith
 from dapo_flow.models import model_config, resolve_model
-from dapo_flow.models.recipes import tiny_agent
-from dapo_flow.models.recipes.warm_start import deterministic_torch, group_weights, supervised_labels
+from dapo_flow.recipes import tiny_agent
+from dapo_flow.recipes.warm_start import deterministic_torch, group_weights, supervised_labels
 
 # tuned bands: RL needs groups with right and wrong samples, and room to gain by calling more
 TOOL_CALL_RATE = (0.15, 0.40)

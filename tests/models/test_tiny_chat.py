@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dapo_flow.data.chain_task import ChainTask
-from dapo_flow.models.recipes import tiny_chat
-from dapo_flow.models.recipes.chat_tokenizer import IM_END, IM_START
+from dapo_flow.recipes import tiny_chat
+from dapo_flow.recipes.chat_tokenizer import IM_END, IM_START
 
 from model_builds import short_tiny_chat
 

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import OpContext
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import OpContext
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.models.devices import host_floats, to_device, to_host
 from dapo_flow.operators.critic_update import CriticUpdate, ValueLoss

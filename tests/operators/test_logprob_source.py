@@ -6,8 +6,8 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import OpContext, produces, requires
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import OpContext, produces, requires
 from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.operators.logprob import Logprob, Params

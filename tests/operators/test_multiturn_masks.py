@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import OpContext
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import OpContext
 from dapo_flow.graph.registry import OPERATORS
 
 # row 0: turn 1 (3 model tokens, EOS included), a tool's observation (2 tokens), turn 2 (2 tokens)

@@ -10,7 +10,7 @@ import torch
 
 from dapo_flow import algos
 from dapo_flow.data.arrow_utils import ragged_to_padded
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.operators.rollout_correction import Params, RolloutCorrection
 
 

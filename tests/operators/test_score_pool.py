@@ -12,8 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from dapo_flow.errors import RunError
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import OpContext
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import OpContext
 from dapo_flow.graph.registry import OPERATORS
 
 pytestmark = pytest.mark.timeout(120)  # a pool that hangs fails the test, not the suite

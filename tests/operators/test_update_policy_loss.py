@@ -12,8 +12,8 @@ import torch
 from pydantic import ValidationError
 
 from dapo_flow import algos
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import OpContext
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import OpContext
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.operators.update import Params, Update
 

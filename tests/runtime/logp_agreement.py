@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 
 METRIC = "check/logp_max_abs_diff"
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dapo_flow.graph.contract import contract_of
+from dapo_flow.core.contract import contract_of
 from dapo_flow.errors import GraphError, ModelError
 from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster

@@ -12,7 +12,7 @@ from dapo_flow.data.stream import OK, numbered_batches, rebatched
 from dapo_flow.errors import DataError, RunError
 from dapo_flow.experiments.eval_data import ResponseWriter
 from dapo_flow.experiments.evaluate import evaluate
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime.validation import ValidationTally

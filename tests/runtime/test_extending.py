@@ -18,8 +18,8 @@ from dapo_flow.tracking import default_tracking_uri, latest_run, read_run
 EXTENSIONS = '''
 import pyarrow as pa
 
-from dapo_flow.graph import columns as C
-from dapo_flow.graph.contract import PARAMS_CONFIG
+from dapo_flow.core import columns as C
+from dapo_flow.core.contract import PARAMS_CONFIG
 from dapo_flow.runtime.executors import LocalExecutor
 from pydantic import BaseModel
 

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.data.prompts import load_prompts
 from dapo_flow.errors import DataError

@@ -21,9 +21,9 @@ from rich.console import Console
 
 from dapo_flow import algos
 from dapo_flow.errors import GraphError
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.graph.compiler import compile_graph, explain
-from dapo_flow.graph.contract import OpContext
+from dapo_flow.core.contract import OpContext
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import checkpoint, execute
 from dapo_flow.runtime.loop import Runner

@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from dapo_flow.errors import GraphError, RunError
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.graph.compiler import compile_graph, explain
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute

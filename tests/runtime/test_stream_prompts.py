@@ -9,7 +9,7 @@ import pytest
 
 from dapo_flow.data.stream import OK, StreamSampler, TokenizeBatch, local_batches
 from dapo_flow.errors import DataError
-from dapo_flow.graph import columns as C
+from dapo_flow.core import columns as C
 from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute

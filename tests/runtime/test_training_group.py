@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
 
 STAGE = "model:policy"
 UPDATE = {"lr": 1e-3, "micro_batch_size": 3, "ppo_epochs": 2, "clip_high": 0.28}
+UPDATE_OP = "dapo_flow.operators.update:Update"  # where a worker imports the node's class from
 LORA = None  # train.lora of the graphs (a test sets it)
 
 
@@ -34,7 +35,7 @@ def _graph(model_path, workers: int, strategy: str | None) -> GraphSpec:
 
 def _setup(workers: int, strategy: str, model_paths: dict | None = None) -> StageSetup:
     return StageSetup(
-        name=STAGE, nodes=(NodeSetup(id="train", op="update", params=UPDATE, model="policy"),),
+        name=STAGE, nodes=(NodeSetup(id="train", op="update", params=UPDATE, impl=UPDATE_OP, model="policy"),),
         models=("policy",), trainable=("policy",), scores=("policy",), num_threads=1,
         model_paths=model_paths or {}, strategy=strategy, workers=workers)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo_flow.data.tasks import AdditionTask, verify_addition
-from dapo_flow.models.recipes.warm_start import (  # noqa: F401 (BUILD_INFO: for callers)
+from dapo_flow.recipes.warm_start import (  # noqa: F401 (BUILD_INFO: for callers)
     BUILD_INFO, char_llama, deterministic_torch, sampled_accuracy_of, save_model_dir, set_generation_config,
     supervised_fit, write_build_info)
 

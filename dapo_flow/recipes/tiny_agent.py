@@ -33,7 +33,7 @@ import numpy as np
 
 from dapo_flow.data.tasks import Problem
 from dapo_flow.data.tool_arith import ToolArithTask, call_text, observation_text, verify_tool_arith
-from dapo_flow.models.recipes.warm_start import (  # noqa: F401 (BUILD_INFO: for callers)
+from dapo_flow.recipes.warm_start import (  # noqa: F401 (BUILD_INFO: for callers)
     BUILD_INFO, char_llama, deterministic_torch, save_model_dir, set_generation_config, supervised_fit,
     write_build_info)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dapo_flow.models.recipes import tiny_adder
+from dapo_flow.recipes import tiny_adder
 
 # follows the policy's recipe: a new tiny-adder is a new critic
 RECIPE_VERSION = 100 * tiny_adder.RECIPE_VERSION + 1
@@ -29,7 +29,7 @@ def build_tiny_adder_critic(out_dir: Path, *, progress: bool = True) -> Path:
 
     from dapo_flow.models import resolve_model
     from dapo_flow.models.heads import load_torch_model
-    from dapo_flow.models.recipes.warm_start import save_model_dir
+    from dapo_flow.recipes.warm_start import save_model_dir
 
     policy_dir = resolve_model("builtin:tiny-adder", progress=progress)
     model = load_torch_model(policy_dir, "value", torch.float32)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dapo_flow.data.tasks import AdditionTask, verify_addition
-from dapo_flow.models.recipes import tiny_adder
+from dapo_flow.recipes import tiny_adder
 
 RECIPE_VERSION = 100 * tiny_adder.RECIPE_VERSION + 2
 
@@ -63,7 +63,7 @@ def build_tiny_adder_rm(out_dir: Path, *, seed: int = 0, progress: bool = True, 
 
     from dapo_flow.models import resolve_model
     from dapo_flow.models.hf import HFPolicy
-    from dapo_flow.models.recipes.warm_start import deterministic_torch, lr_factor, save_model_dir, write_build_info
+    from dapo_flow.recipes.warm_start import deterministic_torch, lr_factor, save_model_dir, write_build_info
 
     out_dir = Path(out_dir)
     task = AdditionTask()

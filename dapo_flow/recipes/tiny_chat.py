@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo_flow.data.chain_task import ChainTask, question, solution, verify_chain
-from dapo_flow.models.recipes.warm_start import (BUILD_INFO, deterministic_torch, sampled_accuracy_of,
+from dapo_flow.recipes.warm_start import (BUILD_INFO, deterministic_torch, sampled_accuracy_of,
                                                  save_model_dir, supervised_fit, write_build_info)
 
 RECIPE_VERSION = 2  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
@@ -79,7 +79,7 @@ def build_tiny_chat(out_dir: Path, *, seed: int = 0, progress: bool = True, reci
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from dapo_flow.models.recipes.chat_tokenizer import train_chat_tokenizer
+    from dapo_flow.recipes.chat_tokenizer import train_chat_tokenizer
 
     out_dir = Path(out_dir)
     task = ChainTask()  # the default splits `builtin:chain` serves

@@ -3,7 +3,7 @@
 An operator is a plain class (no base class to inherit from):
 
 - ``Params``: a frozen Pydantic model (``extra="forbid"``), every field documented.
-- ``REQUIRES`` / ``PRODUCES``: ``{column: arrow type}`` (see ``dapo_flow.graph.columns``). An
+- ``REQUIRES`` / ``PRODUCES``: ``{column: arrow type}`` (see ``dapo_flow.core.columns``). An
   operator whose columns depend on its params defines ``requires(params)`` /
   ``produces(params)`` classmethods instead; :func:`requires` / :func:`produces` read either.
 - ``CARDINALITY``: ``map`` (one row out per row in), ``filter`` (drops whole rows; with

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo_flow.data.tasks import AdditionTask
-from dapo_flow.models.recipes import tiny_adder, tiny_adder_rm
+from dapo_flow.recipes import tiny_adder, tiny_adder_rm
 
 # its agreement figure is measured on tiny-adder's samples: a new tiny-adder is a new build
 RECIPE_VERSION = 100 * tiny_adder.RECIPE_VERSION + 4
@@ -44,7 +44,7 @@ def build_tiny_adder_judge(out_dir: Path, *, seed: int = 0, progress: bool = Tru
     """Train, save and evaluate the judge into ``out_dir``; returns ``out_dir``."""
     from dapo_flow.models import resolve_model
     from dapo_flow.models.tokenizer import build_char_tokenizer
-    from dapo_flow.models.recipes.warm_start import (char_llama, deterministic_torch, save_model_dir,
+    from dapo_flow.recipes.warm_start import (char_llama, deterministic_torch, save_model_dir,
                                                      set_generation_config, write_build_info)
 
     out_dir = Path(out_dir)
