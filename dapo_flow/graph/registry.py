@@ -1,4 +1,7 @@
-"""The one registry: op name -> operator class. Plugins are loaded into it explicitly."""
+"""The default op registry: op name -> operator class, the built-ins plus the plugins the CLI
+loads into it. ``validate`` / ``compile_graph`` / the edits take a registry as they take the
+cluster, this one when none is handed in; workers never read it (each node's setup names the
+module its class came from)."""
 
 from __future__ import annotations
 
