@@ -387,27 +387,35 @@ def test_explain_says_how_weights_travel_between_actors():
     assert "through the object store as float32" in sync_line("models.policy.rollout.weight_sync=object-store")
 
 
-def test_the_op_registry_is_handed_to_the_compiler(tmp_path):
-    """As the cluster is: a caller's registry decides which op names a graph may use, in
-    validate, edits and the worker setups, without touching the default one."""
+def test_the_registries_are_handed_to_the_compiler(tmp_path):
+    """As the cluster is: a caller's registries decide which op and backend names a graph may
+    use, in validate, edits and the worker setups, without touching the default ones."""
+    from dataclasses import replace as dc_replace
+
     from dapo_flow.graph.edits import SwapEdit, edit_file
-    from dapo_flow.graph.registry import OPERATORS
+    from dapo_flow.graph.registry import OPERATORS, Registries
+    from dapo_flow.models.engines import BACKENDS
     from dapo_flow.operators.score import Score
     from dapo_flow.runtime.setup import stage_setups
 
-    mine = {**{k: v for k, v in OPERATORS.items() if k != "score"}, "grade": Score}
+    torch_engine = dc_replace(BACKENDS["hf"], description="the hf engine under a name of my own")
+    mine = Registries(operators={**{k: v for k, v in OPERATORS.items() if k != "score"}, "grade": Score},
+                      backends={"torch": torch_engine})
     with pytest.raises(GraphError) as err:
-        compile_graph(DAPO, operators=mine)
-    assert "unknown op 'score'" in str(err.value)
+        compile_graph(DAPO, registries=mine)
+    assert "unknown op 'score'" in str(err.value) and "models.policy.backend" in str(err.value)
     graph = tmp_path / "graded.yaml"
-    graph.write_text((DAPO).read_text().replace("op: score", "op: grade"))
+    graph.write_text(DAPO.read_text().replace("op: score", "op: grade").replace("backend: hf", "backend: torch"))
     with pytest.raises(GraphError, match="unknown op 'grade'"):
         compile_graph(graph)
-    placed = compile_graph(graph, operators=mine)
-    setups = [n for s in stage_setups(placed).values() for n in s.nodes]
-    assert [(n.op, n.impl) for n in setups if n.op == "grade"] == [("grade", "dapo_flow.operators.score:Score")]
-    assert "grade" not in OPERATORS
-    swapped = edit_file(DAPO, [SwapEdit(node="verify", op="grade")], operators=mine).compile()
-    assert {n.id: n.op for n in swapped.plan.nodes}["verify"] == "grade"
+    placed = compile_graph(graph, registries=mine)
+    assert placed.plan.backends == {"policy": torch_engine}
+    setups = list(stage_setups(placed).values())
+    assert [(n.op, n.impl) for s in setups for n in s.nodes if n.op == "grade"] == [
+        ("grade", "dapo_flow.operators.score:Score")]
+    assert all(s.backends == {"policy": torch_engine} for s in setups if "policy" in s.models)
+    assert "grade" not in OPERATORS and "torch" not in BACKENDS
+    swapped = edit_file(DAPO, [SwapEdit(node="verify", op="grade")], registries=dc_replace(mine, backends=BACKENDS))
+    assert {n.id: n.op for n in swapped.compile().plan.nodes}["verify"] == "grade"
     with pytest.raises(GraphError, match="unknown op 'grade'"):
         edit_file(DAPO, [SwapEdit(node="verify", op="grade")])

@@ -26,8 +26,8 @@ from dapo_flow.core.imports import load_object
 from dapo_flow.graph.loader import GraphDoc, PathKey
 from dapo_flow.graph.plan import ValidGraph
 from dapo_flow.graph.problems import COLUMN_TYPE, MISSING_COLUMN, Found, did_you_mean, pydantic_problems, type_name
-from dapo_flow.graph.registry import CUSTOM_OP, OPERATORS
-from dapo_flow.graph.spec import PROMPTS_SOURCE, GraphSpec, NodeSpec
+from dapo_flow.graph.registry import CUSTOM_OP, Registries
+from dapo_flow.graph.spec import BACKENDS_CONTEXT, PROMPTS_SOURCE, GraphSpec, NodeSpec
 
 
 # --- validate -------------------------------------------------------------------------
@@ -67,15 +67,16 @@ class _Node:
         return self.path + ("params", *contract_of(self.cls).model_param)
 
 
-def validate(doc: GraphDoc, operators: Mapping[str, type] | None = None) -> ValidGraph:
+def validate(doc: GraphDoc, registries: Registries | None = None) -> ValidGraph:
     """Check everything; raise one GraphError listing every problem, sorted by line.
-    ``operators``: the op names a node may use (default: the built-ins and loaded plugins,
-    ``registry.OPERATORS``)."""
-    operators = OPERATORS if operators is None else operators
+    ``registries``: what the graph's op and backend names mean (default: the built-ins and
+    loaded plugins)."""
+    registries = registries or Registries()
+    operators = registries.operators
     found = Found(doc)
     spec: GraphSpec | None = None
     try:
-        spec = GraphSpec.model_validate(doc.raw)
+        spec = GraphSpec.model_validate(doc.raw, context={BACKENDS_CONTEXT: registries.backends})
     except ValidationError as err:
         pydantic_problems(found, err, (), GraphSpec)
     nodes = _node_specs(doc, spec)
@@ -118,6 +119,7 @@ def validate(doc: GraphDoc, operators: Mapping[str, type] | None = None) -> Vali
         in_schema=MappingProxyType({i: schemas[i].in_schema for i in by_id}),
         out_schema=MappingProxyType({i: schemas[i].out_schema for i in by_id}),
         order=order,
+        backends=MappingProxyType({name: registries.backends[m.backend] for name, m in spec.models.items()}),
     )
 
 

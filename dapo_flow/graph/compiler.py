@@ -22,19 +22,19 @@ from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import load
 from dapo_flow.graph.plan import (DRIVER, IN_ACTOR, TRANSFER, Call, Cluster, PlacedPlan, Plan, PlanNode, Stage,
                                   Sync, ValidGraph)
-from dapo_flow.models.engines import BACKENDS
+from dapo_flow.graph.registry import Registries
 from dapo_flow.graph.problems import type_name
 from dapo_flow.graph.rewrites import REWRITES
 
 
-__all__ = ["Cluster", "compile_graph", "explain", "load", "place", "plan", "validate"]
+__all__ = ["Cluster", "Registries", "compile_graph", "explain", "load", "place", "plan", "validate"]
 
 
 def compile_graph(path: str | Path, cluster: Cluster | None = None,
-                  operators: Mapping[str, type] | None = None) -> PlacedPlan:
-    """The whole chain; ``cluster`` defaults to this machine, ``operators`` (the op registry:
-    op name -> operator class) to the built-ins and loaded plugins (``registry.OPERATORS``)."""
-    return place(plan(validate(load(path), operators)), cluster or Cluster.local())
+                  registries: Registries | None = None) -> PlacedPlan:
+    """The whole chain; ``cluster`` defaults to this machine, ``registries`` (what op and
+    backend names mean) to the built-ins and loaded plugins."""
+    return place(plan(validate(load(path), registries)), cluster or Cluster.local())
 
 
 # --- plan and place -------------------------------------------------------------------
@@ -55,7 +55,7 @@ def plan(valid: ValidGraph) -> Plan:
             line=valid.doc.line_of(("nodes", index[nid])), role=role(cls),
         ))
     result = Plan(spec=valid.spec, file=valid.file, nodes=tuple(nodes),
-                  train=tuple(valid.order), doc=valid.doc)
+                  train=tuple(valid.order), doc=valid.doc, backends=dict(valid.backends))
     for rewrite in REWRITES:
         result = rewrite(result)
     return result
@@ -152,7 +152,7 @@ def _partial_problems(plan: Plan) -> list[Problem]:
                     f"set models.{node.model}.backend to one that can (hf, vllm), or remove "
                     "run.partial_rollouts (the weight sync then waits for the generation batch in flight)")
             for node in plan.with_role("generate")
-            if node.model and not BACKENDS[plan.spec.models[node.model].backend].partial_rollouts]
+            if node.model and not plan.backends[node.model].partial_rollouts]
 
 
 def _rollout_problem(plan: Plan, model: str, key: str, message: str, fix: str) -> Problem:
@@ -305,7 +305,7 @@ def _syncs(plan: Plan, stage_of: Mapping[str, str]) -> tuple[Sync, ...]:
         for target in targets:
             if target != source:
                 out.append(Sync(after, model, source, target, TRANSFER))
-            elif not BACKENDS[plan.spec.models[model].backend].generates_with_trainer:
+            elif not plan.backends[model].generates_with_trainer:
                 out.append(Sync(after, model, source, target, IN_ACTOR))
     return tuple(out)
 
@@ -505,7 +505,7 @@ def _precision(spec) -> str:
 def _rollout_settings(plan: Plan, model: str) -> str:
     """The rollout engine's settings, for a backend that takes them and a model that generates."""
     spec = plan.spec.models[model]
-    taken = BACKENDS[spec.backend].rollout_options
+    taken = plan.backends[model].rollout_options
     if not taken or not any(n.model == model for n in plan.with_role("generate")):
         return ""
     values = spec.rollout.model_dump()

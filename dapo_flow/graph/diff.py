@@ -15,7 +15,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from dapo_flow.graph.registry import OPERATORS
+from dapo_flow.graph.registry import Registries
 from dapo_flow.graph.spec import GraphSpec
 
 NODE_FIELDS = ("op", "inputs", "model", "impl")
@@ -47,12 +47,12 @@ def _flat(value: Any, prefix: str, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
-def flatten_graph(raw: Mapping[str, Any], operators: Mapping[str, type] | None = None
+def flatten_graph(raw: Mapping[str, Any], registries: Registries | None = None
                   ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """(section key -> value, node id -> {field or param -> value}), defaults filled in (an
     invalid value is kept as written, its siblings still get their defaults); a node's params
-    from its class in ``operators`` (default ``registry.OPERATORS``)."""
-    operators = OPERATORS if operators is None else operators
+    from its op's class in ``registries`` (default: the built-ins and plugins)."""
+    operators = (registries or Registries()).operators
     sections: dict[str, Any] = {}
     for name, info in GraphSpec.model_fields.items():
         if name == "nodes":
@@ -103,10 +103,9 @@ def _filled(annotation: Any, value: Any) -> Any:
     return value
 
 
-def diff_graphs(a: Mapping[str, Any], b: Mapping[str, Any],
-                operators: Mapping[str, type] | None = None) -> list[Change]:
+def diff_graphs(a: Mapping[str, Any], b: Mapping[str, Any], registries: Registries | None = None) -> list[Change]:
     """Changes from graph ``a`` to graph ``b``: sections first, then nodes in graph order."""
-    (sa, na), (sb, nb) = flatten_graph(a, operators), flatten_graph(b, operators)
+    (sa, na), (sb, nb) = flatten_graph(a, registries), flatten_graph(b, registries)
     changes = _diff_keys(sa, sb, "")
     for node in _merged_order(list(na), list(nb)):
         if node not in nb:

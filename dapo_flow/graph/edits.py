@@ -37,7 +37,7 @@ from dapo_flow.graph.problems import MISSING_COLUMN, did_you_mean
 from dapo_flow.errors import GraphError, Problem
 from dapo_flow.graph.loader import GraphDoc, PathKey, load
 from dapo_flow.graph.plan import Cluster, PlacedPlan
-from dapo_flow.graph.registry import CUSTOM_OP, OPERATORS
+from dapo_flow.graph.registry import CUSTOM_OP, Registries
 from dapo_flow.graph.spec import ID_PATTERN, PROMPTS_SOURCE, GraphSpec
 
 SECTIONS = tuple(f for f in GraphSpec.model_fields if f != "nodes")
@@ -268,13 +268,13 @@ _PARSERS = {"set": _parse_set, "drop": _parse_drop, "swap": _parse_swap, "insert
 # --- applying -----------------------------------------------------------------------------
 
 
-def apply_edits(doc: GraphDoc, edits: Iterable[Edit], operators: Mapping[str, type] | None = None) -> GraphDoc:
+def apply_edits(doc: GraphDoc, edits: Iterable[Edit], registries: Registries | None = None) -> GraphDoc:
     """The edited document (a new object); edited keys carry marker lines (see module doc).
-    ``operators``: the op names a swap or insert may use (default ``registry.OPERATORS``).
+    ``registries``: whose op names a swap or insert may use (default: the built-ins and plugins).
 
     Problems in the edits themselves (unknown node, unknown op, duplicate id, ...) are all
     collected and raised as one GraphError, each located at its edit."""
-    operators = OPERATORS if operators is None else operators
+    operators = (registries or Registries()).operators
     raw: dict[str, Any] = copy.deepcopy(dict(doc.raw))
     lines = dict(doc.lines)
     problems = []
@@ -485,14 +485,15 @@ _APPLY = {SetEdit: _apply_set, DropEdit: _apply_drop, SwapEdit: _apply_swap, Ins
 
 
 def compile_edited(doc: GraphDoc, edits: Iterable[Edit] = (), cluster: Cluster | None = None,
-                   base: GraphDoc | None = None, operators: Mapping[str, type] | None = None) -> PlacedPlan:
+                   base: GraphDoc | None = None, registries: Registries | None = None) -> PlacedPlan:
     """validate -> plan -> place an edited document. Problems at edited keys name the edit;
     with the unedited ``base``, so does a missing column that a dropped or swapped node made."""
     edits = tuple(edits)
     cluster = cluster or Cluster.local()
-    operators = OPERATORS if operators is None else operators
+    registries = registries or Registries()
+    operators = registries.operators
     try:
-        placed = place(plan(validate(doc, operators)), cluster)
+        placed = place(plan(validate(doc, registries)), cluster)
     except GraphError as err:
         made = _made_by_edits(base, edits, operators) if base is not None else {}
         raise type(err)([_relocate(p, edits, made, doc, operators) for p in err.problems]) from None
@@ -597,10 +598,10 @@ class Edited:
     doc: GraphDoc
     edits: tuple[Edit, ...]
     base: GraphDoc | None = None  # the unedited file, to name edits in downstream errors
-    operators: Mapping[str, type] | None = None  # the op registry (None: registry.OPERATORS)
+    registries: Registries | None = None  # what op and backend names mean (None: the defaults)
 
     def compile(self, cluster: Cluster | None = None) -> PlacedPlan:
-        return compile_edited(self.doc, self.edits, cluster, self.base, self.operators)
+        return compile_edited(self.doc, self.edits, cluster, self.base, self.registries)
 
     def yaml(self) -> str:
         return effective_yaml(self.doc, self.edits)
@@ -610,11 +611,11 @@ class Edited:
         return {f"edit.{i}": e.cli() for i, e in enumerate(self.edits)}
 
 
-def edit_file(path: str | Path, edits: Iterable[Edit] = (), operators: Mapping[str, type] | None = None) -> Edited:
-    """load + apply_edits; ``operators`` as for ``validate``."""
+def edit_file(path: str | Path, edits: Iterable[Edit] = (), registries: Registries | None = None) -> Edited:
+    """load + apply_edits; ``registries`` as for ``validate``."""
     edits = tuple(edits)
     doc = load(path)
-    return Edited(apply_edits(doc, edits, operators) if edits else doc, edits, doc, operators)
+    return Edited(apply_edits(doc, edits, registries) if edits else doc, edits, doc, registries)
 
 
 def effective_yaml(doc: GraphDoc, edits: Iterable[Edit] = ()) -> str:

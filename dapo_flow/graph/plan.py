@@ -17,6 +17,7 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from dapo_flow.graph.spec import GraphSpec
+from dapo_flow.models.engines import Backend
 
 if TYPE_CHECKING:
     from dapo_flow.graph.loader import GraphDoc
@@ -59,6 +60,7 @@ class ValidGraph:
     in_schema: Mapping[str, pa.Schema]
     out_schema: Mapping[str, pa.Schema]
     order: tuple[str, ...]  # topological, declaration order among peers; no `prompts`
+    backends: Mapping[str, "Backend"] = field(default_factory=dict)  # model name -> its backend
 
     @property
     def file(self) -> str:
@@ -89,6 +91,8 @@ class Plan:
     group_filter: str | None = None
     train: tuple[str, ...] = ()  # the remaining ids, topological
     syncs: tuple[tuple[str, str], ...] = ()  # (train node id, model): sync after the update
+    # model name -> the backend (models.engines.Backend) its `backend:` named when compiled
+    backends: Mapping[str, "Backend"] = field(default_factory=dict, compare=False, repr=False)
     # where each key sits in the file, for placement errors; not part of the plan's identity
     doc: "GraphDoc | None" = field(default=None, compare=False, repr=False)
 

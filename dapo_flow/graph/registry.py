@@ -1,12 +1,17 @@
-"""The default op registry: op name -> operator class, the built-ins plus the plugins the CLI
-loads into it. ``validate`` / ``compile_graph`` / the edits take a registry as they take the
-cluster, this one when none is handed in; workers never read it (each node's setup names the
-module its class came from)."""
+"""The registries a graph's names are looked up in: ``OPERATORS`` (op name -> operator class:
+the built-ins plus the plugins the CLI loads into it) and the backends
+(``models.engines.BACKENDS``). ``validate`` / ``compile_graph`` / the edits take them as one
+:class:`Registries`, as they take the cluster, these defaults when none is handed in; workers
+never read a registry (a node's setup names the module its class came from, a model's the
+backend it was compiled with)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from typing import Mapping
 
+from dapo_flow.models.engines import BACKENDS, Backend
 from dapo_flow.operators.advantage import Advantage
 from dapo_flow.operators.agent_generate import AgentGenerate
 from dapo_flow.operators.baseline import Baseline
@@ -38,6 +43,16 @@ OPERATORS: dict[str, type] = {
     "values": Values,
     "critic-update": CriticUpdate,
 }
+
+
+@dataclass(frozen=True)
+class Registries:
+    """What a graph's names mean: ``operators`` (a node's `op:`) and ``backends`` (a model's
+    `backend:`); each defaults to the live module registry (plugins included)."""
+
+    operators: Mapping[str, type] = field(default_factory=lambda: OPERATORS)
+    backends: Mapping[str, Backend] = field(default_factory=lambda: BACKENDS)
+
 
 CUSTOM_OP = "custom"  # a node whose class is named by its `impl:` field
 PLUGIN_GROUP = "dapo_flow.operators"

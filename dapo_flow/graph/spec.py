@@ -7,12 +7,14 @@ plugin and custom operators get the same checks and the same error locations.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 PROMPTS_SOURCE = "prompts"  # the implicit source node fed by `data.train`
+#: the validation context key under which ``validate`` hands the backend registry to ModelSpec
+BACKENDS_CONTEXT = "backends"
 # torch takes 64-bit seeds, numpy's legacy seeding and some backends' samplers 32-bit ones:
 # the common range, checked by validate rather than failing inside a worker mid-start
 MAX_SEED = 2**32 - 1
@@ -230,17 +232,16 @@ class ModelSpec(_Frozen):
 
     @field_validator("backend")
     @classmethod
-    def _known_backend(cls, value: str) -> str:
+    def _known_backend(cls, value: str, info: ValidationInfo) -> str:
         from dapo_flow.core.contract import registered
-        from dapo_flow.models.engines import BACKENDS  # the registry (light: no torch, no vllm)
 
-        return registered(value, BACKENDS)
+        return registered(value, _backends(info))
 
     @model_validator(mode="after")
-    def _rollout_options_the_backend_takes(self) -> "ModelSpec":
-        from dapo_flow.models.engines import BACKENDS, PLACEMENT_ROLLOUT_OPTIONS
+    def _rollout_options_the_backend_takes(self, info: ValidationInfo) -> "ModelSpec":
+        from dapo_flow.models.engines import PLACEMENT_ROLLOUT_OPTIONS
 
-        backend = BACKENDS[self.backend]
+        backend = _backends(info)[self.backend]
         changed = {k for k, v in self.rollout.model_dump().items() if v != RolloutSpec.model_fields[k].default}
         unused = sorted(changed - set(backend.rollout_options) - set(PLACEMENT_ROLLOUT_OPTIONS))
         if unused:
@@ -253,6 +254,17 @@ class ModelSpec(_Frozen):
             raise ValueError(f"rollout.tensor_parallel {tp} does not divide the model's {heads} attention "
                              f"heads: use one of {[d for d in range(1, heads + 1) if heads % d == 0]}")
         return self
+
+
+def _backends(info: ValidationInfo) -> Mapping[str, Any]:
+    """The backend registry the validation was handed (``validate``'s registries, under
+    :data:`BACKENDS_CONTEXT`), else the default one."""
+    handed = (info.context or {}).get(BACKENDS_CONTEXT)
+    if handed is not None:
+        return handed
+    from dapo_flow.models.engines import BACKENDS  # light: no torch, no vllm
+
+    return BACKENDS
 
 
 def _attention_heads(path: str) -> int | None:

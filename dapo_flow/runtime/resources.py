@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 
 from dapo_flow.errors import RunError
 from dapo_flow.graph.spec import ModelSpec
-from dapo_flow.models.engines import BACKENDS, RolloutEngine, TrainablePolicy
+from dapo_flow.models.engines import BACKENDS, Backend, RolloutEngine, TrainablePolicy
 
 
 @dataclass
@@ -90,13 +90,15 @@ def trained_dtype(spec: ModelSpec) -> str:
 def load_resource(
     name: str, spec: ModelSpec, *, path: Path | None, trainable: bool, generates: bool,
     scores: bool, seed: int, max_model_len: int | None = None, strategy: str = "none",
+    backend: Backend | None = None,
 ) -> ModelResource:
     """Load what this actor needs of model ``name``.
 
     ``path`` overrides the spec's path (a checkpoint on resume). ``scores`` means the actor
     runs logprob/update nodes for the model, so it needs the torch policy; ``generates`` that it
-    rolls out with it, through the engine of the model's backend (:data:`BACKENDS`), set up with
-    the model's `rollout:` settings (``max_model_len``: the default the plan derived).
+    rolls out with it, through the engine of ``backend`` (the one the graph was compiled with;
+    default: the spec's in :data:`BACKENDS`), set up with the model's `rollout:` settings
+    (``max_model_len``: the default the plan derived).
     ``strategy``: how the model's training group holds it on this worker: `fsdp2` (a shard),
     `ddp` (a full replica, gradients averaged across the group), `none` (no group). The copy an
     update trains here (``trainable``) loads :func:`trained_dtype`, float32 master weights under
@@ -121,7 +123,7 @@ def load_resource(
         path = None
     model_path = Path(path) if path is not None else resolve_model(spec.path)
     device = model_device(spec)
-    backend = BACKENDS[spec.backend]
+    backend = backend or BACKENDS[spec.backend]
     policy = None
     if scores or trainable or (generates and backend.generates_with_trainer):
         # mixed precision: FSDP2's policy casts a shard's parameters; anywhere else (one worker, a

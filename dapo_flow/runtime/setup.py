@@ -73,6 +73,7 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None, weights_vers
             model_paths=dict(model_paths or {}),
             weights_version=weights_version,
             max_model_len=plan.engine_context(),
+            backends={m: plan.backends[m] for m in stage.models if m in plan.backends},
             num_threads=_threads(stage),
             strategy=stage.strategy, workers=stage.workers, placement_strategy=stage.placement_strategy,
             workdir=os.getcwd(),

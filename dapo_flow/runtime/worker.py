@@ -21,6 +21,7 @@ from dapo_flow.runtime.tables import ChainInfo, assemble, info_of, merge_inputs
 from dapo_flow.core.contract import Contract, OpContext, contract_of
 from dapo_flow.graph.plan import GROUP_STRATEGIES
 from dapo_flow.graph.spec import GraphSpec
+from dapo_flow.models.engines import Backend
 from dapo_flow.models.lora import is_adapter_dir
 from dapo_flow.runtime.checkpoint_models import (SHARDED, checkpoint_format, load_sharded_model,
                                                  save_sharded_model)
@@ -55,6 +56,7 @@ class StageSetup:
     model_paths: Mapping[str, str] = field(default_factory=dict)  # overrides (resume)
     weights_version: int = 0  # the policy version of the model_paths' weights (resume: the checkpoint's)
     max_model_len: Mapping[str, int] = field(default_factory=dict)  # engines' default context (setup)
+    backends: Mapping[str, Backend] = field(default_factory=dict)  # model -> the backend it was compiled with
     num_threads: int = 0  # threads.configure(num_threads) in the worker; 0 = the process's as they are
     strategy: str = "none"  # the group's: "fsdp2" (each worker a shard) | "ddp" (each a full copy)
     workers: int = 1  # the group's size
@@ -152,7 +154,7 @@ class StageWorker:
                 name, graph.models[name], path=setup.model_paths.get(name),
                 trainable=name in setup.trainable, generates=name in setup.generates,
                 scores=name in setup.scores, seed=seed, max_model_len=setup.max_model_len.get(name),
-                strategy=setup.strategy if group is not None else "none",
+                strategy=setup.strategy if group is not None else "none", backend=setup.backends.get(name),
             )
             for name in setup.models
         }
