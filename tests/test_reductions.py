@@ -71,3 +71,29 @@ def test_every_extreme_the_rollout_correction_math_names_declares_it(rs, level):
     assert extremes, named
     for key, value in extremes.items():
         assert kind_of(value) is (Max if key.endswith("_max") else Min), key
+
+
+def test_the_staleness_histogram_of_a_batch_split_over_a_group():
+    """Each worker counts its share's tokens per policy version (counts, added over the group);
+    the driver turns them into the fraction of tokens 0, 1, ... versions behind the trainer."""
+    import pyarrow as pa
+
+    from dapo_flow.runtime.loop import token_staleness
+    from dapo_flow.runtime.metrics import version_stats
+
+    rank0 = version_stats(pa.chunked_array([pa.array([[4, 4, 5], [5]], pa.list_(pa.int32()))]))
+    rank1 = version_stats(pa.chunked_array([pa.array([[3, 3], [], [5, 5]], pa.list_(pa.int32()))]))
+    (_, joined, _), = join_reports([[("train", rank0, 0.1)], [("train", rank1, 0.1)]], [2, 3])
+    assert joined["batch/rollout_version_min"] == 3
+    assert joined["batch/rollout_version_mean"] == pytest.approx(4.2)  # the workers' means, by rows
+    metrics = dict(joined)
+    staleness = token_staleness(metrics, trained_version=5)
+    assert metrics["batch/rollout_version_mean"] == 34 / 8  # the token mean, from the counts
+    assert staleness == {"rollout/token_staleness_max": 2, "rollout/token_staleness_mean": 5 - 34 / 8,
+                         "rollout/token_staleness_frac_0": 4 / 8, "rollout/token_staleness_frac_1": 2 / 8,
+                         "rollout/token_staleness_frac_2": 2 / 8}
+    assert not [k for k in metrics if "tokens_at_version" in k]  # taken out: their names grow with the run
+    assert token_staleness({"batch/rollout_tokens_at_version_7": Total(3), "batch/rollout_version_min": Min(7),
+                            "batch/rollout_version_mean": 7.0}, 8) == {
+        "rollout/token_staleness_max": 1, "rollout/token_staleness_mean": 1.0,
+        "rollout/token_staleness_frac_0": 0.0, "rollout/token_staleness_frac_1": 1.0}

@@ -127,3 +127,11 @@ def test_with_partial_rollouts_a_sync_goes_into_the_generation_in_flight(workdir
     assert partial[0] == 0.0 and max(partial[1:]) > 0, partial  # step 1's batch ran before any sync
     means = [v for _, v in history["rollout/token_staleness_mean"]]
     assert all(0 <= m <= t for m, t in zip(means, tokens)), (means, tokens)
+    # the staleness histogram: fractions of each step's tokens, 0 to the most versions behind
+    hist = {int(k.rsplit("_", 1)[1]): dict(v) for k, v in history.items()
+            if k.startswith("rollout/token_staleness_frac_")}
+    for step, (most, mean) in enumerate(zip(tokens, means), start=1):
+        fracs = [hist[lag].get(step) for lag in range(int(most) + 1)]
+        assert None not in fracs and sum(fracs) == pytest.approx(1.0) and fracs[-1] > 0, (step, fracs)
+        assert sum(lag * f for lag, f in enumerate(fracs)) == pytest.approx(mean), (step, fracs, mean)
+        assert all(step not in hist[lag] for lag in hist if lag > most)

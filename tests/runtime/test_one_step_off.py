@@ -81,6 +81,10 @@ def test_with_the_weights_unchanged_it_is_the_synchronous_run(workdir, small_gra
     assert sync.pop("batch/rollout_version_min") == [(1, 0.0), (2, 1.0), (3, 2.0)]
     for key in ("batch/rollout_version_mean", "rollout/token_staleness_mean"):  # equal to the min's
         off.pop(key), sync.pop(key)
+    # the staleness histogram: every token of a batch as far behind as the batch
+    assert off.pop("rollout/token_staleness_frac_0") == [(1, 1.0), (2, 0.0), (3, 0.0)]
+    assert off.pop("rollout/token_staleness_frac_1") == [(2, 1.0), (3, 1.0)]
+    assert sync.pop("rollout/token_staleness_frac_0") == [(1, 1.0), (2, 1.0), (3, 1.0)]
     # generated so far: one_step_off has generated the next step's batch at each step but the last
     total = "sampling/samples_generated_total"
     assert off.pop(total) == [(1, 96.0), (2, 160.0), (3, 160.0)] and sync.pop(total) == [(1, 64.0), (2, 96.0), (3, 160.0)]
