@@ -419,3 +419,16 @@ def test_the_registries_are_handed_to_the_compiler(tmp_path):
     assert {n.id: n.op for n in swapped.compile().plan.nodes}["verify"] == "grade"
     with pytest.raises(GraphError, match="unknown op 'grade'"):
         edit_file(DAPO, [SwapEdit(node="verify", op="grade")])
+
+
+def test_dynamic_sampling_is_an_object_the_compiler_builds():
+    """The loop reads how the rollout phase repeats from the plan, not from the group filter's
+    params: fixed at compile time (and shown by explain), None without a group filter."""
+    from dapo_flow.graph.plan import DynamicSampling
+
+    placed = compile_graph(DAPO)
+    assert placed.plan.dynamic_sampling == DynamicSampling(
+        node="dynamic_sampling", metric="acc", max_gen_batches=10, on_cap="train-on-what-we-have",
+        max_skipped_steps=5)
+    assert "at most 10 generation batches, then train-on-what-we-have" in explain(placed)
+    assert compile_graph(GRPO).plan.dynamic_sampling is None

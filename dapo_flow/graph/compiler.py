@@ -393,9 +393,7 @@ def explain(placed: PlacedPlan) -> str:
     for phase, _ in p.phases:
         header = headers[phase]
         if phase == "rollout":
-            gf = p.node(p.group_filter)
-            header = header.format(cap=getattr(gf.params, "max_gen_batches", 0) or "unlimited",
-                                   on_cap=getattr(gf.params, "on_cap", "error"))
+            header = header.format(cap=p.dynamic_sampling.cap, on_cap=p.dynamic_sampling.on_cap)
         out.append(header)
         if phase == "rollout" and run.rollout_mode == "one_step_off":
             out.append("    one_step_off: runs for the next step while this step trains, with the weights "

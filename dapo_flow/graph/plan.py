@@ -83,12 +83,36 @@ class PlanNode:
 
 
 @dataclass(frozen=True)
+class DynamicSampling:
+    """How a step's rollout phase repeats until its group filter has kept ``run.prompts_per_step``
+    prompt groups, fixed at compile time from the group-filter node's params (a custom group
+    filter without a field gets its default)."""
+
+    node: str  # the group filter's id: the rollout phase's last node
+    metric: str = "acc"  # the per-sequence value whose spread keeps a group (for messages)
+    max_gen_batches: int = 0  # generation batches per step before on_cap applies; 0: no cap
+    on_cap: str = "error"  # "error" | "train-on-what-we-have" | "skip-step"
+    max_skipped_steps: int = 0  # steps in a row that train nothing before the run stops; 0: never
+
+    @classmethod
+    def of(cls, node: "PlanNode") -> "DynamicSampling":
+        fields = {f: getattr(node.params, f) for f in ("metric", "max_gen_batches", "on_cap", "max_skipped_steps")
+                  if hasattr(node.params, f)}
+        return cls(node=node.id, **fields)
+
+    @property
+    def cap(self) -> str:
+        return str(self.max_gen_batches or "unlimited")
+
+
+@dataclass(frozen=True)
 class Plan:
     spec: GraphSpec
     file: str
     nodes: tuple[PlanNode, ...]  # topological order, excluding the implicit `prompts` source
     rollout: tuple[str, ...] = ()  # repeated by dynamic sampling: the group-filter + ancestors
     group_filter: str | None = None
+    dynamic_sampling: DynamicSampling | None = None  # with a group filter: how the rollout phase repeats
     train: tuple[str, ...] = ()  # the remaining ids, topological
     syncs: tuple[tuple[str, str], ...] = ()  # (train node id, model): sync after the update
     # model name -> the backend (models.engines.Backend) its `backend:` named when compiled
@@ -109,6 +133,12 @@ class Plan:
     def first(self, role: str) -> PlanNode | None:
         """The first node of ``role`` (the generator validation samples with, ...), or None."""
         return next(iter(self.with_role(role)), None)
+
+    @property
+    def group_size(self) -> int:
+        """Samples per prompt: the first generate node's ``n`` (1 without one)."""
+        gen = self.first("generate")
+        return int(getattr(gen.params, "n", 1)) if gen is not None else 1
 
     def consumers(self) -> dict[str, list[str]]:
         """node id (or `prompts`) -> ids of the nodes that read it, in topological order."""

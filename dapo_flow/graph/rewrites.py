@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from dapo_flow.graph.plan import Plan
+from dapo_flow.graph.plan import DynamicSampling, Plan
 
 
 def ancestors(plan: Plan, node_id: str) -> set[str]:
@@ -27,14 +27,17 @@ def ancestors(plan: Plan, node_id: str) -> set[str]:
 
 def mark_group_barrier(plan: Plan) -> Plan:
     """Split the step at the group-filter: it and everything upstream form the rollout
-    segment that dynamic sampling repeats until enough whole prompt groups are kept."""
+    segment that dynamic sampling repeats until enough whole prompt groups are kept, as its
+    params say (``Plan.dynamic_sampling``)."""
     gf = next((n.id for n in plan.nodes if n.cardinality == "group-filter"), None)
     if gf is None:
-        return replace(plan, rollout=(), group_filter=None, train=tuple(n.id for n in plan.nodes))
+        return replace(plan, rollout=(), group_filter=None, dynamic_sampling=None,
+                       train=tuple(n.id for n in plan.nodes))
     upstream = ancestors(plan, gf) | {gf}
     return replace(
         plan,
         group_filter=gf,
+        dynamic_sampling=DynamicSampling.of(plan.node(gf)),
         rollout=tuple(n.id for n in plan.nodes if n.id in upstream),
         train=tuple(n.id for n in plan.nodes if n.id not in upstream),
     )

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 import pyarrow as pa
 
 from dapo_flow.errors import RunError
-from dapo_flow.graph.plan import IN_ACTOR, Call
+from dapo_flow.graph.plan import IN_ACTOR, Call, DynamicSampling
 from dapo_flow.reductions import Max, Seconds
 from dapo_flow.runtime.weight_sync import WeightSyncs
 from dapo_flow.runtime.metrics import TOKENS_AT_VERSION, MetricAccumulator, first_row
@@ -234,28 +234,28 @@ class Runner:
         ``policy_version``: the oldest weights any of its groups was generated with."""
         acc = MetricAccumulator()
         need = self.run.prompts_per_step
-        if self.plan.group_filter is None:  # no dynamic sampling: the train segment generates
-            generated = need * _group_size(self.plan)
+        ds = self.plan.dynamic_sampling
+        if ds is None:  # no group filter: the train segment generates
+            generated = need * self.plan.group_size
             state.samples_generated += generated
             return Rollout(self.sample(need), {"sampling/samples_generated": float(generated)},
                            self.rollout_version)
-        fparams = self.nodes[self.plan.group_filter].params
         auto = self.run.gen_prompts_per_batch == "auto"
         kept = [state.carry] if state.carry is not None else []
         state.carry = None
         groups, batches, generated, empty_in_a_row = _n_groups(kept), 0, 0, 0
         while groups < need:
-            if fparams.max_gen_batches and batches >= fparams.max_gen_batches:
-                if fparams.on_cap == "error":
+            if ds.max_gen_batches and batches >= ds.max_gen_batches:
+                if ds.on_cap == "error":
                     raise RunError(
                         f"dynamic sampling kept {groups}/{need} prompt groups after {batches} "
-                        f"generation batches (group-filter max_gen_batches={fparams.max_gen_batches}). "
+                        f"generation batches (group-filter max_gen_batches={ds.max_gen_batches}). "
                         "Fix: raise max_gen_batches or run.gen_prompts_per_batch, lower "
                         "run.prompts_per_step, or set on_cap: train-on-what-we-have / skip-step"
                     )
-                if fparams.on_cap == "skip-step" or groups == 0:
+                if ds.on_cap == "skip-step" or groups == 0:
                     state.samples_generated += generated  # generated, though none is trained on
-                    self._count_skipped(state, fparams, groups, batches)
+                    self._count_skipped(state, ds, groups, batches)
                     return Rollout(None, {**acc.result(), "sampling/gen_batches": batches,
                                           "sampling/samples_generated": float(generated),
                                           "sampling/capped": 1.0, "sampling/skipped": 1.0},
@@ -265,7 +265,7 @@ class Runner:
                     else self.run.gen_prompts_per_batch or need)
             prompts = self.sample(size)
             out = self.rollout_batch(prompts, acc)
-            generated += prompts.num_rows * _group_size(self.plan)
+            generated += prompts.num_rows * self.plan.group_size
             batches += 1
             kept.append(out)
             # group ids never repeat across generation batches (the sampler suffixes the epoch)
@@ -274,11 +274,11 @@ class Runner:
             if auto:
                 state.keep_rate = _ema(state.keep_rate, got / max(prompts.num_rows, 1))
             empty_in_a_row = 0 if got else empty_in_a_row + 1
-            limit = fparams.max_skipped_steps
-            if not fparams.max_gen_batches and limit and empty_in_a_row >= limit:  # else: a hang
+            limit = ds.max_skipped_steps
+            if not ds.max_gen_batches and limit and empty_in_a_row >= limit:  # else: a hang
                 raise RunError(_nothing_kept(
-                    fparams, f"{empty_in_a_row} generation batches in a row kept no prompt group at "
-                    f"group-filter '{self.plan.group_filter}' (with max_gen_batches: 0 the step "
+                    ds, f"{empty_in_a_row} generation batches in a row kept no prompt group at "
+                    f"group-filter '{ds.node}' (with max_gen_batches: 0 the step "
                     f"would never end; max_skipped_steps={limit})"))
         state.skipped_in_a_row = 0
         # the first `need` whole groups in order of appearance, the rest carried (verl cuts by
@@ -295,21 +295,21 @@ class Runner:
             "sampling/gen_batches": float(batches),
             "sampling/kept_groups": float(len(chosen)),
             "sampling/samples_generated": float(generated),
-            "sampling/generated_per_trained": float(generated / max(len(chosen) * _group_size(self.plan), 1)),
+            "sampling/generated_per_trained": float(generated / max(len(chosen) * self.plan.group_size, 1)),
             "sampling/capped": float(groups < need),
         })
         if state.keep_rate is not None:
             metrics["sampling/keep_rate"] = state.keep_rate
         return Rollout(batch, metrics, oldest)
 
-    def _count_skipped(self, state: LoopState, fparams, groups: int, batches: int) -> None:
+    def _count_skipped(self, state: LoopState, ds: DynamicSampling, groups: int, batches: int) -> None:
         """One more step that trains nothing; max_skipped_steps of them in a row stop the run."""
         state.skipped_in_a_row += 1
-        limit = fparams.max_skipped_steps
+        limit = ds.max_skipped_steps
         if limit and state.skipped_in_a_row >= limit:
             raise RunError(_nothing_kept(
-                fparams, f"{state.skipped_in_a_row} steps in a row were skipped: group-filter "
-                f"'{self.plan.group_filter}' kept too few prompt groups (the last step kept "
+                ds, f"{state.skipped_in_a_row} steps in a row were skipped: group-filter "
+                f"'{ds.node}' kept too few prompt groups (the last step kept "
                 f"{groups}/{self.run.prompts_per_step} after {batches} generation batches; "
                 f"max_skipped_steps={limit})"))
 
@@ -461,11 +461,11 @@ def token_staleness(metrics: dict[str, float], trained_version: int) -> dict[str
 
 
 
-def _nothing_kept(fparams, what: str) -> str:
+def _nothing_kept(ds: DynamicSampling, what: str) -> str:
     """The RunError text when dynamic sampling keeps (almost) nothing, step after step."""
     return (
         f"training is doing nothing: {what}.\n"
-        f"    a group is dropped when its '{fparams.metric}' is the same for every sample; likely "
+        f"    a group is dropped when its '{ds.metric}' is the same for every sample; likely "
         "causes: greedy sampling (generate temperature 0 or top_k 1), a constant reward (a reward "
         "function that always returns the same value, or correct == wrong), a task the model "
         "always or never solves\n"
@@ -495,11 +495,6 @@ def _ema(old: float | None, new: float) -> float:
 
 def _n_groups(kept: list[Kept]) -> int:
     return sum(len(k.groups) for k in kept)
-
-
-def _group_size(plan) -> int:
-    gen = plan.first("generate")
-    return int(getattr(gen.params, "n", 1)) if gen is not None else 1
 
 
 ProgressFn = Callable[[int, dict[str, float]], None]
