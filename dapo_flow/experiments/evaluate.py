@@ -53,12 +53,12 @@ def resolve_checkpoint(spec, which: str, warn: Callable[[str], None] | None = No
     else:
         step_dir = step_folder(Path(which).expanduser(), "--checkpoint")
     driver = checkpoint.load_driver(step_dir)
-    unknown = sorted(set(driver["trained_models"]) - set(spec.models))
+    unknown = sorted(set(driver.trained_models) - set(spec.models))
     if unknown:
         raise RunError(f"--checkpoint {step_dir}: trained model(s) {unknown} are not models of graph "
                        f"'{spec.name}' ({sorted(spec.models)}): evaluate it with the graph it was trained with")
-    models = {m: str(step_dir / "models" / m) for m in driver["trained_models"]}
-    return step_dir, models, int(driver["step"])
+    models = {m: str(step_dir / "models" / m) for m in driver.trained_models}
+    return step_dir, models, driver.step
 
 
 def _newest_intact(found: list[Path], warn: Callable[[str], None]) -> Path | None:

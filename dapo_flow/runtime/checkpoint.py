@@ -26,6 +26,7 @@ import pyarrow as pa
 import torch
 
 from dapo_flow.errors import RunError
+from dapo_flow.runtime.driver_state import DriverState
 
 DRIVER_FILE = "driver.json"
 OPS_FILE = "ops.pt"
@@ -47,7 +48,7 @@ def step_of(path: Path) -> int:
     return int(path.name.removeprefix(STEP_PREFIX))
 
 
-def save(root: Path, step: int, *, driver: dict[str, Any], op_states: dict[str, Any],
+def save(root: Path, step: int, *, driver: DriverState, op_states: dict[str, Any],
          save_models, carry: pa.Table | None = None, ahead: list[pa.Table | None] = ()) -> Path:
     """``save_models(dir)`` writes the trained models' HF directories into ``dir``;
     ``carry`` is the table of groups carried over to the next step, if any; ``ahead`` the next
@@ -64,7 +65,7 @@ def save(root: Path, step: int, *, driver: dict[str, Any], op_states: dict[str, 
             if table is not None:
                 with pa.OSFile(str(tmp / name), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
                     out.write_table(table)
-        (tmp / DRIVER_FILE).write_text(json.dumps(driver, indent=2))
+        (tmp / DRIVER_FILE).write_text(driver.model_dump_json(indent=2))
         _write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -184,7 +185,7 @@ def runs(graph_root: Path) -> dict[str, list[Path]]:
         return out
     for legacy in _complete(graph_root):
         try:
-            out.setdefault(str(load_driver(legacy)["mlflow_run_id"]), []).append(legacy)
+            out.setdefault(load_driver(legacy).mlflow_run_id, []).append(legacy)
         except (OSError, ValueError, KeyError):
             continue
     for folder in sorted(graph_root.iterdir()):
@@ -223,12 +224,13 @@ def move_aside(path: Path) -> Path:
 # --- loading -------------------------------------------------------------------------------
 
 
-def load_driver(path: Path) -> dict[str, Any]:
-    """The driver state alone (step, sampler, MLflow run id, graph, ...): no tensors loaded."""
-    return json.loads((path / DRIVER_FILE).read_text())
+def load_driver(path: Path) -> DriverState:
+    """The driver state alone (step, sampler, MLflow run id, graph, ...): no tensors loaded; a
+    ValueError when driver.json is unreadable."""
+    return DriverState.model_validate_json((path / DRIVER_FILE).read_text())
 
 
-def load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def load(path: Path) -> tuple[DriverState, dict[str, Any]]:
     driver = load_driver(path)
     # on the host: a checkpoint written on a GPU resumes on a CPU-only machine (and the reverse:
     # an optimizer moves its state to its parameters' device when it loads it)

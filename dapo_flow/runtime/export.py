@@ -42,7 +42,7 @@ def export(path: Path, out: Path, model: str | None = None, adapter: bool = Fals
     peft's format. Returns (the step folder read, the model, its step)."""
     step = step_folder(path, "export")
     driver = checkpoint.load_driver(step)
-    trained = list(driver["trained_models"])
+    trained = list(driver.trained_models)
     if model is None and len(trained) != 1:
         raise RunError(f"checkpoint {step} holds {len(trained)} trained models ({', '.join(trained)}): "
                        "pick one with --model NAME")

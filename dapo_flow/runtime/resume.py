@@ -201,7 +201,7 @@ def _changed_since(spec, newest: Path) -> str:
 def _recorded_graph(path: Path) -> dict | None:
     """The graph a checkpoint recorded (None: older checkpoints did not, or it is unreadable)."""
     try:
-        return checkpoint.load_driver(path).get("graph")
+        return checkpoint.load_driver(path).graph
     except (OSError, ValueError):
         return None
 

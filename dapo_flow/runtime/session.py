@@ -24,6 +24,7 @@ from dapo_flow.errors import RunError
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.checkpoint_models import holds_full_weights
+from dapo_flow.runtime.driver_state import AheadRecord, DriverState
 from dapo_flow.runtime.executors import executor_class
 from dapo_flow.runtime.async_rollout import RolloutProducer
 from dapo_flow.runtime.loop import Kept, LoopState, Rollout, Runner
@@ -175,7 +176,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
     console = console or Console()
     total = steps or spec.run.steps
     ghash = graph_hash(spec)
-    driver_state: dict = {}
+    driver_state: DriverState | None = None  # a resumed run's, from its checkpoint
     op_states: dict = {}
     carry, ahead = None, []
     producer = None  # rollout_mode async: the thread that collects ahead
@@ -187,13 +188,13 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
         owner = claim(last.parent)  # before anything marks the run RUNNING again
         driver_state, op_states = checkpoint.load(last)
         carry = checkpoint.load_carry(last)
-        ahead = checkpoint.load_ahead(last, len(driver_state.get("ahead") or []))
-        model_paths = {m: str(last / "models" / m) for m in driver_state["trained_models"]}
-        console.print(f"resuming from {last} (step {driver_state['step']} of run "
-                      f"{driver_state['mlflow_run_id']})", highlight=False)
+        ahead = checkpoint.load_ahead(last, len(driver_state.ahead))
+        model_paths = {m: str(last / "models" / m) for m in driver_state.trained_models}
+        console.print(f"resuming from {last} (step {driver_state.step} of run "
+                      f"{driver_state.mlflow_run_id})", highlight=False)
 
     tokenizer = generator_tokenizer(placed.plan)
-    version = int(driver_state.get("policy_version", driver_state.get("step", 0)))
+    version = driver_state.version if driver_state is not None else 0
     setups = stage_setups(placed, model_paths, weights_version=version)
     start = time.perf_counter()
     ex = start_executor(placed, setups, executor, address, console)
@@ -206,7 +207,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
                 placed.plan, tokenizer, ex.read_parquet, lambda line: console.print(line, highlight=False))
             with ctrl_c.held():
                 tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
-                                  run_id=driver_state.get("mlflow_run_id"),
+                                  run_id=driver_state.mlflow_run_id if driver_state is not None else None,
                                   run_name=run_name or spec.name, parent_run_id=parent_run_id)
                 run_root = checkpoint_root(spec) / tracker.run_id
                 owner = owner or claim(run_root)
@@ -219,7 +220,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
                         tracker.log_file(content, name)
                 else:
                     logged = _logged_metrics(tracker)
-                    _flush(tracker, driver_state.get("unlogged_metrics", []), logged)
+                    _flush(tracker, driver_state.unlogged_metrics, logged)
             for stage, states in op_states.items():
                 if states:
                     ex.get(ex.call(stage, "load_op_states", states))
@@ -228,19 +229,17 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
             if not all(holds_full_weights(Path(p)) for p in model_paths.values()):
                 runner.sync(version)  # rollout actors were built from the spec's weights: the checkpoint's now
             sampler = train_sampler(placed.plan, train_prompts, ex)
-            if driver_state:
-                sampler.load(driver_state["sampler"])
-            carry_version = driver_state.get("carry_version")
-            carried = (Kept(carry, groups_of(carry) or (), version if carry_version is None else int(carry_version))
-                       if carry is not None else None)
-            state = LoopState(step=int(driver_state.get("step", 0)), carry=carried,
-                              samples_generated=int(driver_state.get("samples_generated", 0)),
-                              wall_seconds=float(driver_state.get("wall_seconds", 0.0)),
-                              keep_rate=driver_state.get("keep_rate"),
-                              skipped_in_a_row=int(driver_state.get("skipped_in_a_row", 0)),
-                              policy_version=version)
+            state = LoopState(policy_version=version)
+            if driver_state is not None:
+                sampler.load(driver_state.sampler)
+                carry_version = version if driver_state.carry_version is None else driver_state.carry_version
+                state = LoopState(step=driver_state.step, policy_version=version,
+                                  carry=Kept(carry, groups_of(carry) or (), carry_version) if carry is not None else None,
+                                  samples_generated=driver_state.samples_generated,
+                                  wall_seconds=driver_state.wall_seconds, keep_rate=driver_state.keep_rate,
+                                  skipped_in_a_row=driver_state.skipped_in_a_row)
+                ahead = _rollouts_ahead(driver_state, ahead)
             runner.sampler = sampler
-            ahead = _rollouts_ahead(driver_state, ahead)
             if spec.run.rollout_mode == "async":  # collects from now on, in a thread of its own
                 producer = RolloutProducer(runner, state, total, ahead)
             return _loop(runner, state, tracker, total, run_root, console, startup, skipped,
@@ -273,11 +272,11 @@ def _mark_ended(tracker: Tracker, status: str, console: Console) -> None:
         console.print(f"[yellow]warning:[/] could not mark MLflow run {tracker.run_id} {status}: {e}")
 
 
-def _rollouts_ahead(driver_state: dict, tables: list) -> list[Rollout]:
+def _rollouts_ahead(driver_state: DriverState, tables: list) -> list[Rollout]:
     """The rollouts a one_step_off or async checkpoint holds for the steps after it, as they
     were collected (their tables in ``tables``, in order; None for a step that trained nothing)."""
-    return [Rollout(table if saved["batch"] else None, dict(saved["metrics"]), int(saved["policy_version"]))
-            for saved, table in zip(driver_state.get("ahead") or [], tables)]
+    return [Rollout(table if saved.batch else None, dict(saved.metrics), saved.policy_version)
+            for saved, table in zip(driver_state.ahead, tables)]
 
 
 def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_root: Path,
@@ -370,18 +369,17 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
     ex = runner.ex
     stages = sorted(set(runner.stage_of.values()))
     op_states = {s: ex.get(ex.call(s, "op_states")) for s in stages}
-    driver = {
-        "step": state.step, "sampler": runner.sampler.state(), "mlflow_run_id": tracker.run_id,
-        "samples_generated": state.samples_generated, "wall_seconds": state.wall_seconds,
-        "keep_rate": state.keep_rate, "skipped_in_a_row": state.skipped_in_a_row,
-        "policy_version": state.policy_version,
-        "carry_version": state.carry.version if state.carry is not None else None,
-        "ahead": [{"batch": a.batch is not None, "metrics": a.metrics, "policy_version": a.policy_version}
-                  for a in ahead],
-        "trained_models": trained,
-        "unlogged_metrics": [[s, m] for s, m in unlogged],
-        "graph": runner.plan.spec.model_dump(mode="json"),  # what --resume diffs a changed graph with
-    }
+    driver = DriverState(
+        step=state.step, sampler=runner.sampler.state(), mlflow_run_id=tracker.run_id,
+        samples_generated=state.samples_generated, wall_seconds=state.wall_seconds,
+        keep_rate=state.keep_rate, skipped_in_a_row=state.skipped_in_a_row,
+        policy_version=state.policy_version,
+        carry_version=state.carry.version if state.carry is not None else None,
+        ahead=[AheadRecord(batch=a.batch is not None, metrics=a.metrics, policy_version=a.policy_version)
+               for a in ahead],
+        trained_models=list(trained), unlogged_metrics=list(unlogged),
+        graph=runner.plan.spec.model_dump(mode="json"),  # what --resume diffs a changed graph with
+    )
 
     def save_models(out: Path) -> None:
         for s in stages:

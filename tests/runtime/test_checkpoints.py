@@ -15,6 +15,7 @@ from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.errors import ModelError, RunError
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import checkpoint, execute
+from dapo_flow.runtime.driver_state import DriverState
 from dapo_flow.runtime.loop import Runner
 from dapo_flow.runtime.resume import checkpoint_root
 from dapo_flow.tracking import default_tracking_uri, read_run
@@ -171,7 +172,7 @@ def test_a_failed_checkpoint_write_gets_the_hint_of_its_cause(tmp_path, code, fi
 
     with pytest.raises(RunError, match=rf"could not write checkpoint .*step_000003: injected\n.*does not "
                                        rf"exist.*\n    fix: {fix}"):
-        checkpoint.save(tmp_path, 3, driver={}, op_states={}, save_models=save_models)
+        checkpoint.save(tmp_path, 3, driver=DRIVER, op_states={}, save_models=save_models)
     assert list(tmp_path.iterdir()) == []  # nothing half-written left
 
 
@@ -180,8 +181,10 @@ def _fake_checkpoint(root, config_text: str):
         (out / "policy").mkdir()
         (out / "policy" / "config.json").write_text(config_text)
 
-    return checkpoint.save(root, 1, driver={"step": 1, "trained_models": ["policy"]}, op_states={},
-                           save_models=save_models)
+    return checkpoint.save(root, 1, driver=DRIVER, op_states={}, save_models=save_models)
+
+
+DRIVER = DriverState(step=1, mlflow_run_id="0123", sampler={}, trained_models=["policy"])
 
 
 def test_the_manifest_finds_a_changed_or_missing_file(tmp_path):

@@ -165,7 +165,7 @@ def test_ctrl_c_then_sigkill_then_resume_local(workdir, small_graph, reference):
 
     # `--resume` to the end, in-process
     summary = execute(compile_graph(path, CLUSTER), executor="local", resume=True)
-    assert summary["run_id"] == interrupted["run_id"] == checkpoint.load(latest)[0]["mlflow_run_id"]
+    assert summary["run_id"] == interrupted["run_id"] == checkpoint.load(latest)[0].mlflow_run_id
     _assert_same_finished_run(workdir, interrupted["run_id"], reference)
 
 
@@ -174,7 +174,7 @@ def test_sigkill_then_resume_on_ray(workdir, small_graph, reference):
     path = _graph(small_graph, workdir)
     log = workdir / "killed.log"
     latest = _sigkill_after(_start(path, "ray", log), workdir / "dapo-flow-runs", 4, log)
-    run_id = checkpoint.load(latest)[0]["mlflow_run_id"]
+    run_id = checkpoint.load(latest)[0].mlflow_run_id
     r = _resume_cli(path, "ray")
     assert latest.name in r.stdout.replace("\n", "")  # "resuming from .../step_N"
     # the same numbers as the uninterrupted local run: Ray and local agree, resumed or not
@@ -202,7 +202,7 @@ def test_resume_continues_the_killed_run_not_the_finished_one(workdir, small_gra
     log = workdir / "b.log"
     latest = _sigkill_after(_start(path, "local", log), workdir / "dapo-flow-runs", 2, log, (a_folder,))
     b_id = latest.parent.name
-    assert b_id != a["run_id"] and checkpoint.load_driver(latest)["mlflow_run_id"] == b_id
+    assert b_id != a["run_id"] and checkpoint.load_driver(latest).mlflow_run_id == b_id
     r = _resume_cli(path, "local")
     assert f"of run {b_id}" in r.stdout.replace("\n", "")
     runs = {run["run_id"]: run["status"] for run in search_runs(_uri(workdir), EXPERIMENT)}
