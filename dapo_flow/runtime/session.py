@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -242,8 +243,9 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
             runner.sampler = sampler
             if spec.run.rollout_mode == "async":  # collects from now on, in a thread of its own
                 producer = RolloutProducer(runner, state, total, ahead)
-            return _loop(runner, state, tracker, total, run_root, console, startup, skipped,
-                         ghash, val_prompts, ctrl_c, logged, ahead, producer)
+            record = RunRecord(tracker, run_root, console, ctrl_c, logged, ghash)
+            first = {"time/startup": startup, "data/skipped_rows": float(skipped)}  # beside step 0's validation
+            return _loop(record, runner, state, total, val_prompts, first, ahead, producer)
     except KeyboardInterrupt:
         if tracker is not None:
             with CtrlC() as again, again.held(then_raise=False):  # a 2nd Ctrl-C waits for it
@@ -279,29 +281,55 @@ def _rollouts_ahead(driver_state: DriverState, tables: list) -> list[Rollout]:
             for saved, table in zip(driver_state.ahead, tables)]
 
 
-def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_root: Path,
-          console: Console, startup: float, skipped: int, ghash: str, val_prompts,
-          ctrl_c: CtrlC, logged: dict[int, set[str]], ahead: list[Rollout],
-          producer: RolloutProducer | None) -> dict:
+@dataclass
+class RunRecord:
+    """Where a run's loop writes: its MLflow run (``logged``: the metrics it has already, on
+    resume), its checkpoint folder, the console; ``ctrl_c`` keeps each write whole."""
+
+    tracker: Tracker
+    root: Path
+    console: Console
+    ctrl_c: CtrlC
+    logged: dict[int, set[str]]
+    graph_hash: str
+
+    def samples(self, samples: list[dict], step: int) -> None:
+        if samples:
+            with self.ctrl_c.held():
+                self.tracker.log_table(samples, f"samples/step_{step:06d}.json")
+
+    def flush(self, pending: list[tuple[int, dict]]) -> None:
+        """Log the buffered (step, metrics) and empty the buffer."""
+        _flush(self.tracker, pending, self.logged)
+        pending.clear()
+
+    def checkpoint(self, runner: Runner, state: LoopState, pending: list[tuple[int, dict]],
+                   ahead: list[Rollout]) -> None:
+        _checkpoint(runner, state, self.tracker, self.root, list(runner.plan.trained_models), pending, ahead)
+
+
+def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_prompts,
+          first: dict[str, float], ahead: list[Rollout], producer: RolloutProducer | None) -> dict:
+    """Steps ``state.step + 1 .. total``: each step, then validation when due, then a checkpoint
+    when due (metrics logged with it, or every step without checkpoints). ``first``: metrics
+    logged at step 0 beside the first validation; ``ahead``: a one_step_off run's batch
+    collected ahead (from its checkpoint); ``producer``: an async run's rollout thread."""
     run = runner.run
     overlap = run.rollout_mode == "one_step_off"
     spec = runner.plan.spec
+    tracker, ctrl_c = record.tracker, record.ctrl_c
     pending: list[tuple[int, dict]] = []
-    trained = list(runner.plan.trained_models)
     first_val = last_val = None
     if state.step == 0:
         val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
         if val:
             first_val = val["val/acc"]
-            pending.append((0, {**val, "time/startup": startup, "data/skipped_rows": float(skipped),
-                                **runner.traffic.take()}))
-            if samples:
-                with ctrl_c.held():
-                    tracker.log_table(samples, "samples/step_000000.json")
+            pending.append((0, {**val, **first, **runner.traffic.take()}))
+            record.samples(samples, 0)
     last_metrics: dict = {}
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
+        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=record.console,
         transient=False,
     )
     with progress:
@@ -325,9 +353,7 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
             if (run.val_every and step % run.val_every == 0) or step == total:
                 val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
                 metrics.update(val)
-                if samples:
-                    with ctrl_c.held():
-                        tracker.log_table(samples, f"samples/step_{step:06d}.json")
+                record.samples(samples, step)
             metrics.update(runner.traffic.take())
             if hasattr(runner.sampler, "skipped"):  # a streamed source finds its bad rows as it goes
                 metrics["data/stream_skipped_rows"] = float(runner.sampler.skipped)
@@ -339,25 +365,24 @@ def _loop(runner: Runner, state: LoopState, tracker: Tracker, total: int, run_ro
             with ctrl_c.held():  # a checkpoint and its metrics are written whole
                 if ckpt_due:
                     if producer is None:
-                        _checkpoint(runner, state, tracker, run_root, trained, pending, ahead)
+                        record.checkpoint(runner, state, pending, ahead)
                     else:
                         with producer.paused() as collected:  # what it holds, none in flight
-                            _checkpoint(runner, state, tracker, run_root, trained, pending, collected)
+                            record.checkpoint(runner, state, pending, collected)
                 if ckpt_due or not run.checkpoint_every:
-                    _flush(tracker, pending, logged)
-                    pending.clear()
+                    record.flush(pending)
             progress.update(task, completed=step, info=_progress_info(metrics, last_val))
     with ctrl_c.held(then_raise=False):  # the run is done: a late Ctrl-C changes nothing
-        _flush(tracker, pending, logged)
+        record.flush(pending)
         tracker.finish("FINISHED")
     summary = {
         "run_id": tracker.run_id, "tracking_uri": tracker.uri, "steps": state.step,
         "wall_seconds": state.wall_seconds, "val_acc_start": first_val, "val_acc_end": last_val,
-        "samples_generated": state.samples_generated, "graph_hash": ghash,
+        "samples_generated": state.samples_generated, "graph_hash": record.graph_hash,
         "last_metrics": last_metrics,
         "call_log": list(runner.call_log),  # every call and weight sync made, as planned (Runner)
     }
-    _print_summary(console, summary)
+    _print_summary(record.console, summary)
     return summary
 
 
