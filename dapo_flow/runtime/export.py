@@ -76,7 +76,7 @@ def export(path: Path, out: Path, model: str | None = None, adapter: bool = Fals
                        "another folder") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return step, model, int(driver["step"])
+    return step, model, driver.step
 
 
 def _gather_sharded(source: Path, out: Path) -> None:
