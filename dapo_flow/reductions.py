@@ -75,6 +75,8 @@ def over_workers(kind: type, values: Sequence[float], rows: Sequence[int]) -> fl
         out = max(values)
     elif kind is Min:
         out = min(values)
+    elif all(v == values[0] for v in values):  # a value the group reduced itself: kept to the bit
+        out = values[0]
     else:
         total = sum(rows)
         out = sum(v * w for v, w in zip(values, rows)) / total if total else float(np.mean(values))

@@ -97,3 +97,11 @@ def test_the_staleness_histogram_of_a_batch_split_over_a_group():
                             "batch/rollout_version_mean": 7.0}, 8) == {
         "rollout/token_staleness_max": 1, "rollout/token_staleness_mean": 1.0,
         "rollout/token_staleness_frac_0": 0.0, "rollout/token_staleness_frac_1": 1.0}
+
+
+def test_a_value_every_worker_reduced_alike_is_kept_to_the_bit():
+    """A training group's update reduces its metrics over the group itself (each worker holds
+    the same row): joined by row weights, 0.123456789 would come back 0.12345678899999998."""
+    assert over_workers(float, [0.123456789] * 2, [3, 7]) == 0.123456789
+    assert over_workers(float, [1.0, 2.0], [1, 3]) == 1.75  # different values: the weighted mean
+    assert over_workers(Total, [2.0, 2.0], [1, 1]) == 4.0  # counts still add

@@ -24,7 +24,7 @@ from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import IN_ACTOR, Call, DynamicSampling
 from dapo_flow.reductions import Max, Seconds
 from dapo_flow.runtime.weight_sync import WeightSyncs
-from dapo_flow.runtime.metrics import TOKENS_AT_VERSION, MetricAccumulator, first_row
+from dapo_flow.runtime.metrics import TOKENS_AT_VERSION, MetricAccumulator
 from dapo_flow.runtime.tables import ChainInfo, cut, parts_of
 from dapo_flow.runtime.validation import ValidationTally
 from dapo_flow.runtime.sampler import PromptSampler
@@ -109,7 +109,7 @@ class Output:
 @dataclass
 class Traffic:
     """Bytes of tables per step: ``driver``, those materialized in the driver (prompts it
-    sampled, tables it fetched: sinks' metrics, validation results, a checkpoint's carry);
+    sampled, tables it fetched: validation results, a checkpoint's carry);
     ``made``, those every call produced, which a driver that relays every table would hold;
     ``largest``, the largest table a call produced (about the trained batch)."""
 
@@ -140,7 +140,7 @@ class Runner:
     """Executes a placed plan exactly: per phase its calls, in order, each in its stage (an
     executor's worker: under Ray the driver stage too is an actor), then its weight syncs.
     Tables stay where a stage made them and pass on by handle; the driver reads only call
-    reports (metrics, row counts, prompt groups), sinks' metrics and validation results.
+    reports (metrics, sinks' included; row counts, prompt groups) and validation results.
     ``call_log`` records every call and sync made, as (phase, stage, node ids) and
     ("sync", source, target, kind)."""
 
@@ -356,12 +356,8 @@ class Runner:
         feeds = {PROMPTS_SOURCE: rollout.batch}
         if self.plan.group_filter is not None:
             feeds = {self.plan.group_filter: rollout.batch}
-        outs = self.run_calls(self.plan.phases[-1][0], feeds, acc)
-        metrics = acc.result()
-        for nid in self.plan.train:  # batch/* came with each sink's report (StageWorker.run)
-            if self.nodes[nid].cardinality == "sink":
-                metrics.update(first_row(self.fetch(outs[nid].table)))
-        return metrics
+        self.run_calls(self.plan.phases[-1][0], feeds, acc)
+        return acc.result()  # a sink's metrics row and batch/* come with its report (StageWorker.run)
 
     # --- phase 3: weight sync ---------------------------------------------------
     def sync(self, version: int) -> dict[str, float]:

@@ -6,7 +6,7 @@ opaque reference to it (an ObjectRef), or :class:`TableParts`: the pieces of one
 row order (a group's per-worker outputs, a step's generation chunks), optionally narrowed
 to some prompt groups (dynamic sampling's cut). A worker turns the handles it is given into
 one table with :func:`assemble`; the driver does the same only for what it must read
-(sinks' metrics, validation results, a checkpoint's carried groups).
+(validation results, a checkpoint's carried groups).
 
 What the driver decides on comes back beside each table as :class:`ChainInfo`: per-node
 metrics, row counts and the output's prompt groups, never the rows themselves.

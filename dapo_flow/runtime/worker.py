@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from dapo_flow import threads
 from dapo_flow.runtime import group as group_rows
-from dapo_flow.runtime.metrics import batch_stats
+from dapo_flow.runtime.metrics import batch_stats, first_row
 from dapo_flow.runtime.tables import ChainInfo, assemble, info_of, merge_inputs
 from dapo_flow.core.contract import Contract, OpContext, contract_of
 from dapo_flow.graph.plan import GROUP_STRATEGIES
@@ -188,8 +188,9 @@ class StageWorker:
 
     def run(self, node_id: str, table: pa.Table) -> tuple[pa.Table, dict[str, float], float]:
         """Run one node; returns (output table, the node's metrics, seconds). A sink (e.g. the
-        update) also reports ``batch/*`` statistics of the batch it consumed: the trained batch,
-        wherever the plan runs it, without sending that table back to the driver."""
+        update) reports its output, one row of metrics, and ``batch/*`` statistics of the batch
+        it consumed (the trained batch, wherever the plan runs it): the driver reads a step's
+        metrics from the calls' reports alone, and no table comes back for them."""
         start = time.perf_counter()
         op = self.ops[node_id]
         out = op(table)
@@ -198,7 +199,7 @@ class StageWorker:
         contract = self.contracts[node_id]
         metrics = op.last_metrics() if contract.reports_metrics else {}
         if contract.cardinality == "sink":
-            metrics = {**batch_stats(table), **metrics}
+            metrics = {**batch_stats(table), **metrics, **first_row(out)}
         return out, metrics, seconds
 
     def run_chain(self, node_ids: list[str], inputs: Any, share: "Share | None" = None

@@ -167,7 +167,7 @@ def test_cli_run_on_a_ray_head_matches_the_local_executor(workdir, small_graph, 
     # hf backend seeds every generate call, so no float reduction runs in another order.
     assert _deterministic(ray_run["history"]) == _deterministic(local_run["history"])
 
-    # tables by reference: the driver held the prompts it sampled and the update's metrics row,
+    # tables by reference: the driver held the prompts it sampled (the update's metrics come in its report),
     # not the tables the calls made (a relaying driver held them all); steps 2 and 3 also fetch
     # a checkpoint's carried groups and validation results
     driver, made = (dict(ray_run["history"][k]) for k in ("perf/driver_bytes", "perf/stage_output_bytes"))
