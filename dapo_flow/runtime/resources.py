@@ -37,7 +37,7 @@ class ModelResource:
 
     def set_weights_version(self, version: int) -> None:
         """The weights every copy here holds are ``version`` (loaded from a checkpoint of it)."""
-        for copy in {id(c): c for c in (self.policy, self.generator) if c is not None}.values():
+        for copy in distinct_copies(self.policy, self.generator):
             copy.set_weights_version(version)
 
     @property
@@ -151,10 +151,16 @@ def load_resource(
                                       options=options)
     if adapters is not None and not trainable:  # a frozen copy (eval, a rollout actor): merged
         merged = merged_checkpoint_weights(model_path, spec, adapters)
-        for engine in {id(e): e for e in (policy, generator) if e is not None}.values():
-            engine.load_weights(merged.items())
+        for copy in distinct_copies(policy, generator):
+            copy.load_weights(merged.items())
     tokenizer = policy.tokenizer if policy is not None else generator.tokenizer
     return ModelResource(name, spec, model_path, policy, generator, tokenizer)
+
+
+def distinct_copies(policy: Any, generator: Any) -> list:
+    """The copies of a model an actor holds, each once: the trained policy and the rollout
+    engine, which are one object where the engine is the policy (the hf backend)."""
+    return list({id(c): c for c in (policy, generator) if c is not None}.values())
 
 
 def merged_checkpoint_weights(base: Path, spec: ModelSpec, adapters: Path) -> dict:
