@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import IN_ACTOR, Call, DynamicSampling
-from dapo_flow.reductions import Max, Seconds
+from dapo_flow.reductions import Max, Min, Seconds
 from dapo_flow.runtime.weight_sync import WeightSyncs
 from dapo_flow.runtime.metrics import TOKENS_AT_VERSION, MetricAccumulator
 from dapo_flow.runtime.tables import ChainInfo, cut, parts_of
@@ -433,28 +433,23 @@ VERSION_COUNT = "batch/" + TOKENS_AT_VERSION  # a trained batch's tokens of one 
 
 
 def token_staleness(metrics: dict[str, float], trained_version: int) -> dict[str, float]:
-    """How many policy versions the trained batch's tokens lag the weights that train on them
-    (from its ``batch/rollout_version_*``: the sink's report): the most, the token mean, and
-    the histogram: ``rollout/token_staleness_frac_S``, the fraction of tokens S versions behind,
-    for S from 0 to the most. Takes the per-version token counts out of ``metrics`` (their
-    names grow with the run; the histogram's are bounded by max_staleness), and with them
-    makes ``batch/rollout_version_mean`` the token mean over a training group's workers too
-    (joined, it is their means weighted by rows)."""
+    """The policy versions of the trained batch's tokens, from the per-version token counts its
+    sink reported (added over a training group's workers; taken out of ``metrics``, since their
+    names grow with the run): ``batch/rollout_version_min`` / ``_mean`` (the token mean), and
+    how many versions the tokens lag the weights that train on them: the most, the mean, and the
+    histogram ``rollout/token_staleness_frac_S``, the fraction of tokens S versions behind, for S
+    from 0 to the most (bounded by max_staleness)."""
     counts = {int(key[len(VERSION_COUNT):]): metrics.pop(key) for key in list(metrics)
               if key.startswith(VERSION_COUNT)}
     tokens = sum(counts.values())
-    if tokens:
-        metrics["batch/rollout_version_mean"] = sum(v * c for v, c in counts.items()) / tokens
-    if "batch/rollout_version_min" not in metrics:
+    if not tokens:
         return {}
-    out = {"rollout/token_staleness_max": Max(trained_version - metrics["batch/rollout_version_min"]),
-           "rollout/token_staleness_mean": trained_version - metrics["batch/rollout_version_mean"]}
-    if tokens:
-        lags = {trained_version - version: count for version, count in counts.items()}
-        out.update({f"rollout/token_staleness_frac_{lag}": lags.get(lag, 0.0) / tokens
-                    for lag in range(max(lags) + 1)})
-    return out
-
+    oldest, mean = min(counts), sum(v * c for v, c in counts.items()) / tokens
+    lags = {trained_version - version: count for version, count in counts.items()}
+    return {"batch/rollout_version_min": Min(oldest), "batch/rollout_version_mean": mean,
+            "rollout/token_staleness_max": Max(trained_version - oldest),
+            "rollout/token_staleness_mean": trained_version - mean,
+            **{f"rollout/token_staleness_frac_{lag}": lags.get(lag, 0.0) / tokens for lag in range(max(lags) + 1)}}
 
 
 def _nothing_kept(ds: DynamicSampling, what: str) -> str:

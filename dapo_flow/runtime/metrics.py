@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from dapo_flow.core import columns as C
-from dapo_flow.reductions import Max, Min, Total, kind_of, over_calls
+from dapo_flow.reductions import Max, Total, kind_of, over_calls
 
 #: a batch's token count per policy version is reported as ``batch/`` + this + the version (a
 #: count, added over a group's workers); the driver turns them into the staleness histogram
@@ -55,9 +55,9 @@ def batch_stats(batch: pa.Table, prefix: str = "batch/") -> dict[str, float]:
 
 def version_stats(versions: pa.ChunkedArray, prefix: str = "batch/") -> dict[str, float]:
     """The policy versions a batch's tokens were sampled under (``rollout_version``): the
-    oldest, the token mean, the tokens of each version (:data:`TOKENS_AT_VERSION`), and the
-    fraction of samples whose tokens span more than one (partial rollouts: weights that changed
-    mid-generation). The driver turns them into staleness (``loop.token_staleness``)."""
+    tokens of each version (:data:`TOKENS_AT_VERSION`), from which the driver derives the oldest,
+    the mean and the staleness (``loop.token_staleness``), and the fraction of samples whose
+    tokens span more than one (partial rollouts: weights that changed mid-generation)."""
     array = versions.combine_chunks()
     flat = array.flatten().to_numpy()
     if len(flat) == 0:
@@ -66,9 +66,7 @@ def version_stats(versions: pa.ChunkedArray, prefix: str = "batch/") -> dict[str
     starts = offsets[:-1][offsets[:-1] < offsets[1:]]  # rows with tokens
     spans = np.maximum.reduceat(flat, starts) > np.minimum.reduceat(flat, starts)
     versions, counts = np.unique(flat, return_counts=True)
-    return {f"{prefix}rollout_version_min": Min(flat.min()),
-            f"{prefix}rollout_version_mean": float(flat.mean()),
-            f"{prefix}partial_samples": float(spans.mean()),
+    return {f"{prefix}partial_samples": float(spans.mean()),
             **{f"{prefix}{TOKENS_AT_VERSION}{v}": Total(c) for v, c in zip(versions.tolist(), counts.tolist())}}
 
 

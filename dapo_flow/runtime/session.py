@@ -305,7 +305,7 @@ class RunRecord:
 
     def checkpoint(self, runner: Runner, state: LoopState, pending: list[tuple[int, dict]],
                    ahead: list[Rollout]) -> None:
-        _checkpoint(runner, state, self.tracker, self.root, list(runner.plan.trained_models), pending, ahead)
+        _checkpoint(runner, state, self.tracker, self.root, pending, ahead)
 
 
 def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_prompts,
@@ -386,7 +386,7 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
     return summary
 
 
-def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, trained,
+def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path,
                 unlogged: list[tuple[int, dict]], ahead: list[Rollout]) -> None:
     """The models, operator states and driver state after ``state.step``; ``ahead``, the next
     steps' rollouts a one_step_off or async run collected already, are saved whole (each
@@ -402,7 +402,7 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path, 
         carry_version=state.carry.version if state.carry is not None else None,
         ahead=[AheadRecord(batch=a.batch is not None, metrics=a.metrics, policy_version=a.policy_version)
                for a in ahead],
-        trained_models=list(trained), unlogged_metrics=list(unlogged),
+        trained_models=list(runner.plan.trained_models), unlogged_metrics=list(unlogged),
         graph=runner.plan.spec.model_dump(mode="json"),  # what --resume diffs a changed graph with
     )
 
