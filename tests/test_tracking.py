@@ -113,6 +113,26 @@ def test_experiments_are_tagged_as_model_training(tmp_path):
     assert client.get_experiment(old).tags[tracking.EXPERIMENT_KIND_TAG] == "finetuning"
 
 
+def test_steps_logged_together_land_whole_in_few_requests(tmp_path, monkeypatch):
+    """Many steps' metrics go in requests of MLflow's 1000-metric cap, not one request a step;
+    every value lands at its own step."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "batched")
+    requests = []
+    log_batch = tracker.client.log_batch
+
+    def counted(run_id, **kw):
+        requests.append(len(kw.get("metrics", ())))
+        return log_batch(run_id, **kw)
+
+    monkeypatch.setattr(tracker.client, "log_batch", counted)
+    tracker.log_steps([(step, {f"m/{k}": step * 100.0 + k for k in range(60)}) for step in range(1, 21)])
+    assert requests == [1000, 200]  # 20 steps x 60 metrics
+    history = tracking.read_run(uri, tracker.run_id)["history"]
+    assert len(history) == 60
+    assert history["m/7"] == [(step, step * 100.0 + 7) for step in range(1, 21)]
+
+
 def test_sample_text_never_names_an_artifact(tmp_path):
     """Logged samples (prompts, responses, ground truths: data and model text) go into a JSON
     artifact named by the step alone; text shaped like a path stays text inside it."""

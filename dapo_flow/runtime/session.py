@@ -4,13 +4,15 @@ Metrics reach MLflow exactly once: they are buffered and written when a checkpoi
 written (and at the end), so a resume from the last checkpoint never duplicates or loses
 a step. The checkpoint holds the buffered metrics too, and a resume writes those MLflow
 lacks (the run died between writing the checkpoint and flushing). Without checkpoints
-(checkpoint_every: 0) they are written every step. A resume that falls back past a damaged
+(checkpoint_every: 0) they are written every ``FLUSH_EVERY_S`` seconds, at the end, and when
+the run stops on an error or Ctrl-C. A resume that falls back past a damaged
 checkpoint recomputes steps MLflow already has: those are not logged again (see
 :func:`_flush`). Which checkpoint a resume starts from: :mod:`dapo_flow.runtime.resume`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import platform
 import time
@@ -35,6 +37,11 @@ from dapo_flow.runtime.setup import graph_hash, stage_setups
 from dapo_flow.runtime.tables import groups_of
 from dapo_flow.runtime.worker import quiet_libraries
 from dapo_flow.tracking import Tracker, flatten, read_run
+
+#: without checkpoints, the most seconds a step's metrics wait in the driver before MLflow gets
+#: them: a write of one step's metrics costs the driver ~15 ms of CPU (a sqlite store), a third
+#: of that a step when several share it, and that CPU is taken from the workers on a small box
+FLUSH_EVERY_S = 5.0
 
 
 def _versions() -> dict[str, str]:
@@ -292,6 +299,10 @@ class RunRecord:
     ctrl_c: CtrlC
     logged: dict[int, set[str]]
     graph_hash: str
+    flushed_at: float = -math.inf  # time.monotonic() of the last flush
+
+    def flush_due(self) -> bool:
+        return time.monotonic() - self.flushed_at >= FLUSH_EVERY_S
 
     def samples(self, samples: list[dict], step: int) -> None:
         if samples:
@@ -302,6 +313,7 @@ class RunRecord:
         """Log the buffered (step, metrics) and empty the buffer."""
         _flush(self.tracker, pending, self.logged)
         pending.clear()
+        self.flushed_at = time.monotonic()
 
     def checkpoint(self, runner: Runner, state: LoopState, pending: list[tuple[int, dict]],
                    ahead: list[Rollout]) -> None:
@@ -311,7 +323,7 @@ class RunRecord:
 def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_prompts,
           first: dict[str, float], ahead: list[Rollout], producer: RolloutProducer | None) -> dict:
     """Steps ``state.step + 1 .. total``: each step, then validation when due, then a checkpoint
-    when due (metrics logged with it, or every step without checkpoints). ``first``: metrics
+    when due (metrics logged with it; without checkpoints every ``FLUSH_EVERY_S``). ``first``: metrics
     logged at step 0 beside the first validation; ``ahead``: a one_step_off run's batch
     collected ahead (from its checkpoint); ``producer``: an async run's rollout thread."""
     run = runner.run
@@ -332,46 +344,52 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
         TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=record.console,
         transient=False,
     )
-    with progress:
-        task = progress.add_task(spec.name, total=total, completed=state.step, info="")
-        while state.step < total:
-            ctrl_c.check()
-            step = state.step + 1
-            t0 = time.perf_counter()
-            if producer is not None:
-                metrics = producer.step(state)
-            else:
-                metrics, next_batch = runner.step(state, ahead[0] if ahead else None,
-                                                  collect_next=overlap and step < total)
-                ahead = [next_batch] if next_batch is not None else []
-            seconds = time.perf_counter() - t0
-            state.wall_seconds += seconds
-            metrics["time/step"] = seconds
-            metrics["perf/samples_per_s"] = metrics.get("sampling/samples_generated", 0.0) / seconds
-            metrics["perf/tokens_per_s"] = metrics.get("gen/tokens", 0.0) / seconds
-            metrics["sampling/samples_generated_total"] = float(state.samples_generated)
-            if (run.val_every and step % run.val_every == 0) or step == total:
-                val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
-                metrics.update(val)
-                record.samples(samples, step)
-            metrics.update(runner.traffic.take())
-            if hasattr(runner.sampler, "skipped"):  # a streamed source finds its bad rows as it goes
-                metrics["data/stream_skipped_rows"] = float(runner.sampler.skipped)
-            state.step = step
-            pending.append((step, metrics))
-            last_metrics = metrics
-            last_val = metrics.get("val/acc", last_val)
-            ckpt_due = run.checkpoint_every and (step % run.checkpoint_every == 0 or step == total)
-            with ctrl_c.held():  # a checkpoint and its metrics are written whole
-                if ckpt_due:
-                    if producer is None:
-                        record.checkpoint(runner, state, pending, ahead)
-                    else:
-                        with producer.paused() as collected:  # what it holds, none in flight
-                            record.checkpoint(runner, state, pending, collected)
-                if ckpt_due or not run.checkpoint_every:
-                    record.flush(pending)
-            progress.update(task, completed=step, info=_progress_info(metrics, last_val))
+    try:
+        with progress:
+            task = progress.add_task(spec.name, total=total, completed=state.step, info="")
+            while state.step < total:
+                ctrl_c.check()
+                step = state.step + 1
+                t0 = time.perf_counter()
+                if producer is not None:
+                    metrics = producer.step(state)
+                else:
+                    metrics, next_batch = runner.step(state, ahead[0] if ahead else None,
+                                                      collect_next=overlap and step < total)
+                    ahead = [next_batch] if next_batch is not None else []
+                seconds = time.perf_counter() - t0
+                state.wall_seconds += seconds
+                metrics["time/step"] = seconds
+                metrics["perf/samples_per_s"] = metrics.get("sampling/samples_generated", 0.0) / seconds
+                metrics["perf/tokens_per_s"] = metrics.get("gen/tokens", 0.0) / seconds
+                metrics["sampling/samples_generated_total"] = float(state.samples_generated)
+                if (run.val_every and step % run.val_every == 0) or step == total:
+                    val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
+                    metrics.update(val)
+                    record.samples(samples, step)
+                metrics.update(runner.traffic.take())
+                if hasattr(runner.sampler, "skipped"):  # a streamed source finds its bad rows as it goes
+                    metrics["data/stream_skipped_rows"] = float(runner.sampler.skipped)
+                state.step = step
+                pending.append((step, metrics))
+                last_metrics = metrics
+                last_val = metrics.get("val/acc", last_val)
+                ckpt_due = run.checkpoint_every and (step % run.checkpoint_every == 0 or step == total)
+                with ctrl_c.held():  # a checkpoint and its metrics are written whole
+                    if ckpt_due:
+                        if producer is None:
+                            record.checkpoint(runner, state, pending, ahead)
+                        else:
+                            with producer.paused() as collected:  # what it holds, none in flight
+                                record.checkpoint(runner, state, pending, collected)
+                    if ckpt_due or (not run.checkpoint_every and record.flush_due()):
+                        record.flush(pending)
+                progress.update(task, completed=step, info=_progress_info(metrics, last_val))
+    except BaseException:
+        if not run.checkpoint_every:  # no checkpoint holds them: now or never
+            with contextlib.suppress(Exception), ctrl_c.held(then_raise=False):
+                record.flush(pending)
+        raise
     with ctrl_c.held(then_raise=False):  # the run is done: a late Ctrl-C changes nothing
         record.flush(pending)
         tracker.finish("FINISHED")
@@ -432,11 +450,13 @@ def _flush(tracker: Tracker, entries, logged: dict[int, set[str]]) -> None:
     a resume writes the checkpoint's unflushed steps, and one that fell back past a damaged
     checkpoint recomputes steps already logged. The values logged first win: those of the
     first pass (a resumed run replays them exactly, but for wall-clock time/* and perf/*)."""
+    new = []
     for step, metrics in entries:
         have = logged.get(step, ())
-        new = {k: v for k, v in metrics.items() if k not in have} if have else metrics
-        if new:
-            tracker.log_metrics(step, new)
+        fresh = {k: v for k, v in metrics.items() if k not in have} if have else metrics
+        if fresh:
+            new.append((step, fresh))
+    tracker.log_steps(new)
 
 
 #: what the progress bar shows as the step's reward: the first of these metrics the step has

@@ -225,8 +225,8 @@ class _Crash(BaseException):
 
 def test_crash_between_checkpoint_and_metric_flush_resumes_carry_and_metrics(
         workdir, small_graph, reference, monkeypatch):
-    """The run dies right after checkpoint 2 is on disk, having flushed step 0's metrics but
-    not steps 1-2's: the resume logs exactly those, restores the carried-over groups and
+    """The run dies right after checkpoint 2 is on disk, before its metrics (steps 0-2's, one
+    write) reach MLflow: the resume logs exactly those, restores the carried-over groups and
     the op states, and ends with the numbers of the uninterrupted run."""
     path = _graph(small_graph, workdir)
     _crash_when_flushing(path, 1, monkeypatch)
@@ -251,14 +251,15 @@ def test_resume_of_a_finished_run_with_a_lost_final_flush(workdir, small_graph, 
 
 def _crash_when_flushing(path, crash_step: int, monkeypatch) -> None:
     """Run ``path`` locally and die when the metrics of ``crash_step`` reach MLflow."""
-    flush = Tracker.log_metrics
+    flush = Tracker.log_steps
 
-    def dying_flush(self, step, metrics):
-        if step == crash_step:
+    def dying_flush(self, entries):
+        entries = list(entries)
+        if any(step == crash_step for step, _ in entries):
             raise _Crash()
-        flush(self, step, metrics)
+        flush(self, entries)
 
-    monkeypatch.setattr(Tracker, "log_metrics", dying_flush)
+    monkeypatch.setattr(Tracker, "log_steps", dying_flush)
     with pytest.raises(_Crash):
         execute(compile_graph(path, CLUSTER), executor="local")
-    monkeypatch.setattr(Tracker, "log_metrics", flush)
+    monkeypatch.setattr(Tracker, "log_steps", flush)

@@ -189,24 +189,57 @@ def test_ctrl_c_during_a_metric_flush_waits_for_the_write(workdir, small_graph, 
 
     from dapo_flow.tracking import Tracker, search_runs
 
-    flush = Tracker.log_metrics
+    flush = Tracker.log_steps
 
-    def flush_hit_by_ctrl_c(self, step, metrics):
-        if step == 1:
+    def flush_hit_by_ctrl_c(self, entries):
+        entries = list(entries)
+        if any(step == 1 for step, _ in entries):
             os.kill(os.getpid(), signal.SIGINT)  # delivered at once, inside this write
-        flush(self, step, metrics)
+        flush(self, entries)
 
-    monkeypatch.setattr(Tracker, "log_metrics", flush_hit_by_ctrl_c)
+    monkeypatch.setattr(Tracker, "log_steps", flush_hit_by_ctrl_c)
     path = small_graph(workdir, steps=4, ckpt=2)
     with pytest.raises(RunError, match="interrupted.*--resume"):
         _run(path)
-    monkeypatch.setattr(Tracker, "log_metrics", flush)
+    monkeypatch.setattr(Tracker, "log_steps", flush)
     [run] = search_runs(f"sqlite:///{workdir / 'dapo-flow-runs' / 'mlflow.db'}", "runtime-tests")
     assert run["status"] == "KILLED"
     history = read_run(f"sqlite:///{workdir / 'dapo-flow-runs' / 'mlflow.db'}", run["run_id"])["history"]
     assert [s for s, _ in history["batch/reward_mean"]] == [1, 2]  # the whole flush landed
     resumed = _run(path, resume=True)
     assert resumed["run_id"] == run["run_id"]
+
+
+def test_without_checkpoints_metrics_are_written_in_batches_and_when_the_run_fails(
+        workdir, small_graph, monkeypatch, fails_in_update):
+    """checkpoint_every: 0: the driver writes the buffered steps in one request every
+    FLUSH_EVERY_S (here: at step 1, then not before the end), and a run that fails writes what
+    it holds, since no checkpoint does."""
+    from dapo_flow.runtime import session
+    from dapo_flow.tracking import Tracker, search_runs
+
+    monkeypatch.setattr(session, "FLUSH_EVERY_S", 1e9)
+    writes = []
+    log_steps = Tracker.log_steps
+
+    def spy(self, entries):
+        entries = list(entries)
+        writes.append([step for step, _ in entries])
+        log_steps(self, entries)
+
+    monkeypatch.setattr(Tracker, "log_steps", spy)
+    summary = _run(small_graph(workdir, name="batched", steps=4, ckpt=0))
+    assert writes == [[0, 1], [2, 3, 4]]
+    history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    assert [s for s, _ in history["batch/reward_mean"]] == [1, 2, 3, 4]
+    writes.clear()
+    with fails_in_update(3):
+        _run(small_graph(workdir, name="failing", steps=4, ckpt=0))
+    assert writes == [[0, 1], [2]]
+    uri = f"sqlite:///{workdir / 'dapo-flow-runs' / 'mlflow.db'}"
+    [failed] = [r for r in search_runs(uri, "runtime-tests") if r["name"] == "failing"]
+    history = read_run(uri, failed["run_id"])["history"]
+    assert [s for s, _ in history["batch/reward_mean"]] == [1, 2]
 
 
 def test_ctrl_c_held_is_raised_when_the_block_ends():
