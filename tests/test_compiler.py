@@ -311,6 +311,22 @@ def test_disaggregated(tmp_path):
     assert placed.stage("model:policy").num_cpus == pytest.approx(2 / 3)
 
 
+def test_cpu_maps_that_feed_only_a_one_worker_actor_run_in_it(tmp_path):
+    """Old logprobs taken from the generator (`source: rollout`) and the advantage need no model,
+    but with one training worker they feed nothing else: they run in its actor, the train phase
+    is one call (rows go there either way), also with the rollout in an actor of its own. A
+    2-worker group (the shipped graph) keeps them in the driver (each worker sees a share)."""
+    one = tmp_path / "one.yaml"
+    for placement in ("", "placement: {mode: disaggregated}\n"):
+        one.write_text(DAPO.read_text().replace(GROUP_LINE, "train: {workers: 1}") + "\n" + placement)
+        placed = place(plan(validate(load(one))), Cluster(cpus=2))
+        assert placed.calls["train"] == (Call("model:policy", ("old_logp", "adv", "train")),)
+        assert placed.stage("driver").nodes == ("verify", "overlong", "dynamic_sampling")
+    judge = place(plan(validate(load(ROOT / "graphs" / "judge.yaml"))), Cluster(cpus=2))
+    # old_logp reads the judge actor's output: it stays in the driver, the advantage moves on
+    assert judge.calls["step"][-2:] == (Call("driver", ("old_logp",)), Call("model:policy", ("adv", "train")))
+
+
 def test_gpu_cluster():
     placed = place(_plan(), Cluster(cpus=16, gpus=2))
     assert placed.stage("model:policy").num_gpus == 1.0

@@ -162,20 +162,40 @@ def _rollout_problem(plan: Plan, model: str, key: str, message: str, fix: str) -
 
 
 def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
-    """A cheap CPU map whose inputs and consumers all live in one actor runs in that actor
-    (e.g. `advantage` between `logprob` and `update`): two fewer round trips and table
-    copies per step, and the actor runs the whole chain in one call. Never into a training
-    group: its workers each see a share of the rows, and a CPU map may need them all (an
-    advantage normalised over the batch)."""
+    """A cheap CPU map runs in an actor instead of the driver's stage where that saves a round
+    trip and a table copy a step, and the actor then runs the chain in one call:
+    - its inputs and consumers all live in that actor (``advantage`` between ``logprob`` and
+      ``update``);
+    - its consumers all live in that actor, which is one worker, and each input in the driver's
+      stage or that actor: the rows travel to the actor either way (``logprob`` with
+      `source: rollout` -> ``advantage`` -> ``update`` for a one-worker trainer).
+    Never into a stage of several workers (a training group, rollout replicas): each worker sees
+    a share of the rows, and a CPU map may need them all (an advantage normalised over the
+    batch)."""
     consumers = plan.consumers()
     out = dict(stage_of)
+
+    def movable(n) -> bool:
+        return out[n.id] == DRIVER and n.cardinality == "map" and bool(n.inputs) and bool(consumers[n.id])
+
+    def one_worker(stage: str) -> bool:
+        group = _group_of(plan, stage)
+        return stage != DRIVER and not (group is not None and group.grouped) and _workers_of(plan, stage) == 1
+
     for n in plan.nodes:  # topological order, so chains of CPU maps move one by one
-        if out[n.id] != DRIVER or n.cardinality != "map" or not n.inputs or not consumers[n.id]:
+        if not movable(n):
             continue
         around = {out.get(i, DRIVER) for i in (*n.inputs, *consumers[n.id])}
         stage = next(iter(around))
         group = _group_of(plan, stage)
         if len(around) == 1 and stage != DRIVER and not (group is not None and group.grouped):
+            out[n.id] = stage
+    for n in reversed(plan.nodes):  # consumers first, so a chain follows its last node in
+        if not movable(n):
+            continue
+        after = {out[c] for c in consumers[n.id]}
+        stage = next(iter(after))
+        if len(after) == 1 and one_worker(stage) and {out.get(i, DRIVER) for i in n.inputs} <= {DRIVER, stage}:
             out[n.id] = stage
     return out
 
