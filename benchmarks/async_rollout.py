@@ -14,6 +14,10 @@ the overlapped modes run synchronously, excluded):
   (weight sync included, validation and checkpoints excluded: both are off here).
 - ``overlap_ratio`` = one_step_off_step_s / max(generate_s, train_s): 1.0 is a perfect overlap
   (a step takes as long as its longer half); target <= 1.15. ``speedup`` = sync / one_step_off.
+  The sync and one_step_off runs alternate ``--pairs`` times (default 3, ``--quick`` 1): a small
+  box's speed drifts by tens of percent between runs minutes apart, so each one_step_off run is
+  compared with the sync run just before it, and ``overlap_ratio`` is the median of the pairs'
+  ratios (``overlap_ratios``: each pair's); the other figures are medians over the runs.
 - ``trainer_wait_s`` / ``rollout_idle_s``: median seconds per step the trainer waited for the
   next batch after its update, and the rollout actor sat idle waiting for the update
   (one_step_off); ``async_trainer_wait_s`` and ``async_staleness_mean`` for async.
@@ -35,7 +39,7 @@ check what each mode computes.
 is often mid-generation when an update ends, which is where partial rollouts matter (without
 them the sync, and so the trainer, waits for that generation batch).
 
-Run: python benchmarks/async_rollout.py [--quick] [--steps N] [--nodes 2] [--max-staleness K]
+Run: python benchmarks/async_rollout.py [--quick] [--steps N] [--pairs N] [--nodes 2] [--max-staleness K]
          [--set KEY=VALUE ...] [--json out.json]
 """
 
@@ -59,6 +63,12 @@ MODES = {"sync": ["run.rollout_mode=sync"], "one_step_off": ["run.rollout_mode=o
          "async_partial": ["run.rollout_mode=async", "run.partial_rollouts=true"]}
 SETS = ["placement.mode=disaggregated", "models.policy.train.workers=1", "run.val_every=0",
         "run.checkpoint_every=0"]
+
+
+def _median(values) -> float | None:
+    """Median of the values that are not None (None if none is)."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def medians(history: dict[str, dict[int, float]], warmup: int) -> dict[str, float]:
@@ -107,7 +117,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--graph", type=Path, default=DEFAULT_GRAPH)
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 20; --quick 8)")
-    ap.add_argument("--quick", action="store_true", help="8 steps per run")
+    ap.add_argument("--quick", action="store_true", help="8 steps per run, one sync / one_step_off pair")
+    ap.add_argument("--pairs", type=int, default=None,
+                    help="sync / one_step_off runs alternated this many times (default 3; --quick 1)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     ap.add_argument("--keep", default=None, help="working directory to keep (MLflow store, logs)")
     ap.add_argument("--nodes", type=int, default=1, help="a simulated Ray cluster of this many 1-CPU nodes")
@@ -116,21 +128,25 @@ def main() -> None:
                     help="an edit of the graph for every run (e.g. run.gen_prompts_per_batch=144: generation-bound)")
     args = ap.parse_args()
     steps = args.steps or (8 if args.quick else 20)
+    pairs = args.pairs or (1 if args.quick else 3)
+    order = [mode for _ in range(pairs) for mode in ("sync", "one_step_off")] + ["async", "async_partial"]
     console = make_console()
-    runs = {}
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     with scratch_dir(args.keep, console), simulated_cluster(args.nodes) as (cluster, address), \
             LoadSampler() as load:
-        for mode, sets in MODES.items():
+        for mode in order:
             console.rule(f"{mode}: {args.graph.name}, {steps} steps, {args.nodes} node(s)")
             bound = [f"run.max_staleness={args.max_staleness}"] if mode.startswith("async") else []
-            summary, _ = run_graph(args.graph, [*SETS, *args.set, *sets, *bound], executor="ray",
+            summary, _ = run_graph(args.graph, [*SETS, *args.set, *MODES[mode], *bound], executor="ray",
                                    steps=steps, console=console, cluster=cluster, address=address)
-            runs[mode] = medians(step_history(summary), WARMUP_STEPS)
-    sync, off, asy, partial = runs["sync"], runs["one_step_off"], runs["async"], runs["async_partial"]
+            runs[mode].append(medians(step_history(summary), WARMUP_STEPS))
+    ratios = [off["time/step"] / max(sync["time/rollout_phase"], sync["time/train_phase"])
+              for sync, off in zip(runs["sync"], runs["one_step_off"])]
+    sync, off, asy, partial = ({key: _median(r[key] for r in runs[mode]) for key in runs[mode][0]}
+                               for mode in MODES)
     generate_s, train_s = sync["time/rollout_phase"], sync["time/train_phase"]
-    longer = max(generate_s, train_s)
     result = {
-        "graph": str(args.graph), "nodes": args.nodes, "steps": steps, "max_staleness": args.max_staleness, "sets": args.set, "warmup_steps": WARMUP_STEPS, "load_avg": load.mean,
+        "graph": str(args.graph), "nodes": args.nodes, "steps": steps, "pairs": pairs, "max_staleness": args.max_staleness, "sets": args.set, "warmup_steps": WARMUP_STEPS, "load_avg": load.mean,
         "generate_s": generate_s, "train_s": train_s,
         "sync_step_s": sync["time/step"], "one_step_off_step_s": off["time/step"], "async_step_s": asy["time/step"],
         "async_speedup": sync["time/step"] / asy["time/step"], "async_trainer_wait_s": asy["time/trainer_wait"],
@@ -139,25 +155,29 @@ def main() -> None:
         "async_sync_wait_s": asy["time/sync_wait"], "partial_sync_wait_s": partial["time/sync_wait"],
         "partial_samples": partial["batch/partial_samples"],
         "partial_token_staleness_mean": partial["rollout/token_staleness_mean"],
-        "overlap_ratio": off["time/step"] / longer, "speedup": sync["time/step"] / off["time/step"],
+        "overlap_ratio": statistics.median(ratios), "overlap_ratios": ratios,
+        "speedup": sync["time/step"] / off["time/step"],
         "weight_sync_s": off["time/weight_sync"], "trainer_wait_s": off["time/trainer_wait"],
         "rollout_idle_s": off["time/rollout_idle"],
-        "reward_last": {mode: runs[mode]["reward_last"] for mode in MODES},
+        "reward_last": {mode: runs[mode][-1]["reward_last"] for mode in MODES},
         "target_overlap_ratio": TARGET_OVERLAP,
     }
-    table = Table(title=f"seconds per step (median of steps {WARMUP_STEPS + 1}-{steps}; load {fmt(load.mean, '.2f')})")
+    by_mode = dict(zip(MODES, (sync, off, asy, partial)))
+    table = Table(title=f"seconds per step (median of steps {WARMUP_STEPS + 1}-{steps}, and of {pairs} sync / "
+                        f"one_step_off runs; load {fmt(load.mean, '.2f')})")
     for column in ("", "step", "rollout phase", "train phase", "weight sync", "sync waits", "trainer waits",
                    "rollout idle"):
         table.add_column(column, justify="right")
     for mode in MODES:
-        r = runs[mode]
+        r = by_mode[mode]
         table.add_row(mode, *(fmt(r[k]) for k in ("time/step", "time/rollout_phase", "time/train_phase",
                                                   "time/weight_sync", "time/sync_wait", "time/trainer_wait",
                                                   "time/rollout_idle")))
     console.print(table)
     verdict = "meets" if result["overlap_ratio"] <= TARGET_OVERLAP else "misses"
     console.print(f"one_step_off: {result['speedup']:.2f}x the synchronous step; overlap ratio "
-                  f"{result['overlap_ratio']:.3f} ({verdict} the target {TARGET_OVERLAP}); async: "
+                  f"{result['overlap_ratio']:.3f} ({verdict} the target {TARGET_OVERLAP}; pairs: "
+                  f"{', '.join(f'{r:.2f}' for r in ratios)}); async: "
                   f"{result['async_speedup']:.2f}x, staleness {fmt(result['async_staleness_mean'], '.2f')} "
                   f"on average; a sync waits {fmt(result['async_sync_wait_s'])} s for the generation in flight, "
                   f"{fmt(result['partial_sync_wait_s'])} s with partial rollouts, where "
