@@ -31,6 +31,10 @@ from dapo_flow.graph.spec import GraphSpec
 RESUME_HINT = "`dapo-flow run GRAPH --resume` continues from the last checkpoint"
 DEFAULT_CALL_TIMEOUT_S = 900.0
 STARTUP_TIMEOUT_S = 900.0  # actors load models (and may wait for resources) before the first call
+#: when one call of a group (or of a weight sync's sides) fails, how long the others get to show
+#: whether their actor died: a peer killed mid-collective reaches the survivors first, as their
+#: own error (gloo's "Connection reset by peer"), before Ray reports the dead actor
+PEER_DEATH_GRACE_S = 5.0
 
 
 def call_timeout() -> float:
@@ -489,10 +493,35 @@ class RayExecutor:
                                "a worker on an unreachable node?); raise DAPO_FLOW_CALL_TIMEOUT if the "
                                f"model is just slow. {RESUME_HINT}")
             for ref in ready:
-                values[ref] = self._get(ref, timeout, who=self._member(*owner[ref]))
+                try:
+                    values[ref] = self._get(ref, timeout, who=self._member(*owner[ref]))
+                except RunError as failure:
+                    if not isinstance(failure.__cause__, ray.exceptions.RayTaskError):
+                        raise  # the actor died (named), or did not answer
+                    dead = self._dead_peer(pending, owner)
+                    if dead is not None:
+                        raise dead from failure
+                    raise
         out = tuple(call.join([values[r] for r in call.refs]) if isinstance(call, GroupCall) else values[call]
                     for call in calls)
         return out if isinstance(handles, tuple) else out[0]
+
+    def _dead_peer(self, pending: list, owner: dict) -> RunError | None:
+        """The death of the actor of one of the ``pending`` calls, named, if one shows within
+        PEER_DEATH_GRACE_S; else None (the failed call's own error is the one to report)."""
+        ray = self._ray
+        deadline = time.monotonic() + PEER_DEATH_GRACE_S
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            try:
+                ray.get(ready[0], timeout=0)
+            except ray.exceptions.RayActorError as exc:
+                return RunError(f"{self._member(*owner[ready[0]])} died: {_root_cause(exc)}. {RESUME_HINT}")
+            except Exception:  # noqa: BLE001 - another failure, after the one being reported
+                pass
+        return None
 
     def _late(self, members: list[tuple[Any, int | None]]) -> str:
         """'worker(s) 0, 3 of the training group of stage X; the actor of stage Y', for messages."""

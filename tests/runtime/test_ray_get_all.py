@@ -46,3 +46,39 @@ def test_a_side_that_dies_is_named_while_the_other_still_waits():
     finally:
         for actor in (trainer, rollout, other):
             ray.kill(actor)
+
+
+@pytest.mark.slow  # a Ray cluster's start-up
+@pytest.mark.shared_ray
+@pytest.mark.timeout(120)
+def test_a_worker_killed_mid_collective_is_named_not_the_error_its_peer_saw_first():
+    """Rank 1 dies; rank 0, in a collective with it, fails first with its own error (gloo: the
+    connection reset by the dead peer): the run names the dead worker. A failure with every peer
+    alive is reported as it is."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def reset_by_peer(self) -> None:
+            raise RuntimeError("gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+
+        def die_after(self, seconds: float) -> None:
+            time.sleep(seconds)
+            os._exit(1)
+
+        def wait(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    survivor, killed, alive = Worker.remote(), Worker.remote(), Worker.remote()
+    ex = _executor_shell(ray, {})
+    try:
+        group = GroupCall("model:policy", [survivor.reset_by_peer.remote(), killed.die_after.remote(0.5)], join=list)
+        with pytest.raises(RunError, match=r"worker 1 of the training group of stage 'model:policy' died.*--resume"):
+            ex.get(group)
+        group = GroupCall("model:policy", [survivor.reset_by_peer.remote(), alive.wait.remote(0.1)], join=list)
+        with pytest.raises(RunError, match="an operator failed inside an actor: .*Connection reset by peer"):
+            ex.get(group)
+    finally:
+        for actor in (survivor, killed, alive):
+            ray.kill(actor)
