@@ -14,10 +14,12 @@ the overlapped modes run synchronously, excluded):
   (weight sync included, validation and checkpoints excluded: both are off here).
 - ``overlap_ratio`` = one_step_off_step_s / max(generate_s, train_s): 1.0 is a perfect overlap
   (a step takes as long as its longer half); target <= 1.15. ``speedup`` = sync / one_step_off.
-  The sync and one_step_off runs alternate ``--pairs`` times (default 3, ``--quick`` 1): a small
-  box's speed drifts by tens of percent between runs minutes apart, so each one_step_off run is
-  compared with the sync run just before it, and ``overlap_ratio`` is the median of the pairs'
-  ratios (``overlap_ratios``: each pair's); the other figures are medians over the runs.
+  The sync, one_step_off and async runs take turns ``--pairs`` times (default 3, ``--quick`` 1):
+  a small box's speed drifts by tens of percent between runs minutes apart, so each one_step_off
+  run is compared with the sync run just before it, and ``overlap_ratio`` is the median of those
+  ratios (``overlap_ratios``: each turn's); ``async_vs_one_step_off`` likewise the median of each
+  async step over the one_step_off step just before it (<= 1: async at least as fast). The other
+  figures are medians over the runs.
 - ``trainer_wait_s`` / ``rollout_idle_s``: median seconds per step the trainer waited for the
   next batch after its update, and the rollout actor sat idle waiting for the update
   (one_step_off); ``async_trainer_wait_s`` and ``async_staleness_mean`` for async.
@@ -117,9 +119,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--graph", type=Path, default=DEFAULT_GRAPH)
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 20; --quick 8)")
-    ap.add_argument("--quick", action="store_true", help="8 steps per run, one sync / one_step_off pair")
+    ap.add_argument("--quick", action="store_true", help="8 steps per run, one turn of each mode")
     ap.add_argument("--pairs", type=int, default=None,
-                    help="sync / one_step_off runs alternated this many times (default 3; --quick 1)")
+                    help="sync / one_step_off / async turns (default 3; --quick 1)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     ap.add_argument("--keep", default=None, help="working directory to keep (MLflow store, logs)")
     ap.add_argument("--nodes", type=int, default=1, help="a simulated Ray cluster of this many 1-CPU nodes")
@@ -129,7 +131,7 @@ def main() -> None:
     args = ap.parse_args()
     steps = args.steps or (8 if args.quick else 20)
     pairs = args.pairs or (1 if args.quick else 3)
-    order = [mode for _ in range(pairs) for mode in ("sync", "one_step_off")] + ["async", "async_partial"]
+    order = [mode for _ in range(pairs) for mode in ("sync", "one_step_off", "async")] + ["async_partial"]
     console = make_console()
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     with scratch_dir(args.keep, console), simulated_cluster(args.nodes) as (cluster, address), \
@@ -142,6 +144,7 @@ def main() -> None:
             runs[mode].append(medians(step_history(summary), WARMUP_STEPS))
     ratios = [off["time/step"] / max(sync["time/rollout_phase"], sync["time/train_phase"])
               for sync, off in zip(runs["sync"], runs["one_step_off"])]
+    async_ratios = [a["time/step"] / off["time/step"] for off, a in zip(runs["one_step_off"], runs["async"])]
     sync, off, asy, partial = ({key: _median(r[key] for r in runs[mode]) for key in runs[mode][0]}
                                for mode in MODES)
     generate_s, train_s = sync["time/rollout_phase"], sync["time/train_phase"]
@@ -156,6 +159,7 @@ def main() -> None:
         "partial_samples": partial["batch/partial_samples"],
         "partial_token_staleness_mean": partial["rollout/token_staleness_mean"],
         "overlap_ratio": statistics.median(ratios), "overlap_ratios": ratios,
+        "async_vs_one_step_off": statistics.median(async_ratios), "async_vs_one_step_off_turns": async_ratios,
         "speedup": sync["time/step"] / off["time/step"],
         "weight_sync_s": off["time/weight_sync"], "trainer_wait_s": off["time/trainer_wait"],
         "rollout_idle_s": off["time/rollout_idle"],
@@ -164,7 +168,7 @@ def main() -> None:
     }
     by_mode = dict(zip(MODES, (sync, off, asy, partial)))
     table = Table(title=f"seconds per step (median of steps {WARMUP_STEPS + 1}-{steps}, and of {pairs} sync / "
-                        f"one_step_off runs; load {fmt(load.mean, '.2f')})")
+                        f"one_step_off / async runs; load {fmt(load.mean, '.2f')})")
     for column in ("", "step", "rollout phase", "train phase", "weight sync", "sync waits", "trainer waits",
                    "rollout idle"):
         table.add_column(column, justify="right")
@@ -178,7 +182,8 @@ def main() -> None:
     console.print(f"one_step_off: {result['speedup']:.2f}x the synchronous step; overlap ratio "
                   f"{result['overlap_ratio']:.3f} ({verdict} the target {TARGET_OVERLAP}; pairs: "
                   f"{', '.join(f'{r:.2f}' for r in ratios)}); async: "
-                  f"{result['async_speedup']:.2f}x, staleness {fmt(result['async_staleness_mean'], '.2f')} "
+                  f"{result['async_speedup']:.2f}x ({result['async_vs_one_step_off']:.2f}x one_step_off's step; "
+                  f"turns: {', '.join(f'{r:.2f}' for r in async_ratios)}), staleness {fmt(result['async_staleness_mean'], '.2f')} "
                   f"on average; a sync waits {fmt(result['async_sync_wait_s'])} s for the generation in flight, "
                   f"{fmt(result['partial_sync_wait_s'])} s with partial rollouts, where "
                   f"{fmt(result['partial_samples'], '.2f')} of the trained samples span two policy versions",
