@@ -350,19 +350,8 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
             while state.step < total:
                 ctrl_c.check()
                 step = state.step + 1
-                t0 = time.perf_counter()
-                if producer is not None:
-                    metrics = producer.step(state)
-                else:
-                    metrics, next_batch = runner.step(state, ahead[0] if ahead else None,
-                                                      collect_next=overlap and step < total)
-                    ahead = [next_batch] if next_batch is not None else []
-                seconds = time.perf_counter() - t0
-                state.wall_seconds += seconds
-                metrics["time/step"] = seconds
-                metrics["perf/samples_per_s"] = metrics.get("sampling/samples_generated", 0.0) / seconds
-                metrics["perf/tokens_per_s"] = metrics.get("gen/tokens", 0.0) / seconds
-                metrics["sampling/samples_generated_total"] = float(state.samples_generated)
+                metrics, ahead = _step(runner, state, ahead, producer,
+                                       collect_next=overlap and step < total)
                 if (run.val_every and step % run.val_every == 0) or step == total:
                     val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
                     metrics.update(val)
@@ -402,6 +391,26 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
     }
     _print_summary(record.console, summary)
     return summary
+
+
+def _step(runner: Runner, state: LoopState, ahead: list[Rollout], producer: RolloutProducer | None,
+          collect_next: bool) -> tuple[dict, list[Rollout]]:
+    """One RL step (the async producer's, or the runner's on ``ahead``, collecting the next batch
+    beside it when ``collect_next``): its metrics with the step's time, throughputs and the
+    samples generated so far, and the batch now collected ahead."""
+    t0 = time.perf_counter()
+    if producer is not None:
+        metrics = producer.step(state)
+    else:
+        metrics, next_batch = runner.step(state, ahead[0] if ahead else None, collect_next=collect_next)
+        ahead = [next_batch] if next_batch is not None else []
+    seconds = time.perf_counter() - t0
+    state.wall_seconds += seconds
+    metrics["time/step"] = seconds
+    metrics["perf/samples_per_s"] = metrics.get("sampling/samples_generated", 0.0) / seconds
+    metrics["perf/tokens_per_s"] = metrics.get("gen/tokens", 0.0) / seconds
+    metrics["sampling/samples_generated_total"] = float(state.samples_generated)
+    return metrics, ahead
 
 
 def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path,
