@@ -145,8 +145,8 @@ def main() -> None:
     ratios = [off["time/step"] / max(sync["time/rollout_phase"], sync["time/train_phase"])
               for sync, off in zip(runs["sync"], runs["one_step_off"])]
     async_ratios = [a["time/step"] / off["time/step"] for off, a in zip(runs["one_step_off"], runs["async"])]
-    sync, off, asy, partial = ({key: _median(r[key] for r in runs[mode]) for key in runs[mode][0]}
-                               for mode in MODES)
+    by_mode = {mode: {key: _median(r[key] for r in runs[mode]) for key in runs[mode][0]} for mode in MODES}
+    sync, off, asy, partial = by_mode.values()
     generate_s, train_s = sync["time/rollout_phase"], sync["time/train_phase"]
     result = {
         "graph": str(args.graph), "nodes": args.nodes, "steps": steps, "pairs": pairs, "max_staleness": args.max_staleness, "sets": args.set, "warmup_steps": WARMUP_STEPS, "load_avg": load.mean,
@@ -166,7 +166,6 @@ def main() -> None:
         "reward_last": {mode: runs[mode][-1]["reward_last"] for mode in MODES},
         "target_overlap_ratio": TARGET_OVERLAP,
     }
-    by_mode = dict(zip(MODES, (sync, off, asy, partial)))
     table = Table(title=f"seconds per step (median of steps {WARMUP_STEPS + 1}-{steps}, and of {pairs} sync / "
                         f"one_step_off / async runs; load {fmt(load.mean, '.2f')})")
     for column in ("", "step", "rollout phase", "train phase", "weight sync", "sync waits", "trainer waits",

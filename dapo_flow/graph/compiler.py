@@ -178,24 +178,24 @@ def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
     def movable(n) -> bool:
         return out[n.id] == DRIVER and n.cardinality == "map" and bool(n.inputs) and bool(consumers[n.id])
 
-    def one_worker(stage: str) -> bool:
+    def actor_ungrouped(stage: str) -> bool:  # an actor no training group divides the rows of
         group = _group_of(plan, stage)
-        return stage != DRIVER and not (group is not None and group.grouped) and _workers_of(plan, stage) == 1
+        return stage != DRIVER and not (group is not None and group.grouped)
 
     for n in plan.nodes:  # topological order, so chains of CPU maps move one by one
         if not movable(n):
             continue
         around = {out.get(i, DRIVER) for i in (*n.inputs, *consumers[n.id])}
         stage = next(iter(around))
-        group = _group_of(plan, stage)
-        if len(around) == 1 and stage != DRIVER and not (group is not None and group.grouped):
+        if len(around) == 1 and actor_ungrouped(stage):
             out[n.id] = stage
     for n in reversed(plan.nodes):  # consumers first, so a chain follows its last node in
         if not movable(n):
             continue
         after = {out[c] for c in consumers[n.id]}
         stage = next(iter(after))
-        if len(after) == 1 and one_worker(stage) and {out.get(i, DRIVER) for i in n.inputs} <= {DRIVER, stage}:
+        if (len(after) == 1 and actor_ungrouped(stage) and _workers_of(plan, stage) == 1
+                and {out.get(i, DRIVER) for i in n.inputs} <= {DRIVER, stage}):
             out[n.id] = stage
     return out
 

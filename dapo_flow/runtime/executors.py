@@ -516,9 +516,10 @@ class RayExecutor:
             if not ready:
                 return None
             try:
-                ray.get(ready[0], timeout=0)
-            except ray.exceptions.RayActorError as exc:
-                return RunError(f"{self._member(*owner[ready[0]])} died: {_root_cause(exc)}. {RESUME_HINT}")
+                self._get(ready[0], 0.0, who=self._member(*owner[ready[0]]))
+            except RunError as err:
+                if isinstance(err.__cause__, ray.exceptions.RayActorError):
+                    return err  # "<who> died: ..."
             except Exception:  # noqa: BLE001 - another failure, after the one being reported
                 pass
         return None

@@ -65,9 +65,9 @@ def version_stats(versions: pa.ChunkedArray, prefix: str = "batch/") -> dict[str
     offsets = array.offsets.to_numpy() - array.offsets[0].as_py()  # a slice's start at 0, as flatten's
     starts = offsets[:-1][offsets[:-1] < offsets[1:]]  # rows with tokens
     spans = np.maximum.reduceat(flat, starts) > np.minimum.reduceat(flat, starts)
-    versions, counts = np.unique(flat, return_counts=True)
+    seen, counts = np.unique(flat, return_counts=True)
     return {f"{prefix}partial_samples": float(spans.mean()),
-            **{f"{prefix}{TOKENS_AT_VERSION}{v}": Total(c) for v, c in zip(versions.tolist(), counts.tolist())}}
+            **{f"{prefix}{TOKENS_AT_VERSION}{v}": Total(c) for v, c in zip(seen.tolist(), counts.tolist())}}
 
 
 def first_row(table: pa.Table) -> dict[str, float]:
