@@ -36,6 +36,7 @@ class RolloutProducer:
         self.steps_done = state.step
         self.next_step = state.step + len(ahead) + 1  # the step the next batch is for
         self.collecting = False
+        self.behind: int | None = None  # see _queue_behind
         self.pauses = 0
         self.stopped = False
         self.error: BaseException | None = None
@@ -65,6 +66,7 @@ class RolloutProducer:
                         if rollout is not None:
                             self.ready.append(rollout)
                             self.next_step += 1
+                            self._queue_behind()
                         self.cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - raised again in the driver's thread (take)
             with self.cond:
@@ -78,25 +80,64 @@ class RolloutProducer:
                 raise self.error
             self.cond.wait(WAIT_SLICE_S)
 
-    def step(self, state: LoopState) -> dict[str, float]:
+    def step(self, state: LoopState, queue_next: bool = False) -> dict[str, float]:
         """One training step on the oldest batch collected (waiting for it), then the weight
         sync, then the producer may run one step further ahead. Returns the step's metrics
-        (but for time/step and what follows it)."""
+        (but for time/step and what follows it).
+
+        Where calls queue (Ray) and weights go in between generations (no partial rollouts),
+        the sync is queued behind the update at once and the producer moves on then (its next
+        generation queued behind the sync); with ``queue_next``, the next batch, once collected
+        (now, or by the producer while this update runs), has its update queued behind the sync:
+        the trainer goes from one update to the next without waiting for the driver."""
+        runner = self.runner
+        with self.cond:
+            update, runner.queued = runner.queued, None
+            self.behind = None
+        if update is None:
+            update = runner.submit_update(self._take(), state.policy_version)
+        rollout = update.rollout
+        trained = rollout.batch is not None
+        early = trained and runner.ex.queues_calls and not runner.run.partial_rollouts
+        sync = runner.submit_sync(update.version + 1) if early else None
+        if early:
+            with self.cond:
+                self.steps_done += 1
+                if queue_next:
+                    self.behind = update.version + 1
+                    self._queue_behind()
+                self.cond.notify_all()
+        metrics = dict(rollout.metrics)
+        metrics.update(runner.finish_update(state, update))
+        if trained:
+            metrics.update(runner.finish_sync(sync or runner.submit_sync(state.policy_version)))
+        if not early:
+            with self.cond:
+                self.steps_done += 1
+                self.cond.notify_all()
+        return metrics
+
+    def _queue_behind(self) -> None:
+        """(``cond`` held) Where the driver asked for it (``behind``: the version the next
+        update trains) and a batch is collected, queue its update: behind the sync just queued."""
+        if self.behind is not None and self.ready and self.runner.queued is None:
+            rollout = self.ready.popleft()
+            rollout.metrics["rollout/buffer_depth"] = float(len(self.ready))
+            rollout.metrics["time/trainer_wait"] = 0.0
+            self.runner.queued = self.runner.submit_update(rollout, self.behind)
+            self.behind = None
+
+    def _take(self) -> Rollout:
+        """The oldest batch collected (waiting for one), with how long the trainer waited for it
+        and how many batches were collected beyond it (``time/trainer_wait``,
+        ``rollout/buffer_depth``) in its metrics."""
         start = time.perf_counter()
         with self.cond:
             self._wait(lambda: bool(self.ready))
             rollout = self.ready.popleft()
-            depth = len(self.ready)
-        metrics = dict(rollout.metrics)
-        metrics["time/trainer_wait"] = time.perf_counter() - start
-        metrics["rollout/buffer_depth"] = float(depth)  # batches collected beyond this one
-        metrics.update(self.runner.update(state, rollout))
-        if rollout.batch is not None:
-            metrics.update(self.runner.sync(state.policy_version))
-        with self.cond:
-            self.steps_done += 1
-            self.cond.notify_all()
-        return metrics
+            rollout.metrics["rollout/buffer_depth"] = float(len(self.ready))
+        rollout.metrics["time/trainer_wait"] = time.perf_counter() - start
+        return rollout
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[list[Rollout]]:

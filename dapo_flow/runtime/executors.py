@@ -50,6 +50,9 @@ class Executor(Protocol):
     group as its :class:`GroupMember`)."""
 
     name: str
+    #: whether a call returns before it runs, to run in turn after the calls queued on its
+    #: worker before it (Ray's actors); False where it runs when made (in-process)
+    queues_calls: bool
     #: reads a list of parquet files (or one file) into one table on the executor's side;
     #: None: the driver reads them with pyarrow
     read_parquet: Callable[[Any], pa.Table] | None
@@ -77,6 +80,7 @@ class Executor(Protocol):
 
 class LocalExecutor:
     name = "local"
+    queues_calls = False
     read_parquet = None  # prompts are read with pyarrow in-process
     stream_parquet = None  # and streamed prompts read and tokenized in-process
 
@@ -304,6 +308,7 @@ def cluster_of(available: Mapping[str, float], nodes: list[Mapping[str, Any]]) -
 
 class RayExecutor:
     name = "ray"
+    queues_calls = True
 
     def __init__(self, graph: GraphSpec, setups: Mapping[str, StageSetup], seed: int,
                  resources: Mapping[str, tuple[float, float]], address: str | None = None):

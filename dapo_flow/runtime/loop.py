@@ -58,31 +58,57 @@ class Rollout:
     policy_version: int = 0  # the oldest weights' version its generation batches were queued under
 
 
+@dataclass
+class QueuedUpdate:
+    """A train segment queued on the trainer (:meth:`Runner.submit_update`), not read back yet."""
+
+    rollout: Rollout
+    calls: list  # (Call, handle) of each call queued
+    version: int  # the policy version it trains (the weights it starts from)
+    submitted_at: float
+
+
+@dataclass
+class QueuedSync:
+    """The weight syncs to one policy version, queued (:meth:`Runner.submit_sync`)."""
+
+    handles: list  # (whether a transfer between actors, else an in-actor sync; its handle)
+    version: int
+    live: bool  # into a generation in flight (run.partial_rollouts)
+    waited: float  # seconds it waited to queue: for a batch's generate calls to be queued
+
+
 class Ahead:
     """The next step's rollout phase, run by a thread of the driver while this step trains
-    (``run.rollout_mode: one_step_off``). It starts before this step's update, so it generates
-    with the weights from before it; the caller waits for
+    (``run.rollout_mode: one_step_off``). It starts as this step's update is queued (before it
+    runs), so it generates with the weights from before it; the caller waits for
     it (:meth:`result`) before the weight sync that follows the update, so no batch mixes two
     versions and a run is as deterministic as a synchronous one. Only this thread touches the
-    rollout side of ``state`` (sampler position, carry, keep rate) until :meth:`result` returns."""
+    rollout side of ``state`` (sampler position, carry, keep rate) until :meth:`result` returns.
+    ``behind(rollout)``, called in the thread once the batch is complete, queues what follows
+    it (:meth:`Runner._queue_behind`); its result is :attr:`queued`."""
 
-    def __init__(self, runner: "Runner", state: LoopState):
+    def __init__(self, runner: "Runner", state: LoopState, behind: Callable[[Rollout], Any] | None = None):
         self.started_at = time.perf_counter()
         self.finished_at = 0.0
+        self.queued: Any = None
         self._rollout: Rollout | None = None
         self._error: BaseException | None = None
         # a daemon: a run stopped by Ctrl-C or an error does not wait for its generation
-        self._thread = threading.Thread(target=self._collect, args=(runner, state), daemon=True,
+        self._thread = threading.Thread(target=self._collect, args=(runner, state, behind), daemon=True,
                                         name="dapo-flow-rollout-ahead")
         self._thread.start()
 
-    def _collect(self, runner: "Runner", state: LoopState) -> None:
+    def _collect(self, runner: "Runner", state: LoopState, behind: Callable[[Rollout], Any] | None) -> None:
         try:
             self._rollout = runner.collect(state)
+            self.finished_at = time.perf_counter()
+            if behind is not None:
+                self.queued = behind(self._rollout)
         except BaseException as exc:  # noqa: BLE001 - raised again in the driver's thread
             self._error = exc
         finally:
-            self.finished_at = time.perf_counter()
+            self.finished_at = self.finished_at or time.perf_counter()
 
     @property
     def seconds(self) -> float:
@@ -161,6 +187,8 @@ class Runner:
         # thread of their own), so each batch knows the version it was generated with
         self.rollout_version = 0
         self.rollout_lock = threading.Lock()
+        self.queued: QueuedUpdate | None = None  # the next step's update, queued on the trainer already
+        self.trainer_free_at = 0.0  # when the driver saw the last weight sync done (the trainer's last call)
 
     # --- call execution --------------------------------------------------------
     def _submit(self, phase: str, call: Call, inputs: list):
@@ -186,20 +214,29 @@ class Runner:
         self.traffic.add_driver(prompts.nbytes)
         return prompts
 
-    def _inputs(self, nid: str, outs: dict[str, Output]) -> list:
-        return [outs[i].table for i in self.nodes[nid].inputs]
-
     def run_calls(self, phase: str, feeds: dict[str, Any], acc: MetricAccumulator,
                   first_done: Any = None) -> dict[str, Output]:
         """Run the phase's calls; returns each call's output under its last node's id (inner
         nodes of a call are not returned). ``feeds``: node id -> table handle. ``first_done``:
         the first call's handle, already submitted (streaming)."""
-        outs = {k: Output(v) for k, v in feeds.items()}
+        return self.finish_calls(self.submit_calls(phase, feeds, first_done), acc)
+
+    def submit_calls(self, phase: str, feeds: dict[str, Any], first_done: Any = None) -> list[tuple[Call, Any]]:
+        """Queue every call of the phase at once, each reading the handles of the calls before
+        it: under Ray a call waits in its actor for its inputs, not for the driver to see its
+        predecessor finish."""
+        tables = dict(feeds)
+        submitted = []
         for k, call in enumerate(self.placed.calls[phase]):
             handle = first_done if k == 0 and first_done is not None else (
-                self._submit(phase, call, self._inputs(call.nodes[0], outs)))
-            outs[call.nodes[-1]] = self._finish(handle, acc)
-        return outs
+                self._submit(phase, call, [tables[i] for i in self.nodes[call.nodes[0]].inputs]))
+            tables[call.nodes[-1]] = handle.table
+            submitted.append((call, handle))
+        return submitted
+
+    def finish_calls(self, submitted: list[tuple[Call, Any]], acc: MetricAccumulator) -> dict[str, Output]:
+        """Each queued call's output, read in order (the first failure raised)."""
+        return {call.nodes[-1]: self._finish(handle, acc) for call, handle in submitted}
 
     # --- phase 1: rollout with dynamic sampling ---------------------------------
     def rollout_batch(self, prompts: pa.Table, acc: MetricAccumulator) -> Kept:
@@ -314,50 +351,84 @@ class Runner:
                 f"max_skipped_steps={limit})"))
 
     # --- one step: rollout, update, weight sync -------------------------------------
-    def step(self, state: LoopState, ahead: Rollout | None, *, collect_next: bool
+    def step(self, state: LoopState, ahead: Rollout | None, *, collect_next: bool, queue_next: bool = False
              ) -> tuple[dict[str, float], Rollout | None]:
         """Train on ``ahead`` (the batch the last step collected, one_step_off) or on a batch
         collected now; with ``collect_next``, the next step's rollout phase runs beside the
         update (:class:`Ahead`) and is returned, complete, before the weight sync. Returns the
-        step's metrics (but for time/step and what follows it) and the batch collected ahead."""
+        step's metrics (but for time/step and what follows it) and the batch collected ahead.
+
+        Where the executor queues calls (Ray), the rollout thread, once the next batch is
+        complete, queues this step's weight sync behind the update in flight and, with
+        ``queue_next`` (no validation, checkpoint or MLflow write between the two steps), the
+        next step's update behind the sync: the trainer goes from one to the next without
+        waiting for the driver to see each finish. What each actor runs, in what order, is the
+        same."""
         start = time.perf_counter()
         rollout = ahead if ahead is not None else self.collect(state)
         collected = time.perf_counter() - start  # 0 where the last step collected it ahead
-        next_rollout = Ahead(self, state) if collect_next else None
-        metrics = {**rollout.metrics, **self.update(state, rollout)}
+        update, self.queued = self.queued, None
+        assert update is None or update.rollout is rollout, "an update queued for another batch"
+        queues = self.ex.queues_calls
+        if update is None and queues:  # queued at once; in-process it runs when submitted,
+            update = self.submit_update(rollout, state.policy_version)  # so after the thread starts
+        behind = None
+        if collect_next and queues:
+            behind = lambda batch: self._queue_behind(update, batch, queue_next)  # noqa: E731
+        next_rollout = Ahead(self, state, behind) if collect_next else None
+        if update is None:
+            update = self.submit_update(rollout, state.policy_version)
+        metrics = {**rollout.metrics, **self.finish_update(state, update)}
         trained_at = time.perf_counter()
         metrics["time/rollout_phase"] = collected
-        ahead = None
+        ahead, queued_sync = None, None
         if next_rollout is not None:
             ahead = next_rollout.result()  # before the sync: its batch is of one version
+            queued_sync, self.queued = next_rollout.queued or (None, None)
             metrics["time/rollout_phase"] += next_rollout.seconds
             metrics["time/trainer_wait"] = max(next_rollout.finished_at - trained_at, 0.0)
             metrics["time/rollout_idle"] = max(trained_at - next_rollout.finished_at, 0.0)
         if rollout.batch is not None:
-            metrics.update(self.sync(state.policy_version))
+            metrics.update(self.finish_sync(queued_sync or self.submit_sync(state.policy_version)))
         return metrics, ahead
+
+    def _queue_behind(self, update: QueuedUpdate, batch: Rollout, queue_next: bool
+                      ) -> tuple[QueuedSync | None, QueuedUpdate | None]:
+        """In the rollout thread, its batch complete: the weight sync after ``update`` (none
+        where it trains nothing) and, with ``queue_next``, the update on ``batch``, queued."""
+        trained = update.rollout.batch is not None
+        sync = self.submit_sync(update.version + 1) if trained else None
+        after = update.version + trained
+        return sync, (self.submit_update(batch, after) if queue_next and batch.batch is not None else None)
 
     def update(self, state: LoopState, rollout: Rollout) -> dict[str, float]:
         """The train segment on ``rollout`` (nothing for a step that trains nothing): its metrics
         with the batch's staleness and time/train_phase; the trained weights are one version on."""
-        start = time.perf_counter()
-        metrics = {}
-        if rollout.batch is not None:
-            metrics["rollout/staleness"] = float(state.policy_version - rollout.policy_version)
-            metrics.update(self.train(rollout))
-            metrics.update(token_staleness(metrics, state.policy_version))
-            state.policy_version += 1
-        metrics["time/train_phase"] = time.perf_counter() - start
-        return metrics
+        return self.finish_update(state, self.submit_update(rollout, state.policy_version))
 
     # --- phase 2: train segment -------------------------------------------------
-    def train(self, rollout: Rollout) -> dict[str, float]:
-        acc = MetricAccumulator()
-        feeds = {PROMPTS_SOURCE: rollout.batch}
-        if self.plan.group_filter is not None:
-            feeds = {self.plan.group_filter: rollout.batch}
-        self.run_calls(self.plan.phases[-1][0], feeds, acc)
-        return acc.result()  # a sink's metrics row and batch/* come with its report (StageWorker.run)
+    def submit_update(self, rollout: Rollout, version: int) -> QueuedUpdate:
+        """Queue the train segment on ``rollout`` for the weights of policy ``version`` (those
+        the trainer holds once what is queued before it has run)."""
+        calls = []
+        if rollout.batch is not None:
+            feed = self.plan.group_filter if self.plan.group_filter is not None else PROMPTS_SOURCE
+            calls = self.submit_calls(self.plan.phases[-1][0], {feed: rollout.batch})
+        return QueuedUpdate(rollout, calls, version, time.perf_counter())
+
+    def finish_update(self, state: LoopState, update: QueuedUpdate) -> dict[str, float]:
+        """:meth:`update`'s metrics, once the queued update is done; ``time/train_phase`` from
+        when it could start (queued behind the last step's sync: once the driver saw that done)."""
+        metrics = {}
+        if update.rollout.batch is not None:
+            metrics["rollout/staleness"] = float(update.version - update.rollout.policy_version)
+            acc = MetricAccumulator()
+            self.finish_calls(update.calls, acc)
+            metrics.update(acc.result())  # a sink's metrics row and batch/* come with its report (StageWorker.run)
+            metrics.update(token_staleness(metrics, update.version))
+            state.policy_version = update.version + 1
+        metrics["time/train_phase"] = time.perf_counter() - max(update.submitted_at, self.trainer_free_at)
+        return metrics
 
     # --- phase 3: weight sync ---------------------------------------------------
     def sync(self, version: int) -> dict[str, float]:
@@ -366,20 +437,34 @@ class Runner:
         the generation batch in flight, and its transfer for those generate calls on the rollout
         actors, unless ``run.partial_rollouts``: then the weights go in between two of their
         tokens, and the batch's tokens record which weights sampled them."""
-        seconds, asked = 0.0, time.perf_counter()
+        return self.finish_sync(self.submit_sync(version))
+
+    def submit_sync(self, version: int) -> QueuedSync:
+        """Queue :meth:`sync`'s calls (after the generation batch being queued, if any)."""
+        asked = time.perf_counter()
         live = self.run.partial_rollouts
+        handles = []
         with contextlib.nullcontext() if live else self.rollout_lock:
             waited = time.perf_counter() - asked  # for a batch's generate calls to be queued (overlapped modes)
             for sync in self.placed.syncs:
                 self.call_log.append(("sync", sync.source, (sync.target, sync.kind)))
                 if sync.kind == IN_ACTOR:
-                    seconds += self.ex.get(self.ex.call(sync.source, "sync_generators"))
+                    handles.append((False, self.ex.call(sync.source, "sync_generators")))
                 else:
-                    seconds += self.syncs.transfer(sync, version, live=live)
-            # live: set once every target holds the weights, so a batch queued after reads a
-            # version its tokens are at least at (one queued before keeps the older, a lower bound)
-            self.rollout_version = version
-        return {"time/weight_sync": seconds, "time/sync_wait": waited}
+                    handles.append((True, self.syncs.start(sync, version, live=live)))
+            if not live:  # a batch queued from now on is generated after the weights arrive
+                self.rollout_version = version
+        return QueuedSync(handles, version, live, waited)
+
+    def finish_sync(self, queued: QueuedSync) -> dict[str, float]:
+        """:meth:`sync`'s metrics, once its transfers are done."""
+        seconds = sum(self.syncs.seconds(h) if transfer else self.ex.get(h) for transfer, h in queued.handles)
+        self.trainer_free_at = time.perf_counter()
+        if queued.live:
+            # set once every target holds the weights, so a batch queued after reads a version
+            # its tokens are at least at (one queued before keeps the older, a lower bound)
+            self.rollout_version = queued.version
+        return {"time/weight_sync": seconds, "time/sync_wait": queued.waited}
 
     # --- phase 4: validation ------------------------------------------------------
     def validate(self, val_prompts: pa.Table | None, log_samples: int, *, n: int | None = None,

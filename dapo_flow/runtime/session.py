@@ -350,9 +350,16 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
             while state.step < total:
                 ctrl_c.check()
                 step = state.step + 1
-                metrics, ahead = _step(runner, state, ahead, producer,
-                                       collect_next=overlap and step < total)
-                if (run.val_every and step % run.val_every == 0) or step == total:
+                ckpt_due = run.checkpoint_every and (step % run.checkpoint_every == 0 or step == total)
+                val_due = (run.val_every and step % run.val_every == 0) or step == total
+                flush_due = ckpt_due or (not run.checkpoint_every and record.flush_due())
+                # the next step's update may be queued during this one where nothing slow comes
+                # between the two: a checkpoint saves the trainer as this step leaves it, and a
+                # validation or MLflow write would run beside the queued update (and its
+                # time/train_phase would hold them)
+                metrics, ahead = _step(runner, state, ahead, producer, collect_next=overlap and step < total,
+                                       queue_next=not (val_due or flush_due))
+                if val_due:
                     val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
                     metrics.update(val)
                     record.samples(samples, step)
@@ -363,7 +370,6 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
                 pending.append((step, metrics))
                 last_metrics = metrics
                 last_val = metrics.get("val/acc", last_val)
-                ckpt_due = run.checkpoint_every and (step % run.checkpoint_every == 0 or step == total)
                 with ctrl_c.held():  # a checkpoint and its metrics are written whole
                     if ckpt_due:
                         if producer is None:
@@ -371,7 +377,7 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
                         else:
                             with producer.paused() as collected:  # what it holds, none in flight
                                 record.checkpoint(runner, state, pending, collected)
-                    if ckpt_due or (not run.checkpoint_every and record.flush_due()):
+                    if flush_due:
                         record.flush(pending)
                 progress.update(task, completed=step, info=_progress_info(metrics, last_val))
     except BaseException:
@@ -394,15 +400,17 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
 
 
 def _step(runner: Runner, state: LoopState, ahead: list[Rollout], producer: RolloutProducer | None,
-          collect_next: bool) -> tuple[dict, list[Rollout]]:
+          collect_next: bool, queue_next: bool) -> tuple[dict, list[Rollout]]:
     """One RL step (the async producer's, or the runner's on ``ahead``, collecting the next batch
-    beside it when ``collect_next``): its metrics with the step's time, throughputs and the
-    samples generated so far, and the batch now collected ahead."""
+    beside it when ``collect_next``, and queueing the next update when also ``queue_next``): its
+    metrics with the step's time, throughputs and the samples generated so far, and the batch
+    now collected ahead."""
     t0 = time.perf_counter()
     if producer is not None:
-        metrics = producer.step(state)
+        metrics = producer.step(state, queue_next)
     else:
-        metrics, next_batch = runner.step(state, ahead[0] if ahead else None, collect_next=collect_next)
+        metrics, next_batch = runner.step(state, ahead[0] if ahead else None, collect_next=collect_next,
+                                          queue_next=queue_next)
         ahead = [next_batch] if next_batch is not None else []
     seconds = time.perf_counter() - t0
     state.wall_seconds += seconds

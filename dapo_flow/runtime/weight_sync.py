@@ -34,22 +34,30 @@ class WeightSyncs:
         spec = self.placed.plan.spec.models[sync.model].rollout
         return spec.weight_sync == "broadcast" and hasattr(self.ex, "call_each")
 
-    def transfer(self, sync: Sync, version: int, *, live: bool = False) -> float:
-        """One transfer sync of the weights of policy ``version``; the seconds its slowest side
-        took. ``live`` (run.partial_rollouts): the targets take them beside a generate call in
-        flight (the `_live` methods: a concurrency group of their own), between two tokens."""
+    def start(self, sync: Sync, version: int, *, live: bool = False) -> Any:
+        """Queue one transfer sync of the weights of policy ``version`` (each side's call runs
+        after those queued on its actor before it); a handle for :meth:`seconds`. ``live``
+        (run.partial_rollouts): the targets take them beside a generate call in flight (the
+        `_live` methods: a concurrency group of their own), between two tokens."""
         suffix = "_live" if live else ""
         if not self.broadcasts(sync):
             weights = self.ex.call(sync.source, "export_weights", sync.model)
-            return self.ex.get(self.ex.call(sync.target, "import_weights" + suffix, sync.model, weights, version))
+            return self.ex.call(sync.target, "import_weights" + suffix, sync.model, weights, version)
         if sync.model not in self.manifests:
             self._join(sync)
         bucket = int(self.placed.plan.spec.models[sync.model].rollout.sync_bucket_mb * MB)
         manifest = self.manifests[sync.model]
         send = self.ex.call(sync.source, "send_weights", sync.model, manifest, bucket)
         receive = self.ex.call(sync.target, "receive_weights" + suffix, sync.model, manifest, bucket, version)
-        # both at once: a side that dies is named now, not when its peer's collective times out
-        return max(self.ex.get((send, receive)))
+        return send, receive
+
+    def seconds(self, handle: Any) -> float:
+        """Wait for a transfer :meth:`start` queued; its seconds, as the side that came to it
+        last timed them (the other side's wait for it, behind an update or a generation queued
+        before, is not the transfer's). Both sides at once: a side that dies is named now, not
+        when its peer's collective times out."""
+        got = self.ex.get(handle)
+        return min(got) if isinstance(handle, tuple) else got
 
     def _join(self, sync: Sync) -> None:
         """The trainer and every rollout actor of ``sync.model`` form its bus (one rendezvous)."""

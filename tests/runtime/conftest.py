@@ -64,23 +64,24 @@ def fails_in_update(monkeypatch):
 
     from dapo_flow.runtime.loop import Runner
 
-    train = Runner.train
+    finish = Runner.finish_update
 
     @contextlib.contextmanager
     def failing(k: int):
         calls = []
 
-        def train_or_fail(runner, rollout):
-            calls.append(rollout)
-            if len(calls) == k:
-                raise RuntimeError("the trainer's node went away")
-            return train(runner, rollout)
+        def finish_or_fail(runner, state, update):
+            if update.rollout.batch is not None:  # a step that trains
+                calls.append(update)
+                if len(calls) == k:
+                    raise RuntimeError("the trainer's node went away")
+            return finish(runner, state, update)
 
-        monkeypatch.setattr(Runner, "train", train_or_fail)
+        monkeypatch.setattr(Runner, "finish_update", finish_or_fail)
         try:
             with pytest.raises(RuntimeError, match="went away"):
                 yield
         finally:
-            monkeypatch.setattr(Runner, "train", train)
+            monkeypatch.setattr(Runner, "finish_update", finish)
 
     return failing

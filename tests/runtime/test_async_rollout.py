@@ -13,6 +13,7 @@ from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
 from dapo_flow.tracking import read_run
+from update_order import FakeQueueingLocalExecutor
 
 CLUSTER = Cluster(cpus=2)
 
@@ -26,8 +27,8 @@ def _placed(path, edits):
     return edit_file(str(path), parse_cli_edits(edits)).compile(CLUSTER)
 
 
-def _history(workdir, placed, **kw) -> dict:
-    summary = execute(placed, executor="local", console=Console(file=open(workdir / "log.txt", "a")), **kw)
+def _history(workdir, placed, executor="local", **kw) -> dict:
+    summary = execute(placed, executor=executor, console=Console(file=open(workdir / "log.txt", "a")), **kw)
     run = read_run(summary["tracking_uri"], summary["run_id"])
     assert run["status"] == "FINISHED"
     return run["history"]
@@ -41,13 +42,17 @@ def test_max_staleness_is_for_async_only(workdir, small_graph):
         _placed(small_graph(workdir), [("set", "run.rollout_mode=async")])
 
 
-@pytest.mark.parametrize("bound", [1, 2])
-def test_every_step_trains_once_within_the_staleness_bound(workdir, small_graph, bound):
+@pytest.mark.parametrize("bound, executor", [(1, "local"), (2, "local"), (1, "queueing")])
+def test_every_step_trains_once_within_the_staleness_bound(workdir, small_graph, monkeypatch, bound, executor):
+    """``queueing``: the path calls take on Ray, where each sync is queued behind its update at
+    once and a batch collected already has its update queued behind that sync."""
     from dapo_flow.graph.compiler import explain
+    from dapo_flow.runtime import executors
 
+    monkeypatch.setitem(executors.EXECUTORS, "queueing", FakeQueueingLocalExecutor)
     placed = _placed(small_graph(workdir, steps=5, ckpt=0), _async(bound))
     assert f"async: runs on in a thread of its own, up to {bound} step(s) ahead of training" in explain(placed)
-    history = _history(workdir, placed)
+    history = _history(workdir, placed, executor=executor)
     for key in ("batch/reward_mean", "actor/pg_loss", "rollout/staleness", "rollout/buffer_depth",
                 "time/trainer_wait", "time/rollout_phase"):
         assert [s for s, _ in history[key]] == [1, 2, 3, 4, 5], key

@@ -262,13 +262,13 @@ def test_a_failing_run_whose_store_also_fails_reports_the_first_error(workdir, s
     from dapo_flow.runtime.loop import Runner
     from dapo_flow.tracking import Tracker
 
-    def broken_train(self, rollout):
+    def broken_update(self, rollout, version):
         raise ValueError("the real problem")
 
     def store_down(self, status="FINISHED"):
         raise OSError("database is locked")
 
-    monkeypatch.setattr(Runner, "train", broken_train)
+    monkeypatch.setattr(Runner, "submit_update", broken_update)
     monkeypatch.setattr(Tracker, "finish", store_down)
     with pytest.raises(ValueError, match="the real problem"):
         _run(small_graph(workdir, steps=2, ckpt=0))

@@ -10,6 +10,7 @@ from dapo_flow.errors import GraphError
 from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
+from update_order import FakeQueueingLocalExecutor, queued_early, update_and_sync_order
 from dapo_flow.tracking import read_run
 
 CLUSTER = Cluster(cpus=2)
@@ -23,8 +24,8 @@ def _placed(path, edits):
     return edit_file(str(path), parse_cli_edits(edits)).compile(CLUSTER)
 
 
-def _history(workdir, placed, **kw) -> dict:
-    summary = execute(placed, executor="local", console=Console(file=open(workdir / "log.txt", "a")), **kw)
+def _history(workdir, placed, executor="local", **kw) -> dict:
+    summary = execute(placed, executor=executor, console=Console(file=open(workdir / "log.txt", "a")), **kw)
     history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
     return {k: v for k, v in history.items() if not k.startswith(WALL_CLOCK)}
 
@@ -89,6 +90,28 @@ def test_with_the_weights_unchanged_it_is_the_synchronous_run(workdir, small_gra
     total = "sampling/samples_generated_total"
     assert off.pop(total) == [(1, 96.0), (2, 160.0), (3, 160.0)] and sync.pop(total) == [(1, 64.0), (2, 96.0), (3, 160.0)]
     assert off == sync
+
+
+def test_the_next_update_queued_behind_the_sync_computes_what_waiting_for_each_does(
+        workdir, small_graph, monkeypatch):
+    """Where calls queue (Ray), the rollout thread queues the step's weight sync and the next
+    step's update as soon as the next batch is complete, so the trainer never waits for the
+    driver between two updates; not before a step that validates, checkpoints or writes to
+    MLflow (here: step 1's first write, and the last step). Every logged number is what the
+    driver waiting for each call logs."""
+    from dapo_flow.runtime import executors, session
+
+    monkeypatch.setattr(session, "FLUSH_EVERY_S", 1e9)  # written at step 1 and the end only
+    monkeypatch.setitem(executors.EXECUTORS, "queueing", FakeQueueingLocalExecutor)
+    events = update_and_sync_order(monkeypatch)
+    placed = _placed(small_graph(workdir, steps=5, ckpt=0), ONE_STEP_OFF + [("set", "run.val_every=0")])
+    queued = _history(workdir, placed, executor="queueing")
+    assert queued_early(events) == [2, 3, 4]  # the updates of steps 3, 4 and 5
+    events.clear()
+    waited = _history(workdir, placed)
+    assert queued_early(events) == []
+    assert queued == waited
+    assert queued["rollout/staleness"] == [(1, 0.0), (2, 1.0), (3, 1.0), (4, 1.0), (5, 1.0)]
 
 
 @pytest.mark.slow  # three runs (~10 s)

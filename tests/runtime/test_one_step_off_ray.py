@@ -19,6 +19,7 @@ from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
 from dapo_flow.tracking import read_run
+from update_order import queued_early, update_and_sync_order
 
 pytestmark = pytest.mark.slow  # Ray runs (~20 s each)
 
@@ -36,15 +37,24 @@ def _history(summary) -> dict:
 
 
 @pytest.mark.timeout(400)
-def test_on_ray_it_computes_what_the_local_executor_does(workdir, small_graph):
+def test_on_ray_it_computes_what_the_local_executor_does(workdir, small_graph, monkeypatch):
+    """On Ray the next update is queued behind the weight sync, which is queued behind the update
+    in flight (steps 3 and 4 here: not after step 1's first MLflow write, nor after the last
+    step), and every number is the local executor's, which waits for each call."""
+    from dapo_flow.runtime import session
+
+    monkeypatch.setattr(session, "FLUSH_EVERY_S", 1e9)  # written at step 1 and the end only
+    events = update_and_sync_order(monkeypatch)
     log = Console(file=open(workdir / "log.txt", "w"))
-    placed = _placed(small_graph(workdir, steps=3, ckpt=0))
+    placed = edit_file(str(small_graph(workdir, steps=4, ckpt=0)),
+                       parse_cli_edits(ONE_STEP_OFF + [("set", "run.val_every=0")])).compile(Cluster(cpus=2))
     on_ray = execute(placed, executor="ray", console=log)
+    assert queued_early(events) == [2, 3]
     local = execute(placed, executor="local", console=log)
     assert _history(on_ray) == _history(local)
     generate = [c for c in on_ray["call_log"] if c[1] == "rollout:policy" and c[0] == "rollout"]
     syncs = [c for c in on_ray["call_log"] if c[0] == "sync"]
-    assert len(syncs) == 3 and len(generate) >= 3
+    assert len(syncs) == 4 and len(generate) >= 4
 
 
 @pytest.mark.timeout(400)
