@@ -88,6 +88,7 @@ class WeightBus:
 
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.timeout, self.transfers = timeout, 0
         self.store = dist.TCPStore(addr, port, world_size, rank == 0, timeout=timeout)
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -99,9 +100,33 @@ class WeightBus:
             raise ValueError(f"unknown weight bus backend {backend!r}: use gloo or nccl")
         self.peak_buffer_bytes = 0  # the largest bucket buffer this member held (the extra memory)
 
-    def _broadcast(self, buffer) -> None:
+    def _rendezvous(self) -> None:
+        """Before a transfer's first bucket: each member says it is here and waits for every
+        other, through the store, not inside the collective. One side may come long before the
+        other (a rollout engine's receive queued behind its generation, or a trainer's send
+        behind its update: minutes on a big model), and a collective's wait ends at the bus's
+        timeout; the store's is taken again as long as it takes (a peer that died fails the
+        store's socket, and the run's driver names it)."""
         import torch.distributed as dist
 
+        self.transfers += 1
+        here = [f"transfer/{self.transfers}/{r}" for r in range(self.world_size)]
+        if self.rank == 0 and self.transfers > 1:  # every member is past the last transfer's
+            for r in range(self.world_size):
+                self.store.delete_key(f"transfer/{self.transfers - 1}/{r}")
+        self.store.set(here[self.rank], b"")
+        while True:
+            try:
+                self.store.wait(here, self.timeout)
+                return
+            except dist.DistStoreError:  # a timeout: the peer is still behind its own work
+                continue
+
+    def _broadcast(self, buffer, first: bool = False) -> None:
+        import torch.distributed as dist
+
+        if first:
+            self._rendezvous()
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self.group.broadcast([buffer], options).wait()
@@ -134,14 +159,14 @@ class WeightBus:
                     return tensor
 
         sent = 0
-        for bucket in bucket_plan(manifest, bucket_bytes):
+        for k, bucket in enumerate(bucket_plan(manifest, bucket_bytes)):
             entries = [manifest[i] for i in bucket]
             buffer = self._buffer(entries)
             offset = 0
             for entry in entries:
                 buffer[offset: offset + entry.numel].copy_(next_sent(entry).reshape(-1))
                 offset += entry.numel
-            self._broadcast(buffer)
+            self._broadcast(buffer, first=k == 0)
             sent += buffer.numel() * buffer.element_size()
             del buffer
         for _ in stream:  # trailing aliases: a sharded source gathers each, with its whole group
@@ -155,10 +180,10 @@ class WeightBus:
         for entry in manifest:
             if entry.alias_of is not None:
                 aliases.setdefault(entry.alias_of, []).append(entry.name)
-        for bucket in bucket_plan(manifest, bucket_bytes):
+        for k, bucket in enumerate(bucket_plan(manifest, bucket_bytes)):
             entries = [manifest[i] for i in bucket]
             buffer = self._buffer(entries)
-            self._broadcast(buffer)
+            self._broadcast(buffer, first=k == 0)
             offset = 0
             for entry in entries:
                 view = buffer[offset: offset + entry.numel].view(entry.shape)

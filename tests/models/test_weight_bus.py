@@ -5,6 +5,7 @@ members in two threads of this process: each is a real gloo process group over T
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -69,6 +70,40 @@ def test_every_receiver_gets_every_weight_exactly_a_bucket_at_a_time(receivers, 
             assert got[rank][name].dtype == value.dtype and torch.equal(got[rank][name], value)
         assert buses[rank].peak_buffer_bytes == 1600  # the one weight bigger than a bucket; else <= 512
     assert buses[0].peak_buffer_bytes == 1600
+
+
+@pytest.mark.parametrize("late", ["sender", "receiver"])
+def test_a_side_that_comes_after_the_bus_timeout_still_transfers(late):
+    """One side may come long after the other: a rollout engine's receive queued right behind
+    its generation waits for the trainer's update to end, a trainer's send for a generation.
+    The members meet in the store, waited on again and again, and only then broadcast, whose wait
+    ends at the bus's timeout (1 s here; the late side comes 2.5 s after the other)."""
+    weights = _weights()
+    manifest = manifest_of(weights.items())
+    port, got, errors = free_port(), {}, []
+    late_rank = 0 if late == "sender" else 1
+
+    def member(rank: int) -> None:
+        try:
+            bus = WeightBus("127.0.0.1", port, rank, 2, timeout_s=1)
+            for sync in range(2):  # the second after the first at once: no stale rendezvous
+                if rank == late_rank and sync == 0:
+                    time.sleep(2.5)
+                if rank == 0:
+                    bus.send(iter(weights.items()), manifest, 512)
+                else:
+                    got[sync] = {name: t.clone() for name, t in bus.receive(manifest, 512)}
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    for sync in range(2):
+        assert all(torch.equal(got[sync][name], value) for name, value in weights.items())
 
 
 def test_a_sender_whose_weights_differ_from_the_manifest_says_so():
