@@ -89,7 +89,10 @@ class RolloutProducer:
         the sync is queued behind the update at once and the producer moves on then (its next
         generation queued behind the sync); with ``queue_next``, the next batch, once collected
         (now, or by the producer while this update runs), has its update queued behind the sync:
-        the trainer goes from one update to the next without waiting for the driver."""
+        the trainer goes from one update to the next without waiting for the driver. Not where
+        the trainer is a group of workers: the sync waits for the generations queued before it on
+        the rollout actors, and the other workers would wait for it in the next update's
+        collectives, which time out."""
         runner = self.runner
         with self.cond:
             update, runner.queued = runner.queued, None
@@ -103,7 +106,7 @@ class RolloutProducer:
         if early:
             with self.cond:
                 self.steps_done += 1
-                if queue_next:
+                if queue_next and runner.senders_train_alone:
                     self.behind = update.version + 1
                     self._queue_behind()
                 self.cond.notify_all()

@@ -190,6 +190,13 @@ class Runner:
         self.queued: QueuedUpdate | None = None  # the next step's update, queued on the trainer already
         self.trainer_free_at = 0.0  # when the driver saw the last weight sync done (the trainer's last call)
 
+    @property
+    def senders_train_alone(self) -> bool:
+        """Whether every weight sync's sender is one worker (no group): while it waits for
+        rollout actors busy generating (in the weight bus's store, as long as it takes), no peer
+        of its own waits for it in a collective, which would time out."""
+        return all(self.placed.stage(sync.source).workers == 1 for sync in self.placed.syncs)
+
     # --- call execution --------------------------------------------------------
     def _submit(self, phase: str, call: Call, inputs: list):
         self.call_log.append((phase, call.stage, call.nodes))

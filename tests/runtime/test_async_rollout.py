@@ -13,7 +13,7 @@ from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
 from dapo_flow.tracking import read_run
-from update_order import FakeQueueingLocalExecutor
+from update_order import FakeQueueingLocalExecutor, queued_early, update_and_sync_order
 
 CLUSTER = Cluster(cpus=2)
 
@@ -140,3 +140,27 @@ def test_with_partial_rollouts_a_sync_goes_into_the_generation_in_flight(workdir
         assert None not in fracs and sum(fracs) == pytest.approx(1.0) and fracs[-1] > 0, (step, fracs)
         assert sum(lag * f for lag, f in enumerate(fracs)) == pytest.approx(mean), (step, fracs, mean)
         assert all(step not in hist[lag] for lag in hist if lag > most)
+
+
+def test_the_next_update_is_queued_early_only_behind_a_trainer_of_one_worker(workdir, small_graph, monkeypatch):
+    """Async: a sync may wait for generations queued before it; a training group's other workers
+    would wait for their sender in the next update's collectives (which time out), so the next
+    update is not queued behind the sync there (the local executor runs a DDP group as its one
+    worker, with the plan's group of 2: here, calls that say they queue)."""
+    from dapo_flow.runtime import executors, session
+    from dapo_flow.runtime.loop import Runner
+
+    path = small_graph(workdir, steps=4, ckpt=0)
+    alone = edit_file(str(path), parse_cli_edits(_async(1))).compile(Cluster(cpus=4))
+    group = edit_file(str(path), parse_cli_edits([*_async(1), ("set", "models.policy.train.workers=2"),
+                                                  ("set", "models.policy.train.strategy=ddp"),
+                                                  ("set", "run.val_every=0")])).compile(Cluster(cpus=4))
+    assert [group.stage(s.source).workers for s in group.syncs] == [2]
+    assert Runner(alone, None, None).senders_train_alone
+    assert not Runner(group, None, None).senders_train_alone
+    monkeypatch.setattr(session, "FLUSH_EVERY_S", 1e9)
+    monkeypatch.setitem(executors.EXECUTORS, "queueing", FakeQueueingLocalExecutor)
+    events = update_and_sync_order(monkeypatch)
+    history = _history(workdir, group, executor="queueing")
+    assert [s for s, _ in history["actor/pg_loss"]] == [1, 2, 3, 4]
+    assert [kind for kind, _ in events].count("update") == 4 and queued_early(events) == []
