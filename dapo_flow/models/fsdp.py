@@ -43,11 +43,19 @@ from dapo_flow.errors import ModelError
 BACKEND_OF_DEVICE = {"cpu": "gloo", "cuda": "nccl"}
 
 
+#: how long a collective of the group waits for a member (torch's default for gloo): a worker may
+#: wait in one for a member busy elsewhere, as rank 0 sending the weights to rollout engines that
+#: are still generating while the others gather the shards with it; a member that died is named
+#: by the run's driver long before
+COLLECTIVE_TIMEOUT_S = 1800.0
+
+
 def init_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
                device: str | torch.device = "cpu", timeout_s: float = 60.0) -> None:
     """Join the training group's process group, with the backend of ``device``, the device its
     model trains on (not whether this process could see a GPU: a CPU model beside one trains
-    over gloo)."""
+    over gloo). Every member must come within ``timeout_s`` (the store's rendezvous); its
+    collectives then wait up to :data:`COLLECTIVE_TIMEOUT_S`."""
     kind = torch.device(device).type
     if kind not in BACKEND_OF_DEVICE:
         raise ModelError(f"a training group trains on {', '.join(BACKEND_OF_DEVICE)}, not on device "
@@ -55,8 +63,10 @@ def init_group(rank: int, world_size: int, master_addr: str, master_port: int, *
     backend = BACKEND_OF_DEVICE[kind]
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, wait_for_workers=True,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     except (RuntimeError, dist.DistError) as exc:  # a peer that never came, a port in use
         raise ModelError(f"training worker {rank} of {world_size} could not form its process group "
                          f"at {master_addr}:{master_port} within {timeout_s:g} s ({exc}); did every "

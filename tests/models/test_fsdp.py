@@ -113,3 +113,34 @@ def test_a_peer_that_never_joins_is_a_clear_error(tmp_path):
                           timeout=120)
     assert proc.returncode != 0
     assert "could not form its process group" in proc.stderr and "did every worker start" in proc.stderr
+
+
+MEMBER_BUSY_ELSEWHERE = """
+import sys, time, torch, torch.distributed as dist
+from dapo_flow.models import fsdp
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+fsdp.init_group(rank, 2, "127.0.0.1", port, timeout_s=2)
+if rank == 0:
+    time.sleep(4)  # rank 0 sending weights to engines still generating, say
+x = torch.ones(3) * (rank + 1)
+dist.all_reduce(x)
+assert x.tolist() == [3.0, 3.0, 3.0], x
+fsdp.destroy_group()
+print("ok")
+"""
+
+
+def test_a_collective_waits_for_a_member_busy_elsewhere_longer_than_the_join_timeout():
+    """Members must join within the join timeout (2 s here); a collective then waits for a
+    member busy elsewhere for longer (4 s), as the others gather a sharded weight with a rank 0
+    that first waits for rollout engines to finish generating (fsdp.COLLECTIVE_TIMEOUT_S)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", MEMBER_BUSY_ELSEWHERE, str(rank), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    try:
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], logs
