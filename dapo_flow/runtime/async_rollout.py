@@ -92,7 +92,7 @@ class RolloutProducer:
         the trainer goes from one update to the next without waiting for the driver. Not where
         the trainer is a group of workers: the sync waits for the generations queued before it on
         the rollout actors, and the other workers would wait for it in the next update's
-        collectives, which time out."""
+        collectives (bounded by their timeout, fsdp.COLLECTIVE_TIMEOUT_S)."""
         runner = self.runner
         with self.cond:
             update, runner.queued = runner.queued, None

@@ -194,7 +194,7 @@ class Runner:
     def senders_train_alone(self) -> bool:
         """Whether every weight sync's sender is one worker (no group): while it waits for
         rollout actors busy generating (in the weight bus's store, as long as it takes), no peer
-        of its own waits for it in a collective, which would time out."""
+        of its own waits for it in a collective (bounded by fsdp.COLLECTIVE_TIMEOUT_S)."""
         return all(self.placed.stage(sync.source).workers == 1 for sync in self.placed.syncs)
 
     # --- call execution --------------------------------------------------------
