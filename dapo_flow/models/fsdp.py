@@ -48,6 +48,7 @@ BACKEND_OF_DEVICE = {"cpu": "gloo", "cuda": "nccl"}
 #: are still generating while the others gather the shards with it; a member that died is named
 #: by the run's driver long before
 COLLECTIVE_TIMEOUT_S = 1800.0
+_JOINED = False  # whether init_group formed this process's default group (destroy_group ends it)
 
 
 def init_group(rank: int, world_size: int, master_addr: str, master_port: int, *,
@@ -61,25 +62,42 @@ def init_group(rank: int, world_size: int, master_addr: str, master_port: int, *
         raise ModelError(f"a training group trains on {', '.join(BACKEND_OF_DEVICE)}, not on device "
                          f"'{device}': set the model's device to one of those")
     backend = BACKEND_OF_DEVICE[kind]
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
-    try:
-        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, wait_for_workers=True,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    except (RuntimeError, dist.DistError) as exc:  # a peer that never came, a port in use
-        raise ModelError(f"training worker {rank} of {world_size} could not form its process group "
-                         f"at {master_addr}:{master_port} within {timeout_s:g} s ({exc}); did every "
-                         "worker start, and can they reach that address?") from None
+    if dist.is_initialized():  # this process belongs to a group already: an in-process vLLM engine's
+        if not (world_size == 1 and dist.get_world_size() == 1):
+            raise ModelError(f"training worker {rank} of {world_size} cannot join its process group: "
+                             f"this process already belongs to one of {dist.get_world_size()}; run the "
+                             "training group in processes of its own (--executor ray)")
+        # a group of one beside another of one: FSDP2 shards over it alike (and leaves it be)
+    else:
+        _form_group(backend, rank, world_size, master_addr, master_port, timeout_s)
     if backend == "nccl":
         index = torch.device(device).index
         torch.cuda.set_device(index if index is not None else
                               int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
 
 
+def _form_group(backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
+                timeout_s: float) -> None:
+    global _JOINED
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+    try:
+        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, wait_for_workers=True,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        _JOINED = True
+    except (RuntimeError, dist.DistError) as exc:  # a peer that never came, a port in use
+        raise ModelError(f"training worker {rank} of {world_size} could not form its process group "
+                         f"at {master_addr}:{master_port} within {timeout_s:g} s ({exc}); did every "
+                         "worker start, and can they reach that address?") from None
+
+
 def destroy_group() -> None:
-    if dist.is_initialized():
+    """Leave the group :func:`init_group` formed (one it found in place is not its to end)."""
+    global _JOINED
+    if _JOINED and dist.is_initialized():
         dist.destroy_process_group()
+    _JOINED = False
 
 
 def rank() -> int:

@@ -135,6 +135,36 @@ def test_a_group_of_one_in_process_makes_the_same_update(tiny_adder_path):
         shard.shutdown()
 
 
+def test_a_group_of_one_in_process_shares_a_process_group_of_one_already_there(tiny_adder_path):
+    """An in-process vLLM engine forms a process group of one in the process: a training group
+    of one beside it (--executor local) trains over that group, and leaves it formed when it
+    closes; a group of two cannot share it and says so."""
+    import torch.distributed as dist
+
+    from dapo_flow.errors import ModelError
+    from dapo_flow.models import fsdp
+    from dapo_flow.runtime.ports import free_port
+
+    formed = not dist.is_initialized()  # else an engine of tests/models/test_vllm.py formed it
+    if formed:
+        store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # as vLLM's engine does
+    try:
+        plain, shard = _local(tiny_adder_path), _local(tiny_adder_path, sharded=True)
+        try:
+            _same_metrics(_train(plain, BATCHES), _train(shard, BATCHES))
+        finally:
+            plain.shutdown()
+            shard.shutdown()
+        assert dist.is_initialized()  # not the training group's to end
+        with pytest.raises(ModelError, match="already belongs to one of 1; run the training group in "
+                                             r"processes of its own \(--executor ray\)"):
+            fsdp.init_group(0, 2, "127.0.0.1", free_port())
+    finally:
+        if formed:
+            dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_a_groups_checkpoint_resumes_on_one_unsharded_worker(ray_cluster, tiny_adder_path, tmp_path, strategy):
     """FSDP2: DCP shards (weights and optimizer); DDP: an HF directory from the first worker and
