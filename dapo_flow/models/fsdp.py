@@ -79,7 +79,6 @@ def init_group(rank: int, world_size: int, master_addr: str, master_port: int, *
 def _form_group(backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
                 timeout_s: float) -> None:
     global _JOINED
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
     try:
         store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, wait_for_workers=True,
                               timeout=datetime.timedelta(seconds=timeout_s))

@@ -122,11 +122,9 @@ class WeightBus:
             except dist.DistStoreError:  # a timeout: the peer is still behind its own work
                 continue
 
-    def _broadcast(self, buffer, first: bool = False) -> None:
+    def _broadcast(self, buffer) -> None:
         import torch.distributed as dist
 
-        if first:
-            self._rendezvous()
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self.group.broadcast([buffer], options).wait()
@@ -166,7 +164,9 @@ class WeightBus:
             for entry in entries:
                 buffer[offset: offset + entry.numel].copy_(next_sent(entry).reshape(-1))
                 offset += entry.numel
-            self._broadcast(buffer, first=k == 0)
+            if k == 0:
+                self._rendezvous()
+            self._broadcast(buffer)
             sent += buffer.numel() * buffer.element_size()
             del buffer
         for _ in stream:  # trailing aliases: a sharded source gathers each, with its whole group
@@ -183,7 +183,9 @@ class WeightBus:
         for k, bucket in enumerate(bucket_plan(manifest, bucket_bytes)):
             entries = [manifest[i] for i in bucket]
             buffer = self._buffer(entries)
-            self._broadcast(buffer, first=k == 0)
+            if k == 0:
+                self._rendezvous()
+            self._broadcast(buffer)
             offset = 0
             for entry in entries:
                 view = buffer[offset: offset + entry.numel].view(entry.shape)

@@ -124,10 +124,7 @@ class RolloutProducer:
         """(``cond`` held) Where the driver asked for it (``behind``: the version the next
         update trains) and a batch is collected, queue its update: behind the sync just queued."""
         if self.behind is not None and self.ready and self.runner.queued is None:
-            rollout = self.ready.popleft()
-            rollout.metrics["rollout/buffer_depth"] = float(len(self.ready))
-            rollout.metrics["time/trainer_wait"] = 0.0
-            self.runner.queued = self.runner.submit_update(rollout, self.behind)
+            self.runner.queued = self.runner.submit_update(self._pop(0.0), self.behind)
             self.behind = None
 
     def _take(self) -> Rollout:
@@ -137,9 +134,14 @@ class RolloutProducer:
         start = time.perf_counter()
         with self.cond:
             self._wait(lambda: bool(self.ready))
-            rollout = self.ready.popleft()
-            rollout.metrics["rollout/buffer_depth"] = float(len(self.ready))
-        rollout.metrics["time/trainer_wait"] = time.perf_counter() - start
+            return self._pop(time.perf_counter() - start)
+
+    def _pop(self, waited: float) -> Rollout:
+        """(``cond`` held) The oldest batch collected, out of the buffer, its metrics telling how
+        long the trainer waited for it and how many batches were collected beyond it."""
+        rollout = self.ready.popleft()
+        rollout.metrics["rollout/buffer_depth"] = float(len(self.ready))
+        rollout.metrics["time/trainer_wait"] = waited
         return rollout
 
     @contextlib.contextmanager

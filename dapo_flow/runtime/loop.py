@@ -72,7 +72,7 @@ class QueuedUpdate:
 class QueuedSync:
     """The weight syncs to one policy version, queued (:meth:`Runner.submit_sync`)."""
 
-    handles: list  # (whether a transfer between actors, else an in-actor sync; its handle)
+    handles: list  # each sync's (WeightSyncs.seconds reads a transfer's and an in-actor sync's alike)
     version: int
     live: bool  # into a generation in flight (run.partial_rollouts)
     waited: float  # seconds it waited to queue: for a batch's generate calls to be queued
@@ -455,17 +455,15 @@ class Runner:
             waited = time.perf_counter() - asked  # for a batch's generate calls to be queued (overlapped modes)
             for sync in self.placed.syncs:
                 self.call_log.append(("sync", sync.source, (sync.target, sync.kind)))
-                if sync.kind == IN_ACTOR:
-                    handles.append((False, self.ex.call(sync.source, "sync_generators")))
-                else:
-                    handles.append((True, self.syncs.start(sync, version, live=live)))
+                handles.append(self.ex.call(sync.source, "sync_generators") if sync.kind == IN_ACTOR
+                               else self.syncs.start(sync, version, live=live))
             if not live:  # a batch queued from now on is generated after the weights arrive
                 self.rollout_version = version
         return QueuedSync(handles, version, live, waited)
 
     def finish_sync(self, queued: QueuedSync) -> dict[str, float]:
         """:meth:`sync`'s metrics, once its transfers are done."""
-        seconds = sum(self.syncs.seconds(h) if transfer else self.ex.get(h) for transfer, h in queued.handles)
+        seconds = sum(self.syncs.seconds(h) for h in queued.handles)
         self.trainer_free_at = time.perf_counter()
         if queued.live:
             # set once every target holds the weights, so a batch queued after reads a version
