@@ -105,17 +105,22 @@ def eval_dataset(placed, setups: dict, prompts, *, n: int, temperature: float, s
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # graded batches come in source order
     context.enable_progress_bars = False  # eval draws its own
+    gen_stage, score_stage = placed.node_stage[gen.id], placed.node_stage[score.id]
+    pools = pool_options(placed, setups, [gen_stage, score_stage], ray.cluster_resources().get("CPU", 1.0))
     if isinstance(prompts, pa.Table):
         ds = ray.data.from_arrow(prompts)
     else:
         groups, tokenize, split = prompts
         # a block per row group: each read task streams one (never a CPU-wanting shuffle to cut
-        # them: the pools hold the CPUs, and a task asking for a whole one waited forever)
+        # them: the pools hold the CPUs, and a task asking for a whole one waited forever).
+        # As many read tasks at once as there are engines to feed: a zero-CPU task is never
+        # held back by the CPUs, so Ray Data started one per row group at once, each in a new
+        # worker process importing the tokenizer's libraries (5 row groups on 2 CPUs: 56
+        # CPU-seconds for the first eval of a cluster, 25 with one reader)
         ds = ray.data.from_items([vars(g) for g in groups], override_num_blocks=max(len(groups), 1))
         ds = ds.map_batches(read_prompts, fn_kwargs={"tokenize": tokenize, "split": split}, batch_size=1,
-                            batch_format="pyarrow", num_cpus=READ_CPUS)
-    gen_stage, score_stage = placed.node_stage[gen.id], placed.node_stage[score.id]
-    pools = pool_options(placed, setups, [gen_stage, score_stage], ray.cluster_resources().get("CPU", 1.0))
+                            batch_format="pyarrow", num_cpus=READ_CPUS,
+                            concurrency=min(pools[0]["concurrency"], max(len(groups), 1)))
     ds = ds.map_batches(StageCall, fn_constructor_args=(spec, setups[gen_stage], seed, gen.id,
                                                         {"n": n, "temperature": temperature}),
                         batch_size=batch_size, batch_format="pyarrow", **pools[0])

@@ -107,7 +107,7 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size(runs, saved_at, resu
 
 def test_a_peer_that_never_joins_is_a_clear_error(tmp_path):
     config = tmp_path / "lonely.json"
-    config.write_text(json.dumps({"world": 2, "port": free_port(), "timeout": 5,
+    config.write_text(json.dumps({"world": 2, "port": free_port(), "timeout": 2,
                                   "jobs": [{"out": str(tmp_path / "x.pt"), "steps": 1}]}))
     proc = subprocess.run([sys.executable, str(WORKER), str(config), "0"], capture_output=True, text=True,
                           timeout=120)

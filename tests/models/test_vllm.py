@@ -161,6 +161,7 @@ def test_kernel_scan_survives_numba_loaded_first():
     dispatcher._rebind_kernels([])  # the scan vLLM runs when its CPU worker starts
 
 
+@pytest.mark.slow  # needs the module's engine (~10 s of CPU to start): free in the whole suite, which starts it anyway
 def test_the_vllm_engine_is_a_rollout_engine_not_a_trainer(generator):
     from dapo_flow.models.engines import BACKENDS, RolloutEngine, TrainablePolicy
 

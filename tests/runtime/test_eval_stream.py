@@ -108,16 +108,34 @@ def test_a_parquet_set_streams_in_batches_with_the_numbers_of_one_pass(workdir, 
 
 @pytest.mark.shared_ray
 @pytest.mark.slow
-def test_eval_on_ray_streams_the_numbers_of_the_local_executor(workdir, small_graph):
+def test_eval_on_ray_streams_the_numbers_of_the_local_executor(workdir, small_graph, monkeypatch):
+    """On Ray, eval is a Ray Data pipeline (row groups read by tasks, an engine pool, a grading
+    pool); a prompt samples what it samples in-process, so every graded sample is the same. The
+    size cut falls inside a row group. The 5 row groups are read one task at a time, as many as
+    the pool has engines (at once, each had a worker process of its own to start)."""
+    from dapo_flow.experiments import eval_pipeline
+
     data = workdir / "val.parquet"
     verl_parquet(data, rows=20, row_group=4, bad=frozenset({3}))
     placed = _eval_graph(workdir, small_graph, data)
-    """On Ray, eval is a Ray Data pipeline (row groups read by tasks, an engine pool, a grading
-    pool); a prompt samples what it samples in-process, so every graded sample is the same. The
-    size cut falls inside a row group."""
+    reads = workdir / "reads"
+    reads.mkdir()
+    read = eval_pipeline.read_prompts
+
+    def timed_read(items, tokenize, split):  # a local function: Ray ships it by value
+        import time
+        import uuid
+
+        start = time.monotonic()
+        yield from read(items, tokenize, split)
+        (reads / uuid.uuid4().hex).write_text(f"{start} {time.monotonic()}")
+
+    monkeypatch.setattr(eval_pipeline, "read_prompts", timed_read)
     saved = {how: workdir / f"{how}.parquet" for how in ("local", "ray")}
     local = evaluate(placed, which="base", batch_size=5, size=17, save=str(saved["local"]))["metrics"]
     ray = evaluate(placed, which="base", batch_size=5, size=17, executor="ray", save=str(saved["ray"]))["metrics"]
+    spans = sorted(tuple(map(float, f.read_text().split())) for f in reads.iterdir())
+    assert len(spans) == 5 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # one at a time
     assert (ray["eval/prompts"], ray["eval/skipped_rows"]) == (16, 1)
     for key in ("val/acc", "val/pass_at_4", "val/score", "val/response_len_mean", "eval/prompts", "eval/skipped_rows"):
         assert ray[key] == pytest.approx(local[key]), key
