@@ -36,6 +36,7 @@ def _history(summary) -> dict:
     return {k: v for k, v in history.items() if not k.startswith(WALL_CLOCK)}
 
 
+@pytest.mark.shared_ray
 @pytest.mark.timeout(400)
 def test_on_ray_it_computes_what_the_local_executor_does(workdir, small_graph, monkeypatch):
     """On Ray the next update is queued behind the weight sync, which is queued behind the update
@@ -57,6 +58,7 @@ def test_on_ray_it_computes_what_the_local_executor_does(workdir, small_graph, m
     assert len(syncs) == 4 and len(generate) >= 4
 
 
+@pytest.mark.shared_ray
 @pytest.mark.timeout(400)
 def test_a_dead_rollout_actor_is_named_and_the_run_resumes(workdir, small_graph, monkeypatch):
     """The rollout actor is killed once the checkpoint of step 2 is written (it is then

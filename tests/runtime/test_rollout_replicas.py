@@ -82,6 +82,7 @@ def test_two_replicas_sample_what_one_engine_samples(tmp_path, small_graph, tiny
     assert outs[1][0].column("response_ids").to_pylist() != outs[1][1].column("response_ids").to_pylist()
 
 
+@pytest.mark.shared_ray
 @pytest.mark.slow
 def test_a_training_group_syncs_weights_into_every_replica(workdir, small_graph):
     """Disaggregated: 2 FSDP2 workers train, 2 replicas roll out; each step's weights reach both."""
