@@ -408,11 +408,6 @@ class Runner:
         after = update.version + trained
         return sync, (self.submit_update(batch, after) if queue_next and batch.batch is not None else None)
 
-    def update(self, state: LoopState, rollout: Rollout) -> dict[str, float]:
-        """The train segment on ``rollout`` (nothing for a step that trains nothing): its metrics
-        with the batch's staleness and time/train_phase; the trained weights are one version on."""
-        return self.finish_update(state, self.submit_update(rollout, state.policy_version))
-
     # --- phase 2: train segment -------------------------------------------------
     def submit_update(self, rollout: Rollout, version: int) -> QueuedUpdate:
         """Queue the train segment on ``rollout`` for the weights of policy ``version`` (those
@@ -424,8 +419,10 @@ class Runner:
         return QueuedUpdate(rollout, calls, version, time.perf_counter())
 
     def finish_update(self, state: LoopState, update: QueuedUpdate) -> dict[str, float]:
-        """:meth:`update`'s metrics, once the queued update is done; ``time/train_phase`` from
-        when it could start (queued behind the last step's sync: once the driver saw that done)."""
+        """The queued update's metrics, once it is done (nothing for a step that trains nothing):
+        the batch's staleness, what the train segment reports, and ``time/train_phase`` from when
+        it could start (queued behind the last step's sync: once the driver saw that done); the
+        trained weights are one version on."""
         metrics = {}
         if update.rollout.batch is not None:
             metrics["rollout/staleness"] = float(update.version - update.rollout.policy_version)

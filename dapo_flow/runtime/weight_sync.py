@@ -53,9 +53,9 @@ class WeightSyncs:
 
     def seconds(self, handle: Any) -> float:
         """Wait for a transfer :meth:`start` queued (or an in-actor sync's one call); its
-        seconds, as the side that came to it last timed them (the other side's wait for it, behind an update or a generation queued
-        before, is not the transfer's). Both sides at once: a side that dies is named now, not
-        when its peer's collective times out."""
+        seconds, as the side that came to it last timed them (the other side's wait for it,
+        behind an update or a generation queued before, is not the transfer's). Both sides at
+        once: a side that dies is named now, not when its peer's collective times out."""
         got = self.ex.get(handle)
         return min(got) if isinstance(handle, tuple) else got
 

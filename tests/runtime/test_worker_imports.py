@@ -4,6 +4,7 @@ model's worker loads after it still runs quietly."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -31,7 +32,7 @@ def test_the_driver_stages_worker_loads_no_model_library_and_transformers_stays_
         from transformers.utils import logging
         print("quiet:", logging.get_verbosity() == logging.ERROR, not logging.is_progress_bar_enabled())
         """)
-    env = {k: v for k, v in __import__("os").environ.items()
+    env = {k: v for k, v in os.environ.items()
            if k not in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")}
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
