@@ -25,16 +25,18 @@ output tensor of its shape, with the output preallocated (`out.copy_(rewards)`, 
 `rewards.clone()`, torch's allocator, and `new_output(rewards)[0].copy_(rewards)`, a huge-page
 mapping from benchmarks/token_kernels.py).
 
-Run: python benchmarks/group_ops.py [--quick]
+Run: python benchmarks/group_ops.py [--quick] [--json PATH]
 Timings are the minimum over interleaved repetitions (the box may be shared).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -146,6 +148,7 @@ def check(ours: np.ndarray, ref: np.ndarray, constant: np.ndarray, what: str) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--json", metavar="PATH", help="also write the table and notes as JSON")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch (and kernel) threads; default torch's, the runtime gives actors 1 per CPU")
     args = parser.parse_args()
@@ -159,7 +162,7 @@ def main() -> None:
               f"{'floor ms':>8} {'ours/floor':>10}")
     print(header)
     print("-" * len(header))
-    notes = []
+    notes, rows = [], []
     for prompts, n, resp_len in SHAPES:
         b = make_batch(prompts, n, resp_len)
         tag = f"{prompts}x{n} x {resp_len}"
@@ -243,6 +246,9 @@ def main() -> None:
         for name, loop_ms, ours_ms, floor_ms in table:
             floor_s = f"{floor_ms:8.2f} {ours_ms / floor_ms:10.2f}" if floor_ms else ""
             print(f"{tag:>14} {name:<36} {loop_ms:8.1f} {ours_ms:8.2f} {loop_ms / ours_ms:7.0f}x {floor_s}")
+            rows.append({"shape": tag, "path": name, "loop_ms": loop_ms, "ours_ms": ours_ms,
+                         "speedup": loop_ms / ours_ms, "floor_ms": floor_ms,
+                         "ours_over_floor": ours_ms / floor_ms if floor_ms else None})
         notes.append(
             f"{tag} (b) parts: factorize str {fast['factorize']:.2f}, row-sum read {fast['read']:.2f}, "
             f"masked write: torch.where {fast['where']:.2f}, kernel {fast['kernel_write']:.2f}, "
@@ -256,6 +262,10 @@ def main() -> None:
     print()
     for line in notes:
         print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                                               "reps": reps, "rows": rows, "notes": notes}, indent=2) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -389,7 +389,8 @@ def test_reinforce_pp_hand_worked_and_reference():
     ours = outcome_advantages(rewards, mask, ["x", "y"], "reinforce_pp", gamma=0.5)
     assert_close(ours, expected)
     adv, returns = algos.reinforce_pp_advantages(rewards, mask, 0.5)
-    assert_close(adv, expected) and assert_close(returns, ret)
+    assert_close(adv, expected)
+    assert_close(returns, ret)
     for seed, gamma in [(0, 1.0), (1, 0.9), (2, 0.5)]:
         rewards, mask, uids = _random_batch(seed)  # holes in the middle of responses
         rewards = rewards * mask  # rewards sit on valid tokens (a reward on a tool token is ignored)

@@ -3,8 +3,10 @@ tests/graphs_bad/ failing with the located message its `# expect:` lines promise
 
 from __future__ import annotations
 
+import copy
 import os
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -89,13 +91,10 @@ def test_missing_file(tmp_path):
 
 @pytest.mark.timeout(10)
 def test_alias_bomb_is_refused_fast():
-    # 9 aliases per level, 10 levels: ~1 KB that expands to 9^10 values (validate grew past 11 GB)
-    import time
-
-    start = time.process_time()
+    # 9 aliases per level, 10 levels: ~1 KB that expands to 9^10 values (validate grew past 11 GB;
+    # the refusal takes ~0.25 s of CPU, the timeout is the guard against expanding it)
     with pytest.raises(GraphError, match=r"bad_alias_bomb.yaml:17: the document expands to more than 100,000"):
         load(ROOT / "tests/graphs_bad/bad_alias_bomb.yaml")
-    assert time.process_time() - start < 5  # ~0.25 s of CPU here; the bound is for a busy box
 
 
 def test_aliases_within_the_limit_still_work(tmp_path):
@@ -107,7 +106,6 @@ def test_aliases_within_the_limit_still_work(tmp_path):
     assert raw["nodes"][1]["params"] == {"lr": 2.0e-4, "clip_low": 0.2}
 
 
-@pytest.mark.timeout(30)
 @pytest.mark.timeout(30)  # the parser's scanner is quadratic in flow nesting: 250k levels took hours
 @pytest.mark.parametrize("levels", [5000, 250_000])  # a RecursionError traceback once; then a hang
 def test_nesting_deeper_than_the_parser_recurses_is_a_graph_error(tmp_path, levels):
@@ -127,18 +125,28 @@ def test_graph_file_over_the_size_limit_is_refused(tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_many_comment_lines_load_fast_with_lines_kept(tmp_path):
+def test_many_comment_lines_load_fast_with_lines_kept(tmp_path, monkeypatch):
     # ruamel's round-trip scanner is quadratic in a block of comment lines (1 MiB of them took
     # 2.8 s of CPU here, and 200k lines minutes on a busy box): they are blanked before parsing
-    import time
+    from dapo_flow.graph import loader
 
     lines = DAPO.read_text().splitlines(keepends=True)
     at = next(i for i, line in enumerate(lines) if line.startswith("nodes:"))
     path = tmp_path / "commented.yaml"
     path.write_text("".join(lines[:at]) + "# note\n" * 20_000 + "".join(lines[at:]) + "      # tail\n" * 20_000)
-    start = time.process_time()
-    doc = load(path)
-    assert time.process_time() - start < 5
+    scanned = []  # what the round-trip parser was given
+
+    class FakeRecordingYAML(loader.YAML):
+        def load(self, stream):
+            if self.typ == ["rt"]:
+                scanned.append(stream)
+            return super().load(stream)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(loader, "YAML", FakeRecordingYAML)
+        doc = load(path)
+    assert len(scanned) == 1 and "# note" not in scanned[0] and "# tail" not in scanned[0]
+    assert scanned[0].count("\n") == path.read_text().count("\n")  # blanked, not removed: lines kept
     assert doc.raw == load(DAPO).raw
     text = path.read_text().splitlines()
     assert text[doc.line_of(("nodes", 6, "params", "clip_high")) - 1].strip() == "clip_high: 0.28"
@@ -214,7 +222,7 @@ def test_a_problem_carries_its_code_and_the_column_it_is_about(graph, code, colu
 
 
 def test_enough_bad_graphs():
-    assert len(BAD) >= 30
+    assert len(BAD) >= 54  # the bad graphs in tests/graphs_bad/ today: none may go missing
 
 
 def test_multiple_problems_sorted():
@@ -266,9 +274,9 @@ def test_rewrites_are_pure():
     p = _plan()
     bare = replace(p, rollout=(), group_filter=None, train=(), syncs=())
     for rule in rewrites.REWRITES:
-        before = bare
+        before = copy.deepcopy(bare)
         after = rule(bare)
-        assert before == bare and after is not bare
+        assert bare == before and after is not bare
     assert rewrites.add_weight_syncs(bare).syncs == p.syncs
     assert rewrites.mark_group_barrier(bare).rollout == p.rollout
 
@@ -358,8 +366,16 @@ def test_too_many_gpus(tmp_path):
 
 
 def test_cluster_local():
+    import torch
+
     c = Cluster.local()
-    assert c.cpus >= 1 and c.gpus >= 0 and c.nodes == 1
+    assert (c.cpus, c.gpus, c.nodes) == (float(os.cpu_count()), float(torch.cuda.device_count()), 1)
+
+
+def test_cluster_local_counts_no_gpus_without_importing_torch(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch")  # as in a process that has not imported it
+    assert Cluster.local().gpus == 0.0
+    assert "torch" not in sys.modules
 
 
 def test_plan_pickles():

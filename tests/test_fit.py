@@ -108,7 +108,7 @@ def test_a_share_of_a_gpu_has_a_share_of_its_memory(qwen_7b):
 
 def test_unknown_gpu_size_or_shape_is_not_checked(tmp_path, capsys):
     assert cli.main(["explain", DAPO, "--gpus", "1", "--set", f"models.policy.path={tmp_path}",
-                     "--set", "models.policy.train.workers=1"]) in (0, 2)
+                     "--set", "models.policy.train.workers=1"]) == 0
     out = capsys.readouterr().out
     assert "model:policy: unknown (no config.json to read at" in out
 

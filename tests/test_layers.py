@@ -5,6 +5,7 @@ and the runtime receives what it logs instead of reaching up into experiments or
 from __future__ import annotations
 
 import ast
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -96,12 +97,10 @@ def test_the_check_sees_imports_inside_functions():
 
 
 def _imports_of(source: str) -> list[tuple[int, str]]:
-    probe = ROOT / "tests" / "_layers_probe.py"
-    try:
+    with tempfile.TemporaryDirectory() as folder:
+        probe = Path(folder) / "probe.py"
         probe.write_text(source)
         return _imports(probe)
-    finally:
-        probe.unlink()
 
 
 def _import_graph(level: int | None = None):

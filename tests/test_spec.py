@@ -29,7 +29,7 @@ def test_round_trip_minimal():
 
 
 def test_round_trip_dapo_graph():
-    spec = GraphSpec.model_validate(load("graphs/dapo.yaml").raw)
+    spec = GraphSpec.model_validate(load(ROOT / "graphs" / "dapo.yaml").raw)
     assert GraphSpec.model_validate(spec.model_dump()) == spec
     assert GraphSpec.model_validate_json(spec.model_dump_json()) == spec
     assert [n.id for n in spec.nodes][:2] == ["rollout", "verify"]

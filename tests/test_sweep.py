@@ -305,13 +305,13 @@ def test_sweep_records_failures_and_stops_on_ctrl_c(tmp_path, monkeypatch):
     assert len(child_runs(result.tracking_uri, result.parent_run_id)) == 2  # no duplicate run made
     assert find_run(result.tracking_uri, result.parent_run_id)["status"] == "FAILED"
 
-    def interrupted(placed, **kw):
+    def fake_interrupted_execute(placed, **kw):
         try:
             raise KeyboardInterrupt
         except KeyboardInterrupt:
             raise RunError("interrupted; ...") from None  # what the runtime does with Ctrl-C
 
-    monkeypatch.setattr(runtime, "execute", interrupted)
+    monkeypatch.setattr(runtime, "execute", fake_interrupted_execute)
     with pytest.raises(KeyboardInterrupt):
         run_sweep(patch, plan_jobs(patch, only="grpo,rloo"), executor="local")
     from dapo_flow.tracking import default_tracking_uri, latest_run

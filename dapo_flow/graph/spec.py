@@ -91,9 +91,10 @@ class TrainSpec(_Frozen):
     )
     pack: bool = Field(
         False, description="Padding-free micro-batches: each pass of the update, and every logprob "
-        "or value pass of this model, runs its rows concatenated into one sequence (positions restart "
-        "per row, attention stays inside each row), so no compute goes to padding; the same values "
-        "and gradients. With max_tokens_per_micro_batch the budget then bounds a pass's real tokens.")
+        "or value pass of this model, packs its rows end to end into bins as long as its longest row "
+        "(positions restart per row, attention stays inside each row), so almost no compute goes to "
+        "padding; the same values and gradients. With max_tokens_per_micro_batch the budget then "
+        "bounds a pass's real tokens.")
     lora: LoraSpec | None = Field(
         None, description="Train LoRA adapters instead of every weight (`{rank: 32, alpha: 16}`; "
         "peft): gradients and AdamW state are the adapters' only, weight syncs send the merged "

@@ -26,7 +26,7 @@ def enc(text: str) -> list[int]:
     return TOK.encode(text, add_special_tokens=False)
 
 
-class ScriptedEngine:
+class FakeScriptedEngine:
     """A fake engine (named so): request ``prompt text`` -> its turns' texts, in order; a turn
     ends with EOS unless its text ends with "~" (then it runs to max_tokens, truncated).
     Records how many requests each call carried."""
@@ -66,7 +66,7 @@ class ScriptedEngine:
 
 def _run(script: dict[str, list[str]], tools=None, *, budget=400, max_turns=4, timeouts=None, n=1, calls=1,
          new_weights_each_call=False):
-    engine = ScriptedEngine(script, new_weights_each_call)
+    engine = FakeScriptedEngine(script, new_weights_each_call)
     prompts = [TOK.encode(p) for p in script]  # BOS + the prompt, as the prompt table holds them
     tools = tools if tools is not None else {"calculator": Calculator()}
     out = run_agent(engine, TOK, tools, timeouts or {name: 5.0 for name in tools}, prompts,
@@ -137,7 +137,7 @@ def test_a_malformed_call_is_an_error_the_model_sees_and_the_run_goes_on():
 def test_turns_of_different_requests_batch_together_and_tools_run_at_once():
     barrier = threading.Barrier(2, timeout=10)
 
-    class Meet:  # a tool whose calls only return when two are in flight at once
+    class FakeMeet:  # a tool whose calls only return when two are in flight at once
         name = "meet"
         schema = {"type": "function", "function": {"name": "meet", "description": "d", "parameters": {
             "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
@@ -150,13 +150,13 @@ def test_turns_of_different_requests_batch_together_and_tools_run_at_once():
         def release(self, instance_id): pass
 
     script = {"a=": ["<call>meet: 1</call>", "1"], "b=": ["<call>meet: 2</call>", "2"], "c=": ["3"]}
-    out, engine = _run(script, {"meet": Meet()})
+    out, engine = _run(script, {"meet": FakeMeet()})
     assert engine.batches == [3, 2]  # round 1: every request; round 2: the two that called
     assert [r.tool_errors for r in out.requests] == [0, 0, 0]  # both calls met: they ran at once
     assert [r.stop for r in out.requests] == ["answer"] * 3
 
 
-class Stuck:
+class FakeStuck:
     """A tool that hangs (the test releases it at the end) or raises."""
 
     name = "stuck"
@@ -177,7 +177,7 @@ class Stuck:
 
 
 def test_a_hung_tool_times_out_and_a_raising_tool_is_an_error_observation():
-    stuck = Stuck()
+    stuck = FakeStuck()
     try:
         out, engine = _run({"h=": ["<call>stuck: hang</call>", "x"], "r=": ["<call>stuck: raise</call>", "y"]},
                            {"stuck": stuck}, timeouts={"stuck": 0.1})
@@ -200,16 +200,16 @@ def test_the_python_sandbox_through_the_loop_stops_a_program_that_loops_forever(
 
 
 def test_tool_rewards_sum_calls_and_calc_reward_per_request():
-    class Paid:
+    class FakePaid:
         name = "paid"
-        schema = Stuck.schema | {"function": Stuck.schema["function"] | {"name": "paid"}}
+        schema = FakeStuck.schema | {"function": FakeStuck.schema["function"] | {"name": "paid"}}
 
         def create(self, instance_id, **kwargs): self.truth = kwargs["ground_truth"]
         def execute(self, instance_id, arguments): return ToolResult("ok", reward=0.25)
         def calc_reward(self, instance_id): return 1.0
         def release(self, instance_id): pass
 
-    out, _ = _run({"q=": ["<call>paid: 1</call>", "<call>paid: 2</call>", "z"], "w=": ["z"]}, {"paid": Paid()})
+    out, _ = _run({"q=": ["<call>paid: 1</call>", "<call>paid: 2</call>", "z"], "w=": ["z"]}, {"paid": FakePaid()})
     assert out.tool_rewards["paid"].tolist() == [1.5, 1.0]
 
 

@@ -33,8 +33,10 @@ def test_a_lora_run_trains_its_adapters_on_the_gpu_and_resumes(workdir, quiet, d
     # the same run stopped after step 2's checkpoint and resumed: step 3 logs what it logged
     again = small_graph(workdir, name="again", steps=3, ckpt=2)
     first, _ = run_graph(again, LORA, steps=2, console=quiet)
+    policies.clear()
     resumed, _ = run_graph(again, LORA, resume=first["run_id"], console=quiet)
     assert resumed["run_id"] == first["run_id"] and resumed["steps"] == 3
+    assert devices_of([p for p in policies if p.lora is not None]) == {device.type}  # resumed there
     got = history(resumed)
     for key in ("actor/pg_loss", "batch/reward_mean"):
         assert [s for s, _ in got[key]] == [1, 2, 3], key

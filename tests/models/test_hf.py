@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -197,15 +196,14 @@ def test_errors(tiny_adder_path, policy):
         SamplingConfig(n=1, top_p=0.0)
 
 
-def test_generate_throughput(policy, prompts):
-    """64 prompts x 8 samples x up to 8 tokens (the RL step size the TRL reference runs at ~0.09 s)."""
+def test_a_batch_of_the_rl_step_size_samples_every_row(policy, prompts):
+    """64 prompts x 8 samples x up to 8 tokens (the RL step size the TRL reference runs at; its
+    speed is benchmarks/generation.py's): every sample, counted as it was generated."""
     cfg = SamplingConfig(n=8, max_tokens=8, seed=0)
-    policy.generate(prompts, cfg)  # warm-up
-    start = time.perf_counter()
     out = policy.generate(prompts, cfg)
-    seconds = time.perf_counter() - start
-    print(f"\nHF generate: {out.tokens_generated} tokens in {seconds:.3f} s = {out.tokens_per_second:,.0f} tok/s")
-    assert seconds < 5.0  # ~0.03 s on an idle 2-core box; generous because CI machines are shared
+    assert len(out) == len(prompts) * 8 and sorted(set(out.prompt_index)) == list(range(len(prompts)))
+    assert out.tokens_generated == sum(map(len, out.response_ids)) > 0
+    assert all(1 <= len(r) <= 8 for r in out.response_ids) and out.tokens_per_second > 0
 
 
 def test_the_hf_policy_is_both_engines_of_the_hybrid_backend(policy, tiny_adder_path):

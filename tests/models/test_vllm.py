@@ -6,7 +6,6 @@ The engine starts once per module (~15-25 s on 2 cores).
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -88,13 +87,10 @@ def test_weight_sync_changes_outputs_to_match_hf(generator, tiny_adder_path, pro
     assert before == trainer.generate(prompts, greedy).response_ids
     rng = np.random.default_rng(0)
     trainer.load_weights({k: v + rng.normal(0, 0.05, v.shape).astype(np.float32) for k, v in original.items()})
-    start = time.perf_counter()
     generator.load_weights(trainer.named_weights())
-    seconds = time.perf_counter() - start
     after = generator.generate(prompts, greedy).response_ids
     assert after != before
     assert after == trainer.generate(prompts, greedy).response_ids
-    assert 0 < seconds < 5
     generator.load_weights(original)  # later tests in the module see the original model
     assert generator.generate(prompts, greedy).response_ids == before
     # streamed one tensor at a time from the trainer's own parameters (a sync inside one actor)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 import pytest
 from pydantic import ValidationError
@@ -12,7 +14,7 @@ from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.operators.logprob import Logprob, Params
 
-DAPO = "graphs/dapo.yaml"
+DAPO = str(Path(__file__).resolve().parents[2] / "graphs" / "dapo.yaml")
 
 
 def test_rollout_source_copies_the_generators_logprobs_without_a_model():

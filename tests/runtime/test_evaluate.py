@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -52,7 +53,8 @@ def test_eval_base_then_latest_checkpoint(workdir, small_graph, tiny_adder_path,
 
     trained = execute(placed, executor="local")
     loaded.clear()
-    latest = evaluate(placed)  # the graph's val_n / temperature and seed: training's own validation
+    latest = evaluate(placed, save=str(workdir / "seed0.parquet"))  # the graph's val_n / temperature
+    # and seed: training's own validation
     assert latest["step"] == 2 and latest["checkpoint"].endswith("step_000002")
     # what was evaluated is step 2's policy: the weights the checkpoint saved, which 2 steps of
     # training moved off the base model's (equal metrics alone could not tell the two apart)
@@ -63,8 +65,14 @@ def test_eval_base_then_latest_checkpoint(workdir, small_graph, tiny_adder_path,
     val = read_run(trained["tracking_uri"], trained["run_id"])["history"]
     for key in ("val/acc", "val/pass_at_4"):
         assert latest["metrics"][key] == val[key][-1][1]  # step 2's validation, reproduced exactly
-    other = evaluate(placed, seed=7)["metrics"]  # another sampling seed, same checkpoint
-    assert 0 <= other["val/acc"] <= other["val/pass_at_4"] <= 1
+    other = evaluate(placed, seed=7, save=str(workdir / "seed7.parquet"))  # same checkpoint
+    assert 0 <= other["metrics"]["val/acc"] <= other["metrics"]["val/pass_at_4"] <= 1
+    texts = {seed: pq.read_table(workdir / f"seed{seed}.parquet").sort_by([("prompt_id", "ascending"),
+                                                                          ("sample_idx", "ascending")])
+             for seed in (0, 7)}
+    assert texts[0].column("prompt_id").equals(texts[7].column("prompt_id"))  # the same prompts, 4 each
+    assert texts[0].column("response_text").to_pylist() != texts[7].column("response_text").to_pylist()
+    assert read_run(other["tracking_uri"], other["run_id"])["params"]["seed"] == "7"
     step_dir, models, step = resolve_checkpoint(placed.plan.spec, latest["checkpoint"])
     assert models == {"policy": str(step_dir / "models" / "policy")} and step == 2
     loaded.clear()

@@ -6,7 +6,6 @@ cluster."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time

@@ -92,8 +92,8 @@ def test_a_real_ray_cluster_is_read_as_it_reports_itself():
     import ray
     from ray.cluster_utils import Cluster as RayCluster
 
-    if ray.is_initialized():
-        pytest.skip("a Ray of this process is up: joining another needs a fresh process")
+    # the test process's shared cluster is stopped before an unmarked test (tests/conftest.py)
+    assert not ray.is_initialized(), "a Ray of this process is up: an earlier test left it running"
     ray_cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2})
     ray_cluster.add_node(num_cpus=2, num_gpus=2)
     ray_cluster.wait_for_nodes()

@@ -138,7 +138,10 @@ def test_reference_model_kl_in_reward_and_overlong_filter(workdir, small_graph):
     coef = [v for _, v in run["history"]["kl/coef"]]
     assert resumed["run_id"] == first["run_id"] and len(coef) == 3
     assert coef[0] == pytest.approx(0.001) and coef[1] != coef[0] and coef[2] != coef[1]  # adapted, resumed
-    assert all(v >= 0 for _, v in run["history"]["overlong_filter/masked_frac"])
+    # the filter masks the truncated rows: each step, the truncated fraction of the batch it trains
+    masked = run["history"]["overlong_filter/masked_frac"]
+    assert [s for s, _ in masked] == [1, 2, 3]
+    assert masked == [(s, pytest.approx(v)) for s, v in run["history"]["batch/overlong_frac"]]
     assert any(v != 0 for _, v in run["history"]["actor/kl_loss"])  # the loss term sees ref_logp too
     assert run["params"]["nodes.train.params.loss_mask"] == "use"  # resolved params are logged
     assert run["params"]["nodes.adv.params.reward_column"] == "reward"

@@ -83,7 +83,7 @@ def test_the_critic_is_its_own_trained_model_with_no_weight_sync(workdir):
     stage = placed.stage(placed.node_stage["critic_train"])
     assert stage.models == ("critic",) and placed.node_stage["values"] == stage.name
     assert placed.plan.trained_models == ("critic", "policy")
-    assert [s.model for s in placed.syncs] in ([], ["policy"])  # the critic never generates
+    assert placed.syncs == ()  # the policy samples where it trains (colocated), the critic never does
     text = explain(placed)
     assert "adds     token_advantage:list<float>, returns:list<float>" in text
     assert "emits    critic/vf_loss:float" in text
@@ -152,9 +152,16 @@ def test_bad_critic_combinations_are_validate_time_errors(workdir):
 
 def test_a_causal_lm_path_with_head_value_is_a_critic(workdir, tiny_adder_path):
     """verl's way: the critic from the actor's directory, a new value head on its backbone."""
-    placed = compile_graph(ppo_graph(workdir, critic=str(tiny_adder_path), head="value", steps=1, ckpt=0), CLUSTER)
-    summary = execute(placed, executor="local", console=_quiet())
+    path = ppo_graph(workdir, critic=str(tiny_adder_path), head="value", steps=1, ckpt=0)
+    # a wrong answer scores -1: step 1's 8 samples (all wrong at seed 0) have returns to learn
+    path.write_text(path.read_text().replace("wrong: 0.0", "wrong: -1.0"))
+    summary = execute(compile_graph(path, CLUSTER), executor="local", console=_quiet())
     assert summary["steps"] == 1
+    history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    assert history["critic/values_mean"] == [(1, 0.0)]  # the new head starts at V = 0 everywhere
+    for key in ("critic/vf_loss", "critic/grad_norm"):  # and is trained toward the returns
+        [(_, value)] = history[key]
+        assert value > 0 and math.isfinite(value), key
 
 
 def test_gae_advantage_node_is_algos_gae_on_the_last_token_rewards():

@@ -179,15 +179,14 @@ def test_cli_run_on_a_ray_head_matches_the_local_executor(workdir, small_graph, 
 def test_dead_actor_ends_the_run_with_exit_2_and_says_resume(workdir, small_graph, ray_head):
     # 2 chunks per generation batch: the 3rd call is in step 2, after step 1 trained
     path = _faulty_graph(small_graph, workdir, at_call=3, action="exit")
-    start = time.monotonic()
-    r = subprocess.run([str(BIN / "dapo-flow"), "run", str(path), "--address", ray_head],
-                       cwd=workdir, env=_env(), capture_output=True, text=True, timeout=WAIT_S)
+    r = subprocess.run(  # within WAIT_S, not a hang until the 900 s call timeout
+        [str(BIN / "dapo-flow"), "run", str(path), "--address", ray_head],
+        cwd=workdir, env=_env(), capture_output=True, text=True, timeout=WAIT_S)
     err = r.stderr.replace("\n", " ")
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert "error:" in err and "Traceback" not in r.stderr
     assert "the actor of stage 'model:policy' died" in err
     assert "--resume" in err
-    assert time.monotonic() - start < WAIT_S  # not a hang until the 900 s call timeout
     [run] = search_runs(_uri(workdir), EXPERIMENT)
     assert run["status"] == "FAILED"
 
@@ -199,11 +198,9 @@ def test_hung_actor_times_out_with_a_run_error(workdir, small_graph, ray_head, m
     import ray
 
     path = _faulty_graph(small_graph, workdir, at_call=1, action="sleep", seconds=300)
-    start = time.monotonic()
     with pytest.raises(RunError, match=r"the actor of stage 'model:policy' did not answer "
                                        r"within 5 s.*DAPO_FLOW_CALL_TIMEOUT.*--resume"):
         execute(compile_graph(path, CLUSTER), executor="ray", address=ray_head)
-    assert time.monotonic() - start < WAIT_S
     assert not ray.is_initialized()  # disconnected; the hung actor was killed
     [run] = search_runs(_uri(workdir), EXPERIMENT)
     assert run["status"] == "FAILED"

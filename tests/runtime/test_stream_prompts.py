@@ -17,7 +17,7 @@ from dapo_flow.tracking import read_run
 from prompt_files import verl_parquet
 
 
-def _stream(n: int, batch: int, bad: set[int] = frozenset()):
+def _fake_stream(n: int, batch: int, bad: set[int] = frozenset()):
     """A fake tokenized stream (named so): rows p0..p{n-1}, cut into batches of ``batch``."""
     def open_stream():
         for start in range(0, n, batch):
@@ -34,15 +34,15 @@ def _texts(sampler: StreamSampler, k: int, times: int) -> list[list[str]]:
 
 
 def test_draws_do_not_depend_on_how_the_reader_cuts_batches():
-    a = StreamSampler(_stream(50, 3), seed=1, buffer_rows=8, split="train", source="s")
-    b = StreamSampler(_stream(50, 17), seed=1, buffer_rows=8, split="train", source="s")
+    a = StreamSampler(_fake_stream(50, 3), seed=1, buffer_rows=8, split="train", source="s")
+    b = StreamSampler(_fake_stream(50, 17), seed=1, buffer_rows=8, split="train", source="s")
     assert _texts(a, 7, 6) == _texts(b, 7, 6)
-    c = StreamSampler(_stream(50, 3), seed=2, buffer_rows=8, split="train", source="s")
-    assert _texts(c, 7, 6) != _texts(StreamSampler(_stream(50, 3), 1, 8, "train", "s"), 7, 6)
+    c = StreamSampler(_fake_stream(50, 3), seed=2, buffer_rows=8, split="train", source="s")
+    assert _texts(c, 7, 6) != _texts(StreamSampler(_fake_stream(50, 3), 1, 8, "train", "s"), 7, 6)
 
 
 def test_an_epoch_draws_every_row_once_then_the_next_epoch_reshuffles():
-    s = StreamSampler(_stream(20, 6), seed=0, buffer_rows=5, split="train", source="s")
+    s = StreamSampler(_fake_stream(20, 6), seed=0, buffer_rows=5, split="train", source="s")
     first = s.next(20)
     assert sorted(first.column(C.PROMPT_TEXT).to_pylist()) == sorted(f"p{i}" for i in range(20))
     assert all(pid.endswith("@0") for pid in first.column(C.PROMPT_ID).to_pylist())
@@ -54,25 +54,25 @@ def test_an_epoch_draws_every_row_once_then_the_next_epoch_reshuffles():
 
 
 def test_resume_replays_to_the_cursor():
-    straight = StreamSampler(_stream(30, 4), seed=3, buffer_rows=6, split="train", source="s")
+    straight = StreamSampler(_fake_stream(30, 4), seed=3, buffer_rows=6, split="train", source="s")
     _texts(straight, 11, 4)  # into epoch 1
     state = straight.state()
     assert state["epoch"] == 1
-    resumed = StreamSampler(_stream(30, 4), seed=3, buffer_rows=6, split="train", source="s")
+    resumed = StreamSampler(_fake_stream(30, 4), seed=3, buffer_rows=6, split="train", source="s")
     resumed.load(state)
     assert _texts(resumed, 9, 5) == _texts(straight, 9, 5)
 
 
 def test_bad_rows_are_counted_size_limits_and_an_empty_stream_is_an_error():
-    s = StreamSampler(_stream(10, 4, bad={1, 2, 7}), seed=0, buffer_rows=100, split="train", source="s")
+    s = StreamSampler(_fake_stream(10, 4, bad={1, 2, 7}), seed=0, buffer_rows=100, split="train", source="s")
     texts = s.next(7).column(C.PROMPT_TEXT).to_pylist()
     assert sorted(texts) == sorted(f"p{i}" for i in (0, 3, 4, 5, 6, 8, 9)) and s.skipped == 3
     # ids number the usable rows in stream order
     assert sorted(s.next(7).column(C.PROMPT_ID).to_pylist()) == sorted(f"train-{k}@1" for k in range(7))
-    sized = StreamSampler(_stream(10, 4), seed=0, buffer_rows=100, split="train", source="s", size=4)
+    sized = StreamSampler(_fake_stream(10, 4), seed=0, buffer_rows=100, split="train", source="s", size=4)
     assert sorted(sized.next(4).column(C.PROMPT_TEXT).to_pylist()) == ["p0", "p1", "p2", "p3"]
     with pytest.raises(DataError, match="no usable prompt row"):
-        StreamSampler(_stream(3, 2, bad={0, 1, 2}), 0, 10, "train", "s").next(1)
+        StreamSampler(_fake_stream(3, 2, bad={0, 1, 2}), 0, 10, "train", "s").next(1)
 
 
 def test_tokenize_batch_matches_the_whole_file_loader_and_names_a_bad_row(tmp_path, tiny_adder_path):
