@@ -272,8 +272,8 @@ def _check_heads(found: Found, nodes: list[_Node], heads: dict[str, str]) -> Non
         if heads[model] == wanted:
             continue
         if wanted == "reward":
-            fix = (f"declare a reward model under `models:` (e.g. `rm: {{path: builtin:tiny-adder-rm}}`, or "
-                   f"a sequence classifier's directory) and name it in `reward: {{model: NAME}}`")
+            fix = ("declare a reward model under `models:` (e.g. `rm: {path: builtin:tiny-adder-rm}`, or "
+                   "a sequence classifier's directory) and name it in `reward: {model: NAME}`")
             if heads[model] == "lm":
                 fix += (", or score with this causal LM's likelihood of each response (a generative "
                         "verifier or a teacher): `reward: {model: " + model + ", output: likelihood}`")
@@ -282,8 +282,8 @@ def _check_heads(found: Found, nodes: list[_Node], heads: dict[str, str]) -> Non
                    f"builtin:tiny-adder-judge}}`); a reward model such as '{model}' scores with "
                    f"`output: logit` or `output: probability`")
         elif wanted == "value":
-            fix = (f"declare a critic under `models:` with `head: value` (e.g. `critic: {{path: "
-                   f"builtin:tiny-adder-critic}}`, or your policy's path with `head: value`) and name it here")
+            fix = ("declare a critic under `models:` with `head: value` (e.g. `critic: {path: "
+                   "builtin:tiny-adder-critic}`, or your policy's path with `head: value`) and name it here")
         else:
             fix = f"name a causal-LM model here (the policy or a reference), not the critic '{model}'"
         found.add(node.model_path, f"op '{node.spec.op}' needs {HEAD_WORDS[wanted]}, but model "

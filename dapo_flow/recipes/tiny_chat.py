@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from dapo_flow.data.chain_task import ChainTask, question, solution, verify_chain
-from dapo_flow.recipes.warm_start import (BUILD_INFO, deterministic_torch, sampled_accuracy_of,
-                                                 save_model_dir, supervised_fit, write_build_info)
+from dapo_flow.recipes.warm_start import (  # noqa: F401 (BUILD_INFO: for callers)
+    BUILD_INFO, deterministic_torch, sampled_accuracy_of, save_model_dir, supervised_fit, write_build_info)
 
 RECIPE_VERSION = 2  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
 
@@ -76,7 +76,6 @@ def corpus(task: ChainTask) -> list[str]:
 
 def build_tiny_chat(out_dir: Path, *, seed: int = 0, progress: bool = True, recipe: Recipe = RECIPE) -> Path:
     """Train the tokenizer, build, warm-start, save and evaluate the model into ``out_dir``."""
-    import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     from dapo_flow.recipes.chat_tokenizer import train_chat_tokenizer
