@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from pathlib import Path
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
@@ -185,7 +186,8 @@ def save_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Opti
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+    with _quiet_when_alone():
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
 
 
 def save_sharded_weights(path: Path | str, model: nn.Module) -> None:
@@ -193,7 +195,8 @@ def save_sharded_weights(path: Path | str, model: nn.Module) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
+    with _quiet_when_alone():
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
 
 
 def load_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -207,13 +210,26 @@ def load_sharded(path: Path | str, model: nn.Module, optimizer: torch.optim.Opti
 
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path))
+        with _quiet_when_alone():
+            dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"])
         return
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
+    with _quiet_when_alone():
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+@contextmanager
+def _quiet_when_alone() -> Iterator[None]:
+    """DCP in a process of no group (one unsharded worker resuming or exporting a group's shards)
+    warns on every call that it assumes a single process: that is the intent, so the warning is
+    not passed on to the user."""
+    with warnings.catch_warnings():
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:

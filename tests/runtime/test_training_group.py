@@ -165,6 +165,9 @@ def test_a_group_of_one_in_process_shares_a_process_group_of_one_already_there(t
             dist.destroy_process_group()
 
 
+# one process reading the shards says so to DCP (a warning that it guessed "a single process" was
+# every resumed or exported user's to read)
+@pytest.mark.filterwarnings("error:torch.distributed is disabled")
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_a_groups_checkpoint_resumes_on_one_unsharded_worker(ray_cluster, tiny_adder_path, tmp_path, strategy):
     """FSDP2: DCP shards (weights and optimizer); DDP: an HF directory from the first worker and
