@@ -1,6 +1,8 @@
 """`dapo-flow`: parse args -> call dapo_flow's library functions. Nothing else lives here.
 
-Any DapoFlowError is printed (no traceback) and exits 2. torch, ray and mlflow are only
+Any DapoFlowError is printed (no traceback) and exits 2, as are an OSError (a path that cannot
+be read or written, with its name) and an MLflow error (a tracking store it cannot use). torch,
+ray and mlflow are only
 imported by the commands that need them (plus whatever importing the operators costs).
 """
 
@@ -47,12 +49,26 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         return args.func(args) or 0
     except DapoFlowError as exc:
-        err.print("[bold red]error:[/] ", end="")
-        err.print(str(exc), markup=False, highlight=False)
-        return 2
+        return _error(err, str(exc))
+    except OSError as exc:  # a path that cannot be read or written (the checks name the common ones)
+        where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+        return _error(err, f"{exc.strerror or exc}{': ' + where if where else ''}\n    fix: check that path "
+                      "(a file you can read, a folder that exists and that you can write)")
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] != "mlflow":
+            raise
+        return _error(err, f"MLflow: {str(exc).strip().splitlines()[0]}\n    fix: check tracking.uri in the "
+                      "graph and $MLFLOW_TRACKING_URI (unset both for ./dapo-flow-runs/mlflow.db)")
+
+
+def _error(err: Console, text: str) -> int:
+    """Print ``text`` as the command's error (no traceback); the exit status for bad input."""
+    err.print("[bold red]error:[/] ", end="")
+    err.print(text, markup=False, highlight=False)
+    return 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("graph", help="graph YAML file")
     p.add_argument("--executor", choices=list(EXECUTORS), default="ray", help="default: ray")
     p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
-    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_ID",
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_ID", type=_run_id,
                    help="continue the newest unfinished run of this graph, or RUN_ID")
     p.add_argument("--steps", type=_positive_int, help="override run.steps (>= 1)")
     _edit_flags(p)
@@ -104,11 +120,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default="latest", metavar="latest|base|PATH",
                    help="latest: the graph's newest checkpoint (default); base: the untrained models; "
                         "or a step_* checkpoint folder")
-    p.add_argument("--n", type=int, help="samples per prompt (default run.val_n)")
-    p.add_argument("--temperature", type=float, help="sampling temperature (default run.val_temperature)")
+    p.add_argument("--n", type=_int_in(1, 1024), help="samples per prompt, 1-1024 (default run.val_n)")
+    p.add_argument("--temperature", type=_temperature, help="sampling temperature, 0-10 (default "
+                   "run.val_temperature)")
     p.add_argument("--source", help="prompts: builtin:addition, or a .parquet / .jsonl file (default data.val)")
     p.add_argument("--split", help="split of a built-in task (default data.val's)")
-    p.add_argument("--size", type=int, help="use at most this many prompts")
+    p.add_argument("--size", type=_positive_int, help="use at most this many prompts")
     p.add_argument("--seed", type=_seed, help="sampling seed (default the graph's; does not change which "
                    "checkpoint is found)")
     p.add_argument("--batch-size", type=int, default=None, metavar="PROMPTS",
@@ -184,6 +201,24 @@ def _int_in(low: int, high: int | None = None, what: str = "a whole number"):
 
 
 _positive_int = _int_in(1)
+
+
+def _temperature(text: str) -> float:
+    """argparse type: a sampling temperature in [0, 10] (a generate node's bounds; nan refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number 0-10, got {text!r}") from None
+    if not 0.0 <= value <= 10.0:  # nan fails both comparisons
+        raise argparse.ArgumentTypeError(f"must be a number 0-10, got {text}")
+    return value
+
+
+def _run_id(text: str) -> str:
+    """argparse type: a run id (an empty one, e.g. an unset $RUN_ID, would start a new run)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the run id is empty: give one, or --resume alone for the newest run")
+    return text
 _port = _int_in(1, 65535, "a port number")
 
 
@@ -406,8 +441,9 @@ def _models_build(args: argparse.Namespace) -> int:
         from dapo_flow.models import build_builtin
     except ImportError as exc:
         raise DapoFlowError(f"the model builder is not available: {exc}") from None
-    path = build_builtin(args.name, force=args.force)
-    _line(f"built {args.name} at {path}", markup=False)
+    name = args.name.removeprefix("builtin:")  # as a graph names it, or bare
+    path = build_builtin(name, force=args.force)
+    _line(f"built {name} at {path}", markup=False)
     return 0
 
 

@@ -179,6 +179,31 @@ def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[dict
 
 # --- opening the store: one lock around creation and migration ---------------------------
 
+STORE_URI_FIX = ("set tracking.uri in the graph (or $MLFLOW_TRACKING_URI) to a tracking server's "
+                 "http(s):// address, a sqlite:///PATH.db file, or leave both unset for ./dapo-flow-runs/mlflow.db")
+#: How long a tracking server has to answer once: MLflow's client retries a server that is down
+#: for minutes (7 retries, exponential backoff) before it fails.
+SERVER_ANSWER_TIMEOUT_S = 10.0
+_answered: set[str] = set()  # servers that answered in this process
+
+
+def _check_server_answers(uri: str) -> None:
+    """StoreError unless an http(s) tracking server at ``uri`` answers (any HTTP status)."""
+    if not uri.startswith(("http://", "https://")) or uri in _answered:
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=SERVER_ANSWER_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        pass  # it answered (a proxy's or an auth layer's status is still an answer)
+    except (OSError, ValueError) as exc:  # URLError, a timeout, a bad host or port
+        reason = getattr(exc, "reason", None) or exc
+        raise StoreError(f"the MLflow tracking server at {uri!r} does not answer ({reason})\n"
+                         f"    fix: start it (`mlflow server --host 0.0.0.0 --port 5000`), or {STORE_URI_FIX}") from None
+    _answered.add(uri)
+
 
 def _client(uri: str, *, write: bool = False):
     """An MlflowClient on ``uri``. Constructing it opens the store, which on sqlite creates or
@@ -190,7 +215,12 @@ def _client(uri: str, *, write: bool = False):
     _quiet_env()  # again: importing mlflow installs its own logger configuration
     db = _sqlite_file(uri)
     if db is None:  # a server or another database: its own concurrency control
-        return MlflowClient(tracking_uri=uri)
+        _check_server_answers(uri)
+        try:
+            return MlflowClient(tracking_uri=uri)
+        except Exception as exc:  # an MlflowException: a URI it cannot use
+            raise StoreError(f"MLflow cannot open the tracking store {uri!r}: {str(exc).splitlines()[0]}\n"
+                             f"    fix: {STORE_URI_FIX}") from None
     if write or not db.exists():
         require_writable(uri)
     elif _unwritable(db):  # read-only and complete: nothing to create or migrate, no lock needed

@@ -459,6 +459,8 @@ def compare(target: str, out: str | Path | None = "compare.png", console: Consol
             uri: str | None = None, baseline: str | None = None) -> list[Row]:
     from dapo_flow.tracking import default_tracking_uri
 
+    if out is not None and (Path(out).suffix.lower() != ".png" or Path(out).is_dir()):
+        raise DapoFlowError(f"-o {out}: the plot is a PNG image: name a .png file (not a folder)")
     uri = uri or default_tracking_uri()
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         raise DapoFlowError(f"no MLflow store at {uri.removeprefix('sqlite:///')}: run `dapo-flow sweep` in "

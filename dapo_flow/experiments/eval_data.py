@@ -38,7 +38,11 @@ class EvalPrompts:
         if streams(data.source):
             self._open = prompt_stream(plan, data, ex)
             self._table = None
-            rows = sum(pq.ParquetFile(f).metadata.num_rows for f in stream_files(data.source))
+            try:
+                rows = sum(pq.ParquetFile(f).metadata.num_rows for f in stream_files(data.source))
+            except (pa.ArrowException, OSError) as exc:  # not parquet, or damaged
+                raise DataError(f"{data.source}: cannot read it as parquet ({exc})\n    fix: --source takes "
+                                "a .parquet file or a folder of them, a .json/.jsonl file, or builtin:NAME") from None
             self.total_hint = rows if data.size is None else min(rows, data.size)
         else:
             self._table, self.skipped = load_source(plan, data, generator_tokenizer(plan), ex.read_parquet)
@@ -75,6 +79,8 @@ class ResponseWriter:
             raise RunError(f"--save {path}: the graded samples are written as parquet: name a .parquet file")
         if not self.path.parent.is_dir():
             raise RunError(f"--save {path}: folder {self.path.parent} does not exist: create it first")
+        if self.path.is_dir():
+            raise RunError(f"--save {path}: that is a folder: name a .parquet file to write")
         self.partial = self.path.with_name(self.path.name + ".partial")
         self._writer: pq.ParquetWriter | None = None
         self.rows = 0

@@ -100,6 +100,8 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
         raise RunError(f"graph '{spec.name}' has no data.val: pass --source / --split for the prompts")
     data = data.model_copy(update={k: v for k, v in (("source", source), ("split", split), ("size", size))
                                    if v is not None})
+    if writer is not None and Path(data.source).expanduser().resolve() == writer.path.resolve():
+        raise RunError(f"--save {save}: that is the file the prompts are read from: name another file")
     n = n or spec.run.val_n
     temperature = spec.run.val_temperature if temperature is None else temperature
     label = "base model" if step_dir is None else f"{step_dir} (step {step})"

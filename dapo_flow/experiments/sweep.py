@@ -53,7 +53,7 @@ from dapo_flow.graph.edits import (
 from dapo_flow.errors import DapoFlowError, GraphError, Problem
 from dapo_flow.graph.loader import GraphDoc, PathKey, load
 from dapo_flow.graph.plan import PlacedPlan
-from dapo_flow.graph.spec import ID_PATTERN
+from dapo_flow.graph.spec import ID_PATTERN, MAX_EXPERIMENT_LENGTH, MAX_ID_LENGTH
 from dapo_flow.tracking import ERROR_TAG, PARENT_TAG, PATCH_TAG, SWEEP_FAILED_TAG
 
 VARIANT_PATTERN = r"^[A-Za-z0-9_+][A-Za-z0-9_+.\-]*$"  # no commas (--only) and no slashes (run names)
@@ -65,7 +65,8 @@ class _Frozen(BaseModel):
 
 class PatchSpec(_Frozen):
     base: str = Field(min_length=1, description="Graph file the variants edit, relative to this file.")
-    experiment: str | None = Field(None, min_length=1, description="MLflow experiment (default: file stem).")
+    experiment: str | None = Field(None, min_length=1, max_length=MAX_EXPERIMENT_LENGTH,
+                                   description="MLflow experiment (default: file stem).")
     description: str = ""
     seeds: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     settings: list[Any] = Field(default_factory=list, description="Edits applied to every variant first.")
@@ -79,7 +80,7 @@ class VariantSpec(_Frozen):
 
 
 class InsertSpec(_Frozen):
-    id: str = Field(pattern=ID_PATTERN)
+    id: str = Field(pattern=ID_PATTERN, max_length=MAX_ID_LENGTH)
     op: str = Field(min_length=1)
     after: str = Field(min_length=1)
     model: str | None = None
@@ -312,7 +313,10 @@ def plan_jobs(patch: Patch, *, only: str | Iterable[str] | None = None, seeds: s
     """Variants (``only``: names, or a comma-separated string) x seeds, seed-major."""
     names = [v.name for v in patch.variants]
     if isinstance(only, str):
-        only = [o.strip() for o in only.split(",") if o.strip()]
+        text, only = only, [o.strip() for o in only.split(",") if o.strip()]
+        if not only:
+            raise GraphError([Problem(f"<--only {text}>", 0, "", "", "no variant named",
+                                      "name some, e.g. --only " + ",".join(names[:2]))])
     chosen = list(patch.variants)
     if only:
         unknown = [o for o in only if o not in names]
@@ -335,12 +339,14 @@ def _seeds(seeds: str | Iterable[int]) -> tuple[int, ...]:
     if not isinstance(seeds, str):
         return tuple(seeds)
     try:
-        out = tuple(int(s) for s in seeds.split(",") if s.strip())
+        out = tuple(int(s) for s in seeds.split(","))  # an empty entry (0,,1) is an error too
     except ValueError:
         raise GraphError([Problem(f"<--seeds {seeds}>", 0, "", "", f"seeds must be integers, got {seeds!r}",
                                   "write --seeds 0,1,2")]) from None
-    if not out:
-        raise GraphError([Problem(f"<--seeds {seeds}>", 0, "", "", "no seeds given", "write --seeds 0,1,2")])
+    twice = sorted({s for s in out if out.count(s) > 1})
+    if twice:  # the same run twice: a spread of 0 over identical runs
+        raise GraphError([Problem(f"<--seeds {seeds}>", 0, "", "", f"seed {twice[0]} is given twice",
+                                  "give each seed once, e.g. --seeds 0,1,2")])
     return out
 
 

@@ -67,10 +67,15 @@ def load(path: str | Path) -> GraphDoc:
     a file over ``MAX_GRAPH_BYTES`` or aliases expanding past ``MAX_GRAPH_VALUES`` values."""
     file = str(path)
     p = Path(path)
-    if not p.is_file():
-        why = "is a directory, not a graph file" if p.is_dir() else "no such file"
+    try:
+        is_file, is_dir = p.is_file(), p.is_dir()
+        size = p.stat().st_size if is_file else 0
+    except OSError as exc:  # a name too long for the file system, a folder it may not enter
+        raise GraphError([Problem(file, 0, "", "", f"cannot read it: {exc.strerror or exc}",
+                                  "give the path of a graph .yaml file you can read")]) from None
+    if not is_file:
+        why = "is a directory, not a graph file" if is_dir else "no such file"
         raise GraphError([Problem(file, 0, "", "", why, "give the path of a graph .yaml file")])
-    size = p.stat().st_size
     if size > MAX_GRAPH_BYTES:
         raise GraphError([Problem(file, 0, "", "", f"the file is {size:,} bytes, over the "
                                   f"{MAX_GRAPH_BYTES:,}-byte limit for a graph file",
@@ -89,6 +94,9 @@ def load(path: str | Path) -> GraphDoc:
         raise GraphError([_syntax_problem(file, exc)]) from None
     except (YAMLError, UnicodeDecodeError) as exc:
         raise GraphError([Problem(file, 0, "", "", f"cannot read YAML: {exc}")]) from None
+    except OSError as exc:  # unreadable (permissions, an I/O error)
+        raise GraphError([Problem(file, 0, "", "", f"cannot read it: {exc.strerror or exc}",
+                                  "give the path of a graph .yaml file you can read")]) from None
     except RecursionError:  # ruamel's parser recurses once per level of nesting
         raise GraphError([Problem(file, 0, "", "", _TOO_DEEP, _TOO_DEEP_FIX)]) from None
     return GraphDoc(file=file, raw=raw, lines=lines)

@@ -12,6 +12,11 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
+#: An id's (a node's, the graph's name) longest: ids go into file names (a run's lock) and MLflow
+#: param keys ("nodes.ID.params.FIELD", at most 250 characters).
+MAX_ID_LENGTH = 64
+#: An MLflow experiment name's longest (MLflow's own limit is 500).
+MAX_EXPERIMENT_LENGTH = 200
 PROMPTS_SOURCE = "prompts"  # the implicit source node fed by `data.train`
 #: the validation context key under which ``validate`` hands the backend registry to ModelSpec
 BACKENDS_CONTEXT = "backends"
@@ -442,7 +447,8 @@ class RunSpec(_Frozen):
 
 
 class TrackingSpec(_Frozen):
-    experiment: str = Field("dapo-flow", description="MLflow experiment name.")
+    experiment: str = Field("dapo-flow", min_length=1, max_length=MAX_EXPERIMENT_LENGTH,
+                            description="MLflow experiment name.")
     uri: str | None = Field(
         None, description="MLflow tracking URI; default MLFLOW_TRACKING_URI, else a sqlite store under ./dapo-flow-runs."
     )
@@ -464,7 +470,7 @@ class PlacementSpec(_Frozen):
 
 
 class NodeSpec(_Frozen):
-    id: str = Field(pattern=ID_PATTERN, description="Unique node id.")
+    id: str = Field(pattern=ID_PATTERN, max_length=MAX_ID_LENGTH, description="Unique node id.")
     op: str = Field(description="Operator name, e.g. `generate`; `custom` with `impl`.")
     inputs: list[str] = Field(default_factory=list, description="Upstream node ids.")
     model: str | None = Field(None, description="Model name from `models:` (model ops).")
@@ -475,7 +481,7 @@ class NodeSpec(_Frozen):
 
 
 class GraphSpec(_Frozen):
-    name: str = Field(pattern=ID_PATTERN)
+    name: str = Field(pattern=ID_PATTERN, max_length=MAX_ID_LENGTH)
     description: str = ""
     seed: int = Field(0, ge=0, le=MAX_SEED,
                       description="Seeds prompt order, model init and sampling; 0 to 2**32-1.")

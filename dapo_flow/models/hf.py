@@ -207,6 +207,23 @@ def _forward_replaced(module: torch.nn.Module, forward) -> Iterator[None]:
         del module.forward
 
 
+@contextmanager
+def _loading(path: Path, what: str) -> Iterator[None]:
+    """ModelError (the directory and what it lacks) for a model directory transformers cannot
+    load: no weights, corrupt weights, no tokenizer files."""
+    try:
+        yield
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path}: cannot load {what}: {str(exc).strip().splitlines()[0]}\n    fix: a Hugging Face "
+                         "model directory holds config.json, its weights (model.safetensors or pytorch_model.bin) "
+                         "and its tokenizer files; a built-in model's: `dapo-flow models build NAME --force`") from None
+    except Exception as exc:
+        if type(exc).__name__ != "SafetensorError":  # corrupt or truncated weights
+            raise
+        raise ModelError(f"{path}: cannot load {what}: its weights are damaged ({exc})\n    fix: copy the "
+                         "model directory again; a built-in model's: `dapo-flow models build NAME --force`") from None
+
+
 def _check_prompts(prompt_ids: list[list[int]]) -> None:
     if any(len(p) == 0 for p in prompt_ids):
         raise ModelError("empty prompt: every prompt needs at least one token (e.g. BOS)")
@@ -267,7 +284,7 @@ class HFPolicy:
         self.seed = seed
         torch.manual_seed(seed)  # anything stochastic inside the model (none for Llama: no dropout)
         prepare_device(self.device)
-        with hf_progress_bars_off():
+        with hf_progress_bars_off(), _loading(self.path, "the model"):
             self.model = load_torch_model(self.path, head, DTYPES[dtype]).to(self.device)
         self.head = head
         self.model.eval()  # no dropout in RL: rollout and training must see the same function
@@ -285,7 +302,8 @@ class HFPolicy:
                              f"chunked and packed logprobs leave out; set {setting}")
         if grad_checkpointing:  # active only in train mode: gradient passes switch to it (_grad_mode)
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        with _loading(self.path, "the tokenizer"):
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.sharded = False  # True once shard() made it one FSDP2 shard of a training group
         self.replicated = False  # True once replicate() made it one DDP replica of a training group
         self.world_size = 1

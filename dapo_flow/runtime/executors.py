@@ -268,17 +268,41 @@ def connect_ray(address: str | None) -> bool:
     # The raylet reads this when it starts, so it only applies to a cluster we start.
     os.environ.setdefault("RAY_worker_niceness", "0")
     os.environ[DRIVER_NICENESS] = str(os.getpriority(os.PRIO_PROCESS, 0))  # workers inherit it
+    # a cluster of our own unless one is named: Ray would otherwise join the one recorded in
+    # /tmp/ray/ray_current_cluster, which outlives a killed cluster and made a run wait ~12
+    # minutes for a head that was gone
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
+    check_head_answers(address)
     ray.init(
-        # a cluster of our own unless one is named: Ray would otherwise join the one
-        # recorded in /tmp/ray/ray_current_cluster, which outlives a killed cluster and
-        # made a run wait ~12 minutes for a head that was gone
-        address=address or os.environ.get("RAY_ADDRESS") or "local",
+        address=address,
         include_dashboard=False,
         log_to_driver=True,
         logging_level="ERROR",
         configure_logging=True,
     )
     return True
+
+
+#: How long a named Ray head has to accept a connection: ray.init retries an address nothing
+#: listens on for minutes, printing GCS timeouts, before it gives up.
+HEAD_CONNECT_TIMEOUT_S = 10.0
+
+
+def check_head_answers(address: str) -> None:
+    """RunError unless something accepts a TCP connection at ``address`` ("HOST:PORT", the Ray
+    head's GCS); "local", "auto" and "ray://" (Ray Client) addresses are left to Ray."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if address in ("local", "auto") or "://" in address or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=HEAD_CONNECT_TIMEOUT_S).close()
+    except (OSError, OverflowError) as exc:  # OverflowError: a port past 65535
+        raise RunError(f"no Ray head answers at {address!r} ({getattr(exc, 'strerror', None) or exc})\n    fix: start it "
+                       "(`ray start --head` on its head node) and pass the address `ray start` printed, "
+                       "e.g. --address HEAD_IP:6379; or run without --address (and $RAY_ADDRESS) for a "
+                       "Ray of this machine") from None
 
 
 def joined_cluster(address: str) -> Cluster:

@@ -91,8 +91,9 @@ def test_eval_errors_are_exit_2(workdir, small_graph, capsys):
     path = str(small_graph(workdir, steps=2, ckpt=2))
     assert cli.main(["eval", path, "--checkpoint", str(workdir / "nowhere")]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
-    assert cli.main(["eval", path, "--n", "0"]) == 2
-    assert "--n must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # argparse's check, as for every other range
+        cli.main(["eval", path, "--n", "0"])
+    assert refused.value.code == 2 and "--n: must be a whole number 1-1024, got 0" in capsys.readouterr().err
     assert cli.main(["eval", path]) == 2  # nothing trained yet
     assert "no checkpoint" in capsys.readouterr().err
     assert cli.main(["eval", path, "--batch-size", "0"]) == 2
