@@ -233,9 +233,17 @@ def _amount(text: str) -> float:
     return value
 
 
+def _positive_amount(text: str) -> float:
+    """argparse type: a finite number > 0 (a cluster's CPUs: actors need some)."""
+    value = _amount(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a number > 0, got 0")
+    return value
+
+
 def _cluster_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster", "place (and check memory) for this cluster instead of this machine")
-    g.add_argument("--cpus", type=_amount, help="CPUs in all (default: this machine)")
+    g.add_argument("--cpus", type=_positive_amount, help="CPUs in all (default: this machine)")
     g.add_argument("--gpus", type=_amount, help="GPUs in all (default: this machine)")
     g.add_argument("--nodes", type=_positive_int, default=1, help="machines (default 1)")
     g.add_argument("--gpu-mem-gib", type=_amount, metavar="GIB",

@@ -454,6 +454,13 @@ class HFPolicy:
 
     def _prompt_chunks(self, prompt_ids: list[list[int]], n: int) -> Iterator[list[list[int]]]:
         _check_prompts(prompt_ids)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        top = max((max(p) for p in prompt_ids if p), default=-1)
+        if top >= vocab:  # the embedding lookup would fail with a bare IndexError
+            raise ModelError(f"{self.path}: a prompt holds token id {top}, past the model's {vocab}-token "
+                             "vocabulary: the prompts were tokenized for another model (a checkpoint of "
+                             "another graph's model?)\n    fix: evaluate a checkpoint with the graph it was "
+                             "trained with, or tokenize with this model's tokenizer")
         per_chunk = max(1, self.max_batch_samples // n)
         for i in range(0, len(prompt_ids), per_chunk):
             yield prompt_ids[i : i + per_chunk]

@@ -131,6 +131,7 @@ def test_eval_never_writes_over_its_prompts_and_reads_only_parquet(workdir, smal
      "seeds must be integers"),
     (["sweep", str(ROOT / "graphs" / "ablations" / "dapo-ladder.yaml"), "--dry-run", "--only", ","],
      "no variant named"),
+    (["validate", DAPO, "--cpus", "0"], "expected a number > 0, got 0"),
     (["validate", DAPO, "--set", "tracking.experiment=" + "e" * 201], "at most 200 characters"),
     (["validate", DAPO, "--insert", "n" + "x" * 64 + ":logprob:after=adv"], "at most 64 characters"),
 ])
@@ -141,3 +142,13 @@ def test_flags_out_of_range_are_refused(argv, says, capsys):
 def test_models_build_takes_the_name_as_a_graph_writes_it(tiny_adder_path, capsys):
     assert cli.main(["models", "build", "builtin:tiny-adder"]) == 0  # cached: nothing is built
     assert f"built tiny-adder at {tiny_adder_path}" in capsys.readouterr().out
+
+
+def test_prompts_tokenized_for_another_model_are_a_model_error(tiny_adder_path):
+    from dapo_flow.models.hf import HFPolicy
+    from dapo_flow.models.sampling import SamplingConfig
+
+    policy = HFPolicy(tiny_adder_path)
+    past = policy.model.get_input_embeddings().num_embeddings  # e.g. a chat tokenizer's ids
+    with pytest.raises(ModelError, match=rf"a prompt holds token id {past}, past the model's {past}-token vocabulary"):
+        policy.generate([[1, 2], [1, past]], SamplingConfig(n=1, max_tokens=2))
