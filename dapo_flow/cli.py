@@ -2,8 +2,8 @@
 
 Any DapoFlowError is printed (no traceback) and exits 2, as are an OSError (a path that cannot
 be read or written, with its name) and an MLflow error (a tracking store it cannot use). torch,
-ray and mlflow are only
-imported by the commands that need them (plus whatever importing the operators costs).
+ray and mlflow are only imported by the commands that need them (plus whatever importing the
+operators costs).
 """
 
 from __future__ import annotations
@@ -512,12 +512,16 @@ def _require_free_port(port: int, host: str = "127.0.0.1") -> None:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
         try:
             probe.bind((host, port))
-        except OSError as exc:
+        except OSError as exc:  # socket.gaierror too: a host name that does not resolve
             busy = exc.errno == errno.EADDRINUSE
             why = " (another `dapo-flow ui` or server is listening there)" if busy else ""
-            raise DapoFlowError(f"cannot serve on {host}:{port}: {exc.strerror or exc}{why}\n"
-                                f"    fix: pick a free port, e.g. --port {port + 1 if port < 65535 else 5000}"
-                                + (f", or stop what uses {port}" if busy else "")) from None
+            if busy:
+                fix = f"pick a free port, e.g. --port {port + 1 if port < 65535 else 5000}, or stop what uses {port}"
+            elif exc.errno == errno.EACCES:  # a port below 1024 without the privilege
+                fix = "pick a port above 1023, e.g. --port 5000"
+            else:
+                fix = "--host takes an address of this machine: 127.0.0.1 (the default) or 0.0.0.0 (every interface)"
+            raise DapoFlowError(f"cannot serve on {host}:{port}: {exc.strerror or exc}{why}\n    fix: {fix}") from None
 
 
 def _run_owned(cmd: list[str], env: dict[str, str]) -> int:

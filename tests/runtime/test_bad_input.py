@@ -152,3 +152,8 @@ def test_prompts_tokenized_for_another_model_are_a_model_error(tiny_adder_path):
     past = policy.model.get_input_embeddings().num_embeddings  # e.g. a chat tokenizer's ids
     with pytest.raises(ModelError, match=rf"a prompt holds token id {past}, past the model's {past}-token vocabulary"):
         policy.generate([[1, 2], [1, past]], SamplingConfig(n=1, max_tokens=2))
+
+
+def test_ui_on_a_host_that_is_not_this_machine_says_so(capsys):
+    err = _fails(["ui", "--host", "nosuchhost.invalid", "--port", str(_closed_port())], capsys)
+    assert "cannot serve on nosuchhost.invalid" in err and "fix: --host takes an address of this machine" in err
