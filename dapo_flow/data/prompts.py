@@ -244,7 +244,9 @@ def _file_records(path: Path, read_parquet: ParquetReader | None = None) -> list
     if path.is_dir():
         return _parquet_records(path, _parquet_shards(path), read_parquet)
     if not path.is_file():
-        raise DataError(f"prompt file {path} does not exist (resolved: {path.resolve()})")
+        raise DataError(f"prompt file {path} does not exist (resolved: {path.resolve()})\n    fix: point "
+                        "data.train.source / data.val.source (or eval --source) at a .parquet file or folder, "
+                        "a .json/.jsonl file, or builtin:NAME (a path is relative to where you run)")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return _parquet_records(path, path, read_parquet)

@@ -36,7 +36,9 @@ def stream_files(source: str) -> list[Path]:
     if path.is_dir():
         return _parquet_shards(path)
     if not path.is_file():
-        raise DataError(f"prompt file {path} does not exist (resolved: {path.resolve()})")
+        raise DataError(f"prompt file {path} does not exist (resolved: {path.resolve()})\n    fix: point "
+                        "data.train.source / data.val.source (or eval --source) at a .parquet file or folder, "
+                        "a .json/.jsonl file, or builtin:NAME (a path is relative to where you run)")
     return [path]
 
 
