@@ -191,6 +191,7 @@ def _check_server_answers(uri: str) -> None:
     """StoreError unless an http(s) tracking server at ``uri`` answers (any HTTP status)."""
     if not uri.startswith(("http://", "https://")) or uri in _answered:
         return
+    import ssl
     import urllib.error
     import urllib.request
 
@@ -200,6 +201,9 @@ def _check_server_answers(uri: str) -> None:
         pass  # it answered (a proxy's or an auth layer's status is still an answer)
     except (OSError, ValueError) as exc:  # URLError, a timeout, a bad host or port
         reason = getattr(exc, "reason", None) or exc
+        if isinstance(reason, ssl.SSLError):  # it answered; TLS settings are MLflow's to apply
+            _answered.add(uri)
+            return
         raise StoreError(f"the MLflow tracking server at {uri!r} does not answer ({reason})\n"
                          f"    fix: start it (`mlflow server --host 0.0.0.0 --port 5000`), or {STORE_URI_FIX}") from None
     _answered.add(uri)
