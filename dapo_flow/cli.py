@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if type(exc).__module__.split(".")[0] != "mlflow":
             raise
-        return _error(err, f"MLflow: {str(exc).strip().splitlines()[0]}\n    fix: check tracking.uri in the "
-                      "graph and $MLFLOW_TRACKING_URI (unset both for ./dapo-flow-runs/mlflow.db)")
+        from dapo_flow.tracking import STORE_URI_FIX
+
+        return _error(err, f"MLflow: {str(exc).strip().splitlines()[0]}\n    fix: {STORE_URI_FIX}")
 
 
 def _error(err: Console, text: str) -> int:
@@ -219,6 +220,8 @@ def _run_id(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("the run id is empty: give one, or --resume alone for the newest run")
     return text
+
+
 _port = _int_in(1, 65535, "a port number")
 
 

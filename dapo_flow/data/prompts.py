@@ -238,15 +238,21 @@ def _builtin_records(source: str, split: str, seed: int, options: dict[str, Any]
 
 
 ParquetReader = Callable[["Path | list[Path]"], pa.Table]
+#: What a prompt source can be (the fix of an error about one).
+SOURCE_KINDS = "a .parquet file or a folder of them, a .json/.jsonl file, or builtin:NAME"
+
+
+def missing_prompt_file(path: Path) -> DataError:
+    return DataError(f"prompt file {path} does not exist (resolved: {path.resolve()})\n    fix: point "
+                     f"data.train.source / data.val.source (or eval --source) at {SOURCE_KINDS} (a path is "
+                     "relative to where you run)")
 
 
 def _file_records(path: Path, read_parquet: ParquetReader | None = None) -> list[_Record]:
     if path.is_dir():
         return _parquet_records(path, _parquet_shards(path), read_parquet)
     if not path.is_file():
-        raise DataError(f"prompt file {path} does not exist (resolved: {path.resolve()})\n    fix: point "
-                        "data.train.source / data.val.source (or eval --source) at a .parquet file or folder, "
-                        "a .json/.jsonl file, or builtin:NAME (a path is relative to where you run)")
+        raise missing_prompt_file(path)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return _parquet_records(path, path, read_parquet)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from dapo_flow.data.prompts import _parquet_shards, _Record, _clip, prompt_table
+from dapo_flow.data.prompts import _parquet_shards, _Record, _clip, missing_prompt_file, prompt_table
 from dapo_flow.errors import DataError
 from dapo_flow.core import columns as C
 from dapo_flow.data.prompt_budget import PromptBudget
@@ -36,9 +36,7 @@ def stream_files(source: str) -> list[Path]:
     if path.is_dir():
         return _parquet_shards(path)
     if not path.is_file():
-        raise DataError(f"prompt file {path} does not exist (resolved: {path.resolve()})\n    fix: point "
-                        "data.train.source / data.val.source (or eval --source) at a .parquet file or folder, "
-                        "a .json/.jsonl file, or builtin:NAME (a path is relative to where you run)")
+        raise missing_prompt_file(path)
     return [path]
 
 

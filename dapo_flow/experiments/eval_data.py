@@ -12,6 +12,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dapo_flow.data.prompts import SOURCE_KINDS
 from dapo_flow.data.stream import numbered_batches, rebatched, stream_files
 from dapo_flow.errors import DataError, RunError
 from dapo_flow.core import columns as C
@@ -42,7 +43,7 @@ class EvalPrompts:
                 rows = sum(pq.ParquetFile(f).metadata.num_rows for f in stream_files(data.source))
             except (pa.ArrowException, OSError) as exc:  # not parquet, or damaged
                 raise DataError(f"{data.source}: cannot read it as parquet ({exc})\n    fix: --source takes "
-                                "a .parquet file or a folder of them, a .json/.jsonl file, or builtin:NAME") from None
+                                f"{SOURCE_KINDS}") from None
             self.total_hint = rows if data.size is None else min(rows, data.size)
         else:
             self._table, self.skipped = load_source(plan, data, generator_tokenizer(plan), ex.read_parquet)

@@ -71,8 +71,7 @@ def load(path: str | Path) -> GraphDoc:
         is_file, is_dir = p.is_file(), p.is_dir()
         size = p.stat().st_size if is_file else 0
     except OSError as exc:  # a name too long for the file system, a folder it may not enter
-        raise GraphError([Problem(file, 0, "", "", f"cannot read it: {exc.strerror or exc}",
-                                  "give the path of a graph .yaml file you can read")]) from None
+        raise _unreadable(file, exc) from None
     if not is_file:
         why = "is a directory, not a graph file" if is_dir else "no such file"
         raise GraphError([Problem(file, 0, "", "", why, "give the path of a graph .yaml file")])
@@ -95,8 +94,7 @@ def load(path: str | Path) -> GraphDoc:
     except (YAMLError, UnicodeDecodeError) as exc:
         raise GraphError([Problem(file, 0, "", "", f"cannot read YAML: {exc}")]) from None
     except OSError as exc:  # unreadable (permissions, an I/O error)
-        raise GraphError([Problem(file, 0, "", "", f"cannot read it: {exc.strerror or exc}",
-                                  "give the path of a graph .yaml file you can read")]) from None
+        raise _unreadable(file, exc) from None
     except RecursionError:  # ruamel's parser recurses once per level of nesting
         raise GraphError([Problem(file, 0, "", "", _TOO_DEEP, _TOO_DEEP_FIX)]) from None
     return GraphDoc(file=file, raw=raw, lines=lines)
@@ -128,6 +126,12 @@ def _line_too_deep(text: str) -> int:
             depth = max(depth - 1, 0)
         previous = ch
     return 0
+
+
+def _unreadable(file: str, exc: OSError) -> GraphError:
+    """A graph path the file system refuses (a name too long, no permission, an I/O error)."""
+    return GraphError([Problem(file, 0, "", "", f"cannot read it: {exc.strerror or exc}",
+                               "give the path of a graph .yaml file you can read")])
 
 
 def _parse_rt(text: str) -> tuple[Any, bool]:

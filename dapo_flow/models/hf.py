@@ -224,9 +224,6 @@ def _loading(path: Path, what: str) -> Iterator[None]:
                          "model directory again; a built-in model's: `dapo-flow models build NAME --force`") from None
 
 
-def _check_prompts(prompt_ids: list[list[int]]) -> None:
-    if any(len(p) == 0 for p in prompt_ids):
-        raise ModelError("empty prompt: every prompt needs at least one token (e.g. BOS)")
 
 
 class HFPolicy:
@@ -452,15 +449,21 @@ class HFPolicy:
         return Rollouts.contiguous(len(prompt_ids), cfg.n, responses, logprobs, truncated,
                                    time.perf_counter() - start, versions=versions)
 
-    def _prompt_chunks(self, prompt_ids: list[list[int]], n: int) -> Iterator[list[list[int]]]:
-        _check_prompts(prompt_ids)
+    def _check_prompts(self, prompt_ids: list[list[int]]) -> None:
+        """ModelError for a prompt the model cannot take: an empty one, or one holding a token id
+        past its vocabulary (the embedding lookup would fail with a bare IndexError)."""
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ModelError("empty prompt: every prompt needs at least one token (e.g. BOS)")
         vocab = self.model.get_input_embeddings().num_embeddings
-        top = max((max(p) for p in prompt_ids if p), default=-1)
-        if top >= vocab:  # the embedding lookup would fail with a bare IndexError
+        top = max((max(p) for p in prompt_ids), default=-1)
+        if top >= vocab:
             raise ModelError(f"{self.path}: a prompt holds token id {top}, past the model's {vocab}-token "
                              "vocabulary: the prompts were tokenized for another model (a checkpoint of "
                              "another graph's model?)\n    fix: evaluate a checkpoint with the graph it was "
                              "trained with, or tokenize with this model's tokenizer")
+
+    def _prompt_chunks(self, prompt_ids: list[list[int]], n: int) -> Iterator[list[list[int]]]:
+        self._check_prompts(prompt_ids)
         per_chunk = max(1, self.max_batch_samples // n)
         for i in range(0, len(prompt_ids), per_chunk):
             yield prompt_ids[i : i + per_chunk]
@@ -581,7 +584,7 @@ class HFPolicy:
         """
         if len(prompt_ids) != len(response_ids):
             raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
-        _check_prompts(prompt_ids)
+        self._check_prompts(prompt_ids)
         p_ids, p_mask = left_pad(prompt_ids, self.pad_id)
         r_ids, r_mask = right_pad(response_ids, self.pad_id, max(1, max(map(len, response_ids), default=1)))
         mask = torch.cat([p_mask, r_mask], dim=1)
@@ -636,7 +639,7 @@ class HFPolicy:
         """:meth:`response_logprobs` with each pass's rows packed into bins (``train.pack``)."""
         from dapo_flow.models.packing import pack_rows
 
-        _check_prompts(prompt_ids)
+        self._check_prompts(prompt_ids)
         width = max(1, max(map(len, response_ids), default=1))  # as pack(): one column at least
 
         def one_pass(rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
