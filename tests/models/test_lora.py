@@ -127,6 +127,36 @@ def test_the_base_weights_are_the_model_without_its_adapters(model_path):
         torch.testing.assert_close(_logits(full.model, IDS), _logits(base.model, IDS), rtol=0, atol=0)
 
 
+def test_the_logprob_nodes_reference_pass_reads_the_base_and_leaves_the_adapters_on(model_path):
+    """The `logprob` operator with role ref on a LoRA policy whose adapters have moved: its
+    ref_logp are the base model's own logprobs (the adapters off for the pass), an actor pass
+    before and after it reads the adapted model (the adapters back on)."""
+    from types import SimpleNamespace
+
+    from dapo_flow.core import columns as C
+    from dapo_flow.core.contract import OpContext
+    from dapo_flow.operators.logprob import Logprob, Params
+
+    base = HFPolicy(model_path)
+    policy = HFPolicy(model_path, trainable=True, lora=LORA)
+    _randomise_adapters(policy)
+    batch = _batch(policy, _problems(4))
+
+    def node(role: str):
+        return Logprob(Params(role=role, with_entropy=False), OpContext(role, model=SimpleNamespace(policy=policy)))
+
+    adapted = node("actor")(batch).column(C.OLD_LOGP).to_pylist()
+    ref = node("ref")(batch).column(C.REF_LOGP).to_pylist()
+    again = node("actor")(batch).column(C.OLD_LOGP).to_pylist()
+    logp, _, mask = base.response_logprobs(batch.column(C.PROMPT_IDS).to_pylist(),
+                                           batch.column(C.RESPONSE_IDS).to_pylist())
+    want = [row[m].tolist() for row, m in zip(logp, mask.bool())]
+    assert [len(r) for r in ref] == [len(r) for r in want]
+    torch.testing.assert_close(torch.tensor(sum(ref, [])), torch.tensor(sum(want, [])), rtol=0, atol=1e-6)
+    assert again == adapted  # the adapters are on again after the reference pass
+    assert max(abs(a - b) for a, b in zip(sum(adapted, []), sum(want, []))) > 1e-3  # and they matter
+
+
 def test_an_update_trains_the_adapters_only_and_keeps_state_for_them_only(tiny_adder_path):
     spec = ModelSpec(path="builtin:tiny-adder", train={"lora": {"rank": 4, "alpha": 8}})
     policy = HFPolicy(tiny_adder_path, trainable=True, lora=spec.train.lora)

@@ -5,9 +5,12 @@ gradients, on Qwen2- and Llama-style models, chunked or not; an update trains th
 from __future__ import annotations
 
 import random
+
+import pyarrow as pa
 import pytest
 import torch
 
+from dapo_flow.core import columns as C
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.models.hf import HFPolicy
 from dapo_flow.models.packing import first_fit_bins, pack_rows
@@ -39,12 +42,38 @@ def model_dir(request, tmp_path_factory) -> str:
 
 
 def _rows(count: int = 7, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts of 1-9 tokens and responses of 0-12 (an empty one included): ragged both ways."""
+    """Prompts of 1-9 tokens and responses of 0-12 (an empty one included): ragged both ways.
+    Every third row is long (8 + 12 tokens) and the others short (at most 3 + 5), so the rows of
+    any pass of 3 or more share bins (a long row's length is a bin's capacity)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 30) for _ in range(rng.randint(1, 9))] for _ in range(count)]
-    responses = [[rng.randrange(3, 30) for _ in range(rng.randint(1, 12))] for _ in range(count)]
+    long = [i % 3 == 0 for i in range(count)]
+    prompts = [[rng.randrange(3, 30) for _ in range(8 if big else rng.randint(1, 3))] for big in long]
+    responses = [[rng.randrange(3, 30) for _ in range(12 if big else rng.randint(1, 5))] for big in long]
     responses[2] = []
     return prompts, responses
+
+
+@pytest.fixture()
+def bins_made(monkeypatch) -> list[list[int]]:
+    """Every bin the packed passes make (the rows in it), so a test can assert that rows share
+    bins: with one row a bin, packing is the padded path and nothing that tells rows apart inside
+    a sequence (restarting positions, attention kept in each row) is checked."""
+    from dapo_flow.models import packing
+
+    made: list[list[int]] = []
+
+    def recording(lengths, capacity):
+        bins = first_fit_bins(lengths, capacity)
+        made.extend(bins)
+        return bins
+
+    monkeypatch.setattr(packing, "first_fit_bins", recording)
+    return made
+
+
+def _shared(bins: list[list[int]]) -> int:
+    """Bins holding several rows."""
+    return sum(len(b) > 1 for b in bins)
 
 
 def test_pack_rows_layout():
@@ -70,19 +99,21 @@ def test_first_fit_bins_never_exceed_the_capacity():
 
 
 @pytest.mark.parametrize("chunk", [None, 5])
-def test_packed_logprobs_and_entropy_are_the_padded_ones(model_dir, chunk):
+def test_packed_logprobs_and_entropy_are_the_padded_ones(model_dir, chunk, bins_made):
     prompts, responses = _rows()
     padded = HFPolicy(model_dir, logprob_chunk_tokens=chunk)
     packed = HFPolicy(model_dir, logprob_chunk_tokens=chunk, pack=True)
     for micro in (3, 64):  # several passes, and one
         a = padded.response_logprobs(prompts, responses, micro_batch_size=micro, with_entropy=True, temperature=0.7)
+        bins_made.clear()
         b = packed.response_logprobs(prompts, responses, micro_batch_size=micro, with_entropy=True, temperature=0.7)
+        assert _shared(bins_made) >= (2 if micro == 3 else 1), bins_made
         assert torch.equal(a[2], b[2])
         torch.testing.assert_close(b[0], a[0], rtol=0, atol=1e-5)
         torch.testing.assert_close(b[1], a[1], rtol=0, atol=1e-5)
 
 
-def test_packed_losses_and_gradients_are_the_padded_ones(model_dir):
+def test_packed_losses_and_gradients_are_the_padded_ones(model_dir, bins_made):
     prompts, responses = _rows(seed=1)
     grads = []
     for pack in (False, True):
@@ -91,13 +122,14 @@ def test_packed_losses_and_gradients_are_the_padded_ones(model_dir):
         loss = -(logp * mask).sum() / mask.sum() - 0.01 * (ent * mask).sum() / mask.sum()
         loss.backward()
         grads.append((loss.detach(), {n: p.grad.clone() for n, p in policy.model.named_parameters()}))
+    assert _shared(bins_made) >= 1, bins_made  # one pass: its short rows share bins
     (loss_a, grad_a), (loss_b, grad_b) = grads
     torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-5)
     for name in grad_a:
         torch.testing.assert_close(grad_b[name], grad_a[name], rtol=0, atol=1e-5, msg=name)
 
 
-def test_packed_values_are_the_padded_ones(model_dir):
+def test_packed_values_are_the_padded_ones(model_dir, bins_made):
     prompts, responses = _rows(seed=2)
     padded = HFPolicy(model_dir, head="value")
     packed = HFPolicy(model_dir, head="value", pack=True)
@@ -108,18 +140,29 @@ def test_packed_values_are_the_padded_ones(model_dir):
                 p.copy_(torch.randn_like(p))
     a, mask_a = padded.response_values(prompts, responses, micro_batch_size=3)
     b, mask_b = packed.response_values(prompts, responses, micro_batch_size=3)
+    assert _shared(bins_made) >= 2, bins_made  # passes of 3 rows: a long one and two short sharing a bin
     assert torch.equal(mask_a, mask_b)
     torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
 
 
-def test_an_update_trains_the_same_weights_packed(tiny_adder_path):
+def _ragged(batch: pa.Table) -> pa.Table:
+    """tiny-adder's rows are all about one length (one row a bin): every third response made long
+    (its answer 10 times over), so the short rows of a pass share a long row's bin."""
+    responses = batch.column(C.RESPONSE_IDS).to_pylist()
+    longer = [r[:-1] * 10 + r[-1:] if i % 3 == 0 else r for i, r in enumerate(responses)]
+    return batch.set_column(batch.schema.get_field_index(C.RESPONSE_IDS), C.RESPONSE_IDS, pa.array(longer, C.TOKENS))
+
+
+def test_an_update_trains_the_same_weights_packed(tiny_adder_path, bins_made):
     weights = []
     for pack in (False, True):
         spec = ModelSpec(path="builtin:tiny-adder", train={"pack": pack})
         policy = HFPolicy(tiny_adder_path, trainable=True, pack=pack)
-        batch = _with_old_logp(policy, _batch(policy, _problems(12)))
+        batch = _with_old_logp(policy, _ragged(_batch(policy, _problems(12))))
+        bins_made.clear()  # the update's passes only
         row = _update(policy, spec, micro_batch_size=5)(batch).to_pylist()[0]
         weights.append((row, {n: p.detach().clone() for n, p in policy.model.named_parameters()}))
+    assert _shared(bins_made) >= 4, bins_made  # the packed update's passes put rows together
     (row_a, a), (row_b, b) = weights
     assert row_b["actor/pg_loss"] == pytest.approx(row_a["actor/pg_loss"], abs=1e-6)
     # an AdamW step moves a weight by about lr (1e-3) whatever its gradient's size, so a near-zero

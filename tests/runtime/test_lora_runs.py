@@ -99,10 +99,32 @@ def test_export_without_adapters_refuses_adapter(workdir, small_graph):
     assert not (workdir / "out").exists()
 
 
-def test_a_reference_on_the_lora_model_is_its_base(workdir, small_graph):
+def test_a_reference_on_the_lora_model_is_its_base(workdir, small_graph, tiny_adder_path, monkeypatch):
+    from dapo_flow.core import columns as C
+    from dapo_flow.operators.logprob import Logprob
+
+    passes: list = []  # every ref pass of the run (the local executor runs the nodes in this process)
+    call = Logprob.__call__
+
+    def recording(self, batch):
+        out = call(self, batch)
+        if self.params.role == "ref":
+            passes.append(out.select([C.PROMPT_IDS, C.RESPONSE_IDS, C.REF_LOGP]))
+        return out
+
+    monkeypatch.setattr(Logprob, "__call__", recording)
     placed = compile_graph(_lora_graph(small_graph, workdir, ref=True), CLUSTER)
     summary = execute(placed, executor="local", console=_quiet())
     history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
     kl = [v for _, v in history["actor/kl_loss"]]
     assert kl[0] == pytest.approx(0.0, abs=1e-7)  # step 1: fresh adapters, the policy is its base
     assert kl[-1] > 1e-7  # later the adapters moved it away from the base the reference reads
+    # what the reference read at every step, the last ones after the adapters moved, is the base
+    assert len(passes) == STEPS
+    base = HFPolicy(tiny_adder_path)
+    for table in passes:
+        logp, _, mask = base.response_logprobs(table.column(C.PROMPT_IDS).to_pylist(),
+                                               table.column(C.RESPONSE_IDS).to_pylist())
+        want = torch.cat([row[m] for row, m in zip(logp, mask.bool())])
+        got = torch.tensor([v for row in table.column(C.REF_LOGP).to_pylist() for v in row])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

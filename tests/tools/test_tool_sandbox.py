@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -107,6 +108,33 @@ def test_the_network_is_blocked(isolation):
     for result in (connect, raw):
         assert result.metrics["error"] == 1.0
         assert "OSError: network access is disabled in the sandbox" in result.text
+    if isolation == "bwrap":
+        _assert_outside_the_hosts_network()
+
+
+def _assert_outside_the_hosts_network():
+    """The sandbox's own network namespace, not only the socket module's stubs: the program
+    undoes them (``_socket`` is the C module under them), and still has a namespace other than
+    the host's and no route to a listener on the host's loopback."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    try:
+        port = listener.getsockname()[1]
+        code = ("import _socket, os\nprint(os.readlink('/proc/self/ns/net'))\n"
+                "s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)\ns.settimeout(2)\n"
+                f"try:\n    s.connect(('127.0.0.1', {port})); print('CONNECTED')\n"
+                "except OSError as e:\n    print('refused', e.errno)")
+        result = run(code, timeout_s=10.0)
+        assert result.metrics["error"] == 0.0, result.text
+        ns, outcome = result.text.splitlines()
+        assert ns.startswith("net:[") and ns != os.readlink("/proc/self/ns/net"), result.text
+        assert outcome.startswith("refused"), result.text
+        with pytest.raises(BlockingIOError):  # nothing reached the host's listener
+            listener.accept()
+    finally:
+        listener.close()
 
 
 def test_runs_in_a_fresh_temp_dir_that_is_removed_afterwards(tmp_path, monkeypatch):
