@@ -70,3 +70,15 @@ class DataError(DapoFlowError):
 
 class RunError(DapoFlowError):
     """The run cannot go on (cap reached with policy 'error', dead actor, timeout...)."""
+
+
+class ActorFault(RunError):
+    """An actor died or stopped answering: a fault a run on Ray recovers from by itself
+    (``run.max_failures``, :mod:`dapo_flow.runtime.recovery`). The session that saw it sets
+    ``run_id`` (its MLflow run) and ``step`` (the step it was training) on the way out."""
+
+    def __init__(self, message: str, *, hung: bool = False):
+        super().__init__(message)
+        self.hung = hung
+        self.run_id: str | None = None
+        self.step: int | None = None

@@ -426,6 +426,22 @@ class RunSpec(_Frozen):
         "engine that can take weights mid-generation (backends hf and vllm can).",
     )
 
+    max_failures: int = Field(
+        3, ge=0, le=1000,
+        description="On Ray: actor faults (a worker, rollout replica, scorer or driver stage that "
+        "dies or stops answering) the run recovers from by itself: it stops what is left, starts "
+        "the actors again and resumes from its last intact checkpoint (metrics faults/*). Beyond "
+        "this many, or when the same step fails twice in a row (a deterministic crash), it stops "
+        "with the error. 0: stop at the first fault. A local run stops at once whatever this is.",
+    )
+    hang_timeout_s: float | None = Field(
+        None, gt=0,
+        description="On Ray: an actor call not answered within this many seconds is a hung actor "
+        "(a fault, recovered from as a death). null: 10x the slowest step so far, at least 120 s "
+        "(the first step, which loads and warms the models, waits DAPO_FLOW_CALL_TIMEOUT, 900 s); "
+        "never more than DAPO_FLOW_CALL_TIMEOUT.",
+    )
+
     @field_validator("max_staleness")
     @classmethod
     def _staleness_bounds_async_only(cls, v: int, info: ValidationInfo) -> int:

@@ -29,7 +29,19 @@ def execute(placed, *, executor: str = "ray", address: str | None = None, resume
     # the driver's own budget, before any worker starts (Ray workers inherit its environment);
     # an in-process stage worker then sets its stage's (StageWorker)
     threads.configure(driver_threads(placed))
-    return run_session(placed, executor=executor, address=address, resume=resume,
-                       steps=steps, console=console, run_name=run_name,
-                       parent_run_id=parent_run_id, extra_params=extra_params or {},
-                       artifacts=artifacts or {})
+    kwargs = dict(placed=placed, executor=executor, address=address, steps=steps, console=console,
+                  run_name=run_name, parent_run_id=parent_run_id, extra_params=extra_params or {},
+                  artifacts=artifacts or {})
+    if executor != "ray":  # one process: nothing to restart apart from the run itself
+        return run_session(resume=resume, **kwargs)
+    from rich.console import Console
+
+    from dapo_flow.runtime import checkpoint
+    from dapo_flow.runtime.recovery import heal
+    from dapo_flow.runtime.resume import checkpoint_root
+
+    say = (console or Console(stderr=True)).print
+    root = checkpoint_root(placed.plan.spec)
+    return heal(run_session, max_failures=placed.plan.spec.run.max_failures, resume=resume,
+                say=lambda text: say(f"[yellow]{text}[/]", highlight=False),
+                has_checkpoint=lambda run_id: bool(checkpoint.runs(root).get(run_id)), **kwargs)

@@ -19,27 +19,22 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, runtime_checkable
 
 import pyarrow as pa
 
-from dapo_flow.errors import RunError
+from dapo_flow.errors import ActorFault, RunError
 from dapo_flow.runtime import group
 from dapo_flow.runtime.ports import free_port, node_address
 from dapo_flow.runtime.tables import TableParts, assemble
+from dapo_flow.runtime.watchdog import StepWatchdog, call_timeout
 from dapo_flow.core.contract import contract_of
 from dapo_flow.runtime.worker import LIVE_METHODS, GroupMember, Share, StageSetup, StageWorker, resolve_op
 from dapo_flow.graph.plan import DRIVER, Cluster
 from dapo_flow.graph.spec import GraphSpec
 
 RESUME_HINT = "`dapo-flow run GRAPH --resume` continues from the last checkpoint"
-DEFAULT_CALL_TIMEOUT_S = 900.0
 STARTUP_TIMEOUT_S = 900.0  # actors load models (and may wait for resources) before the first call
 #: when one call of a group (or of a weight sync's sides) fails, how long the others get to show
 #: whether their actor died: a peer killed mid-collective reaches the survivors first, as their
 #: own error (gloo's "Connection reset by peer"), before Ray reports the dead actor
 PEER_DEATH_GRACE_S = 5.0
-
-
-def call_timeout() -> float:
-    """Seconds to wait for one actor call: $DAPO_FLOW_CALL_TIMEOUT, read at call time."""
-    return float(os.environ.get("DAPO_FLOW_CALL_TIMEOUT", DEFAULT_CALL_TIMEOUT_S))
 
 
 @runtime_checkable
@@ -73,6 +68,10 @@ class Executor(Protocol):
     def get(self, handle: Any) -> Any:
         """The result of a call (raises its error; a RunError when an actor died or hung); of a
         tuple of calls, the tuple of their results, the first failure raised when it happens."""
+
+    def observe_step(self, seconds: float) -> None:
+        """A step took ``seconds``: where calls can hang (actors), the hang bound follows
+        (:mod:`dapo_flow.runtime.watchdog`)."""
 
     def shutdown(self) -> None:
         """Release every worker (and a cluster the executor started)."""
@@ -125,6 +124,9 @@ class LocalExecutor:
 
     def get(self, handle: Any) -> Any:
         return handle
+
+    def observe_step(self, seconds: float) -> None:
+        pass  # calls run in this process: nothing to wait for
 
     def shutdown(self) -> None:
         for name, worker in self.workers.items():
@@ -339,6 +341,7 @@ class RayExecutor:
         import ray
 
         self._ray = ray
+        self.watchdog = StepWatchdog(graph.run.hang_timeout_s)
         self.owns_cluster = connect_ray(address)
         remote_cls = ray.remote(ActorStageWorker)
         driver_cls = ray.remote(DriverStageWorker)
@@ -492,7 +495,7 @@ class RayExecutor:
                 yield self._get(ref, call_timeout(), who="a task streaming prompts")
 
     def get(self, handle: Any, timeout: float | None = None) -> Any:
-        timeout = call_timeout() if timeout is None else timeout
+        timeout = self.watchdog.bound() if timeout is None else timeout
         if isinstance(handle, Rows):
             table = self.fetch(handle.table)
             return table if handle.info is None else (table, self.get(handle.info, timeout))
@@ -518,9 +521,9 @@ class RayExecutor:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 late = self._late([owner[r] for r in pending])
-                raise RunError(f"{late} did not answer within {timeout:g} s (hung collective or weight sync? "
-                               "a worker on an unreachable node?); raise DAPO_FLOW_CALL_TIMEOUT if the "
-                               f"model is just slow. {RESUME_HINT}")
+                raise ActorFault(f"{late} did not answer within {timeout:g} s (hung collective or weight sync? "
+                                 "a worker on an unreachable node?); raise DAPO_FLOW_CALL_TIMEOUT (or set "
+                                 f"run.hang_timeout_s) if the model is just slow. {RESUME_HINT}", hung=True)
             for ref in ready:
                 try:
                     values[ref] = self._get(ref, timeout, who=self._member(*owner[ref]))
@@ -573,13 +576,13 @@ class RayExecutor:
         try:
             return ray.get(handle, timeout=timeout)
         except ray.exceptions.GetTimeoutError as exc:
-            raise RunError(
+            raise ActorFault(
                 f"{who or self._who(handle)} did not answer within {timeout:g} s (hung weight sync or "
-                "generation? not enough CPUs/GPUs for the actors?); raise DAPO_FLOW_CALL_TIMEOUT "
-                f"if the model is just slow. {RESUME_HINT}"
+                "generation? not enough CPUs/GPUs for the actors?); raise DAPO_FLOW_CALL_TIMEOUT (or set "
+                f"run.hang_timeout_s) if the model is just slow. {RESUME_HINT}", hung=True
             ) from exc
         except ray.exceptions.RayActorError as exc:
-            raise RunError(f"{who or self._who(handle)} died: {_root_cause(exc)}. {RESUME_HINT}") from exc
+            raise ActorFault(f"{who or self._who(handle)} died: {_root_cause(exc)}. {RESUME_HINT}") from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             if isinstance(cause, Exception) and type(cause).__module__.startswith("dapo_flow"):
@@ -594,6 +597,9 @@ class RayExecutor:
                         if a._actor_id == actor_id)
         except Exception:  # a list of handles, or a private Ray attribute gone: no name
             return "an actor"
+
+    def observe_step(self, seconds: float) -> None:
+        self.watchdog.observe(seconds)
 
     def shutdown(self) -> None:
         for actor in [*self.actors.values(), *(a for g in self.groups.values() for a in g.members)]:

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dapo_flow.errors import RunError
+from dapo_flow.errors import ActorFault, RunError
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.checkpoint_models import holds_full_weights
@@ -31,6 +31,7 @@ from dapo_flow.runtime.driver_state import AheadRecord, DriverState
 from dapo_flow.runtime.executors import executor_class
 from dapo_flow.runtime.async_rollout import RolloutProducer
 from dapo_flow.runtime.loop import Kept, LoopState, Rollout, Runner
+from dapo_flow.runtime.recovery import Recovered
 from dapo_flow.runtime.resume import checkpoint_root, claim, resume_point
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.setup import graph_hash, stage_setups
@@ -177,8 +178,11 @@ def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
 def run_session(placed, *, executor: str, address: str | None, resume: bool | str, steps: int | None,
                 console: Console | None = None, run_name: str | None = None,
                 parent_run_id: str | None = None, extra_params: dict | None = None,
-                artifacts: dict | None = None) -> dict:
-    """``resume``: False (a new run), True (the graph's newest unfinished run) or a run id."""
+                artifacts: dict | None = None, recovery: "Recovered | None" = None) -> dict:
+    """``resume``: False (a new run), True (the graph's newest unfinished run) or a run id;
+    ``recovery``: the fault this session recovers from (:mod:`dapo_flow.runtime.recovery`), whose
+    faults/* metrics it logs with the step that failed. An :class:`ActorFault` leaving it carries
+    the run id and the step it was training."""
     quiet_libraries()
     spec = placed.plan.spec
     console = console or Console()
@@ -208,6 +212,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
     ex = start_executor(placed, setups, executor, address, console)
     startup = time.perf_counter() - start
     tracker = None
+    state = None
     run_root = checkpoint_root(spec)  # + the run id, once the MLflow run exists
     try:
         with CtrlC() as ctrl_c:
@@ -252,7 +257,9 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
                 producer = RolloutProducer(runner, state, total, ahead)
             record = RunRecord(tracker, run_root, console, ctrl_c, logged, ghash)
             first = {"time/startup": startup, "data/skipped_rows": float(skipped)}  # beside step 0's validation
-            return _loop(record, runner, state, total, val_prompts, first, ahead, producer)
+            if recovery is not None:
+                recovery.resumed_at = state.step
+            return _loop(record, runner, state, total, val_prompts, first, ahead, producer, recovery)
     except KeyboardInterrupt:
         if tracker is not None:
             with CtrlC() as again, again.held(then_raise=False):  # a 2nd Ctrl-C waits for it
@@ -260,9 +267,12 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
         which = f" run {tracker.run_id}" if tracker is not None else ""
         raise RunError(f"interrupted; `dapo-flow run GRAPH --resume` continues{which} from its last "
                        f"checkpoint under {run_root}") from None
-    except BaseException:
+    except BaseException as exc:
         if tracker is not None:
             _mark_ended(tracker, "FAILED", console)
+        if isinstance(exc, ActorFault):  # what a recovery resumes, and from which step it failed
+            exc.run_id = tracker.run_id if tracker is not None else None
+            exc.step = state.step + 1 if state is not None else None
         raise
     finally:
         if producer is not None:
@@ -321,11 +331,14 @@ class RunRecord:
 
 
 def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_prompts,
-          first: dict[str, float], ahead: list[Rollout], producer: RolloutProducer | None) -> dict:
+          first: dict[str, float], ahead: list[Rollout], producer: RolloutProducer | None,
+          recovery: "Recovered | None" = None) -> dict:
     """Steps ``state.step + 1 .. total``: each step, then validation when due, then a checkpoint
     when due (metrics logged with it; without checkpoints every ``FLUSH_EVERY_S``). ``first``: metrics
     logged at step 0 beside the first validation; ``ahead``: a one_step_off run's batch
-    collected ahead (from its checkpoint); ``producer``: an async run's rollout thread."""
+    collected ahead (from its checkpoint); ``producer``: an async run's rollout thread;
+    ``recovery``: the fault this session recovers from, its metrics logged with the step that
+    failed (trained now, once)."""
     run = runner.run
     overlap = run.rollout_mode == "one_step_off"
     spec = runner.plan.spec
@@ -357,8 +370,11 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
                 # between the two: a checkpoint saves the trainer as this step leaves it, and a
                 # validation or MLflow write would run beside the queued update (and its
                 # time/train_phase would hold them)
+                faults = recovery.metrics(step) if recovery is not None else {}  # back where it failed
                 metrics, ahead = _step(runner, state, ahead, producer, collect_next=overlap and step < total,
                                        queue_next=not (val_due or flush_due))
+                metrics.update(faults)
+                runner.ex.observe_step(metrics["time/step"])  # the hang bound follows the step times
                 if val_due:
                     val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
                     metrics.update(val)

@@ -12,9 +12,9 @@ from dapo_flow.runtime.worker import NodeSetup, StageSetup
 
 
 
-#: ``run`` settings outside a graph's identity: neither changes what a step computes, so a run
+#: ``run`` settings outside a graph's identity: none changes what a step computes, so a run
 #: resumes across a change of them.
-NOT_IDENTITY = ("steps", "keep_checkpoints")
+NOT_IDENTITY = ("steps", "keep_checkpoints", "max_failures", "hang_timeout_s")
 
 
 #: a model's ``train:`` settings outside the identity: how many workers train it, and how they

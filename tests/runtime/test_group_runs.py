@@ -116,7 +116,8 @@ def test_a_killed_group_worker_is_named_then_the_run_resumes_on_one_worker(workd
     path = small_graph(workdir, name="group", steps=6, ckpt=2)
     uri = f"sqlite:///{workdir / 'dapo-flow-runs' / 'mlflow.db'}"
     log = workdir / "run.log"
-    proc = subprocess.Popen([DAPO_FLOW, "run", str(path), "--set", "models.policy.train.workers=2"],
+    proc = subprocess.Popen([DAPO_FLOW, "run", str(path), "--set", "models.policy.train.workers=2",
+                             "--set", "run.max_failures=0"],  # stops at the fault: run.max_failures 0
                             cwd=workdir, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:

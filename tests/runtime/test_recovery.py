@@ -1,0 +1,215 @@
+"""Runs on Ray heal themselves (run.max_failures): a training or rollout actor killed with
+SIGKILL, or stopped with SIGSTOP (hung), is found, the actors restart and the run resumes from
+its last checkpoint by itself, with every step in MLflow once, the recovery in faults/*, and the
+weights an uninterrupted run ends with. The rules (how many, the same step twice, no checkpoint)
+and the hang bound are checked on their own first."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from dapo_flow.errors import ActorFault, RunError
+from dapo_flow.runtime import watchdog
+from dapo_flow.runtime.recovery import Recovered, heal
+from dapo_flow.runtime.watchdog import StepWatchdog
+
+
+class FakeSession:
+    """Stands for run_session: fails at the given steps in turn (each an ActorFault of run
+    'r1'), then finishes; records how it was called."""
+
+    def __init__(self, failing_steps: list[int | None]):
+        self.failing = list(failing_steps)
+        self.calls: list[tuple] = []
+
+    def __call__(self, *, resume, recovery, **_):
+        self.calls.append((resume, recovery))
+        if self.failing:
+            fault = ActorFault("the actor of stage 'model:policy' died: killed")
+            fault.run_id, fault.step = "r1", self.failing.pop(0)
+            raise fault
+        return {"run_id": "r1"}
+
+
+def _heal(session, max_failures=3, has_checkpoint=lambda run_id: True):
+    said: list[str] = []
+    out = heal(session, max_failures=max_failures, resume=False, say=said.append, has_checkpoint=has_checkpoint)
+    return out, said
+
+
+def test_each_fault_resumes_the_same_run_until_it_finishes():
+    session = FakeSession([5, 9])
+    out, said = _heal(session)
+    assert out == {"run_id": "r1"}
+    assert [resume for resume, _ in session.calls] == [False, "r1", "r1"]
+    assert [(r.step, r.count) for _, r in session.calls[1:]] == [(5, 1), (9, 2)]
+    assert len(said) == 2 and "fault at step 5" in said[0] and "recovering (1 of at most 3)" in said[0]
+
+
+@pytest.mark.parametrize("failing, max_failures, why", [
+    ([3, 4, 5, 6], 3, "run.max_failures (3)"),
+    ([4, 4], 3, "step 4 failed twice in a row"),
+    ([2], 0, None),  # max_failures 0: the first fault stops the run, quietly
+])
+def test_a_run_stops_with_the_faults_error(failing, max_failures, why):
+    session = FakeSession(failing)
+    said: list[str] = []
+    with pytest.raises(ActorFault, match="died"):
+        heal(session, max_failures=max_failures, resume=False, say=said.append, has_checkpoint=lambda r: True)
+    assert len(session.calls) == min(len(failing), max_failures + 1)
+    assert (why is None and not said) or why in said[-1]
+
+
+def test_without_a_checkpoint_there_is_nothing_to_resume():
+    with pytest.raises(ActorFault):
+        _heal(FakeSession([1]), has_checkpoint=lambda run_id: False)
+
+
+def test_other_errors_are_not_faults():
+    def broken(**_):
+        raise RunError("a bad row")
+
+    with pytest.raises(RunError, match="a bad row"):
+        _heal(broken)
+
+
+def test_fault_metrics_are_logged_once_at_the_step_that_failed():
+    recovered = Recovered(step=5, at=time.monotonic() - 2.0, count=1, resumed_at=2)
+    assert recovered.metrics(3) == {} and recovered.metrics(4) == {}
+    got = recovered.metrics(5)
+    assert got["faults/count"] == 1.0 and got["faults/steps_redone"] == 2.0 and got["faults/seconds_lost"] >= 2.0
+    assert recovered.metrics(5) == {}  # once
+    early = Recovered(step=None, at=time.monotonic(), count=2, resumed_at=4)  # failed before a step
+    assert early.metrics(5)["faults/steps_redone"] == 0.0
+
+
+def test_the_hang_bound_follows_the_slowest_step(monkeypatch):
+    monkeypatch.delenv("DAPO_FLOW_CALL_TIMEOUT", raising=False)
+    dog = StepWatchdog()
+    assert dog.bound() == watchdog.DEFAULT_CALL_TIMEOUT_S  # the first step loads and warms up
+    dog.observe(2.0)
+    assert dog.bound() == watchdog.FLOOR_S
+    dog.observe(30.0)
+    dog.observe(10.0)
+    assert dog.bound() == 300.0
+    dog.observe(500.0)
+    assert dog.bound() == watchdog.DEFAULT_CALL_TIMEOUT_S  # never past the call timeout
+    monkeypatch.setenv("DAPO_FLOW_CALL_TIMEOUT", "60")
+    assert StepWatchdog(fixed=90.0).bound() == 60.0 and StepWatchdog(fixed=20.0).bound() == 20.0
+
+
+# --- real runs: actors killed and stopped ------------------------------------------------------
+
+
+def _actor_pid(executor, stage: str) -> int:
+    """The process of ``stage``'s actor."""
+    import ray
+
+    return ray.get(executor.actors[stage].__ray_call__.remote(lambda _self: os.getpid()), timeout=60)
+
+
+def _signal_after_checkpoint(workdir, started: list, stage: str, sig: int, step: int) -> threading.Thread:
+    """A thread that sends ``sig`` to the process of ``stage``'s actor of the first executor
+    started once the checkpoint of ``step`` is written (the run then trains the steps after it)."""
+
+    def send() -> None:
+        deadline = time.monotonic() + 300
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pid = _actor_pid(started[0], stage)  # asked now: later it would queue behind the step's calls
+        while not list(workdir.glob(f"dapo-flow-runs/checkpoints/*/*/step_{step:06d}/manifest.json")):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+        os.kill(pid, sig)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture()
+def executors_started(monkeypatch) -> list:
+    """Every RayExecutor the test's runs start, in order."""
+    from dapo_flow.runtime import executors
+
+    started = []
+    init = executors.RayExecutor.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        started.append(self)
+
+    monkeypatch.setattr(executors.RayExecutor, "__init__", recording)
+    return started
+
+
+STEPS = 8
+WALL_CLOCK = ("time/", "perf/", "faults/", "gen/seconds", "gen/tokens_per_s")
+
+
+def _history(summary) -> dict:
+    from dapo_flow.tracking import read_run
+
+    return read_run(summary["tracking_uri"], summary["run_id"])["history"]
+
+
+def _deterministic(history: dict) -> dict:
+    return {k: v for k, v in history.items() if not k.startswith(WALL_CLOCK)}
+
+
+def _run(workdir, path, executor: str, *edits):
+    from rich.console import Console
+
+    from dapo_flow.graph.edits import edit_file, parse_cli_edits
+    from dapo_flow.graph.plan import Cluster
+    from dapo_flow.runtime import execute
+
+    placed = edit_file(str(path), parse_cli_edits([("set", e) for e in edits])).compile(Cluster(cpus=2))
+    with open(workdir / f"{executor}.log", "a") as log:
+        return execute(placed, executor=executor, console=Console(file=log, width=200))
+
+
+def _assert_healed_once(healed: dict, straight: dict, log) -> None:
+    history = _history(healed)
+    for key in ("batch/reward_mean", "actor/pg_loss"):  # every step exactly once
+        assert [s for s, _ in history[key]] == list(range(1, STEPS + 1)), key
+    [(step, count)] = history["faults/count"]
+    assert count == 1.0 and 2 < step <= STEPS
+    [(_, redone)] = history["faults/steps_redone"]
+    [resumed_at] = re.findall(r"resuming from \S*step_(\d+)", log.read_text())
+    assert redone == step - 1 - int(resumed_at)  # the steps after the checkpoint, trained again
+    assert _deterministic(history) == _deterministic(_history(straight))  # the weights came back exactly
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_training_actor_killed_mid_run_is_replaced_and_the_run_ends_as_if_not(workdir, small_graph,
+                                                                                 executors_started):
+    path = small_graph(workdir, name="healing", steps=STEPS, ckpt=2)
+    killer = _signal_after_checkpoint(workdir, executors_started, "model:policy", signal.SIGKILL, step=2)
+    healed = _run(workdir, path, "ray")
+    killer.join()
+    assert len(executors_started) == 2  # started again once
+    assert "the actor of stage 'model:policy' died" in (workdir / "ray.log").read_text()
+    _assert_healed_once(healed, _run(workdir, path, "local"), workdir / "ray.log")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_hung_rollout_actor_is_found_within_the_bound_and_replaced(workdir, small_graph, executors_started):
+    """SIGSTOP: the process is there and answers nothing (a stuck kernel, a deadlock)."""
+    path = small_graph(workdir, name="hanging", steps=STEPS, ckpt=2)
+    disaggregated = ("placement.mode=disaggregated",)
+    stopper = _signal_after_checkpoint(workdir, executors_started, "rollout:policy", signal.SIGSTOP, step=2)
+    healed = _run(workdir, path, "ray", *disaggregated, "run.hang_timeout_s=20")
+    stopper.join()
+    assert len(executors_started) == 2
+    assert "the actor of stage 'rollout:policy' did not answer within 20 s" in (workdir / "ray.log").read_text()
+    _assert_healed_once(healed, _run(workdir, path, "local", *disaggregated), workdir / "ray.log")
