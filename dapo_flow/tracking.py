@@ -54,6 +54,11 @@ def _quiet_env() -> None:
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    # a server that went away fails a request in seconds (MLflow's own default retries for
+    # minutes, holding the run's driver): a run keeps its metrics meanwhile and writes them later
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     # migrations and store set-up log at INFO on every new database: noise for a CLI user
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)

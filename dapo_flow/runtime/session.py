@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ from dapo_flow.runtime.tables import groups_of
 from dapo_flow.runtime.worker import quiet_libraries
 from dapo_flow.tracking import Tracker, flatten, read_run
 
+#: while MLflow does not answer: seconds between tries to write the metrics kept meanwhile (a try
+#: costs the driver the MLflow client's own retries), and how long the run's end waits for it
+OUTAGE_RETRY_S = 15.0
+MLFLOW_WAIT_S = 600.0
 #: without checkpoints, the most seconds a step's metrics wait in the driver before MLflow gets
 #: them: a write of one step's metrics costs the driver ~15 ms of CPU (a sqlite store), a third
 #: of that a step when several share it, and that CPU is taken from the workers on a small box
@@ -310,6 +315,7 @@ class RunRecord:
     logged: dict[int, set[str]]
     graph_hash: str
     flushed_at: float = -math.inf  # time.monotonic() of the last flush
+    outage_at: float | None = None  # time.monotonic() when MLflow first failed to take metrics, while it does
 
     def flush_due(self) -> bool:
         return time.monotonic() - self.flushed_at >= FLUSH_EVERY_S
@@ -317,13 +323,63 @@ class RunRecord:
     def samples(self, samples: list[dict], step: int) -> None:
         if samples:
             with self.ctrl_c.held():
-                self.tracker.log_table(samples, f"samples/step_{step:06d}.json")
+                try:
+                    self.tracker.log_table(samples, f"samples/step_{step:06d}.json")
+                except Exception as exc:  # noqa: BLE001 - the store's: samples are not worth stopping for
+                    self._warn(f"MLflow ({self.tracker.uri}) did not take step {step}'s samples ({_first_line(exc)}); "
+                               "left out")
 
-    def flush(self, pending: list[tuple[int, dict]]) -> None:
-        """Log the buffered (step, metrics) and empty the buffer."""
-        _flush(self.tracker, pending, self.logged)
+    def flush(self, pending: list[tuple[int, dict]]) -> bool:
+        """Log the buffered (step, metrics) and empty the buffer; True when written. While MLflow
+        does not answer, the metrics stay buffered (and in each checkpoint), tried again every
+        ``OUTAGE_RETRY_S``, and written when it answers again; the run goes on."""
+        now = time.monotonic()
+        if self.outage_at is not None and now - self.flushed_at < OUTAGE_RETRY_S:
+            return False
+        try:
+            if self.outage_at is not None:  # a request that failed may have written part of its metrics
+                self.logged = _logged_metrics(self.tracker)
+            _flush(self.tracker, pending, self.logged)
+        except Exception as exc:  # noqa: BLE001 - any store error (a server gone, a database locked)
+            if self.outage_at is None:
+                self.outage_at = now
+                self._warn(f"MLflow ({self.tracker.uri}) did not take the metrics of steps {_steps(pending)} "
+                           f"({_first_line(exc)}); they are kept (and in each checkpoint) and written when it "
+                           "answers again")
+            self.flushed_at = time.monotonic()
+            return False
+        if self.outage_at is not None:
+            self.console.print(f"MLflow answers again after {now - self.outage_at:.0f} s: steps {_steps(pending)} "
+                               "written", highlight=False)
+            self.outage_at = None
         pending.clear()
         self.flushed_at = time.monotonic()
+        return True
+
+    def finish(self, pending: list[tuple[int, dict]]) -> None:
+        """The last metrics written and the run marked FINISHED, waiting up to
+        $DAPO_FLOW_MLFLOW_WAIT_S (``MLFLOW_WAIT_S``) for a store that does not answer."""
+        deadline = time.monotonic() + float(os.environ.get("DAPO_FLOW_MLFLOW_WAIT_S", MLFLOW_WAIT_S))
+        while True:
+            if self.flush(pending):
+                try:
+                    self.tracker.finish("FINISHED")
+                    return
+                except Exception as exc:  # noqa: BLE001 - as flush's
+                    failure = _first_line(exc)
+            else:
+                failure = "it does not answer"
+            if time.monotonic() >= deadline:
+                where = f"the last checkpoint under {self.root}" if pending else "MLflow"
+                raise RunError(f"the run trained every step, but MLflow ({self.tracker.uri}) did not take its last "
+                               f"metrics or its end ({failure}); they are in {where}\n    fix: when MLflow "
+                               f"answers, `dapo-flow run GRAPH --resume {self.tracker.run_id}` writes them and "
+                               "ends the run")
+            time.sleep(min(OUTAGE_RETRY_S, max(0.0, deadline - time.monotonic())))
+            self.flushed_at = -math.inf  # try again now
+
+    def _warn(self, text: str) -> None:
+        self.console.print(f"[yellow]warning:[/] {text}", highlight=False)
 
     def checkpoint(self, runner: Runner, state: LoopState, pending: list[tuple[int, dict]],
                    ahead: list[Rollout]) -> None:
@@ -402,8 +458,7 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
                 record.flush(pending)
         raise
     with ctrl_c.held(then_raise=False):  # the run is done: a late Ctrl-C changes nothing
-        record.flush(pending)
-        tracker.finish("FINISHED")
+        record.finish(pending)
     summary = {
         "run_id": tracker.run_id, "tracking_uri": tracker.uri, "steps": state.step,
         "wall_seconds": state.wall_seconds, "val_acc_start": first_val, "val_acc_end": last_val,
@@ -476,6 +531,18 @@ def _logged_metrics(tracker: Tracker) -> dict[int, set[str]]:
         for step, _ in points:
             logged.setdefault(step, set()).add(key)
     return logged
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def _steps(pending: list[tuple[int, dict]]) -> str:
+    """'3-6' for the buffered steps (a single step, '3')."""
+    steps = [step for step, _ in pending]
+    if not steps:
+        return "none"
+    return f"{steps[0]}-{steps[-1]}" if steps[-1] != steps[0] else str(steps[0])
 
 
 def _flush(tracker: Tracker, entries, logged: dict[int, set[str]]) -> None:

@@ -16,8 +16,10 @@ from dapo_flow.runtime.executors import GroupCall, RayExecutor
 def _executor_shell(ray, actors: dict) -> RayExecutor:
     """A RayExecutor with no stages started, only what ``get`` reads (its actors by stage, for
     names): a test-only shell."""
+    from dapo_flow.runtime.watchdog import StepWatchdog
+
     ex = object.__new__(RayExecutor)
-    ex._ray, ex.actors = ray, actors
+    ex._ray, ex.actors, ex.watchdog = ray, actors, StepWatchdog()
     return ex
 
 
