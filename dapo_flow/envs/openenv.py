@@ -210,8 +210,8 @@ class OpenEnvTool:
             pass
 
     def _end(self, ep: _Episode, why: str, **metrics: float) -> ToolResult:
-        ep.ended = why
-        self._close(ep.client)  # its next answer could be the late one: no more steps on it
+        ep.ended = why  # its next answer could be the late one: no more steps on it
+        asyncio.run_coroutine_threadsafe(ep.client.close(), self._loop)  # not awaited: within the call's time
         return error_result(f"the episode ends: {why}", done=True, **metrics)
 
     def _text(self, observation: Any) -> str:
