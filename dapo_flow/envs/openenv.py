@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from dapo_flow.core.contract import PARAMS_CONFIG
 from dapo_flow.tools.base import NAME_PATTERN, ToolError, ToolResult, error_result
@@ -80,21 +80,26 @@ class Config(BaseModel):
                              "pkg.module:app (dapo-flow serves it on loopback); exactly one of them")
         if self.url is not None and not self.url.startswith(("http://", "https://", "ws://", "wss://")):
             raise ValueError(f"url: {self.url!r} is not an http:// or ws:// URL (e.g. http://127.0.0.1:8000)")
-        if self.app is not None:
-            _check_app(self.app)
         return self
 
-
-def _check_app(ref: str) -> None:
-    """Cheap checks only (importing an OpenEnv app takes seconds): the form, the file, the module."""
-    target, sep, name = ref.rpartition(":")
-    if not sep or not target or not name:
-        raise ValueError(f"app: {ref!r} is not a reference: write pkg.module:app or path/to/server.py:app")
-    if target.endswith(".py"):
-        if not Path(target).is_file():
-            raise ValueError(f"app: file {target} does not exist (resolved: {Path(target).resolve()})")
-    elif importlib.util.find_spec(target.split(".")[0]) is None:
-        raise ValueError(f"app: no module named {target.split('.')[0]!r}")
+    @field_validator("app")
+    @classmethod
+    def _app_found(cls, ref: str | None) -> str | None:
+        """Cheap checks only (importing an OpenEnv app takes seconds): the form, the file, the
+        module. A file's path is made absolute here, in the driver: the workers that serve the
+        app may run elsewhere (as a reward file resolves against the driver's directory)."""
+        if ref is None:
+            return None
+        target, sep, name = ref.rpartition(":")
+        if not sep or not target or not name:
+            raise ValueError(f"{ref!r} is not a reference: write pkg.module:app or path/to/server.py:app")
+        if target.endswith(".py"):
+            if not Path(target).is_file():
+                raise ValueError(f"file {target} does not exist (resolved: {Path(target).resolve()})")
+            return f"{Path(target).resolve()}:{name}"
+        if importlib.util.find_spec(target.split(".")[0]) is None:
+            raise ValueError(f"no module named {target.split('.')[0]!r}")
+        return ref
 
 
 @dataclass
@@ -122,14 +127,14 @@ class OpenEnvTool:
         self._start_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None  # the sessions' WebSockets live on it
         self._server = None
-        self.url = config.url
+        self.url, self._reached = config.url, False
 
     # -- the Tool protocol ------------------------------------------------------------------------
 
     def create(self, instance_id: str, **row: Any) -> None:
-        from openenv.core.generic_client import GenericEnvClient
-
         url = self._started()
+        from openenv.core.generic_client import GenericEnvClient  # seconds: openenv-core imports gradio
+
         client = GenericEnvClient(base_url=url, connect_timeout_s=self.config.connect_timeout_s,
                                   message_timeout_s=self.config.timeout_s)
         seed = int.from_bytes(hashlib.blake2b(instance_id.encode(), digest_size=4).digest(), "little") >> 1
@@ -193,7 +198,25 @@ class OpenEnvTool:
 
                 self._server = LoopbackServer(self.config.app, self.config.start_timeout_s)
                 self.url = self._server.url
+            elif not self._reached:
+                self._reach(self.url)
+                self._reached = True
         return self.url
+
+    def _reach(self, url: str) -> None:
+        """An OpenEnv server answers ``GET /health``: a wrong or dead URL fails here, at once."""
+        import httpx
+
+        health = f"{url.replace('ws', 'http', 1) if url.startswith('ws') else url}/health"
+        try:
+            status = httpx.get(health, timeout=self.config.connect_timeout_s).status_code
+        except httpx.HTTPError as exc:
+            raise ToolError(f"cannot reach the OpenEnv server at {url} (GET {health}: {type(exc).__name__}: "
+                            f"{exc})\n    fix: start the server (or name its app: in the tool's config) "
+                            "and check the url") from None
+        if status != 200:
+            raise ToolError(f"the server at {url} answered GET {health} with HTTP {status}: is it an "
+                            "OpenEnv server? (fix the url)")
 
     def _run(self, coro: Any, timeout_s: float) -> Any:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)

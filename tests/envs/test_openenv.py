@@ -135,7 +135,7 @@ def test_a_server_killed_mid_rollout_stops_the_step_naming_its_url():
 
 def test_an_unreachable_server_is_a_run_error_naming_the_url():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    with pytest.raises(RunError, match=rf"tool 'guess': create\(\): cannot start an episode on the OpenEnv server at {url}"):
+    with pytest.raises(RunError, match=rf"tool 'guess': create\(\): cannot reach the OpenEnv server at {url}"):
         rollout(guess_env(url=url, connect_timeout_s=2.0), {"g1 ": ["<call>guess: 1</call>"]}, ["1"])
 
 
@@ -146,3 +146,31 @@ def test_tool_reward_is_the_score_and_its_sign_the_accuracy():
     out = op(batch)
     assert out.column("score").to_pylist() == [0.75, -0.25, 0.0]
     assert out.column("acc").to_pylist() == [1.0, 0.0, 0.0]
+
+
+ROOT = HERE.parents[1]
+
+
+@pytest.mark.slow  # a 2-step local run of graphs/openenv.yaml, its environment served by dapo-flow (~1 min)
+@pytest.mark.models("tiny-agent")
+def test_the_openenv_graph_runs_with_the_environment_it_serves(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from dapo_flow.graph.edits import edit_file, parse_cli_edits
+    from dapo_flow.graph.plan import Cluster
+    from dapo_flow.runtime import execute
+    from dapo_flow.tracking import read_run
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(ROOT)  # the graph names its environment's app relative to the repository
+    edits = [("set", "run.steps=2"), ("set", "run.val_every=0"), ("set", "run.checkpoint_every=0"),
+             ("set", "data.val.size=8"), ("set", "run.gen_prompts_per_batch=16"), ("set", "run.prompts_per_step=8")]
+    placed = edit_file(str(ROOT / "graphs" / "openenv.yaml"), parse_cli_edits(edits)).compile(Cluster(cpus=2))
+    monkeypatch.chdir(tmp_path)
+    summary = execute(placed, executor="local", console=Console(file=open(tmp_path / "log.txt", "w")))
+    history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    assert len(history["batch/acc_mean"]) == 2
+    # episodes the environment ended (a right product), and its rewards as the samples' scores
+    assert all(v > 0 for _, v in history["agent/stop_done"])
+    assert all(v > 0 for _, v in history["tool/calculator/reward"])
+    assert all(0 < v < 1 for _, v in history["batch/acc_mean"])
