@@ -164,6 +164,8 @@ class OpenEnvTool:
             except Exception as exc:  # noqa: BLE001 - the connection: closed, reset, refused
                 ep.lost = f"{type(exc).__name__}: {exc}"
                 return self._end(ep, f"lost the environment server at {self.url} ({ep.lost})", lost=1.0)
+            if result.done:  # a second call of the same turn must not step a finished episode
+                ep.ended = "the environment ended it"
         reward = float(result.reward or 0.0)
         return ToolResult(self._text(result.observation), reward=reward,
                           metrics={"error": 0.0, "reward": reward, "done": float(bool(result.done))},
@@ -196,7 +198,11 @@ class OpenEnvTool:
             if self.url is None:
                 from dapo_flow.envs.serve import LoopbackServer
 
-                self._server = LoopbackServer(self.config.app, self.config.start_timeout_s)
+                async def serve() -> LoopbackServer:  # started from the loop's thread, which lives as
+                    # long as this tool: the server's parent-death signal follows the thread that started it
+                    return LoopbackServer(self.config.app, self.config.start_timeout_s)
+
+                self._server = asyncio.run_coroutine_threadsafe(serve(), self._loop).result()
                 self.url = self._server.url
             elif not self._reached:
                 self._reach(self.url)

@@ -6,7 +6,8 @@ ObservationClass)`` in its ``server/app.py``), which it runs with ``uvicorn serv
 ``path/to/file.py:app``): ``python -m dapo_flow.envs.serve REF PORT`` binds 127.0.0.1 only, and
 the owner waits for its ``GET /health`` before the first episode. The process dies with its
 owner: stopped when the owner is collected or the interpreter exits, and sent SIGTERM by the
-kernel if the owner's process is killed outright (Linux's parent-death signal).
+kernel if the owner's process is killed outright (Linux's parent-death signal, which fires when
+the *thread* that started the server ends: start it from a thread that lives as long as it should).
 """
 
 from __future__ import annotations
@@ -28,11 +29,15 @@ from dapo_flow.tools.base import ToolError
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # in the child, before exec
+def _die_with_parent(parent: int) -> None:
+    """In the server: SIGTERM when ``parent`` dies (set here, not in a preexec_fn, which is unsafe
+    in a threaded parent such as a Ray actor); a parent already gone is checked after."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: the finalizer and atexit still stop it
-        pass
+    except (OSError, AttributeError):  # not Linux: the owner's finalizer and atexit still stop it
+        return
+    if os.getppid() != parent:
+        sys.exit("error: the process that started this server is gone")
 
 
 class LoopbackServer:
@@ -44,9 +49,9 @@ class LoopbackServer:
         port = free_port()
         self.app_ref, self.url = app_ref, f"http://127.0.0.1:{port}"
         self._log = tempfile.TemporaryFile()  # the child's output (a file: a pipe could fill and block it)
-        self.proc = subprocess.Popen([sys.executable, "-m", "dapo_flow.envs.serve", app_ref, str(port)],
-                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dapo_flow.envs.serve", app_ref, str(port), str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
         self._finalizer = weakref.finalize(self, _stop, self.proc)
         self._wait_healthy(start_timeout_s)
 
@@ -86,12 +91,13 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``REF PORT``: import the app ``REF`` names and serve it on 127.0.0.1:PORT."""
+    """``REF PORT PARENT_PID``: import the app ``REF`` names and serve it on 127.0.0.1:PORT."""
+    ref, port, parent = argv
+    _die_with_parent(int(parent))
     import uvicorn
 
     from dapo_flow.core.imports import ImportSpecError, load_object
 
-    ref, port = argv
     try:
         app = load_object(ref, base_dir=Path(os.getcwd()))
     except ImportSpecError as exc:

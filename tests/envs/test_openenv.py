@@ -133,6 +133,37 @@ def test_a_server_killed_mid_rollout_stops_the_step_naming_its_url():
     served.stop()
 
 
+@pytest.mark.slow  # a server of its own (~10 s to start)
+def test_a_served_app_dies_with_the_process_that_served_it(tmp_path):
+    """The owner killed with SIGKILL (no finalizer runs): the kernel's parent-death signal stops
+    the server."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    owner = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from dapo_flow.envs.serve import LoopbackServer; "
+        f"s = LoopbackServer({APP!r}); print(s.proc.pid, flush=True); time.sleep(600)")],
+        stdout=subprocess.PIPE, text=True)
+    server_pid = int(owner.stdout.readline())
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _alive(server_pid):
+        time.sleep(0.1)
+    assert not _alive(server_pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
 def test_an_unreachable_server_is_a_run_error_naming_the_url():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(RunError, match=rf"tool 'guess': create\(\): cannot reach the OpenEnv server at {url}"):
