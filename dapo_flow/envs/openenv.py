@@ -19,10 +19,11 @@ connection), through openenv's own ``GenericEnvClient``. Per sample (``instance_
 
 The reset observation is not shown: the prompt comes from the graph's data, as for any tool.
 
-Failures: an unreachable server, or one that refuses a session (its ``max_concurrent_envs``),
-stops the step with a RunError naming the URL. An action the environment rejects or a step that
-raises there is an error observation (the session goes on); a step past ``timeout_s`` is an
-error that ends the sample (the session is closed: its next answer could be the late one). A
+Failures: an unreachable server, or one that refuses a session (its ``max_concurrent_envs``)
+through ``connect_timeout_s`` of retries, stops the step with a RunError naming the URL. An
+action the environment rejects or a step that raises there is an error observation (the
+session goes on); a step past ``timeout_s`` is an error that ends the sample (the session is
+closed: its next answer could be the late one). A
 session lost mid-episode (the server died) ends the sample, and when the rollout ends the step
 stops with a RunError naming the URL: a dead server's samples are not trained on as if they
 were wrong answers.
@@ -35,6 +36,7 @@ import hashlib
 import importlib.util
 import json
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,16 +137,22 @@ class OpenEnvTool:
         url = self._started()
         from openenv.core.generic_client import GenericEnvClient  # seconds: openenv-core imports gradio
 
-        client = GenericEnvClient(base_url=url, connect_timeout_s=self.config.connect_timeout_s,
-                                  message_timeout_s=self.config.timeout_s)
         seed = int.from_bytes(hashlib.blake2b(instance_id.encode(), digest_size=4).digest(), "little") >> 1
         kwargs = {"seed": seed, "episode_id": instance_id, **{k: row[k] for k in ROW_FIELDS if k in row}}
-        try:
-            self._run(client.connect(), self.config.connect_timeout_s)
-            self._run(client.reset(**kwargs), self.config.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - no episode at all: the run cannot go on
-            self._close(client)
-            raise ToolError(self._no_session(url, exc)) from None
+        deadline, delay = time.monotonic() + self.config.connect_timeout_s, 0.05
+        while True:  # retried: the sessions a last batch released may still count on the server a moment
+            client = GenericEnvClient(base_url=url, connect_timeout_s=self.config.connect_timeout_s,
+                                      message_timeout_s=self.config.timeout_s)
+            try:
+                self._run(client.connect(), self.config.connect_timeout_s)
+                self._run(client.reset(**kwargs), self.config.timeout_s)
+                break
+            except Exception as exc:  # noqa: BLE001 - no episode at all: retried, then the run cannot go on
+                self._close(client)
+                if time.monotonic() + delay > deadline:
+                    raise ToolError(self._no_session(url, exc)) from None
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
         self._episodes[instance_id] = _Episode(client, threading.Lock())
 
     def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
@@ -251,7 +259,8 @@ class OpenEnvTool:
 
     def _no_session(self, url: str, exc: Exception) -> str:
         what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if "CAPACITY_REACHED" in str(exc):
+        # a server at capacity answers a new session with CAPACITY_REACHED and closes it, at once
+        if "CAPACITY_REACHED" in str(exc) or type(exc).__name__.startswith("ConnectionClosed"):
             return (f"the OpenEnv server at {url} refused a session ({what})\n    fix: a batch runs its "
                     "samples' episodes at once (n x prompts); serve the environment with create_app(..., "
                     "max_concurrent_envs=N) and SUPPORTS_CONCURRENT_SESSIONS = True on its class")
