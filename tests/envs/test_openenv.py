@@ -201,11 +201,10 @@ def test_the_openenv_graph_runs_with_the_environment_it_serves(tmp_path, monkeyp
     from dapo_flow.tracking import read_run
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.chdir(ROOT)  # the graph names its environment's app relative to the repository
+    monkeypatch.chdir(tmp_path)
     edits = [("set", "run.steps=2"), ("set", "run.val_every=0"), ("set", "run.checkpoint_every=0"),
              ("set", "data.val.size=8"), ("set", "run.gen_prompts_per_batch=16"), ("set", "run.prompts_per_step=8")]
     placed = edit_file(str(ROOT / "graphs" / "openenv.yaml"), parse_cli_edits(edits)).compile(Cluster(cpus=2))
-    monkeypatch.chdir(tmp_path)
     summary = execute(placed, executor="local", console=Console(file=open(tmp_path / "log.txt", "w")))
     history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
     assert len(history["batch/acc_mean"]) == 2

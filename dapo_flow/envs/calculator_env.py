@@ -1,12 +1,14 @@
-"""An OpenEnv environment for graphs/openenv.yaml: a calculator that pays for computing the
-prompt's product. Written with openenv-core's server API (`pip install 'dapo-flow[openenv]'`);
-the graph names its `app`, and dapo-flow serves it on a loopback port for the run. To run it by
-hand instead (then give the graph `url: http://127.0.0.1:8000`):
+"""A built-in OpenEnv environment (graphs/openenv.yaml's): a calculator that pays for computing the
+prompt's product, ``builtin:tool-arith``'s task as an environment server. Written with
+openenv-core's server API (``pip install 'dapo-flow[openenv]'``; this module imports it, so only
+the server process imports this module). A graph names its app, ``app:
+dapo_flow.envs.calculator_env:app``, and dapo-flow serves it on a loopback port for the run; to
+run it by hand instead (then give the graph ``url: http://127.0.0.1:8000``)::
 
-    uvicorn graphs.envs.calculator_env:app --host 127.0.0.1 --port 8000
+    uvicorn dapo_flow.envs.calculator_env:app --host 127.0.0.1 --port 8000
 
-`reset(ground_truth=P)` takes the prompt's product; each step's action `{"expression": "12*34"}`
-is evaluated exactly (dapo-flow's calculator, never `eval`) and answered with the value; the
+``reset(ground_truth=P)`` takes the prompt's product; each step's action ``{"expression": "12*34"}``
+is evaluated exactly (dapo-flow's calculator, never ``eval``) and answered with the value; the
 value P pays 1.0 and ends the episode, any other value pays 0 and the model may go on.
 """
 
