@@ -10,5 +10,6 @@ every TOOL_CALLING request runs at once in threads (:mod:`.tool_runner`, a timeo
 tool's response goes back into the conversation as tokens (:mod:`.observations`) that the
 loss never trains on (``loss_mask`` 0); the tokens trained on are exactly those the engine
 produced, never a re-tokenization of decoded text. A request ends with a final answer (a turn
-that calls no tool), at ``max_turns``, or when the response token budget runs out.
+that calls no tool), at ``max_turns``, when the response token budget runs out, or when a
+tool that is an environment (:mod:`dapo_flow.envs`) says its episode is done.
 """

@@ -4,12 +4,13 @@ no tool; :mod:`dapo_flow.agent.rollout` feeds it what they return).
     PENDING --start--> RUNNING --turn(calls)--> TOOL_CALLING --observe--> RUNNING ...
                           |                          |
                           +--turn(answer / length / max_turns)--> COMPLETED
-                                                     +--observe(over budget)--> COMPLETED
+                                                     +--observe(over budget, or done)--> COMPLETED
 
 The response is a flat token list: the model's turns (``loss_mask`` 1, their rollout
 logprobs) and the observations between them (``loss_mask`` 0, logprob 0). A response never
 ends inside an observation: one that would not fit the budget ends the request instead, so the
-last token (where the reward lands) is always the model's.
+last token (where the reward lands) is always the model's. An environment that ends the
+episode (a call's ``done``) completes the request after that turn, its last observation unshown.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Status(enum.Enum):
 
 
 #: why a request completed
-STOPS = ("answer", "length", "max_turns")
+STOPS = ("answer", "length", "max_turns", "done")
 
 
 class TransitionError(RuntimeError):
@@ -104,14 +105,19 @@ class Request:
             self.calls = calls
             self.status = Status.TOOL_CALLING
 
-    def observe(self, tokens: list[int], calls_run: int, errors: int, attempts: int | None = None) -> None:
+    def observe(self, tokens: list[int], calls_run: int, errors: int, attempts: int | None = None,
+                done: bool = False) -> None:
         """The tools' responses to the turn's calls, as tokens; over the budget (room must stay
-        for at least one model token after it), the request ends instead."""
+        for at least one model token after it), or ``done`` (an environment ended the episode),
+        the request ends instead."""
         self._expect(Status.TOOL_CALLING, "an observation")
         self.calls = None
         self.tool_calls += calls_run
         self.tool_attempts += calls_run if attempts is None else attempts
         self.tool_errors += errors
+        if done:
+            self._complete("done")
+            return
         if len(tokens) >= self.remaining:
             self._complete("length", truncated=True)
             return

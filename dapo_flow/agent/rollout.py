@@ -22,7 +22,7 @@ from dapo_flow.agent.requests import STOPS, Request, Status
 from dapo_flow.agent.tool_runner import CallJob, failed, run_calls
 from dapo_flow.errors import RunError
 from dapo_flow.models.sampling import SamplingConfig
-from dapo_flow.tools.base import Tool, ToolResult, error_result
+from dapo_flow.tools.base import Tool, ToolError, ToolResult, error_result
 from dapo_flow.tools.calls import CALL_FORMATS, ParsedCalls, parse_calls
 
 
@@ -99,7 +99,7 @@ def run_agent(engine: Any, tokenizer: Any, tools: Mapping[str, Tool], timeouts: 
                 ended_with = tokenizer.decode(r.response_ids[-1:], skip_special_tokens=False)
                 r.observe(observations.tokens([res.text for _, res in answered], ended_with),
                           calls_run=len(r.calls.calls), errors=sum(failed(res) for _, res in answered),
-                          attempts=len(answered))
+                          attempts=len(answered), done=any(res.done for _, res in answered))
         for k in created:
             for name, tool in tools.items():
                 rewards[name][k] += float(_user_call(name, "calc_reward", tool.calc_reward, ids[k]))
@@ -140,6 +140,8 @@ def _user_call(tool: str, method: str, fn: Any, *args: Any, **kwargs: Any) -> An
     """A tool's create / calc_reward: an exception there is the tool's bug, named as such."""
     try:
         return fn(*args, **kwargs)
+    except ToolError as exc:  # the tool's own words: what went wrong and the fix (an unreachable server)
+        raise RunError(f"tool '{tool}': {method}(): {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - user code: name it
         raise RunError(f"tool '{tool}': {method}() raised {type(exc).__name__}: {exc}\n"
                        f"    fix: the tool's {method} must not fail (a failing call belongs in execute, "

@@ -41,6 +41,8 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 CHUNKS_PER_WORKER = 4  # enough chunks to even out uneven rows, few enough to amortize the IPC
 MAX_CHUNK = 256  # bounds what a killed worker's chunk re-scores
 
+TOOL_REWARD_RULE = "builtin:tool-reward"
+
 # A row's outcome: (score, acc, extras) once checked, a BadReward's text, or None: timed out.
 Row = tuple[float, float, tuple[float, ...]] | str | None
 
@@ -79,6 +81,8 @@ def resolve_reward(spec: RewardSpec) -> Callable[[str, str, dict], Any]:
     if spec.reward in builtins:
         verify = builtins[spec.reward]
         return lambda text, truth, _extra: verify(text, truth, correct=spec.correct, wrong=spec.wrong)
+    if spec.reward == TOOL_REWARD_RULE:
+        return tool_reward_score
     fn = load_object(spec.reward, base_dir=None if spec.base_dir is None else Path(spec.base_dir))
     if not callable(fn):
         raise RunError(f"reward '{spec.reward}' is a {type(fn).__name__}, not a function: name a "
@@ -88,6 +92,13 @@ def resolve_reward(spec: RewardSpec) -> Callable[[str, str, dict], Any]:
             data_source=extra.get("data_source"), solution_str=text, ground_truth=truth,
             extra_info={k: v for k, v in extra.items() if k != "data_source"})
     return fn
+
+
+def tool_reward_score(_text: str, _truth: str, extra: dict) -> dict:
+    """``builtin:tool-reward``: the score is the row's ``tool_reward`` (what agent-generate's tools
+    or environment gave the sample, summed), acc whether it is positive."""
+    reward = extra["tool_reward"]
+    return {"score": reward, "acc": float(reward > 0)}
 
 
 def _takes_verl_arguments(fn: Callable) -> bool:

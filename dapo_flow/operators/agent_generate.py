@@ -3,7 +3,8 @@
 For each prompt, n samples, each a conversation: the model writes a turn; tool calls in it
 (``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; ``compact``:
 ``<call>TOOL: ARGUMENT</call>``) run, their responses are appended, the model goes on; until a
-turn calls no tool (its answer), ``max_turns``, or ``max_tokens`` response tokens in all. Same
+turn calls no tool (its answer), ``max_turns``, ``max_tokens`` response tokens in all, or an
+environment's episode end (an OpenEnv server as a tool: :mod:`dapo_flow.envs.openenv`). Same
 output columns as ``generate`` (the response holds every turn and observation) plus
 ``loss_mask`` (1 on the model's tokens, 0 on the tools'; `update`, `advantage`, `kl` honour
 it), ``num_turns``, ``num_tool_calls``, ``tool_errors``, ``tool_reward`` and per tool
@@ -35,8 +36,10 @@ from dapo_flow.reductions import Rate, Seconds, Total
 class Params(GenerateParams):
     tools: list[ToolSpec] = Field(default_factory=lambda: [ToolSpec(name="calculator")], min_length=1)
     """The tools the model may call: `{name: calculator}` (the default), `{name: python,
-    timeout_s: 10}`, or `{name: NAME, impl: pkg.module:Class, config: {...}}` (see dapo_flow/tools;
-    a `file.py:Class` path resolves against the working directory, as a reward file does)."""
+    timeout_s: 10}`, `{name: NAME, impl: pkg.module:Class, config: {...}}` (see dapo_flow/tools;
+    a `file.py:Class` path resolves against the working directory, as a reward file does), or an
+    OpenEnv environment, `{name: NAME, impl: openenv, config: {url: ... or app: ...}}` (see
+    dapo_flow/envs/openenv.py)."""
     format: Literal["hermes", "compact"] = "hermes"
     """How the model writes a call: `hermes` (Qwen / Hermes `<tool_call>` JSON; tool responses go
     through the chat template when the tokenizer has one) or `compact` (`<call>TOOL: ARG</call>`,
@@ -75,11 +78,13 @@ class Params(GenerateParams):
 def _with_defaults(spec: ToolSpec, tool) -> ToolSpec:
     """``spec`` with its tool's whole validated config (defaults filled), so `explain` and the
     run's MLflow params say how the tool ran (the python tool's isolation, say). ``timeout_s``
-    stays on the entry, where the graph sets it."""
+    (and ``name``) stay on the entry, where the graph sets them."""
+    from dapo_flow.tools.registry import ENTRY_FIELDS
+
     config = getattr(tool, "config", None)
     if not isinstance(config, BaseModel):
         return spec
-    return spec.model_copy(update={"config": config.model_dump(mode="json", exclude={"timeout_s"})})
+    return spec.model_copy(update={"config": config.model_dump(mode="json", exclude=set(ENTRY_FIELDS))})
 
 
 class AgentGenerate:

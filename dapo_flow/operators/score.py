@@ -2,8 +2,11 @@
 
 Reward functions: ``builtin:addition``, ``builtin:chain`` (the last line must be ``Answer: N``),
 ``builtin:tool-arith`` (the text after the last tool ``</result>``, else the whole response, is the product),
-``builtin:math`` (boxed / final answer, DAPO's +1 / -1, equivalent forms through math-verify), or user code ``module:fn`` / ``file.py:fn`` taking
-``(response_text, ground_truth, extra_info)`` (extra_info holds the row's ``data_source``) and
+``builtin:math`` (boxed / final answer, DAPO's +1 / -1, equivalent forms through math-verify),
+``builtin:tool-reward`` (the row's ``tool_reward``: what agent-generate's tools or OpenEnv
+environment gave the sample; acc: it is positive), or user code ``module:fn`` / ``file.py:fn`` taking
+``(response_text, ground_truth, extra_info)`` (extra_info holds the row's ``data_source``, and
+``tool_reward`` after agent-generate) and
 returning a float or a dict with ``score`` (and optionally ``acc`` plus the declared
 ``extra_columns``). verl reward files work unchanged: a function with verl's signature
 ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` is called that way.
@@ -51,7 +54,7 @@ from dapo_flow.algos import lowest_token_probability
 from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import token_lists, with_columns
 from dapo_flow.data.reward_pool import (  # as_number: re-exported, tests and plugins use it here
-    BadReward, LoadFailed, RewardPool, RewardSpec, Row, WorkerDied, as_number, evaluate,
+    TOOL_REWARD_RULE, BadReward, LoadFailed, RewardPool, RewardSpec, Row, WorkerDied, as_number, evaluate,
     exit_text, resolve_reward, short as _short,
 )
 from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
@@ -96,7 +99,8 @@ class Params(BaseModel):
     model_config = PARAMS_CONFIG
 
     reward: str | ModelReward = Field("builtin:addition")
-    """`builtin:addition`, `builtin:chain`, `builtin:tool-arith`, `builtin:math`, `module:fn` or `file.py:fn`; or
+    """`builtin:addition`, `builtin:chain`, `builtin:tool-arith`, `builtin:math`, `builtin:tool-reward`
+    (the tools' / environment's reward, `tool_reward`), `module:fn` or `file.py:fn`; or
     `{model: NAME, rule: ..., combine: ...}`: a reward model's score (without a rule, `acc` is the
     model's verdict, score > 0)."""
     correct: float = Field(1.0, ge=-1e6, le=1e6)
@@ -159,6 +163,7 @@ class Score:
     @classmethod
     def requires(cls, params: Params) -> dict[str, pa.DataType]:
         cols = [C.RESPONSE_TEXT, C.GROUND_TRUTH] if params.rule is not None else []
+        cols += [C.TOOL_REWARD] if params.rule == TOOL_REWARD_RULE else []
         cols += [C.PROMPT_IDS, C.RESPONSE_IDS] if isinstance(params.reward, ModelReward) else []
         return C.typed(*cols)
 
@@ -303,7 +308,8 @@ def _sample_name(batch: pa.Table, row: int) -> str:
 
 def _extra_infos(batch: pa.Table) -> list[dict]:
     """Each row's extra_info for the reward function: its ``data_source`` when the prompts
-    carry one (verl-format data does; a verl-signature function receives it as an argument)."""
-    if C.DATA_SOURCE not in batch.column_names:
-        return [{} for _ in range(batch.num_rows)]
-    return [{"data_source": source} for source in batch.column(C.DATA_SOURCE).to_pylist()]
+    carry one (verl-format data does; a verl-signature function receives it as an argument),
+    and its ``tool_reward`` after agent-generate."""
+    keys = [c for c in (C.DATA_SOURCE, C.TOOL_REWARD) if c in batch.column_names]
+    columns = [batch.column(c).to_pylist() for c in keys]
+    return [dict(zip(keys, values)) for values in zip(*columns)] if keys else [{} for _ in range(batch.num_rows)]

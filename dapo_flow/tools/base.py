@@ -33,16 +33,18 @@ class ToolError(DapoFlowError):
 class ToolResult:
     """What one tool call returns. ``text`` is the observation the model sees next; ``reward``
     is a per-call reward (summed by the agent loop); ``metrics`` are numbers it averages and logs
-    (a tool that fails reports ``{"error": 1.0}``)."""
+    (a tool that fails reports ``{"error": 1.0}``); ``done``: the call ended the episode (an
+    environment's ``done``): the request completes after this round, its ``text`` unshown."""
 
     text: str
     reward: float = 0.0
     metrics: Mapping[str, float] = field(default_factory=dict)
+    done: bool = False
 
 
-def error_result(message: str, **metrics: float) -> ToolResult:
+def error_result(message: str, *, done: bool = False, **metrics: float) -> ToolResult:
     """A failed call: the model sees ``error: <message>``; ``metrics`` gets ``error = 1``."""
-    return ToolResult(text=f"error: {message}", metrics={"error": 1.0, **metrics})
+    return ToolResult(text=f"error: {message}", metrics={"error": 1.0, **metrics}, done=done)
 
 
 @runtime_checkable

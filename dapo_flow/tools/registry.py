@@ -22,6 +22,9 @@ BUILTIN_TOOLS: dict[str, type] = {
     "calculator": Calculator,
     "python": PythonSandbox,
 }
+#: Tools that are environments, imported when a graph names one (dapo_flow.envs imports dapo_flow.tools)
+BUILTIN_ENVS: dict[str, str] = {"openenv": "dapo_flow.envs.openenv:OpenEnvTool"}  # an OpenEnv server
+ENTRY_FIELDS = ("timeout_s", "name")
 
 
 def load_tool(spec: ToolSpec, *, base_dir: Path | None = None) -> Tool:
@@ -71,11 +74,14 @@ def load_tools(specs: Iterable[ToolSpec], *, base_dir: Path | None = None) -> di
 def _resolve(spec: ToolSpec, base_dir: Path | None, where: str) -> type:
     target = spec.target
     if ":" not in target:
+        builtins = [*BUILTIN_TOOLS, *BUILTIN_ENVS]
+        if target in BUILTIN_ENVS:
+            return load_object(BUILTIN_ENVS[target])
         if target not in BUILTIN_TOOLS:
-            close = difflib.get_close_matches(target, list(BUILTIN_TOOLS), n=1)
+            close = difflib.get_close_matches(target, builtins, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ToolError(f"{where}: '{target}' is not a built-in tool; {hint}(built-ins: "
-                            f"{', '.join(sorted(BUILTIN_TOOLS))}); name a class as impl: "
+                            f"{', '.join(sorted(builtins))}); name a class as impl: "
                             f"package.module:Class or path/to/file.py:Class")
         return BUILTIN_TOOLS[target]
     try:
@@ -97,10 +103,11 @@ def _construct(cls: type, label: str, spec: ToolSpec, where: str) -> Tool:
     if not (isinstance(config_cls, type) and issubclass(config_cls, BaseModel)):
         raise ToolError(f"{where}: {label}.Config must be a Pydantic model class")
     data = dict(spec.config)
-    if "timeout_s" in data:
-        raise ToolError(f"{where}: config: timeout_s: set timeout_s on the tool entry, not under config:")
-    if "timeout_s" in config_cls.model_fields:
-        data["timeout_s"] = spec.timeout_s
+    for key in ENTRY_FIELDS:  # the entry's, handed to a Config that declares them (openenv's name)
+        if key in data:
+            raise ToolError(f"{where}: config: {key}: set {key} on the tool entry, not under config:")
+        if key in config_cls.model_fields:
+            data[key] = getattr(spec, key)
     try:
         config = config_cls.model_validate(data)
     except ValidationError as exc:

@@ -48,7 +48,7 @@ def test_a_user_tool_from_a_file_path_resolves_against_base_dir():
 
 @pytest.mark.parametrize("fields, message", [
     ({"name": "calculatr"}, "tool 'calculatr': 'calculatr' is not a built-in tool; "
-                            "did you mean 'calculator'? (built-ins: calculator, python)"),
+                            "did you mean 'calculator'? (built-ins: calculator, openenv, python)"),
     ({"name": "x", "impl": "no_such_pkg.tools:X"}, "tool 'x': 'no_such_pkg.tools:X': cannot import module "
                                                    "'no_such_pkg.tools': ModuleNotFoundError"),
     ({"name": "x", "impl": "tool_fixtures.py:Nope"}, "module 'tool_fixtures.py' has no attribute 'Nope'"),
@@ -66,6 +66,8 @@ def test_a_user_tool_from_a_file_path_resolves_against_base_dir():
     ({"name": "lookup", "impl": "tool_fixtures.py:NoConfig", "config": {"a": 1}},
      "declares no Config, so it takes no config"),
     ({"name": "python", "config": {"timeout_s": 3}}, "set timeout_s on the tool entry, not under config:"),
+    ({"name": "env", "impl": "openenv", "config": {"url": "http://127.0.0.1:1", "name": "env"}},
+     "tool 'env': config: name: set name on the tool entry, not under config:"),
     ({"name": "python", "config": {"memory_mb": 3}}, "config: memory_mb: Extra inputs are not permitted"),
     ({"name": "calculator", "config": {"max_digits": 0}},
      "config: max_digits: Input should be greater than or equal to 1"),
