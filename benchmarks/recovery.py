@@ -133,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     console = make_console()
     kinds = ["training worker"] if args.quick else list(KINDS)
     steps, prompts = (6, 8) if args.quick else (10, 16)
-    with scratch_dir(args.workdir, console):
-        rows = [measure(kind, steps, prompts, console) for kind in kinds]
+    rows = []
+    with scratch_dir(args.workdir, console) as where:
+        for i, kind in enumerate(kinds):  # a folder each: the run's own checkpoint tells the killer when
+            (where / f"kind{i}").mkdir()
+            os.chdir(where / f"kind{i}")
+            rows.append(measure(kind, steps, prompts, console))
     write_json(args.json, {"benchmark": "recovery", "quick": args.quick, "steps": steps,
                            "prompts_per_step": prompts, "cpus": os.cpu_count(), "kinds": rows}, console)
     return 0

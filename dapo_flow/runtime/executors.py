@@ -587,6 +587,9 @@ class RayExecutor:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             if isinstance(cause, Exception) and type(cause).__module__.startswith("dapo_flow"):
                 raise cause from None
+            if isinstance(cause, ray.exceptions.RayActorError):  # it read a table a dead actor made
+                raise ActorFault(f"{who or self._who(handle)} lost an actor whose output it read, which died: "
+                                 f"{_root_cause(cause)}. {RESUME_HINT}") from exc
             raise RunError(f"an operator failed inside an actor: {_root_cause(exc)}") from exc
 
     def _who(self, handle: Any) -> str:
