@@ -19,6 +19,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from dapo_flow.data.reward_pool import RewardSpec, as_number, resolve_reward, short
@@ -68,12 +70,9 @@ def host_warning(host: str) -> str | None:
             "ssh -L instead, where you can")
 
 
-def make_app(reward: str, *, concurrency: int = 4, base_dir: str | None = None):
+def make_app(reward: str, *, concurrency: int = 4, base_dir: str | None = None) -> FastAPI:
     """The FastAPI app serving ``reward``; raises (an ImportSpecError / RunError) when it
     does not resolve, before anything listens."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
-
     spec = RewardSpec(reward, base_dir=base_dir or os.getcwd())
     fn = _resolved(spec)
     pool = ThreadPoolExecutor(concurrency, thread_name_prefix="reward")
@@ -144,13 +143,11 @@ def _resolved(spec: RewardSpec) -> Callable[[str, str, dict], Any]:
                             "(a verl reward file: file.py:compute_score)") from None
 
 
-def _detail(status: int, text: str):
-    from fastapi.responses import JSONResponse
-
+def _detail(status: int, text: str) -> JSONResponse:
     return JSONResponse({"detail": text}, status_code=status)
 
 
-def _validation_error(exc: ValidationError):
+def _validation_error(exc: ValidationError) -> JSONResponse:
     """400 for a body that is not JSON, 422 for JSON of the wrong shape; the first few problems
     spelled out (where, what)."""
     errors = exc.errors(include_url=False)
