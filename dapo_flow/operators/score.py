@@ -80,11 +80,6 @@ class ModelReward(BaseModel):
     rule: str | None = Field(None, min_length=1)
     """A rule reward also applied (`builtin:addition`, `module:fn`, a server's `http://...`;
     `correct` / `wrong`, `workers`, `timeout_s`, `server` are its): `acc` is then the rule's."""
-
-    @field_validator("rule")
-    @classmethod
-    def _url(cls, value):
-        return check_url(value) if value is not None and is_url(value) else value
     combine: Literal["sum", "rule-gated", "rm-only"] = "sum"
     """With a rule: `sum`: score = RM score + rule score; `rule-gated`: the RM score where the rule
     passes (acc 1), the rule's `wrong` where it fails (a format or correctness gate); `rm-only`:
@@ -102,6 +97,11 @@ class ModelReward(BaseModel):
     The verdict (acc without a rule) is score > 0.5."""
     micro_batch_size: int = Field(64, ge=1, le=65536)
     """Rows per reward-model forward pass."""
+
+    @field_validator("rule")
+    @classmethod
+    def _url(cls, value):
+        return check_url(value) if value is not None and is_url(value) else value
 
 
 class Params(BaseModel):
