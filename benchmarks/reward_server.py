@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from _common import REPO, LoadSampler, make_console, write_json
 from reward_pool import math_rows
