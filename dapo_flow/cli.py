@@ -29,6 +29,7 @@ EXAMPLES = {
     "export": "dapo-flow export dapo-flow-runs/checkpoints/dapo-68afb26d49/RUN_ID -o dapo-final   (newest step)",
     "models": "dapo-flow models build tiny-adder --force",
     "ui": "dapo-flow ui --port 5000",
+    "serve-reward": "dapo-flow serve-reward my_rewards.py:compute_score --port 8000 --concurrency 8",
     "sweep": "dapo-flow sweep graphs/ablations/dapo-ladder.yaml --executor local --seeds 0,1",
     "compare": "dapo-flow compare dapo-ladder -o ladder.png   (experiment name or parent run id)",
     "diff": "dapo-flow diff graphs/grpo.yaml graphs/dapo.yaml   (files or MLflow run ids)",
@@ -182,6 +183,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=5000, help="default 5000")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to serve on (default 127.0.0.1, this machine only; MLflow's UI has no login)")
+    p = command("serve-reward", "Serve a reward function over HTTP (POST /score, GET /health) for a "
+                "score node's `reward: http://HOST:PORT`.", _serve_reward)
+    p.add_argument("reward", metavar="REF", help="file.py:fn, module:fn, builtin:NAME, or a verl reward "
+                   "file's compute_score (file.py:compute_score)")
+    p.add_argument("--port", type=_port, default=8000, help="default 8000")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to serve on (default 127.0.0.1, this machine only; the server has no login)")
+    p.add_argument("--concurrency", type=_int_in(1, 1024), default=4, metavar="K",
+                   help="threads the reward function runs in, 1-1024 (default 4)")
     return parser
 
 
@@ -480,6 +490,18 @@ def _ui(args: argparse.Namespace) -> int:
 
         threading.Timer(3.0, webbrowser.open, (url,)).start()  # once the server is likely up
     return _run_owned(cmd, env)
+
+
+def _serve_reward(args: argparse.Namespace) -> int:
+    from dapo_flow.reward_server.server import host_warning, serve
+
+    _require_free_port(args.port, args.host)
+    warning = host_warning(args.host)
+    if warning:
+        _line(f"warning: {warning}", stderr=True, markup=False)
+    serve(args.reward, host=args.host, port=args.port, concurrency=args.concurrency,
+          announce=lambda text: _line(text, stderr=True, markup=False))
+    return 0
 
 
 def ui_url(host: str, port: int, newest: tuple[str, str] | None) -> str:

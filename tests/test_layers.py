@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: every part of the package but the ground floor (core) and the leaf modules it may use (errors)
 ABOVE_CORE = ("graph", "runtime", "experiments", "tracking", "cli", "models", "recipes", "data", "algos", "agent",
-              "tools", "operators", "training", "reductions", "threads", "home")
+              "tools", "operators", "training", "reductions", "threads", "home", "reward_server")
 
 #: package -> modules it must never import (prefix match on dotted names)
 FORBIDDEN = {
@@ -52,6 +52,9 @@ FORBIDDEN = {
     # the trainer turns losses into optimizer steps: no tables, no runtime, no tracking
     "dapo_flow.training": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "dapo_flow.data",
                            "dapo_flow.graph", "ray", "mlflow", "pyarrow", "dapo_flow.operators"),
+    # rewards over HTTP: a reward function (data) behind a server, and the client a score node uses
+    "dapo_flow.reward_server": ("dapo_flow.graph", "dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking",
+                                "dapo_flow.operators", "dapo_flow.models", "ray", "mlflow", "torch", "pyarrow"),
     # the ground floor: column names and types, the operator contract, loading user code
     "dapo_flow.core": tuple(f"dapo_flow.{p}" for p in ABOVE_CORE) + ("torch", "ray", "mlflow", "vllm"),
 }

@@ -44,7 +44,7 @@ from dapo_flow.algos.advantages import (
     sequence_advantages,
 )
 from dapo_flow.algos.errors import AlgoError
-from dapo_flow.algos.groups import GroupIds, Groups, Segments, factorize, keep_groups
+from dapo_flow.algos.groups import GroupIds, Groups, Segments, factorize, fill_from_group, keep_groups
 from dapo_flow.algos.kl import KL_BASE_KINDS, KL_KINDS, adaptive_kl_coef, kl_in_reward, kl_penalty
 from dapo_flow.algos.logprobs import entropy_from_logits, logprobs_from_logits, lowest_token_probability
 from dapo_flow.algos.losses import LOSS_AGG_MODES, agg_loss, policy_loss
@@ -63,7 +63,7 @@ from dapo_flow.algos.value import gae, remax_advantages, value_loss
 __all__ = [
     "AlgoError", "ESTIMATORS", "Estimator", "GRPO_EPS", "GroupIds", "Groups", "Segments", "KL_BASE_KINDS", "KL_KINDS",
     "LOSS_AGG_MODES", "POLICY_LOSSES", "SEQUENCE_ESTIMATORS", "TOKEN_ESTIMATORS", "adaptive_kl_coef", "agg_loss",
-    "entropy_from_logits", "factorize", "gae", "keep_groups", "kl_in_reward", "kl_penalty", "logprobs_from_logits",
+    "entropy_from_logits", "factorize", "fill_from_group", "gae", "keep_groups", "kl_in_reward", "kl_penalty", "logprobs_from_logits",
     "lowest_token_probability", "masked_mean", "masked_whiten", "outcome_advantages", "overlong_penalty", "pass_at_k",
     "policy_loss", "ROLLOUT_IS_LEVELS", "ROLLOUT_RS_OPTIONS", "rollout_correction_weights", "rollout_rejection_mask",
     "reinforce_pp_advantages", "remax_advantages", "sequence_advantages", "value_loss",

@@ -178,6 +178,20 @@ def keep_groups(group_ids: GroupIds, values: np.ndarray | Sequence[float] | Tens
     return keep[seg.codes]
 
 
+def fill_from_group(group_ids: GroupIds, values: np.ndarray, missing: np.ndarray, empty: float) -> np.ndarray:
+    """``values`` with each missing entry replaced by the mean of its group's present ones
+    (``empty`` in a group with none): the group's mean is unchanged, so under a group-relative
+    baseline a filled entry gets no advantage (a reward the server could not give is masked).
+    Shape: values (batch,), missing (batch,) bool -> (batch,) float64.
+    """
+    v = np.asarray(values, np.float64)
+    seg = Segments.of(_groups_for(group_ids, v.shape[0]))
+    present = ~np.asarray(missing, bool)
+    counts = seg.sum(present.astype(np.float64))
+    mean = np.where(counts > 0, seg.sum(np.where(present, v, 0.0)) / np.maximum(counts, 1), empty)
+    return np.where(present, v, mean[seg.codes])
+
+
 def _as_numpy(x: object, what: str) -> np.ndarray:
     if isinstance(x, Tensor):
         x = x.detach().cpu().numpy()

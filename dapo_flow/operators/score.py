@@ -33,6 +33,12 @@ A timeout needs ``workers >= 1``: only killing the process it runs in stops a hu
 for sure (one stuck in C code ignores signals and a thread cannot be killed), and ``workers: 0``
 promises in-process scoring, so the pair is a validation error rather than a silent process.
 
+``reward: http://HOST:PORT`` scores on a reward server (`dapo-flow serve-reward`; the client,
+its retries and ``server:`` settings: ``dapo_flow/reward_server/``): rows go in batches, several
+in flight; a server that stays down, slow or wrong past ``server.retries`` stops the run with an
+error naming the URL, or with ``server.on_error: mask`` its rows are masked (their group's mean
+score, no advantage) and counted in ``score/masked``; ``score/server_retries`` counts resends.
+
 ``reward: {model: NAME, ...}`` scores with a reward model declared in `models:` (a sequence
 classifier, `head: reward`), read at each response's last token, or with ``output: likelihood``
 with a causal LM (a generative verifier or a teacher: the lowest probability it gives a response
@@ -50,7 +56,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from dapo_flow.algos import lowest_token_probability
+from dapo_flow.algos import fill_from_group, lowest_token_probability
 from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import token_lists, with_columns
 from dapo_flow.data.reward_pool import (  # as_number: re-exported, tests and plugins use it here
@@ -60,6 +66,7 @@ from dapo_flow.data.reward_pool import (  # as_number: re-exported, tests and pl
 from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
 from dapo_flow.errors import RunError
 from dapo_flow.reductions import Total
+from dapo_flow.reward_server.client import RewardClient, ServerSettings, check_url, is_url
 
 __all__ = ["Params", "Score", "as_number"]
 
@@ -74,8 +81,8 @@ class ModelReward(BaseModel):
     """Name of the reward model in `models:` (e.g. `builtin:tiny-adder-rm`, or any sequence
     classifier's directory); the node runs in its actor."""
     rule: str | None = Field(None, min_length=1)
-    """A rule reward also applied (`builtin:addition`, `module:fn`, ...; `correct` / `wrong`,
-    `workers` and `timeout_s` are its): `acc` is then the rule's, the true accuracy."""
+    """A rule reward also applied (`builtin:addition`, `module:fn`, a server's `http://...`;
+    `correct` / `wrong`, `workers`, `timeout_s`, `server` are its): `acc` is then the rule's."""
     combine: Literal["sum", "rule-gated", "rm-only"] = "sum"
     """With a rule: `sum`: score = RM score + rule score; `rule-gated`: the RM score where the rule
     passes (acc 1), the rule's `wrong` where it fails (a format or correctness gate); `rm-only`:
@@ -94,13 +101,19 @@ class ModelReward(BaseModel):
     micro_batch_size: int = Field(64, ge=1, le=65536)
     """Rows per reward-model forward pass."""
 
+    @field_validator("rule")
+    @classmethod
+    def _url(cls, value):
+        return check_url(value) if value is not None and is_url(value) else value
+
 
 class Params(BaseModel):
     model_config = PARAMS_CONFIG
 
     reward: str | ModelReward = Field("builtin:addition")
     """`builtin:addition`, `builtin:chain`, `builtin:tool-arith`, `builtin:math`, `builtin:tool-reward`
-    (the tools' / environment's reward, `tool_reward`), `module:fn` or `file.py:fn`; or
+    (the tools' / environment's reward, `tool_reward`), `module:fn` or `file.py:fn`;
+    `http://HOST:PORT` (or https): a reward server's address (`dapo-flow serve-reward`); or
     `{model: NAME, rule: ..., combine: ...}`: a reward model's score (without a rule, `acc` is the
     model's verdict, score > 0)."""
     correct: float = Field(1.0, ge=-1e6, le=1e6)
@@ -116,13 +129,21 @@ class Params(BaseModel):
     timeout_s: float | None = Field(None, gt=0, le=3600)
     """Seconds a reward function may take on one sample; past it the sample gets `wrong`, acc 0
     and counts in score/timeouts, and its worker is killed and replaced. Needs workers >= 1."""
+    server: ServerSettings | None = None
+    """With `reward: http://...`: batch_size, concurrency, timeout_s, retries, backoff_s and
+    on_error (fail | mask) of the requests to the reward server (defaults when left out)."""
 
     @field_validator("reward")
     @classmethod
     def _not_empty(cls, value):
         if isinstance(value, str) and not value:
             raise ValueError("names no reward: use builtin:addition, module:fn, or {model: NAME}")
-        return value
+        return check_url(value) if isinstance(value, str) and is_url(value) else value
+
+    @property
+    def url(self) -> str | None:
+        """The reward server's address, when the rule reward is one."""
+        return self.rule if self.rule is not None and is_url(self.rule) else None
 
     @property
     def rule(self) -> str | None:
@@ -137,6 +158,12 @@ class Params(BaseModel):
                 "worker process it runs in, and workers: 0 scores in this process; set workers: 1 "
                 "(or more), or remove timeout_s"
             )
+        if self.url is None and self.server is not None:
+            raise ValueError("server: settings are for a reward server (reward: http://HOST:PORT); "
+                             "remove them, or point reward at a server")
+        if self.url is not None and (self.workers or self.timeout_s is not None):
+            raise ValueError("workers and timeout_s run a reward function in worker processes here; "
+                             "a reward server runs its own: remove them (server.timeout_s bounds a request)")
         return self
 
 
@@ -165,6 +192,7 @@ class Score:
         cols = [C.RESPONSE_TEXT, C.GROUND_TRUTH] if params.rule is not None else []
         cols += [C.TOOL_REWARD] if params.rule == TOOL_REWARD_RULE else []
         cols += [C.PROMPT_IDS, C.RESPONSE_IDS] if isinstance(params.reward, ModelReward) else []
+        cols += [C.PROMPT_ID, C.PROMPT_TEXT] if params.url is not None else []  # sent; masks by group
         return C.typed(*cols)
 
     @classmethod
@@ -177,8 +205,10 @@ class Score:
         self.spec = RewardSpec(params.rule or "", params.correct, params.wrong, params.extra_columns,
                                base_dir=ctx.workdir or os.getcwd())
         # in the driver too: a bad reference fails here
-        self.fn = resolve_reward(self.spec) if params.rule is not None else None
+        self.fn = resolve_reward(self.spec) if params.rule is not None and params.url is None else None
         self._pool: RewardPool | None = None
+        self._client: RewardClient | None = None  # started on first use (holds threads, sockets)
+        self._retries = 0
         self._metrics: dict[str, float] = {}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -220,10 +250,14 @@ class Score:
         texts = batch.column(C.RESPONSE_TEXT).to_pylist()
         truths = batch.column(C.GROUND_TRUTH).to_pylist()
         extras = _extra_infos(batch)
-        rows = self._pooled(batch, texts, truths, extras) if self.params.workers else [
-            self._evaluate(batch, i, text, truth, extra)
-            for i, (text, truth, extra) in enumerate(zip(texts, truths, extras))
-        ]
+        masked = np.zeros(len(texts), bool)
+        if self.params.url is not None:
+            rows, masked = self._remote(batch, texts, truths, extras)
+        elif self.params.workers:
+            rows = self._pooled(batch, texts, truths, extras)
+        else:
+            rows = [self._evaluate(batch, i, text, truth, extra)
+                    for i, (text, truth, extra) in enumerate(zip(texts, truths, extras))]
         for i, row in enumerate(rows):  # the first bad row, as in-process scoring stops at it
             if isinstance(row, str):
                 raise RunError(self._bad(batch, i, row))
@@ -234,11 +268,18 @@ class Score:
         acc = np.array([row[1] for row in rows], np.float32)
         extras = {name: np.array([row[2][j] for row in rows], np.float32)
                   for j, name in enumerate(self.params.extra_columns)}
+        if masked.any():  # each masked row takes its group's mean: no advantage from it
+            groups = batch.column(C.PROMPT_ID).to_numpy(zero_copy_only=False)
+            fill = lambda values, empty: fill_from_group(groups, values, masked, empty).astype(np.float32)  # noqa: E731
+            score, acc = fill(score, self.params.wrong), fill(acc, 0.0)
+            extras = {name: fill(values, 0.0) for name, values in extras.items()}
         self._metrics = {"score/mean": float(score.mean()), "acc/mean": float(acc.mean()),
                          # a dict's extra values, averaged over the batch (verl logs its reward_extra_info so)
                          **{f"score/extra/{name}": float(values.mean()) for name, values in extras.items()}}
         if self.params.timeout_s is not None:
             self._metrics["score/timeouts"] = Total(timed_out)
+        if self.params.url is not None:
+            self._metrics.update({"score/masked": Total(int(masked.sum())), "score/server_retries": Total(self._retries)})
         return with_columns(batch, {C.SCORE: score, C.ACC: acc, **extras})
 
     def last_metrics(self) -> dict[str, float]:
@@ -249,6 +290,35 @@ class Score:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _remote(self, batch: pa.Table, texts: list[str], truths: list[str],
+                extras: list[dict]) -> tuple[list[Row], np.ndarray]:
+        """Rows scored by the reward server, and which are masked (``on_error: mask``: the
+        server failed, or its function failed on the row; a placeholder Row each)."""
+        settings = self.params.server or ServerSettings()
+        if self._client is None:
+            self._client = RewardClient(self.params.url, settings, self.ctx.node_id)
+        prompts = batch.column(C.PROMPT_TEXT).to_pylist()
+        wire = [{"prompt": p, "response": t, "ground_truth": g, "data_source": e.get("data_source")}
+                for p, t, g, e in zip(prompts, texts, truths, extras)]
+        before = self._client.retried
+        entries = self._client.score(wire)
+        self._retries = self._client.retried - before
+        masked = np.array([entry is None or (settings.on_error == "mask" and isinstance(entry, dict)
+                                             and "error" in entry) for entry in entries], bool)
+        remote = RewardSpec("remote", extra_columns=self.params.extra_columns)  # acc: score > 0 unless given
+        rows: list[Row] = []
+        for entry, skip in zip(entries, masked):
+            if skip:
+                rows.append((0.0, 0.0, (0.0,) * len(self.params.extra_columns)))
+            elif isinstance(entry, dict) and "error" in entry:
+                rows.append(f"{entry['error']} (on the reward server)")
+            else:
+                rows.append(evaluate(lambda *_, value=entry: value, remote, "", ""))
+        return rows, masked
 
     def _evaluate(self, batch: pa.Table, i: int, text: str, truth: str, extra: dict) -> Row:
         try:
