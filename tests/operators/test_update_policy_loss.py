@@ -1,8 +1,10 @@
 """update's `policy_loss`: validation, and one real optimizer step per loss on the tiny model; the
-entropy bonus (`entropy_coef`) raising the policy's entropy."""
+entropy bonus (`entropy_coef`) raising the policy's entropy; the KL loss (`kl_coef`) pulling it
+toward the reference; the ratio clipped at clip_low / clip_high."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -118,3 +120,49 @@ def test_the_entropy_bonus_raises_the_policys_entropy(batch_and_weights):
 
     plain, bonus = entropy_after(0.0), entropy_after(0.5)
     assert bonus > plain + 0.05, (plain, bonus)
+
+
+@pytest.mark.parametrize("shift", [0.5, -0.5])
+def test_the_kl_loss_pulls_the_policy_toward_the_reference(batch_and_weights, shift):
+    """kl_coef > 0 adds coef x the KL to ref_logp to the loss. With zero advantages (no policy
+    gradient) and a reference that gives the sampled tokens `shift` more (less) logprob than the
+    policy, steps lower the KL and raise (lower) the policy's logprobs of them. (A reference equal to the policy,
+    as a run's first step has, gives the KL no gradient: it would not test the term.)"""
+    policy, batch, state = batch_and_weights
+    prompts = batch.column(C.PROMPT_IDS).to_pylist()
+    responses = batch.column(C.RESPONSE_IDS).to_pylist()
+    old = batch.column(C.OLD_LOGP).to_pylist()
+    batch = batch.set_column(batch.schema.get_field_index(C.ADVANTAGE), C.ADVANTAGE,
+                             pa.array(np.zeros(batch.num_rows, np.float32)))
+    batch = batch.append_column(C.REF_LOGP, pa.array([[v + shift for v in row] for row in old], C.TOKEN_FLOATS))
+    policy.model.load_state_dict(state)
+    ctx = OpContext("train", model=SimpleNamespace(policy=policy, spec=ModelSpec(path="builtin:tiny-adder")))
+    op = Update(Params(lr=1e-5, kl_coef=1.0), ctx)
+    rows = [op(batch).to_pylist()[0] for _ in range(3)]
+    with torch.no_grad():
+        logp, _, mask = policy.response_logprobs(prompts, responses, temperature=1.0)
+    moved = float(logp[mask].mean()) - float(np.mean(np.concatenate(old)))
+    kl = [r["actor/kl_loss"] for r in rows]
+    assert kl[0] > kl[1] > kl[2] > 0 and all(r["actor/skipped_steps"] == 0.0 for r in rows), kl
+    assert moved * np.sign(shift) > 0.05, moved
+
+
+@pytest.mark.parametrize(("ratio", "adv", "clipped"), [
+    (1.25, 1.0, False), (1.35, 1.0, True),  # clip-higher: 1.25 is inside 1 + clip_high = 1.28
+    (0.85, -1.0, False), (0.75, -1.0, True),  # and the lower clip, 1 - clip_low = 0.8
+])
+def test_update_clips_the_ratio_at_its_own_bounds(batch_and_weights, ratio, adv, clipped):
+    """The clip range update hands its loss is (1 - clip_low, 1 + clip_high): every token's ratio
+    set to `ratio` (old logprobs the model's own minus log ratio), between the symmetric bound and
+    clip-higher's or past both, is clipped (no gradient, clipfrac 1) or not as that range says.
+    (Ratios of 1, as in a step on fresh rollouts, are clipped by no range.)"""
+    policy, batch, state = batch_and_weights
+    old = [[v - math.log(ratio) for v in row] for row in batch.column(C.OLD_LOGP).to_pylist()]
+    batch = batch.set_column(batch.schema.get_field_index(C.OLD_LOGP), C.OLD_LOGP, pa.array(old, C.TOKEN_FLOATS))
+    batch = batch.set_column(batch.schema.get_field_index(C.ADVANTAGE), C.ADVANTAGE,
+                             pa.array(np.full(batch.num_rows, adv, np.float32)))
+    policy.model.load_state_dict(state)
+    ctx = OpContext("train", model=SimpleNamespace(policy=policy, spec=ModelSpec(path="builtin:tiny-adder")))
+    row = Update(Params(lr=1e-3, clip_low=0.2, clip_high=0.28), ctx)(batch).to_pylist()[0]  # one step: at `ratio`
+    assert row["actor/clipfrac"] == pytest.approx(float(clipped))
+    assert (row["actor/grad_norm"] == 0.0) == clipped, row["actor/grad_norm"]
