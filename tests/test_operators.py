@@ -298,16 +298,20 @@ def test_update_empty_batch_is_a_user_facing_error(policy):
         _update(policy)(_train_batch(policy).slice(0, 0))
 
 
-def test_a_token_budget_gives_the_update_that_row_micro_batches_give(tiny_adder_path):
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_a_token_budget_gives_the_update_that_row_micro_batches_give(tiny_adder_path, agg):
     """`models.X.train.max_tokens_per_micro_batch` cuts a mini-batch by tokens instead of rows;
-    losses are normalised by the mini-batch's token count, so the update is the same."""
+    losses are normalised by the mini-batch's token count (token-mean) or sequence count
+    (seq-mean: each micro-batch's rows are a share of the mini-batch's, not a mean of their own;
+    token-mean alone never reads that count), so the update is the same."""
     from dapo_flow.models.hf import HFPolicy
 
     results = []
     for budget, rows in ((None, 64), (None, 3), (20, 64)):
         torch.manual_seed(0)
         policy = HFPolicy(tiny_adder_path, trainable=True)
-        op = _update(policy, max_tokens_per_micro_batch=budget, micro_batch_size=rows, mini_batches=2)
+        op = _update(policy, max_tokens_per_micro_batch=budget, micro_batch_size=rows, mini_batches=2,
+                     loss_agg_mode=agg)
         splits = []
         real = policy.response_logprobs
         policy.response_logprobs = lambda p, r, **kw: (splits.append(len(p)), real(p, r, **kw))[1]
