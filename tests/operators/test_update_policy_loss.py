@@ -1,6 +1,6 @@
 """update's `policy_loss`: validation, and one real optimizer step per loss on the tiny model; the
 entropy bonus (`entropy_coef`) raising the policy's entropy; the KL loss (`kl_coef`) pulling it
-toward the reference; the ratio clipped at clip_low / clip_high."""
+toward the reference; the ratio clipped at clip_low / clip_high; logprob and update at a temperature."""
 
 from __future__ import annotations
 
@@ -166,3 +166,30 @@ def test_update_clips_the_ratio_at_its_own_bounds(batch_and_weights, ratio, adv,
     row = Update(Params(lr=1e-3, clip_low=0.2, clip_high=0.28), ctx)(batch).to_pylist()[0]  # one step: at `ratio`
     assert row["actor/clipfrac"] == pytest.approx(float(clipped))
     assert (row["actor/grad_norm"] == 0.0) == clipped, row["actor/grad_norm"]
+
+
+def test_the_logprob_node_and_update_score_tokens_at_their_temperature(batch_and_weights):
+    """At temperature 0.7 (every graph in the tests samples at 1, where dividing the logits is a
+    no-op): the logprob node's old logprobs are the policy's at 0.7, not at 1, and update's first
+    ratios against them are 1 (ppo_kl 0), as they are not against logprobs at 1."""
+    from dapo_flow.operators.logprob import Logprob, Params as LogprobParams
+
+    policy, batch, state = batch_and_weights
+    policy.model.load_state_dict(state)
+    ctx = OpContext("old_logp", model=SimpleNamespace(policy=policy, spec=ModelSpec(path="builtin:tiny-adder")))
+    scored = Logprob(LogprobParams(temperature=0.7, with_entropy=False), ctx)(batch.drop_columns([C.OLD_LOGP]))
+    prompts, responses = batch.column(C.PROMPT_IDS).to_pylist(), batch.column(C.RESPONSE_IDS).to_pylist()
+    with torch.no_grad():
+        logp, _, mask = policy.response_logprobs(prompts, responses, temperature=0.7)
+    at_07 = np.concatenate(scored.column(C.OLD_LOGP).to_pylist())
+    np.testing.assert_allclose(at_07, logp[mask].numpy(), atol=1e-6, rtol=0)
+    at_1 = np.concatenate(batch.column(C.OLD_LOGP).to_pylist())  # the fixture's: the policy's at 1
+    assert np.abs(at_07 - at_1).max() > 0.05
+
+    def first_ratio_kl(table, temperature):
+        policy.model.load_state_dict(state)
+        ctx = OpContext("train", model=SimpleNamespace(policy=policy, spec=ModelSpec(path="builtin:tiny-adder")))
+        return Update(Params(lr=1e-3, temperature=temperature), ctx)(table).to_pylist()[0]["actor/ppo_kl"]
+
+    assert abs(first_ratio_kl(scored, 0.7)) < 1e-6
+    assert abs(first_ratio_kl(batch, 0.7)) > 1e-3  # logprobs at 1: ratios off 1
