@@ -1,6 +1,7 @@
 """update's `policy_loss`: validation, and one real optimizer step per loss on the tiny model; the
 entropy bonus (`entropy_coef`) raising the policy's entropy; the KL loss (`kl_coef`) pulling it
-toward the reference; the ratio clipped at clip_low / clip_high; logprob and update at a temperature."""
+toward the reference; the ratio clipped at clip_low / clip_high; the logprob node and update at a
+temperature other than 1."""
 
 from __future__ import annotations
 
