@@ -323,3 +323,24 @@ def test_a_token_budget_gives_the_update_that_row_micro_batches_give(tiny_adder_
     for a, b, c in zip(w1, w2, w3):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
         torch.testing.assert_close(a, c, atol=1e-5, rtol=0)
+
+
+def test_ppo_epochs_are_passes_over_the_batch(tiny_adder_path):
+    """`ppo_epochs: 2` takes the optimizer steps of two RL steps on the same batch (the lr constant,
+    no shuffle): the same weights, and metrics averaged over them. (The only other test with
+    epochs compares a training group with one worker, which would share a lost epoch.)"""
+    from dapo_flow.models.hf import HFPolicy
+
+    after = []
+    for epochs, calls in ((2, 1), (1, 2), (1, 1)):
+        torch.manual_seed(0)
+        policy = HFPolicy(tiny_adder_path, trainable=True)
+        op = _update(policy, ppo_epochs=epochs, mini_batches=2)
+        batch = _train_batch(policy, rows=6)
+        rows = [op(batch).to_pylist()[0] for _ in range(calls)]
+        after.append((rows, [q.detach().clone() for q in policy.model.parameters()]))
+    (two_epochs, w_two), (two_calls, w_calls), (_, w_one) = after
+    assert all(torch.equal(a, b) for a, b in zip(w_two, w_calls))
+    assert not all(torch.equal(a, b) for a, b in zip(w_two, w_one))
+    mean_loss = (two_calls[0]["actor/pg_loss"] + two_calls[1]["actor/pg_loss"]) / 2
+    assert two_epochs[0]["actor/pg_loss"] == pytest.approx(mean_loss, rel=1e-5, abs=1e-7)
