@@ -344,3 +344,18 @@ def test_ppo_epochs_are_passes_over_the_batch(tiny_adder_path):
     assert not all(torch.equal(a, b) for a, b in zip(w_two, w_one))
     mean_loss = (two_calls[0]["actor/pg_loss"] + two_calls[1]["actor/pg_loss"]) / 2
     assert two_epochs[0]["actor/pg_loss"] == pytest.approx(mean_loss, rel=1e-5, abs=1e-7)
+
+
+def test_the_lr_warms_up_linearly_over_rl_steps(tiny_adder_path):
+    """`warmup_steps: 2`: RL step k's optimizer steps (2 mini-batches here) train at lr x
+    min(1, k / 2), as AdamW sees it at each step; every other test trains without warm-up."""
+    from dapo_flow.models.hf import HFPolicy
+
+    policy = HFPolicy(tiny_adder_path, trainable=True)
+    op = _update(policy, warmup_steps=2, mini_batches=2)
+    trained_at = []
+    op.trainer.optimizer.register_step_pre_hook(lambda opt, *_: trained_at.append(opt.param_groups[0]["lr"]))
+    batch = _train_batch(policy)
+    for _ in range(3):
+        op(batch)
+    assert trained_at == pytest.approx([5e-4, 5e-4, 1e-3, 1e-3, 1e-3, 1e-3], rel=1e-6)
