@@ -44,6 +44,8 @@ def test_overlong_shape_adds_penalty_to_score():
     assert np.array_equal(out.column(C.OVERLONG_PENALTY).to_numpy(), penalty)
     assert np.allclose(out.column(C.REWARD).to_numpy(), BATCH.column(C.SCORE).to_numpy() + penalty)
     assert out.column(C.ACC).equals(BATCH.column(C.ACC))  # acc keeps the score before the penalty
+    half = _op("overlong-shape", max_len=8, buffer_len=4, factor=0.5)(BATCH)  # factor 1 scales nothing
+    assert np.array_equal(half.column(C.OVERLONG_PENALTY).to_numpy(), penalty / 2)
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp_baseline", "grpo_passk", "opo"])
