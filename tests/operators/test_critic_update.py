@@ -1,5 +1,6 @@
 """critic-update: one real step of the value model against old values the clip binds on (the
-clipped loss of algos.value_loss, hand-worked on the zero head); a run's first step has none."""
+clipped loss of algos.value_loss, hand-worked on the zero head; a run's first step has none), and
+with a tool's tokens masked out of the loss."""
 
 from __future__ import annotations
 
@@ -39,3 +40,26 @@ def test_the_value_clip_is_around_the_values_the_batch_was_scored_with(tiny_adde
     assert row["critic/vf_loss"] == pytest.approx(0.5 * (6.25 if clipped else 1.0))
     assert row["critic/vf_clipfrac"] == float(clipped)
     assert (row["critic/grad_norm"] == 0.0) == clipped, row["critic/grad_norm"]
+
+
+def test_the_critic_learns_nothing_at_a_tools_tokens(tiny_adder_path):
+    """`loss_mask` 0 (a tool's tokens) takes a token out of the value loss: junk old values and
+    returns there (a clipped loss of 0.5 x (-1.5 - 5)^2 each) leave the hand-worked loss of the
+    model's tokens, 0.5 x (0 - 1)^2."""
+    from dapo_flow.models.hf import HFPolicy
+
+    critic = HFPolicy(tiny_adder_path, head="value", trainable=True)
+    tok = critic.tokenizer
+    prompts = [tok.encode(p) for p in ("1+2=", "10+32=", "7+7=")]
+    responses = [tok.encode(r)[1:] for r in ("3", "42", "14")]
+    flags = [[1], [1, 0], [0, 1]]
+    batch = pa.table({
+        C.PROMPT_IDS: pa.array(prompts, C.TOKENS),
+        C.RESPONSE_IDS: pa.array(responses, C.TOKENS),
+        C.VALUES: pa.array([[0.3 if f else -2.0 for f in row] for row in flags], C.TOKEN_FLOATS),
+        C.RETURNS: pa.array([[1.0 if f else 5.0 for f in row] for row in flags], C.TOKEN_FLOATS),
+        C.LOSS_MASK: pa.array(flags, C.TOKEN_FLAGS),
+    })
+    ctx = OpContext("critic_train", model=SimpleNamespace(policy=critic, spec=ModelSpec(path="builtin:tiny-adder")))
+    row = CriticUpdate(Params(lr=1e-3), ctx)(batch).to_pylist()[0]
+    assert row["critic/vf_loss"] == pytest.approx(0.5) and row["critic/vf_clipfrac"] == 0.0
