@@ -66,12 +66,15 @@ def _run(policy, state, batch, **params):
     return row, {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
 
 
-@pytest.mark.parametrize(("name", "params"), [
+LOSSES = [
     ("vanilla", {}),
     ("gspo", {"clip_c": None, "clip_low": 3e-4, "clip_high": 4e-4}),
     ("cispo", {"clip_c": None}),
     ("gpg", {"clip_c": None}),
-])
+]
+
+
+@pytest.mark.parametrize(("name", "params"), LOSSES)
 def test_each_policy_loss_trains(batch_and_weights, name, params):
     policy, batch, state = batch_and_weights
     row, after = _run(policy, state, batch, policy_loss=name, **params)
@@ -194,3 +197,33 @@ def test_the_logprob_node_and_update_score_tokens_at_their_temperature(batch_and
 
     assert abs(first_ratio_kl(scored, 0.7)) < 1e-6
     assert abs(first_ratio_kl(batch, 0.7)) > 1e-3  # logprobs at 1: ratios off 1
+
+
+def test_update_steps_on_the_policy_loss_it_names(batch_and_weights):
+    """At the fixture's ratios of 1 the four losses take one step (-A x the gradient of logp), so
+    training alone cannot tell them apart: with old logprobs shifted token by token their values
+    differ, and update's first pg_loss is the named one's of algos on the policy's logprobs."""
+    from dapo_flow.data.arrow_utils import ragged_to_padded
+
+    policy, batch, state = batch_and_weights
+    rng = np.random.default_rng(0)
+    old = [[v + float(rng.uniform(-0.4, 0.4)) for v in row] for row in batch.column(C.OLD_LOGP).to_pylist()]
+    batch = batch.set_column(batch.schema.get_field_index(C.OLD_LOGP), C.OLD_LOGP, pa.array(old, C.TOKEN_FLOATS))
+    policy.model.load_state_dict(state)
+    with torch.no_grad():
+        logp, _, mask = policy.response_logprobs(batch.column(C.PROMPT_IDS).to_pylist(),
+                                                 batch.column(C.RESPONSE_IDS).to_pylist(), temperature=1.0)
+    old_logp = torch.from_numpy(ragged_to_padded(batch.column(C.OLD_LOGP), dtype=np.float32)[0])
+    adv = torch.tensor(batch.column(C.ADVANTAGE).to_numpy())[:, None].expand_as(logp)
+    losses = {}
+    for name, params in LOSSES:
+        p = Params(**params)
+        extra = {"clip_c": p.clip_c} if name == "vanilla" else {}
+        want, _ = algos.POLICY_LOSSES[name](old_logp, logp, adv, mask, clip_low=p.clip_low, clip_high=p.clip_high,
+                                            agg="token-mean", **extra)
+        policy.model.load_state_dict(state)
+        ctx = OpContext("train", model=SimpleNamespace(policy=policy, spec=ModelSpec(path="builtin:tiny-adder")))
+        row = Update(Params(lr=1e-3, policy_loss=name, **params), ctx)(batch).to_pylist()[0]
+        assert row["actor/pg_loss"] == pytest.approx(float(want), rel=1e-5, abs=1e-7), name
+        losses[name] = float(want)
+    assert len({round(v, 5) for v in losses.values()}) == len(LOSSES), losses
