@@ -48,13 +48,14 @@ def test_overlong_shape_adds_penalty_to_score():
     assert np.array_equal(half.column(C.OVERLONG_PENALTY).to_numpy(), penalty / 2)
 
 
+@pytest.mark.parametrize("norm_by_std", [True, False])  # False: Dr.GRPO (grpo, grpo_passk read it)
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp_baseline", "grpo_passk", "opo"])
-def test_advantage_op_is_sequence_advantages(estimator):
+def test_advantage_op_is_sequence_advantages(estimator, norm_by_std):
     batch = BATCH.slice(0, 8)  # grpo_passk needs >= 2 per group
-    out = _op("advantage", estimator=estimator, reward_column="score")(batch)
+    out = _op("advantage", estimator=estimator, reward_column="score", norm_by_std=norm_by_std)(batch)
     expected = algos.sequence_advantages(
         batch.column(C.SCORE).to_numpy(), batch.column(C.PROMPT_ID).to_pylist(), estimator,
-        lengths=batch.column(C.RESPONSE_LEN).to_numpy(),
+        lengths=batch.column(C.RESPONSE_LEN).to_numpy(), norm_by_std=norm_by_std,
     )
     assert np.array_equal(out.column(C.ADVANTAGE).to_numpy(), expected)
     assert out.schema.field(C.ADVANTAGE).type == pa.float32()
