@@ -362,3 +362,24 @@ def test_the_lr_warms_up_linearly_over_rl_steps(tiny_adder_path):
     for _ in range(3):
         op(batch)
     assert trained_at == pytest.approx([5e-4, 5e-4, 1e-3, 1e-3, 1e-3, 1e-3], rel=1e-6)
+
+
+def test_shuffle_cuts_the_mini_batches_from_a_seeded_permutation(tiny_adder_path):
+    """`shuffle: true`: each epoch's mini-batches take the rows in a permutation drawn from the
+    node's seed, not in the batch's order (the other test with shuffle compares a training group
+    with one worker, which would share an ignored setting)."""
+    from dapo_flow.models.hf import HFPolicy
+
+    policy = HFPolicy(tiny_adder_path, trainable=True)
+    batch = _train_batch(policy, rows=8)
+    prompts = [tuple(p) for p in batch.column(C.PROMPT_IDS).to_pylist()]
+    real = policy.response_logprobs
+    orders = []
+    for _ in range(2):
+        seen = []
+        policy.response_logprobs = lambda p, r, **kw: (seen.extend(prompts.index(tuple(x)) for x in p),
+                                                       real(p, r, **kw))[1]
+        _update(policy, shuffle=True, mini_batches=2)(batch)
+        orders.append(seen)
+    assert sorted(orders[0]) == list(range(8)) and orders[0] != list(range(8))
+    assert orders[1] == orders[0]  # seeded
