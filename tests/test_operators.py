@@ -110,6 +110,9 @@ def test_kl_op_penalizes_the_summed_token_kl():
     # verl's controller input: mean over rows of each row's token-mean KL = (0.125 + 1.0) / 2
     assert op.last_metrics() == pytest.approx({"kl/reward_penalty": 0.5625, "kl/coef": 0.1})
     assert op.coef == 0.1  # fixed coefficient without target_kl
+    # another estimator (every other test uses kl, the default): mse, 0.5 d^2 summed per row
+    mse = _op("kl", kind="mse", coef=0.1, reward_column="score")(batch)
+    assert np.allclose(mse.column(C.KL).to_numpy(), [0.5 * (0.25 + 0.0625), 0.5])
 
 
 def test_kl_op_adaptive_coef_follows_verl_and_is_checkpointed():
