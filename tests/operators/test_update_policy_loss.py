@@ -126,10 +126,13 @@ def test_the_entropy_bonus_raises_the_policys_entropy(batch_and_weights):
     assert bonus > plain + 0.05, (plain, bonus)
 
 
-@pytest.mark.parametrize("shift", [0.5, -0.5])
-def test_the_kl_loss_pulls_the_policy_toward_the_reference(batch_and_weights, shift):
-    """kl_coef > 0 adds coef x the KL to ref_logp to the loss. With zero advantages (no policy
-    gradient) and a reference that gives the sampled tokens `shift` more (less) logprob than the
+@pytest.mark.parametrize(("shift", "kl_type", "first"), [
+    (0.5, "low_var_kl", math.exp(0.5) - 1.5), (-0.5, "low_var_kl", math.exp(-0.5) - 0.5),  # e^d - d - 1
+    (0.5, "mse", 0.125),  # d^2 / 2
+])
+def test_the_kl_loss_pulls_the_policy_toward_the_reference(batch_and_weights, shift, kl_type, first):
+    """kl_coef > 0 adds coef x the KL (of kl_type) to ref_logp to the loss. With zero advantages (no
+    policy gradient) and a reference that gives the sampled tokens `shift` more (less) logprob than the
     policy, steps lower the KL and raise (lower) the policy's logprobs of them. (A reference equal to the policy,
     as a run's first step has, gives the KL no gradient: it would not test the term.)"""
     policy, batch, state = batch_and_weights
@@ -141,13 +144,14 @@ def test_the_kl_loss_pulls_the_policy_toward_the_reference(batch_and_weights, sh
     batch = batch.append_column(C.REF_LOGP, pa.array([[v + shift for v in row] for row in old], C.TOKEN_FLOATS))
     policy.model.load_state_dict(state)
     ctx = OpContext("train", model=SimpleNamespace(policy=policy, spec=ModelSpec(path="builtin:tiny-adder")))
-    op = Update(Params(lr=1e-5, kl_coef=1.0), ctx)
+    op = Update(Params(lr=1e-5, kl_coef=1.0, kl_type=kl_type), ctx)
     rows = [op(batch).to_pylist()[0] for _ in range(3)]
     with torch.no_grad():
         logp, _, mask = policy.response_logprobs(prompts, responses, temperature=1.0)
     moved = float(logp[mask].mean()) - float(np.mean(np.concatenate(old)))
     kl = [r["actor/kl_loss"] for r in rows]
-    assert kl[0] > kl[1] > kl[2] > 0 and all(r["actor/skipped_steps"] == 0.0 for r in rows), kl
+    assert kl[0] == pytest.approx(first, rel=1e-4) and kl[0] > kl[1] > kl[2] > 0, kl
+    assert all(r["actor/skipped_steps"] == 0.0 for r in rows)
     assert moved * np.sign(shift) > 0.05, moved
 
 
