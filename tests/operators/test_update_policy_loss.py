@@ -129,7 +129,7 @@ def test_the_entropy_bonus_raises_the_policys_entropy(batch_and_weights):
 @pytest.mark.parametrize(("shift", "kl_type", "first"), [
     (0.5, "low_var_kl", math.exp(0.5) - 1.5), (-0.5, "low_var_kl", math.exp(-0.5) - 0.5),  # e^d - d - 1
     (0.5, "mse", 0.125),  # d^2 / 2
-])
+], ids=["low_var_kl-up", "low_var_kl-down", "mse-up"])
 def test_the_kl_loss_pulls_the_policy_toward_the_reference(batch_and_weights, shift, kl_type, first):
     """kl_coef > 0 adds coef x the KL (of kl_type) to ref_logp to the loss. With zero advantages (no
     policy gradient) and a reference that gives the sampled tokens `shift` more (less) logprob than the
