@@ -44,15 +44,18 @@ def test_overlong_shape_adds_penalty_to_score():
     assert np.array_equal(out.column(C.OVERLONG_PENALTY).to_numpy(), penalty)
     assert np.allclose(out.column(C.REWARD).to_numpy(), BATCH.column(C.SCORE).to_numpy() + penalty)
     assert out.column(C.ACC).equals(BATCH.column(C.ACC))  # acc keeps the score before the penalty
+    half = _op("overlong-shape", max_len=8, buffer_len=4, factor=0.5)(BATCH)  # factor 1 scales nothing
+    assert np.array_equal(half.column(C.OVERLONG_PENALTY).to_numpy(), penalty / 2)
 
 
+@pytest.mark.parametrize("norm_by_std", [True, False])  # False: Dr.GRPO (grpo, grpo_passk read it)
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp_baseline", "grpo_passk", "opo"])
-def test_advantage_op_is_sequence_advantages(estimator):
+def test_advantage_op_is_sequence_advantages(estimator, norm_by_std):
     batch = BATCH.slice(0, 8)  # grpo_passk needs >= 2 per group
-    out = _op("advantage", estimator=estimator, reward_column="score")(batch)
+    out = _op("advantage", estimator=estimator, reward_column="score", norm_by_std=norm_by_std)(batch)
     expected = algos.sequence_advantages(
         batch.column(C.SCORE).to_numpy(), batch.column(C.PROMPT_ID).to_pylist(), estimator,
-        lengths=batch.column(C.RESPONSE_LEN).to_numpy(),
+        lengths=batch.column(C.RESPONSE_LEN).to_numpy(), norm_by_std=norm_by_std,
     )
     assert np.array_equal(out.column(C.ADVANTAGE).to_numpy(), expected)
     assert out.schema.field(C.ADVANTAGE).type == pa.float32()
@@ -107,6 +110,9 @@ def test_kl_op_penalizes_the_summed_token_kl():
     # verl's controller input: mean over rows of each row's token-mean KL = (0.125 + 1.0) / 2
     assert op.last_metrics() == pytest.approx({"kl/reward_penalty": 0.5625, "kl/coef": 0.1})
     assert op.coef == 0.1  # fixed coefficient without target_kl
+    # another estimator (every other test uses kl, the default): mse, 0.5 d^2 summed per row
+    mse = _op("kl", kind="mse", coef=0.1, reward_column="score")(batch)
+    assert np.allclose(mse.column(C.KL).to_numpy(), [0.5 * (0.25 + 0.0625), 0.5])
 
 
 def test_kl_op_adaptive_coef_follows_verl_and_is_checkpointed():
@@ -298,16 +304,20 @@ def test_update_empty_batch_is_a_user_facing_error(policy):
         _update(policy)(_train_batch(policy).slice(0, 0))
 
 
-def test_a_token_budget_gives_the_update_that_row_micro_batches_give(tiny_adder_path):
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_a_token_budget_gives_the_update_that_row_micro_batches_give(tiny_adder_path, agg):
     """`models.X.train.max_tokens_per_micro_batch` cuts a mini-batch by tokens instead of rows;
-    losses are normalised by the mini-batch's token count, so the update is the same."""
+    losses are normalised by the mini-batch's token count (token-mean) or sequence count
+    (seq-mean: each micro-batch's rows are a share of the mini-batch's, not a mean of their own;
+    token-mean alone never reads that count), so the update is the same."""
     from dapo_flow.models.hf import HFPolicy
 
     results = []
     for budget, rows in ((None, 64), (None, 3), (20, 64)):
         torch.manual_seed(0)
         policy = HFPolicy(tiny_adder_path, trainable=True)
-        op = _update(policy, max_tokens_per_micro_batch=budget, micro_batch_size=rows, mini_batches=2)
+        op = _update(policy, max_tokens_per_micro_batch=budget, micro_batch_size=rows, mini_batches=2,
+                     loss_agg_mode=agg)
         splits = []
         real = policy.response_logprobs
         policy.response_logprobs = lambda p, r, **kw: (splits.append(len(p)), real(p, r, **kw))[1]
@@ -319,3 +329,60 @@ def test_a_token_budget_gives_the_update_that_row_micro_batches_give(tiny_adder_
     for a, b, c in zip(w1, w2, w3):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
         torch.testing.assert_close(a, c, atol=1e-5, rtol=0)
+
+
+def test_ppo_epochs_are_passes_over_the_batch(tiny_adder_path):
+    """`ppo_epochs: 2` takes the optimizer steps of two RL steps on the same batch (the lr constant,
+    no shuffle): the same weights, and metrics averaged over them. (The only other test with
+    epochs compares a training group with one worker, which would share a lost epoch.)"""
+    from dapo_flow.models.hf import HFPolicy
+
+    after = []
+    for epochs, calls in ((2, 1), (1, 2), (1, 1)):
+        torch.manual_seed(0)
+        policy = HFPolicy(tiny_adder_path, trainable=True)
+        op = _update(policy, ppo_epochs=epochs, mini_batches=2)
+        batch = _train_batch(policy, rows=6)
+        rows = [op(batch).to_pylist()[0] for _ in range(calls)]
+        after.append((rows, [q.detach().clone() for q in policy.model.parameters()]))
+    (two_epochs, w_two), (two_calls, w_calls), (_, w_one) = after
+    assert all(torch.equal(a, b) for a, b in zip(w_two, w_calls))
+    assert not all(torch.equal(a, b) for a, b in zip(w_two, w_one))
+    mean_loss = (two_calls[0]["actor/pg_loss"] + two_calls[1]["actor/pg_loss"]) / 2
+    assert two_epochs[0]["actor/pg_loss"] == pytest.approx(mean_loss, rel=1e-5, abs=1e-7)
+
+
+def test_the_lr_warms_up_linearly_over_rl_steps(tiny_adder_path):
+    """`warmup_steps: 2`: RL step k's optimizer steps (2 mini-batches here) train at lr x
+    min(1, k / 2), as AdamW sees it at each step; every other test trains without warm-up."""
+    from dapo_flow.models.hf import HFPolicy
+
+    policy = HFPolicy(tiny_adder_path, trainable=True)
+    op = _update(policy, warmup_steps=2, mini_batches=2)
+    trained_at = []
+    op.trainer.optimizer.register_step_pre_hook(lambda opt, *_: trained_at.append(opt.param_groups[0]["lr"]))
+    batch = _train_batch(policy)
+    for _ in range(3):
+        op(batch)
+    assert trained_at == pytest.approx([5e-4, 5e-4, 1e-3, 1e-3, 1e-3, 1e-3], rel=1e-6)
+
+
+def test_shuffle_cuts_the_mini_batches_from_a_seeded_permutation(tiny_adder_path):
+    """`shuffle: true`: each epoch's mini-batches take the rows in a permutation drawn from the
+    node's seed, not in the batch's order (the other test with shuffle compares a training group
+    with one worker, which would share an ignored setting)."""
+    from dapo_flow.models.hf import HFPolicy
+
+    policy = HFPolicy(tiny_adder_path, trainable=True)
+    batch = _train_batch(policy, rows=8)
+    prompts = [tuple(p) for p in batch.column(C.PROMPT_IDS).to_pylist()]
+    real = policy.response_logprobs
+    orders = []
+    for _ in range(2):
+        seen = []
+        policy.response_logprobs = lambda p, r, **kw: (seen.extend(prompts.index(tuple(x)) for x in p),
+                                                       real(p, r, **kw))[1]
+        _update(policy, shuffle=True, mini_batches=2)(batch)
+        orders.append(seen)
+    assert sorted(orders[0]) == list(range(8)) and orders[0] != list(range(8))
+    assert orders[1] == orders[0]  # seeded

@@ -88,7 +88,12 @@ def test_kl_penalty_counts_only_the_model_tokens():
     assert with_tool.column(C.REWARD).to_pylist()[0] == pytest.approx(1.0 - 0.1 * (0.5 - 0.25 + 0 + 0 + 0.1))
 
 
-def test_update_trains_on_the_model_tokens_only():
+def test_update_trains_on_the_model_tokens_only(tiny_adder_path):
+    import torch
+
+    from dapo_flow.graph.spec import ModelSpec
+    from dapo_flow.models.hf import HFPolicy
+
     cls = OPERATORS["update"]
     logp = [[-1.0] * 7, [-1.0] * 2]
     batch = _batch({C.OLD_LOGP: logp}).append_column(C.ADVANTAGE, pa.array([1.0, -1.0], pa.float32()))
@@ -97,6 +102,26 @@ def test_update_trains_on_the_model_tokens_only():
     assert use.astype(int).tolist() == [[1, 1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0, 0]]
     ignore = cls._arrays(SimpleNamespace(params=cls.Params(loss_mask="ignore")), batch)["mask"]
     assert ignore.astype(int).tolist() == [[1] * 7, [1, 1, 0, 0, 0, 0, 0]]
+
+    # ... and the loss is: a step on junk old logprobs at the tool's tokens is the step on sane
+    # ones, as it is not when the mask is ignored (tokens within tiny-adder's vocabulary)
+    policy = HFPolicy(tiny_adder_path, trainable=True)
+    state = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    responses = [[10, 11, 2, 14, 15, 12, 2], [13, 2]]
+    junk = [[-1.0, -1.0, -1.0, -6.0, 3.0, -1.0, -1.0], [-1.0] * 2]
+
+    def step(old_logp, loss_mask):
+        policy.model.load_state_dict(state)
+        table = _batch({C.OLD_LOGP: old_logp}, responses=responses).append_column(
+            C.ADVANTAGE, pa.array([1.0, -1.0], pa.float32()))
+        op = cls(cls.Params(lr=1e-3, loss_mask=loss_mask),
+                 OpContext("train", model=SimpleNamespace(policy=policy, spec=ModelSpec(path="builtin:tiny-adder"))))
+        loss = op(table).to_pylist()[0]["actor/pg_loss"]
+        return loss, [p.detach().clone() for p in policy.model.parameters()]
+
+    (sane, w_sane), (masked, w_masked) = step(logp, "use"), step(junk, "use")
+    assert masked == sane and all(torch.equal(a, b) for a, b in zip(w_sane, w_masked))
+    assert step(junk, "ignore")[0] != step(logp, "ignore")[0]
 
 
 def test_overlong_filter_keeps_the_tool_tokens_masked_and_drops_truncated_rows():

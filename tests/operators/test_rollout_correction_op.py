@@ -108,3 +108,40 @@ def test_update_uses_the_weights_when_they_reach_it():
     assert C.ROLLOUT_IS_WEIGHT in Update.requires(Update.resolve(UpdateParams(), available))
     assert Update.resolve(UpdateParams(), {}).rollout_is_weights == "ignore"
     assert Update.resolve(UpdateParams(rollout_is_weights="ignore"), available).rollout_is_weights == "ignore"
+
+
+def test_update_trains_on_each_rows_weight_as_on_its_advantage_times_it(tiny_adder_path):
+    """update applies the weights it is given (the check above is only of its resolved params;
+    a run's weights are ~1, which change nothing): a weight w on every token of a row trains as
+    that row's advantage times w (a positive factor commutes with the clip and the dual clip), and
+    unlike the unweighted batch."""
+    from types import SimpleNamespace
+
+    from dapo_flow.core.contract import OpContext
+    from dapo_flow.graph.spec import ModelSpec
+    from dapo_flow.models.hf import HFPolicy
+    from dapo_flow.operators.update import Params as UpdateParams, Update
+
+    policy = HFPolicy(tiny_adder_path, trainable=True)
+    state = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    prompts = [policy.tokenizer.encode(f"{i}+{i + 3}=") for i in range(4)]
+    responses = [policy.tokenizer.encode(str(2 * i + 3)) + [policy.eos_id] for i in range(4)]
+    adv, row_weights = np.array([1.0, -0.5, 0.8, -1.2], np.float32), np.array([2.0, 0.25, 0.5, 3.0], np.float32)
+    base = {C.PROMPT_IDS: pa.array(prompts, C.TOKENS), C.RESPONSE_IDS: pa.array(responses, C.TOKENS),
+            C.OLD_LOGP: pa.array([[-1.0] * len(r) for r in responses], C.TOKEN_FLOATS)}
+    weighted = pa.table({**base, C.ADVANTAGE: pa.array(adv), C.ROLLOUT_IS_WEIGHT: pa.array(
+        [[float(w)] * len(r) for w, r in zip(row_weights, responses)], C.TOKEN_FLOATS)})
+    scaled = pa.table({**base, C.ADVANTAGE: pa.array(adv * row_weights)})
+    plain = pa.table({**base, C.ADVANTAGE: pa.array(adv)})
+
+    def train(batch):
+        policy.model.load_state_dict(state)
+        ctx = OpContext("train", model=SimpleNamespace(policy=policy, spec=ModelSpec(path="builtin:tiny-adder")))
+        op = Update(Update.resolve(UpdateParams(lr=1e-3), dict(zip(batch.column_names, batch.schema.types))), ctx)
+        row = op(batch).to_pylist()[0]
+        return row["actor/pg_loss"], {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+
+    (loss_w, w), (loss_s, s), (loss_p, _) = train(weighted), train(scaled), train(plain)
+    assert loss_w == pytest.approx(loss_s, rel=1e-5) and abs(loss_w - loss_p) > 1e-3, (loss_w, loss_s, loss_p)
+    for name in w:
+        torch.testing.assert_close(w[name], s[name], atol=1e-6, rtol=0, msg=name)
