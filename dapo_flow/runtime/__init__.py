@@ -40,8 +40,18 @@ def execute(placed, *, executor: str = "ray", address: str | None = None, resume
     from dapo_flow.runtime.recovery import heal
     from dapo_flow.runtime.resume import checkpoint_root
 
+    from dapo_flow.runtime.executors import connect_ray
+
     say = (console or Console(stderr=True)).print
     root = checkpoint_root(placed.plan.spec)
-    return heal(run_session, max_failures=placed.plan.spec.run.max_failures, resume=resume,
-                say=lambda text: say(f"[yellow]{text}[/]", highlight=False),
-                has_checkpoint=lambda run_id: bool(checkpoint.runs(root).get(run_id)), **kwargs)
+    # the cluster outlives a recovery's restart of the actors (starting one again costs seconds)
+    owns_cluster = connect_ray(address)
+    try:
+        return heal(run_session, max_failures=placed.plan.spec.run.max_failures, resume=resume,
+                    say=lambda text: say(f"[yellow]{text}[/]", highlight=False),
+                    has_checkpoint=lambda run_id: bool(checkpoint.runs(root).get(run_id)), **kwargs)
+    finally:
+        if owns_cluster:
+            import ray
+
+            ray.shutdown()

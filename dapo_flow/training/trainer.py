@@ -172,6 +172,7 @@ class AdamWTrainer:
                 n_opt_steps += 1
                 self._count_nonfinite(stats)
         self._count_empty(trained_tokens=n_opt_steps > 0)
+        lr = self.lr  # the step's, as verl logs it: the scheduler then sets the next step's
         with warnings.catch_warnings():  # warm-up follows RL steps, also when no optimizer step ran
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`", UserWarning)
             self.scheduler.step()
@@ -180,7 +181,7 @@ class AdamWTrainer:
         counts = (self._key("skipped_minibatches"), self._key("skipped_steps"))  # sums, not means
         out.update({k: sums[k] for k in counts})
         out[self._key("skipped_steps_total")] = float(self.skipped_total)
-        out[self._key("lr")] = self.lr
+        out[self._key("lr")] = lr
         return out
 
     def _batch_positions(self, rows: StepRows) -> np.ndarray | None:
