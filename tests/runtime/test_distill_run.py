@@ -40,7 +40,6 @@ def test_the_teacher_is_never_trained_nor_synced():
     assert placed.node_stage["teacher_logp"] == "model:teacher"
 
 
-@pytest.mark.slow
 @pytest.mark.models("tiny-adder-teacher")
 def test_a_short_distillation_run_trains_on_the_teachers_signal(workdir):
     placed = _edited("run.steps=2", "run.prompts_per_step=8", "run.val_every=2",
