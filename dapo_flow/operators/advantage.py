@@ -13,8 +13,8 @@ else the raw `score`, so dropping the shaping node is a one-flag ablation.
 On-policy distillation (Thinking Machines 2025; algos.distill): `distill_coef` > 0 adds
 coef x (teacher_logp - old_logp) to each sampled token's advantage, the negative per-token
 reverse KL to a frozen teacher (a `logprob` node with role teacher), so the advantage becomes
-per token. `estimator: distill` is that term alone: no reward read, so the graph needs no
-`score` or `group-filter` node.
+per token. `estimator: distill` is that term alone: no reward read, so training needs no
+`score` or `group-filter` node (validation still grades with the graph's `score`).
 """
 
 from __future__ import annotations
