@@ -254,6 +254,13 @@ def _remax(token_rewards: Tensor, baselines: Tensor, mask: Tensor, gamma: float,
     return remax_advantages(token_rewards, baselines, mask)
 
 
+def _no_outcome(token_rewards: Tensor, mask: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
+    """No outcome advantage (zeros): the signal is elsewhere (distillation's teacher, added by
+    the `advantage` operator's distill_coef). Shape: (batch, T) -> (batch, T) twice."""
+    zeros = torch.zeros_like(token_rewards)
+    return zeros, zeros
+
+
 class Estimator(NamedTuple):
     """One advantage estimator: what it computes, and how (exactly one of the two functions)."""
 
@@ -263,6 +270,7 @@ class Estimator(NamedTuple):
     token: TokenFn | None = None  # (token_rewards, mask, gamma) -> (advantages, returns) (batch, T)
     with_input: InputFn | None = None  # token-level from the rewards and one more column, `reads`
     reads: str | None = None  # that column: "values" (per token, a critic's) or "baseline" (per sequence)
+    needs_reward: bool = True  # False: no outcome at all (distillation alone: the teacher is the signal)
 
 
 #: Every advantage estimator, in the order docs list them: the `advantage` operator's choices and
@@ -282,6 +290,9 @@ ESTIMATORS: dict[str, Estimator] = {
                      reads="values"),
     "remax": Estimator("ReMax: reward-to-go minus the `baseline` reward (the greedy response's, joined by a "
                        "`baseline` node); token-level, no groups, not whitened", with_input=_remax, reads="baseline"),
+    "distill": Estimator("on-policy distillation alone: no reward, the advantage is `distill_coef` x (teacher_logp - "
+                         "old_logp) per sampled token (algos.distill); token-level", token=_no_outcome,
+                         needs_reward=False),
 }
 #: The built-in estimators of :func:`sequence_advantages` (the token-level ones discount per token);
 #: code that must see estimators registered later reads ESTIMATORS itself.

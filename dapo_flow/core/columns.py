@@ -43,6 +43,7 @@ KL = "kl"  # per sequence: KL(policy || ref) summed over valid tokens (the `kl` 
 # --- training -------------------------------------------------------------------
 OLD_LOGP = "old_logp"  # recomputed by the trainer before the update
 REF_LOGP = "ref_logp"
+TEACHER_LOGP = "teacher_logp"  # a frozen teacher's logprobs of the student's sampled tokens (distillation)
 ENTROPY = "entropy"
 ADVANTAGE = "advantage"  # per sequence; broadcast over response tokens by `update`
 TOKEN_ADVANTAGE = "token_advantage"  # per response token (token-level estimators: REINFORCE++)
@@ -81,6 +82,7 @@ SCHEMA: dict[str, pa.DataType] = {
     KL: pa.float32(),
     OLD_LOGP: TOKEN_FLOATS,
     REF_LOGP: TOKEN_FLOATS,
+    TEACHER_LOGP: TOKEN_FLOATS,
     ENTROPY: TOKEN_FLOATS,
     ADVANTAGE: pa.float32(),
     LOSS_MASK: TOKEN_FLAGS,

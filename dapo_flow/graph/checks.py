@@ -301,7 +301,7 @@ def _check_lora_heads(found: Found, lora: set[str], heads: dict[str, str]) -> No
 
 def _check_training(found: Found, nodes: list[_Node], value_models: set[str], lora: set[str]) -> None:
     """One trainer per model; trained models feed a generator (a critic's values feed the
-    advantages instead); refs stay frozen."""
+    advantages instead); refs and teachers stay frozen."""
     if any(n.cls is None for n in nodes):
         return  # a typo'd op may be the update: don't guess
     updates: dict[str, _Node] = {}
@@ -326,6 +326,13 @@ def _check_training(found: Found, nodes: list[_Node], value_models: set[str], lo
                       "uses it, so the new weights never reach a rollout",
                       f"generate with `model: {model}`, or update the model you generate with")
     for node in nodes:
+        if role(node.cls) == "logprob" and getattr(node.params, "role", None) == "teacher":
+            model = node.spec.model
+            if model in updates:  # its logprobs are the target the student moves towards
+                found.add(node.path + ("model",), f"a teacher must stay frozen, but '{model}' is updated "
+                          f"by node '{updates[model].id}'",
+                          "declare the teacher as a model of its own under `models:` (no update node trains "
+                          "it) and name it here")
         if role(node.cls) == "logprob" and getattr(node.params, "role", None) == "ref":
             model = node.spec.model
             if model in updates and model not in lora:  # under LoRA the reference is the base: adapters off
@@ -560,8 +567,8 @@ def _nearest_generator(nodes: list[_Node], graph: nx.DiGraph, order: tuple[str, 
 
 def _check_tokenizers(found: Found, nodes: list[_Node], graph: nx.DiGraph, order: tuple[str, ...],
                       spec: GraphSpec) -> None:
-    """A model that reads the rows another model generated (a reference, a critic, a reward model,
-    a judge) reads that model's token ids as they are, so it must share its tokenizer: checked
+    """A model that reads the rows another model generated (a reference, a teacher, a critic, a
+    reward model, a judge) reads that model's token ids as they are, so it must share its tokenizer: checked
     where both tokenizers can be read without loading anything (``models.reads_tokens_of``)."""
     from dapo_flow.models import reads_tokens_of  # light: json only
 

@@ -58,6 +58,7 @@ BUILTINS: dict[str, Builtin] = {
     "tiny-adder-rm": Builtin("dapo_flow.recipes.tiny_adder_rm", "build_tiny_adder_rm", "char"),
     "tiny-adder-judge": Builtin("dapo_flow.recipes.tiny_adder_judge", "build_tiny_adder_judge", "char"),
     "tiny-agent": Builtin("dapo_flow.recipes.tiny_agent", "build_tiny_agent", "char"),
+    "tiny-adder-teacher": Builtin("dapo_flow.recipes.tiny_adder_teacher", "build_tiny_adder_teacher", "char"),
 }
 
 

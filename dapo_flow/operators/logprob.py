@@ -29,8 +29,10 @@ from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
 class Params(BaseModel):
     model_config = PARAMS_CONFIG
 
-    role: Literal["actor", "ref"] = "actor"
-    """`actor` writes old_logp (+ entropy); `ref` writes ref_logp for KL."""
+    role: Literal["actor", "ref", "teacher"] = "actor"
+    """`actor` writes old_logp (+ entropy); `ref` writes ref_logp for KL; `teacher` writes
+    teacher_logp, a frozen teacher model's logprobs of the sampled tokens (on-policy distillation:
+    the `advantage` node's distill_coef)."""
     temperature: float = Field(1.0, gt=0.0, le=10.0)
     """Divide logits by this before log-softmax; set it to generate's temperature."""
     micro_batch_size: int = Field(64, ge=1, le=65536)
@@ -44,10 +46,13 @@ class Params(BaseModel):
 
     @model_validator(mode="after")
     def _rollout_source_is_the_actors(self) -> "Params":
-        if self.source == "rollout" and self.role == "ref":
+        if self.source == "rollout" and self.role != "actor":
             raise ValueError("source rollout takes the generator's logprobs, which are the actor's, "
-                             "not a reference model's: use source: recompute for role ref")
+                             f"not a {self.role} model's: use source: recompute for role {self.role}")
         return self
+
+
+_OUTPUT = {"actor": C.OLD_LOGP, "ref": C.REF_LOGP, "teacher": C.TEACHER_LOGP}  # the column each role writes
 
 
 class Logprob:
@@ -78,8 +83,8 @@ class Logprob:
 
     @classmethod
     def produces(cls, params: Params) -> dict[str, pa.DataType]:
-        if params.role == "ref":
-            return C.typed(C.REF_LOGP)
+        if params.role != "actor":
+            return C.typed(_OUTPUT[params.role])
         if params.with_entropy and params.source == "recompute":
             return C.typed(C.OLD_LOGP, C.ENTROPY)
         return C.typed(C.OLD_LOGP)
@@ -105,7 +110,7 @@ class Logprob:
                 with_entropy=entropy_wanted,
             )
         lengths = mask.sum(dim=1).numpy()
-        out = {(C.OLD_LOGP if p.role == "actor" else C.REF_LOGP): _ragged(logp, lengths)}
+        out = {_OUTPUT[p.role]: _ragged(logp, lengths)}
         if entropy_wanted:
             out[C.ENTROPY] = _ragged(entropy, lengths)
             valid = mask.numpy() & response_mask(batch, lengths, mask.shape[1])  # the model's tokens, not a tool's

@@ -1,0 +1,55 @@
+"""graphs/distill.yaml: a teacher that must share the student's tokenizer and stay frozen
+(validate), and a short real run of on-policy distillation (--executor local)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dapo_flow.errors import GraphError
+from dapo_flow.graph.edits import edit_file, parse_cli_edits
+from dapo_flow.graph.plan import Cluster
+from dapo_flow.runtime import execute
+from dapo_flow.tracking import read_run
+
+DISTILL = str(Path(__file__).resolve().parents[2] / "graphs" / "distill.yaml")
+
+
+def _edited(*sets: str):
+    return edit_file(DISTILL, parse_cli_edits([("set", s) for s in sets]))
+
+
+def test_a_teacher_of_another_tokenizer_fails_validate_naming_the_node_and_the_fix():
+    with pytest.raises(GraphError) as err:
+        _edited("models.teacher.path=builtin:tiny-chat").compile(Cluster(cpus=2))
+    text = str(err.value)
+    assert "teacher_logp" in text and "distill.yaml" in text
+    assert "model 'teacher' does not share the tokenizer of 'policy'" in text
+    assert "use a 'teacher' with 'policy''s tokenizer" in text
+
+
+def test_a_teacher_that_is_trained_fails_validate():
+    with pytest.raises(GraphError, match="a teacher must stay frozen, but 'policy' is updated by node 'train'"):
+        _edited("teacher_logp.model=policy").compile(Cluster(cpus=2))
+
+
+def test_the_teacher_is_never_trained_nor_synced():
+    placed = _edited().compile(Cluster(cpus=2))
+    assert placed.plan.syncs == (("train", "policy"),)
+    assert placed.node_stage["teacher_logp"] == "model:teacher"
+
+
+@pytest.mark.models("tiny-adder-teacher")
+def test_a_short_distillation_run_trains_on_the_teachers_signal(workdir):
+    placed = _edited("run.steps=2", "run.prompts_per_step=8", "run.val_every=2",
+                     "run.checkpoint_every=0", "data.val.size=16").compile(Cluster(cpus=2))
+    summary = execute(placed, executor="local")
+    run = read_run(summary["tracking_uri"], summary["run_id"])
+    assert run["status"] == "FINISHED" and summary["steps"] == 2
+    history = run["history"]
+    assert [s for s, _ in history["distill/reverse_kl"]] == [1, 2]
+    # the soft student against the sharp teacher: a positive KL on the student's own samples
+    assert all(kl > 0 for _, kl in history["distill/reverse_kl"])
+    assert "actor/pg_loss" in run["metrics"] and "val/acc" in run["metrics"]
+    assert any(k.startswith("time/") and "teacher" in k for k in run["metrics"]), sorted(run["metrics"])
