@@ -2,7 +2,8 @@
 
 Reward functions: ``builtin:addition``, ``builtin:chain`` (the last line must be ``Answer: N``),
 ``builtin:tool-arith`` (the text after the last tool ``</result>``, else the whole response, is the product),
-``builtin:math`` (boxed / final answer, DAPO's +1 / -1, equivalent forms through math-verify), or user code ``module:fn`` / ``file.py:fn`` taking
+``builtin:math`` (boxed / final answer, DAPO's +1 / -1, equivalent forms through math-verify),
+``builtin:harness`` (harness-generate's ``harness_reward``; ``wrong`` where the harness gave none), or user code ``module:fn`` / ``file.py:fn`` taking
 ``(response_text, ground_truth, extra_info)`` (extra_info holds the row's ``data_source``) and
 returning a float or a dict with ``score`` (and optionally ``acc`` plus the declared
 ``extra_columns``). verl reward files work unchanged: a function with verl's signature
@@ -51,7 +52,7 @@ from dapo_flow.algos import lowest_token_probability
 from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import token_lists, with_columns
 from dapo_flow.data.reward_pool import (  # as_number: re-exported, tests and plugins use it here
-    BadReward, LoadFailed, RewardPool, RewardSpec, Row, WorkerDied, as_number, evaluate,
+    HARNESS, BadReward, LoadFailed, RewardPool, RewardSpec, Row, WorkerDied, as_number, evaluate,
     exit_text, resolve_reward, short as _short,
 )
 from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
@@ -96,7 +97,7 @@ class Params(BaseModel):
     model_config = PARAMS_CONFIG
 
     reward: str | ModelReward = Field("builtin:addition")
-    """`builtin:addition`, `builtin:chain`, `builtin:tool-arith`, `builtin:math`, `module:fn` or `file.py:fn`; or
+    """`builtin:addition`, `builtin:chain`, `builtin:tool-arith`, `builtin:math`, `builtin:harness`, `module:fn` or `file.py:fn`; or
     `{model: NAME, rule: ..., combine: ...}`: a reward model's score (without a rule, `acc` is the
     model's verdict, score > 0)."""
     correct: float = Field(1.0, ge=-1e6, le=1e6)
@@ -159,6 +160,7 @@ class Score:
     @classmethod
     def requires(cls, params: Params) -> dict[str, pa.DataType]:
         cols = [C.RESPONSE_TEXT, C.GROUND_TRUTH] if params.rule is not None else []
+        cols += [C.HARNESS_REWARD] if params.rule == HARNESS else []
         cols += [C.PROMPT_IDS, C.RESPONSE_IDS] if isinstance(params.reward, ModelReward) else []
         return C.typed(*cols)
 
@@ -304,6 +306,9 @@ def _sample_name(batch: pa.Table, row: int) -> str:
 def _extra_infos(batch: pa.Table) -> list[dict]:
     """Each row's extra_info for the reward function: its ``data_source`` when the prompts
     carry one (verl-format data does; a verl-signature function receives it as an argument)."""
-    if C.DATA_SOURCE not in batch.column_names:
-        return [{} for _ in range(batch.num_rows)]
-    return [{"data_source": source} for source in batch.column(C.DATA_SOURCE).to_pylist()]
+    infos: list[dict] = [{} for _ in range(batch.num_rows)]
+    for column in (C.DATA_SOURCE, C.HARNESS_REWARD):  # harness_reward: for builtin:harness
+        if column in batch.column_names:
+            for info, value in zip(infos, batch.column(column).to_pylist()):
+                info[column] = value
+    return infos
