@@ -174,6 +174,8 @@ class Episode:
         self.pending = []
 
     def record(self, fed: list[int], choices: list[Sampled]) -> None:
+        if self.masked:  # rewritten or capped: the sequence stays at its last consistent point
+            return
         if self.prompt_ids is None:
             self.prompt_ids = list(fed)
         self.pending = list(choices)
