@@ -11,7 +11,7 @@ import json
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,7 +23,8 @@ from dapo_flow.agent.rollout import request_seed
 from dapo_flow.endpoint.batcher import Batcher, QueueFull, SamplingKey
 from dapo_flow.endpoint.episodes import EpisodeBook, EpisodeError, Sampled
 from dapo_flow.endpoint.protocol import ApiError, ChatRequest, CompletionRequest
-from dapo_flow.endpoint.render import assistant_message, chat_prompt, completion_prompt, tool_schemas
+from dapo_flow.endpoint.render import (SampledTurns, assistant_message, chat_prompt, completion_prompt,
+                                       tool_schemas)
 
 EPISODE_HEADER = "x-episode-id"
 MAX_BODY_BYTES = 8 << 20
@@ -45,6 +46,7 @@ class Served:
     # in a training run, the harness node's (temperature, top_p, top_k) for every request: rollout
     # logprobs are then those of the distribution the trainer recomputes; None: the request's own
     sampling: tuple[float, float, int] | None = None
+    turns: SampledTurns = field(default_factory=SampledTurns)
 
     def key(self, body: Any) -> SamplingKey:
         if self.sampling is None:
@@ -82,12 +84,13 @@ def build_app(served: Served) -> FastAPI:
     async def chat(request: Request) -> dict[str, Any]:
         body = await _parse(served, request, ChatRequest)
         schemas = tool_schemas(body)
-        prompt = chat_prompt(served.tokenizer, body, served.call_format, min(served.eos_ids))
+        prompt = chat_prompt(served.tokenizer, body, served.call_format, min(served.eos_ids), served.turns)
         fed, choices = await _sample(served, request, body, prompt, body.limit())
         out = []
         for i, s in enumerate(choices):
             text = served.decode(s.ids, special=False)
             message, calls = assistant_message(text, served.call_format, schemas, parse=body.tool_choice != "none")
+            served.turns.add(message, text)
             out.append({"index": i, "message": message, "finish_reason": "tool_calls" if calls else _finish(s),
                         "logprobs": {"content": _chat_logprobs(served, s)} if body.logprobs else None})
         return _response(served, "chat.completion", "chatcmpl", out, fed, choices)

@@ -4,13 +4,16 @@ Chat messages go through the tokenizer's chat template (``tools`` passed to it) 
 Without one (the built-in char-level models) they are laid out as the agent loop lays out a
 conversation: BOS, the user's text, each assistant turn as sampled (its content, its calls in the
 model's call format, EOS), each tool result as the format renders it (``<result>...</result>``).
-So a harness that sends back the messages it got continues the sampled tokens exactly.
+So a harness that sends back the messages it got continues the sampled tokens exactly; an
+assistant turn whose calls were split out into ``tool_calls`` is put back as its sampled text
+(:class:`SampledTurns`), so re-rendering a call cannot change it.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 from dapo_flow.endpoint.protocol import ApiError, ChatRequest, CompletionRequest, Message
@@ -38,11 +41,35 @@ def tool_schemas(request: ChatRequest) -> dict[str, dict[str, Any]]:
     return schemas
 
 
-def chat_prompt(tokenizer: Any, request: ChatRequest, call_format: str, eos_id: int) -> list[int]:
+class SampledTurns:
+    """The text of each assistant turn the endpoint split into content and ``tool_calls``, by call
+    id: when a harness sends that turn back, it is rendered as sampled, not re-rendered from its
+    parts (which may space a call differently or move text around it). Bounded: the oldest go."""
+
+    def __init__(self, limit: int = 100_000):
+        self.limit, self._text = limit, OrderedDict()
+
+    def add(self, message: dict[str, Any], text: str) -> None:
+        for call in message.get("tool_calls") or []:
+            self._text[call["id"]] = text
+        while len(self._text) > self.limit:
+            self._text.popitem(last=False)
+
+    def restore(self, m: Message) -> Message:
+        """``m`` with its sampled text as its content, when it is a turn split here."""
+        if m.role != "assistant" or not m.tool_calls or m.tool_calls[0].id not in self._text:
+            return m
+        return m.model_copy(update={"content": self._text[m.tool_calls[0].id], "tool_calls": None})
+
+
+def chat_prompt(tokenizer: Any, request: ChatRequest, call_format: str, eos_id: int,
+                turns: SampledTurns | None = None) -> list[int]:
     """The prompt ids of a chat request (module docstring)."""
     for i, m in enumerate(request.messages):
         if isinstance(m.content, list) and any(part.get("type") != "text" for part in m.content):
             raise ApiError(400, f"messages[{i}]: only text content parts are served", param=f"messages[{i}].content")
+    if turns is not None:
+        request = request.model_copy(update={"messages": [turns.restore(m) for m in request.messages]})
     if getattr(tokenizer, "chat_template", None):
         messages = [_template_message(m) for m in request.messages]
         text = tokenizer.apply_chat_template(messages, tools=request.tools or None, tokenize=False,

@@ -42,7 +42,7 @@ from dapo_flow.reductions import Rate, Seconds, Total
 
 
 class Params(GenerateParams):
-    harness: str = Field(min_length=3)
+    harness: str = Field("harness.py:run", min_length=3)
     """The harness: `file.py:run` (relative to the directory the run starts in) or `module:run`;
     `async def run(client, task)` or a plain function, returning a reward, a dict with `score`, or None."""
     max_tokens: int = Field(256, ge=1, le=65536)

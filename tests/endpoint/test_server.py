@@ -172,3 +172,26 @@ def test_a_two_request_episode_is_the_exact_tokens_sampled(served, client, polic
     np.testing.assert_allclose(np.asarray(record.logprobs, np.float32)[model_tokens], recomputed[model_tokens],
                                atol=1e-5, rtol=0)
     np.testing.assert_allclose(record.logprobs[: len(sampled1)], rolled1.logprobs[0], atol=0, rtol=0)
+
+
+def test_a_chat_episode_continues_the_tool_call_it_got_back(served, client, policy):
+    """n=32 choices, the harness goes on with one that called the calculator: the episode is that
+    choice's sampled tokens, the tool message rendered as the model's format (<result>..., masked)."""
+    endpoint, engine = served
+    endpoint.book.register("ep-chat", seed=5, max_requests=4, budget=100)
+    headers = {"X-Episode-Id": "ep-chat"}
+    messages = [{"role": "user", "content": "12*34="}]
+    first = client.chat.completions.create(model="policy", messages=messages, tools=[SCHEMA], n=32, max_tokens=40,
+                                           extra_headers=headers)
+    _, rolled1 = engine.calls[-1]
+    k, choice = next((i, c) for i, c in enumerate(first.choices) if c.message.tool_calls)
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "408"}]
+    client.chat.completions.create(model="policy", messages=messages, tools=[SCHEMA], max_tokens=40,
+                                   extra_headers=headers)
+    _, rolled2 = engine.calls[-1]
+    record = endpoint.book.finish("ep-chat")
+    between = policy.tokenizer.encode("<result>408</result>", add_special_tokens=False)
+    assert record.masked == ""
+    assert record.response_ids == rolled1.response_ids[k] + between + rolled2.response_ids[0]
+    assert record.loss_mask == [1] * len(rolled1.response_ids[k]) + [0] * len(between) + [1] * len(rolled2.response_ids[0])
