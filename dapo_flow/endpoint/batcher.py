@@ -16,6 +16,7 @@ group samples up to its largest ``max_tokens`` and each request keeps its own fi
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -72,6 +73,7 @@ class Batcher:
         self.stats = BatchStats()
         self._last_call_s = 0.0
         self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._threads = _torch_threads()
         self._thread = threading.Thread(target=self._loop, name="endpoint-batcher", daemon=True)
         self._thread.start()
 
@@ -88,6 +90,10 @@ class Batcher:
         self._thread.join(timeout=30)
 
     def _loop(self) -> None:
+        if self._threads:  # OpenMP's thread count is per thread: a new one starts at the library default
+            from dapo_flow.threads import set_torch_threads
+
+            set_torch_threads(self._threads)
         while (job := self._queue.get()) is not None:
             jobs = [job]
             stop = False
@@ -140,3 +146,9 @@ def _cut(ids: list[int], logprobs: list[float], versions: list[int], truncated: 
     """A sample's first ``limit`` tokens (truncated when that cuts it)."""
     return Sampled(list(ids[:limit]), [float(x) for x in logprobs[:limit]], [int(v) for v in versions[:limit]],
                    truncated or len(ids) > limit)
+
+
+def _torch_threads() -> int:
+    """The torch intra-op threads of the calling thread (the process's setting), 0 without torch."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else 0
