@@ -20,12 +20,13 @@ from typing import Any
 from dapo_flow.endpoint.app import Served, build_app
 from dapo_flow.endpoint.batcher import Batcher
 from dapo_flow.endpoint.episodes import EpisodeBook
+from dapo_flow.errors import DapoFlowError
 
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 30.0
 
 
-class EndpointError(RuntimeError):
+class EndpointError(DapoFlowError):
     """The endpoint could not start (the port taken, the host not this machine's)."""
 
 
