@@ -86,6 +86,13 @@ class HarnessGenerate:
     NEEDS_MODEL = True
     ROLE = "generate"
 
+    @classmethod
+    def explain_notes(cls, params: Params) -> list[str]:
+        port = f"{params.port}" if params.port else "PORT"
+        free = "" if params.port else ", PORT a free one"
+        return [f"endpoint http://{params.host}:{port}/v1 in its model's process{free}, a bearer token per run "
+                "(printed when it starts)"]
+
     def __init__(self, params: Params, ctx: OpContext):
         from dapo_flow.core.imports import load_object
 
