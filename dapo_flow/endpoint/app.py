@@ -117,6 +117,9 @@ def _authorize(served: Served, request: Request) -> None:
 
 async def _parse(served: Served, request: Request, model: type) -> Any:
     _authorize(served, request)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # refused before it is read
+        raise ApiError(413, f"request body of {declared} bytes is over the {MAX_BODY_BYTES}-byte limit")
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise ApiError(413, f"request body of {len(raw)} bytes is over the {MAX_BODY_BYTES}-byte limit")

@@ -26,7 +26,7 @@ import os
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -71,7 +71,7 @@ class Params(GenerateParams):
 
 
 #: the endpoints this process serves, by (node id, engine): one per harness node, its variants share it
-_ENDPOINTS: dict[tuple[str, int], "object"] = {}
+_ENDPOINTS: dict[tuple[str, int], Any] = {}
 
 
 class HarnessGenerate:
@@ -100,7 +100,7 @@ class HarnessGenerate:
         self.ctx = ctx
         self.seeds = CallSeeds(ctx.seed)
         self.fn = load_object(params.harness, base_dir=Path(ctx.workdir or os.getcwd()))
-        self._key: tuple[str, int] | None = None
+        self._key: tuple[str, int] | None = None  # the endpoint this instance started
         self._metrics: dict[str, float] = {}
 
     def state_dict(self) -> dict:
@@ -126,7 +126,7 @@ class HarnessGenerate:
                                        port=p.port, require_episode=True).start()
             print(f"harness-generate '{self.ctx.node_id}': OpenAI-compatible endpoint {_ENDPOINTS[key].base_url} "
                   f"(model '{name}')", flush=True)
-        self._key = key
+            self._key = key  # this instance started it: its close() stops it
         return _ENDPOINTS[key]
 
     def close(self) -> None:
@@ -140,7 +140,7 @@ class HarnessGenerate:
         p = self.params
         endpoint = self._endpoint()
         endpoint.served.sampling = (p.temperature, p.top_p, p.top_k)  # this call's (validation's differ)
-        tasks = batch.drop_columns([C.PROMPT_IDS]).to_pylist()
+        tasks = batch.to_pylist()
         seeds = self.seeds.take(batch)
         call = uuid.uuid4().hex[:8]
         jobs = [(row, j, f"{self.ctx.node_id}-{call}-{row}-{j}") for row in range(batch.num_rows) for j in range(p.n)]

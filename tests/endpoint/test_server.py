@@ -115,6 +115,7 @@ def test_bad_requests_get_clear_errors_in_openais_shape(served):
         ("/chat/completions", chat, "wrong", 401, "bearer token"),
         ("/chat/completions", {**chat, "model": "gpt-4"}, "ok", 404, "serves 'policy'"),
         ("/embeddings", chat, "ok", 404, "no route"),
+        ("/completions", {"model": "policy", "prompt": "1" * (9 << 20)}, "ok", 413, "byte limit"),
     ]
     for path, body, token, status, words in cases:
         response = _post(endpoint, path, body, token)
