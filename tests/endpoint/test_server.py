@@ -196,3 +196,13 @@ def test_a_chat_episode_continues_the_tool_call_it_got_back(served, client, poli
     assert record.masked == ""
     assert record.response_ids == rolled1.response_ids[k] + between + rolled2.response_ids[0]
     assert record.loss_mask == [1] * len(rolled1.response_ids[k]) + [0] * len(between) + [1] * len(rolled2.response_ids[0])
+
+
+def test_another_host_than_loopback_warns(served):
+    _, engine = served
+    with pytest.warns(UserWarning, match="binds 0.0.0.0, not loopback"):
+        endpoint = Endpoint(engine, model_name="policy", host="0.0.0.0")  # not started: nothing listens
+    endpoint.close()
+    default = Endpoint(engine, model_name="policy")
+    default.close()
+    assert default.host == "127.0.0.1"
