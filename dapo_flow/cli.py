@@ -30,6 +30,7 @@ EXAMPLES = {
     "models": "dapo-flow models build tiny-adder --force",
     "ui": "dapo-flow ui --port 5000",
     "serve-reward": "dapo-flow serve-reward my_rewards.py:compute_score --port 8000 --concurrency 8",
+    "serve": "dapo-flow serve graphs/harness.yaml --port 8000   (or --checkpoint an exported model folder)",
     "sweep": "dapo-flow sweep graphs/ablations/dapo-ladder.yaml --executor local --seeds 0,1",
     "compare": "dapo-flow compare dapo-ladder -o ladder.png   (experiment name or parent run id)",
     "diff": "dapo-flow diff graphs/grpo.yaml graphs/dapo.yaml   (files or MLflow run ids)",
@@ -179,6 +180,16 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("name", help="built-in model name, e.g. tiny-adder")
     b.add_argument("--force", action="store_true", help="rebuild even when cached")
     b.set_defaults(func=_models_build)
+    p = command("serve", "Serve the graph's model as an OpenAI-compatible endpoint (try a harness before "
+                "training it); prints the address and the token.", _serve)
+    p.add_argument("graph", help="graph YAML file")
+    p.add_argument("--model", help="which of the graph's models (default: its first generating node's)")
+    p.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face model folder (`dapo-flow export`) "
+                   "instead of the model's path")
+    p.add_argument("--port", type=_int_in(0, 65535), default=0, help="default 0: a free port")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to serve on (default 127.0.0.1, this machine only; others need the token)")
+    _edit_flags(p)
     p = command("ui", "Open the MLflow UI on the runs' tracking store.", _ui)
     p.add_argument("--port", type=_port, default=5000, help="default 5000")
     p.add_argument("--host", default="127.0.0.1",
@@ -465,6 +476,25 @@ def _models_build(args: argparse.Namespace) -> int:
     name = args.name.removeprefix("builtin:")  # as a graph names it, or bare
     path = build_builtin(name, force=args.force)
     _line(f"built {name} at {path}", markup=False)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import time
+
+    from dapo_flow.endpoint.serve import serve
+
+    endpoint = serve(_compile(args).plan, model=args.model, checkpoint=args.checkpoint, host=args.host,
+                     port=args.port)
+    name = endpoint.served.model_name
+    _line(f"OpenAI-compatible endpoint on {endpoint.base_url}  model '{name}'  token {endpoint.token}\n"
+          f"  openai.OpenAI(base_url=\"{endpoint.base_url}\", api_key=\"{endpoint.token}\")  (Ctrl-C stops it)",
+          markup=False)
+    try:
+        while True:  # short waits: a Ctrl-C the kernel hands to a server thread still stops it here
+            time.sleep(0.5)
+    finally:
+        endpoint.close()
     return 0
 
 

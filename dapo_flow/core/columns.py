@@ -57,6 +57,7 @@ NUM_TOOL_CALLS = "num_tool_calls"  # agent-generate: tool calls run
 TOOL_ERRORS = "tool_errors"  # agent-generate: calls that failed (malformed, unknown tool, raised, timed out)
 CONVERSATION = "conversation"  # agent-generate: the response turn by turn, "[assistant] ..." / "[tool] ..." lines
 TOOL_REWARD = "tool_reward"  # agent-generate: the tools' rewards summed (per tool: tool_reward_<name>)
+HARNESS_REWARD = "harness_reward"  # harness-generate: the harness's own reward (NaN: it gave none)
 ROLLOUT_IS_WEIGHT = "rollout_is_weight"  # per response token: the rollout-correction IS weight
 # (pi_train / pi_rollout, truncated or bounded) `update` multiplies each token's loss by
 BATCH_ROW = "batch_row"  # a row's position in the whole batch a training group shares out to its
@@ -94,6 +95,7 @@ SCHEMA: dict[str, pa.DataType] = {
     NUM_TOOL_CALLS: pa.int32(),
     TOOL_ERRORS: pa.int32(),
     TOOL_REWARD: pa.float32(),
+    HARNESS_REWARD: pa.float32(),
     CONVERSATION: pa.string(),
     ROLLOUT_IS_WEIGHT: TOKEN_FLOATS,
     BATCH_ROW: pa.int64(),

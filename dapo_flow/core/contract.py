@@ -46,6 +46,8 @@ An operator is a plain class (no base class to inherit from):
   per-prompt table onto the samples by prompt id), instead of the default row-by-row merge of
   inputs that share their rows; each input must bring its ``input_requires`` columns, and the
   rows going on are the first input's.
+- optionally ``explain_notes(params) -> [str]`` (a classmethod): lines `explain` prints under the
+  node (harness-generate: where its endpoint will serve).
 - ``__init__(params, ctx)``, ``__call__(batch: pa.Table) -> pa.Table``, and optionally
   ``last_metrics() -> dict[str, float]`` for what the last call measured (a plain float is
   averaged over a step's calls; a count, a time, a throughput or an extreme says so by its
@@ -111,6 +113,7 @@ class Contract:
     stateful: bool  # instances checkpoint: state_dict() / load_state_dict(state)
     reports_metrics: bool  # instances have last_metrics()
     closes: bool  # instances hold something to release: close()
+    explain_notes: Callable[[BaseModel], list[str]] | None = None  # extra lines `explain` prints under the node
 
 
 def contract_of(op_cls: type) -> Contract:
@@ -136,6 +139,7 @@ def contract_of(op_cls: type) -> Contract:
         stateful=callable(getattr(op_cls, "state_dict", None)),
         reports_metrics=callable(getattr(op_cls, "last_metrics", None)),
         closes=callable(getattr(op_cls, "close", None)),
+        explain_notes=hook("explain_notes"),
     )
 
 

@@ -67,6 +67,16 @@ class BadReward(Exception):
     SAMPLE" in the operator's error."""
 
 
+HARNESS = "builtin:harness"
+
+
+def harness_score(reward: float | None, wrong: float) -> dict[str, float]:
+    """``builtin:harness``: the harness's reward as the score (``wrong`` where it gave none or the
+    sample is masked: NaN); acc is score > 0."""
+    score = wrong if reward is None or not np.isfinite(reward) else float(reward)
+    return {"score": score, "acc": float(np.float32(score) > 0)}
+
+
 def resolve_reward(spec: RewardSpec) -> Callable[[str, str, dict], Any]:
     """The function ``spec.reward`` names, taking (response_text, ground_truth, extra_info).
     A function with verl's signature, ``compute_score(data_source, solution_str, ground_truth,
@@ -78,6 +88,8 @@ def resolve_reward(spec: RewardSpec) -> Callable[[str, str, dict], Any]:
 
     builtins = {"builtin:addition": tasks.verify_addition, "builtin:math": tasks.verify_math,
                 "builtin:chain": chain_task.verify_chain, tool_arith.TOOL_ARITH: tool_arith.verify_tool_arith}
+    if spec.reward == HARNESS:  # harness-generate's own reward (score's extra_info carries it)
+        return lambda _text, _truth, extra: harness_score(extra.get("harness_reward"), spec.wrong)
     if spec.reward in builtins:
         verify = builtins[spec.reward]
         return lambda text, truth, _extra: verify(text, truth, correct=spec.correct, wrong=spec.wrong)

