@@ -58,6 +58,8 @@ BUILTINS: dict[str, Builtin] = {
     "tiny-adder-rm": Builtin("dapo_flow.recipes.tiny_adder_rm", "build_tiny_adder_rm", "char"),
     "tiny-adder-judge": Builtin("dapo_flow.recipes.tiny_adder_judge", "build_tiny_adder_judge", "char"),
     "tiny-agent": Builtin("dapo_flow.recipes.tiny_agent", "build_tiny_agent", "char"),
+    # printable-ASCII characters, not tiny-adder's arithmetic ones: its own family
+    "tiny-gym": Builtin("dapo_flow.recipes.tiny_gym", "build_tiny_gym", "char-ascii"),
 }
 
 

@@ -1,0 +1,120 @@
+"""``builtin:tiny-gym``: a ~0.1M-parameter character-level Llama warm-started on one
+reasoning-gym task (``chain_sum``: ``a + b`` / ``a - b`` of one- and two-digit numbers, the
+source ``graphs/gym.yaml`` trains on) to mixed accuracy, so RL has groups with right and wrong
+samples to learn from.
+
+It is prompted as the graph prompts it: reasoning-gym's ``direct`` system prompt (answer between
+``<answer>`` tags, nothing else), a newline, the question (the tokenizer has no chat template,
+so ``data.prompts`` joins the messages' contents by lines), and answers
+``<answer>N</answer>`` then EOS. The warm start sees the train split the graph trains on
+(seed 0, :data:`TRAIN_SIZE` items); the build's accuracy is measured on the validation split's
+first ``eval_items`` items (seed ``VAL_SEED_OFFSET``) less those a train item equals, as the
+graph's validation reads them. As with tiny-adder, a fixed step count with label smoothing,
+fixed seeds, one thread and deterministic kernels make a build reproducible on one machine type.
+reasoning-gym (the ``gym`` extra) is needed to build it.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dapo_flow.data import reasoning_gym as gym
+from dapo_flow.recipes.warm_start import (
+    char_llama, deterministic_torch, sampled_accuracy_of, save_model_dir, set_generation_config, supervised_fit,
+    write_build_info)
+
+RECIPE_VERSION = 1  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
+TASK = "chain_sum"
+CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+SYSTEM_PROMPT = "direct"
+TRAIN_SIZE = 5000  # graphs/gym.yaml's data.train.size
+# printable ASCII but the rarer whitespace: every character reasoning-gym's prompts use here
+CHARS = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    hidden_size: int = 64
+    num_heads: int = 2  # head_dim 32 (vLLM's CPU attention takes it)
+    num_layers: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 256  # a ~215-character prompt and a ~20-character answer
+    steps: int = 1200
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    label_smoothing: float = 0.1
+    eval_items: int = 200  # the val items' first, less train repeats
+    eval_samples_per_prompt: int = 4
+    eval_seed: int = 1234
+
+
+RECIPE = Recipe()
+VOCAB_SIZE = 4 + len(CHARS)  # <pad> <s> </s> <unk>, then one id per character
+
+
+def shape_config(recipe: Recipe = RECIPE) -> dict[str, Any]:
+    """The config.json keys that size the model, known before it is built."""
+    return {"model_type": "llama", "vocab_size": VOCAB_SIZE, "hidden_size": recipe.hidden_size,
+            "intermediate_size": recipe.intermediate_size, "num_hidden_layers": recipe.num_layers,
+            "num_attention_heads": recipe.num_heads, "num_key_value_heads": recipe.num_heads,
+            "max_position_embeddings": recipe.max_position_embeddings, "tie_word_embeddings": False}
+
+
+@dataclass(frozen=True)
+class Item:
+    prompt: str  # the text the model sees
+    answer: str  # the row's ground truth (JSON: what builtin:reasoning-gym scores with)
+    reply: str  # the warm start's target
+
+
+def items(split: str, size: int) -> list[Item]:
+    """The split's items as the graph's source serves them (train at seed 0, val at the default
+    val seed without the items train repeats)."""
+    avoid = gym.questions(TASK, CONFIG, seed=0, size=TRAIN_SIZE) if split == "val" else set()
+    rows, _ = gym.records(TASK, CONFIG, seed=gym.default_seed(split, 0), size=size,
+                          options={"system_prompt": SYSTEM_PROMPT}, avoid=avoid)
+    return [Item("\n".join(m["content"] for m in f["prompt"]), f["ground_truth"],
+                 f"<answer>{json.loads(f['ground_truth'])['entry']['answer']}</answer>") for _, f in rows]
+
+
+def build_tiny_gym(out_dir: Path, *, seed: int = 0, progress: bool = True, recipe: Recipe = RECIPE) -> Path:
+    """Build, warm-start, save and evaluate the model into ``out_dir``; returns ``out_dir``."""
+    from dapo_flow.models.tokenizer import build_char_tokenizer
+
+    out_dir = Path(out_dir)
+    tokenizer = build_char_tokenizer(CHARS, model_max_length=recipe.max_position_embeddings)
+    train = items("train", TRAIN_SIZE)
+    start = time.perf_counter()
+    with deterministic_torch(seed):
+        model = char_llama(tokenizer, recipe)
+        prompts = tokenizer([i.prompt for i in train], add_special_tokens=False)["input_ids"]
+        replies = tokenizer([i.reply for i in train], add_special_tokens=False)["input_ids"]
+        supervised_fit(model, prompts, [r + [tokenizer.eos_token_id] for r in replies], recipe,
+                       pad_id=tokenizer.pad_token_id, seed=seed, label="builtin:tiny-gym", progress=progress,
+                       trim_padding=True)
+        set_generation_config(model, tokenizer)
+        save_model_dir(out_dir, model, tokenizer)
+        train_seconds = time.perf_counter() - start
+        accuracy = sampled_accuracy(out_dir, recipe)
+    write_build_info(out_dir, name="tiny-gym", recipe_version=RECIPE_VERSION, recipe=recipe, seed=seed,
+                     model=model, accuracy=accuracy, train_seconds=train_seconds,
+                     task={"source": f"{gym.PREFIX}{TASK}", "config": CONFIG, "system_prompt": SYSTEM_PROMPT},
+                     protocol=f"first {recipe.eval_items} val items (less train repeats) x "
+                     f"{recipe.eval_samples_per_prompt} samples, temperature 1.0, seed {recipe.eval_seed}")
+    return out_dir
+
+
+def sampled_accuracy(model_dir: Path, recipe: Recipe = RECIPE) -> float:
+    """Fraction of temperature-1 samples the library scores 1 on the first val items."""
+    return sampled_accuracy_of(
+        model_dir, items("val", recipe.eval_items), lambda tok, prompts: tok(prompts, add_special_tokens=False)["input_ids"],
+        lambda text, truth: float(gym.library_score(text, truth) >= 1.0),
+        samples_per_prompt=recipe.eval_samples_per_prompt, max_tokens=24, seed=recipe.eval_seed)
