@@ -253,6 +253,10 @@ def _gym_records(source: str, seed: int, size: int | None, config: dict[str, Any
     name = reasoning_gym.gym_name(source)
     rows, dropped = reasoning_gym.records(name, config, seed=seed, size=size or reasoning_gym.DEFAULT_SIZE,
                                           options=options, avoid=avoid)
+    if dropped and not rows:
+        raise DataError(f"{source}: every one of its {dropped} items repeats a train item (the task has few "
+                        "distinct items under this config)\n    fix: widen the config, or give the train "
+                        "split fewer items")
     if dropped and report is not None:
         report(f"{source}: dropped {dropped} item(s) a train item equals (a small task repeats items "
                "under other seeds)")

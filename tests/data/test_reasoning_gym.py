@@ -116,3 +116,13 @@ def test_a_cli_validate_of_a_bad_gym_graph_exits_2(tmp_path, capsys):
     path.write_text(GRAPH.format(data='  train: {source: "reasoning_gym:chain_sun"}'))
     assert main(["validate", str(path)]) == 2
     assert "did you mean 'chain_sum'" in capsys.readouterr().err
+
+
+def test_a_validation_split_left_empty_by_train_repeats_says_so():
+    from dapo_flow.data.prompts import load_prompts
+    from dapo_flow.errors import DataError
+
+    avoid = gym.questions("chain_sum", SUM, seed=0, size=2000)  # all 200 distinct items
+    with pytest.raises(DataError, match="every one of its 20 items repeats a train item"):
+        load_prompts("reasoning_gym:chain_sum", tokenizer=None, seed=gym.default_seed("val", 0), size=20,
+                     config=SUM, avoid=avoid)
