@@ -36,3 +36,23 @@ def pass_at_k(group_ids: GroupIds, correct: np.ndarray | Sequence[float] | Tenso
     return float(np.mean(1.0 - np.where(wrong >= k, ratio, 0.0)))
 
 
+
+
+def source_sums(sources: Sequence[str], values: np.ndarray) -> dict[str, tuple[float, int]]:
+    """Per data source (as :func:`metric_safe` spells it): the sum of its rows' ``values`` and
+    their count, so means over several batches add up exactly. Shape: sources (batch,), values
+    (batch,)."""
+    out: dict[str, tuple[float, int]] = {}
+    for source, value in zip(sources, np.asarray(values, dtype=np.float64).tolist()):
+        key = metric_safe(source)
+        total, count = out.get(key, (0.0, 0))
+        out[key] = (total + value, count + 1)
+    return out
+
+
+def metric_safe(name: str | None) -> str:
+    """A data source's name as a metric-name part: MLflow takes letters, digits and ``_-. /``
+    only (a verl ``data_source`` such as ``openai/gsm8k`` keeps its slash); anything else is ``_``."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", name or "") or "_"

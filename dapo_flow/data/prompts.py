@@ -1,6 +1,7 @@
 """Prompt data sources -> an Arrow table with ``columns.prompt_schema()``.
 
-Sources: ``builtin:addition`` (see ``dapo_flow.data.tasks``), ``builtin:chain`` (chat messages,
+Sources: ``reasoning_gym:NAME`` (a reasoning-gym generator, see
+``dapo_flow.data.reasoning_gym``), ``builtin:addition`` (see ``dapo_flow.data.tasks``), ``builtin:chain`` (chat messages,
 see ``dapo_flow.data.chain_task``), ``builtin:tool-arith`` (``a*b=`` for a calculator-using agent,
 see ``dapo_flow.data.tool_arith``), ``.parquet``, ``.jsonl`` and ``.json``
 (a list of records). verl-format rows are understood: ``prompt`` as a chat message list
@@ -21,6 +22,7 @@ import pyarrow as pa
 from dapo_flow.core import columns as C
 from dapo_flow.errors import DataError
 from dapo_flow.data.prompt_budget import PromptBudget
+from dapo_flow.data import reasoning_gym
 from dapo_flow.data.chain_task import CHAIN, CHAIN_OPTIONS, ChainTask, question
 from dapo_flow.data.tasks import ADDITION, AdditionTask
 from dapo_flow.data.tool_arith import TOOL_ARITH, TOOL_ARITH_OPTIONS, ToolArithTask
@@ -67,6 +69,8 @@ def load_prompts(
     read_parquet: "ParquetReader | None" = None,
     budget: PromptBudget | None = None,
     report: Callable[[str], None] | None = None,
+    config: dict[str, Any] | None = None,
+    avoid: set[str] = frozenset(),
 ) -> tuple[pa.Table, int]:
     """Read, template and tokenize prompts; returns (table, number of dropped rows).
 
@@ -82,15 +86,22 @@ def load_prompts(
     its Ray tasks); it is given one file or the name-ordered list of a folder's ``*.parquet`` shards.
     A source that leaves no usable row (empty, or every row bad and skipped) is a DataError:
     training could never draw a prompt from it.
+    ``reasoning_gym:NAME`` (:mod:`dapo_flow.data.reasoning_gym`): the generator's first ``size``
+    items at ``seed`` with its ``config``; those whose question is in ``avoid`` (a train split's,
+    when this is validation) are dropped and reported.
     """
     if on_bad_row not in ("error", "skip"):
         raise DataError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
-    if source.startswith("builtin:"):
+    if reasoning_gym.is_gym(source):
+        records, default_source = _gym_records(source, seed, size, config or {}, options or {}, avoid, report), source
+        prompt_key, answer_key = "prompt", "ground_truth"
+    elif source.startswith("builtin:"):
         records, default_source = _builtin_records(source, split, seed, options or {}), source[len("builtin:"):]
         prompt_key, answer_key = "prompt", "ground_truth"
     else:
-        if options:
-            raise DataError(f"{source}: `options` only apply to builtin sources, got {sorted(options)}")
+        if options or config:
+            raise DataError(f"{source}: `options` and `config` only apply to builtin and reasoning_gym "
+                            f"sources, got {sorted({**(options or {}), **(config or {})})}")
         records, default_source = _file_records(Path(source), read_parquet), Path(source).stem
     records = records[:size] if size is not None else records
     table, skipped, _ = prompt_table(records, source=source, default_source=default_source,
@@ -237,9 +248,24 @@ def _builtin_records(source: str, split: str, seed: int, options: dict[str, Any]
     ]
 
 
+def _gym_records(source: str, seed: int, size: int | None, config: dict[str, Any], options: dict[str, Any],
+                 avoid: set[str], report: Callable[[str], None] | None) -> list[_Record]:
+    name = reasoning_gym.gym_name(source)
+    rows, dropped = reasoning_gym.records(name, config, seed=seed, size=size or reasoning_gym.DEFAULT_SIZE,
+                                          options=options, avoid=avoid)
+    if dropped and not rows:
+        raise DataError(f"{source}: every one of its {dropped} items repeats a train item (the task has few "
+                        "distinct items under this config)\n    fix: widen the config, or give the train "
+                        "split fewer items")
+    if dropped and report is not None:
+        report(f"{source}: dropped {dropped} item(s) a train item equals (a small task repeats items "
+               "under other seeds)")
+    return [_Record(i, f"item {i} (seed {seed} + {i})", fields) for i, fields in rows]
+
+
 ParquetReader = Callable[["Path | list[Path]"], pa.Table]
 #: What a prompt source can be (the fix of an error about one).
-SOURCE_KINDS = "a .parquet file or a folder of them, a .json/.jsonl file, or builtin:NAME"
+SOURCE_KINDS = "a .parquet file or a folder of them, a .json/.jsonl file, builtin:NAME or reasoning_gym:NAME"
 
 
 def missing_prompt_file(path: Path) -> DataError:

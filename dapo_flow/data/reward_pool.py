@@ -83,11 +83,12 @@ def resolve_reward(spec: RewardSpec) -> Callable[[str, str, dict], Any]:
     extra_info=None)`` (told apart by its ``solution_str`` parameter), is called that way, with
     the row's ``data_source`` (extra_info's) and the rest of extra_info, so verl reward files
     work unchanged."""
-    from dapo_flow.data import chain_task, tasks, tool_arith
+    from dapo_flow.data import chain_task, reasoning_gym, tasks, tool_arith
     from dapo_flow.core.imports import load_object
 
     builtins = {"builtin:addition": tasks.verify_addition, "builtin:math": tasks.verify_math,
-                "builtin:chain": chain_task.verify_chain, tool_arith.TOOL_ARITH: tool_arith.verify_tool_arith}
+                "builtin:chain": chain_task.verify_chain, tool_arith.TOOL_ARITH: tool_arith.verify_tool_arith,
+                reasoning_gym.REWARD: reasoning_gym.verify_gym}
     if spec.reward == HARNESS:  # harness-generate's own reward (score's extra_info carries it)
         return lambda _text, _truth, extra: harness_score(extra.get("harness_reward"), spec.wrong)
     if spec.reward in builtins:

@@ -23,9 +23,11 @@ SAVED_COLUMNS = (C.PROMPT_ID, C.SAMPLE_IDX, C.DATA_SOURCE, C.PROMPT_TEXT, C.RESP
                  C.CONVERSATION)  # the last four: agent-generate's
 
 
-def streams(source: str) -> bool:
-    """Whether eval reads ``source`` batch by batch (parquet) rather than whole."""
-    return not source.startswith("builtin:") and not source.lower().endswith((".json", ".jsonl"))
+def streams(source: str | None) -> bool:
+    """Whether eval reads ``source`` batch by batch (parquet) rather than whole (None: a mixture,
+    read whole, as generated sources are)."""
+    return (source is not None and not source.startswith(("builtin:", "reasoning_gym:"))
+            and not source.lower().endswith((".json", ".jsonl")))
 
 
 class EvalPrompts:
@@ -33,7 +35,7 @@ class EvalPrompts:
     while) iterating, ``count`` prompts were given and ``skipped`` bad rows dropped.
     ``total_hint``: the source's row count when known up front (a progress bar's total)."""
 
-    def __init__(self, plan, data, ex, batch_size: int):
+    def __init__(self, plan, data, ex, batch_size: int, role: str = "val"):
         self.data, self.batch_size = data, batch_size
         self.count = self.skipped = 0
         if streams(data.source):
@@ -46,7 +48,8 @@ class EvalPrompts:
                                 f"{SOURCE_KINDS}") from None
             self.total_hint = rows if data.size is None else min(rows, data.size)
         else:
-            self._table, self.skipped = load_source(plan, data, generator_tokenizer(plan), ex.read_parquet)
+            self._table, self.skipped = load_source(plan, data, generator_tokenizer(plan), ex.read_parquet,
+                                                    role=role)
             self.total_hint = self._table.num_rows
 
     def __iter__(self) -> Iterator[pa.Table]:
@@ -58,7 +61,7 @@ class EvalPrompts:
             self.count += batch.num_rows
             yield batch
         if self.count == 0:
-            raise DataError(f"{self.data.source}: no usable prompt row (skipped {self.skipped} bad row(s)): "
+            raise DataError(f"{self.data.label}: no usable prompt row (skipped {self.skipped} bad row(s)): "
                             "nothing to evaluate")
 
     def _usable(self, batches: Iterator[pa.Table]) -> Iterator[pa.Table]:

@@ -98,14 +98,16 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     data = spec.data.val or spec.data.train
     if spec.data.val is None and source is None and split is None:
         raise RunError(f"graph '{spec.name}' has no data.val: pass --source / --split for the prompts")
+    role = "val" if spec.data.val is not None else "train"  # a generated source's default seed
     data = data.model_copy(update={k: v for k, v in (("source", source), ("split", split), ("size", size))
-                                   if v is not None})
-    if writer is not None and Path(data.source).expanduser().resolve() == writer.path.resolve():
+                                   if v is not None} | ({"sources": None} if source is not None else {}))
+    if writer is not None and data.source is not None and (
+            Path(data.source).expanduser().resolve() == writer.path.resolve()):
         raise RunError(f"--save {save}: that is the file the prompts are read from: name another file")
     n = n or spec.run.val_n
     temperature = spec.run.val_temperature if temperature is None else temperature
     label = "base model" if step_dir is None else f"{step_dir} (step {step})"
-    console.print(f"evaluating {label} on {data.source} [{data.split}], {n} sample(s) per prompt at "
+    console.print(f"evaluating {label} on {data.label} [{data.split}], {n} sample(s) per prompt at "
                   f"temperature {temperature}", highlight=False, markup=False)
 
     setups = stage_setups(placed, models)
@@ -114,7 +116,7 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     try:
         metrics, samples, counts, seconds = grade(placed, setups, data, n=n, temperature=temperature, seed=seed,
                                                   batch_size=batch_size, address=address, console=console,
-                                                  writer=writer, executor=executor)
+                                                  writer=writer, executor=executor, role=role)
         if writer is not None:
             writer.close()
     finally:
@@ -126,7 +128,7 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
                       run_name=run_name or f"eval {spec.name} " + ("base" if step is None else f"step {step}"),
                       tags={EVAL_TAG: "1", "graph": spec.name}, parent_run_id=parent_run_id)
     tracker.log_params({"eval.checkpoint": str(step_dir) if step_dir else "base", "eval.step": str(step),
-                        "eval.n": str(n), "eval.temperature": str(temperature), "eval.source": data.source,
+                        "eval.n": str(n), "eval.temperature": str(temperature), "eval.source": data.label,
                         "eval.split": data.split, "eval.size": str(data.size), "seed": str(seed),
                         **(extra_params or {})})
     tracker.log_metrics(step or 0, metrics)
@@ -142,13 +144,13 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
 
 
 def _grade_with_runner(placed, setups, data, *, n, temperature, seed, batch_size, address, console, writer,
-                       executor):
+                       executor, role="val"):
     """The local eval: the run's stage workers, the training loop's validation over prompt
     batches. Returns (metrics, logged samples, (prompts, skipped rows), seconds)."""
     spec = placed.plan.spec
     ex = start_executor(placed, setups, executor, address, console, seed)
     try:
-        prompts = EvalPrompts(placed.plan, data, ex, batch_size)
+        prompts = EvalPrompts(placed.plan, data, ex, batch_size, role)
         runner = Runner(placed, ex, None)
         start = time.perf_counter()
         with _progress(console, prompts.total_hint, n) as advance:
@@ -165,7 +167,7 @@ def _grade_with_runner(placed, setups, data, *, n, temperature, seed, batch_size
 
 
 def _grade_on_ray_data(placed, setups, data, *, n, temperature, seed, batch_size, address, console, writer,
-                       executor):
+                       executor, role="val"):
     """The Ray eval: a Ray Data pipeline (experiments.eval_pipeline) whose graded batches the
     driver tallies as they come. Returns what :func:`_grade_with_runner` does."""
     import ray
@@ -185,7 +187,7 @@ def _grade_on_ray_data(placed, setups, data, *, n, temperature, seed, batch_size
             tokenize = tokenize_batch(plan, data)
             prompts, total, skipped = (groups, tokenize, data.split), sum(g.rows for g in groups), None
         else:
-            prompts, skipped = load_source(plan, data, generator_tokenizer(plan))
+            prompts, skipped = load_source(plan, data, generator_tokenizer(plan), role=role)
             total = prompts.num_rows
         tally = ValidationTally(n, plan.spec.tracking.log_samples)
         start = time.perf_counter()
@@ -197,7 +199,7 @@ def _grade_on_ray_data(placed, setups, data, *, n, temperature, seed, batch_size
                 if writer is not None:
                     writer.write(graded)
         if tally.prompts == 0:
-            raise DataError(f"{data.source}: no usable prompt row (skipped {total} bad row(s)): nothing to evaluate")
+            raise DataError(f"{data.label}: no usable prompt row (skipped {total} bad row(s)): nothing to evaluate")
         metrics = tally.result()
         seconds = time.perf_counter() - start
         metrics["time/validate"] = seconds

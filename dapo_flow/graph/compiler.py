@@ -402,7 +402,7 @@ def explain(placed: PlacedPlan) -> str:
     per_batch = ("generation batches sized from the keep rate so far (auto)" if gen_batch == "auto"
                  else f"{gen_batch} per generation batch")
     out += ["", f"step ({run.steps} steps, {run.prompts_per_step} prompt groups each):",
-            f"  prompts: {train.source} [{train.split}], {per_batch}{_budget_note(spec.data, train)}",
+            f"  prompts: {train.label} [{train.split}], {per_batch}{_budget_note(spec.data, train)}",
             f"    emits {_columns(C.prompt_schema())}"]
     headers = {
         "rollout": f"  rollout (repeated until {run.prompts_per_step} groups are kept; at most "
@@ -439,7 +439,7 @@ def explain(placed: PlacedPlan) -> str:
         every = f", every {run.val_every} steps" if run.val_every else ""
         out += ["", f"validation (before the first step{every} and after the last): {gen.id} @ {placed.node_stage[gen.id]} "
                 f"with n={run.val_n} temperature={run.val_temperature}, graded by {grade.id} @ "
-                f"{placed.node_stage[grade.id]}, on {spec.data.val.source} [{spec.data.val.split}]"]
+                f"{placed.node_stage[grade.id]}, on {spec.data.val.label} [{spec.data.val.split}]"]
     return "\n".join(out) + "\n"
 
 

@@ -287,15 +287,31 @@ def _attention_heads(path: str) -> int | None:
 
 
 class DataSourceSpec(_Frozen):
-    source: str = Field(
-        description="`builtin:addition`, `builtin:chain`, a .parquet / .jsonl / .json file, or a folder of .parquet "
-        "shards read in name order (verl format accepted). It must yield at least one usable row."
+    source: str | None = Field(
+        None, description="`builtin:addition`, `builtin:chain`, `reasoning_gym:NAME` (a reasoning-gym generator), "
+        "a .parquet / .jsonl / .json file, or a folder of .parquet shards read in name order (verl format "
+        "accepted). It must yield at least one usable row. One of `source` and `sources`."
     )
+    sources: "tuple[DataSourceSpec, ...] | None" = Field(
+        None, description="A mixture: several sources, each with its `weight`; each generation batch draws "
+        "them in proportion (stratified and seeded: after any number of prompts, every source's count is "
+        "within one of its share). Metrics and validation are also reported per data_source.")
+    weight: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="A mixture source's share (normalized over the "
+        "mixture's weights; default 1: equal shares).")
     split: str = Field("train", description="Split name for built-in tasks.")
-    size: int | None = Field(None, ge=1, description="Use at most this many prompts.")
+    size: int | None = Field(None, ge=1, description="Use at most this many prompts (reasoning_gym: the "
+                             "number of items generated, default 500).")
+    seed: int | None = Field(
+        None, ge=0, le=MAX_SEED, description="A generated source's seed (builtin tasks, reasoning_gym: item i is "
+        "drawn from seed + i); default: the graph's seed, plus 100000000 for data.val's reasoning_gym sources.")
     options: dict[str, Any] = Field(
-        default_factory=dict, description="Task options, e.g. {low: 0, high: 99}."
+        default_factory=dict, description="Task options, e.g. {low: 0, high: 99}; reasoning_gym: "
+        "{system_prompt: NAME} (one of reasoning-gym's SYSTEM_PROMPTS, default `default`; null: none)."
     )
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="A reasoning_gym source's generator settings (the fields of its "
+        "config, e.g. {min_terms: 2, max_terms: 2}), seed and size apart.")
     prompt_key: str = Field("prompt", description="Column holding the prompt.")
     answer_key: str | None = Field(
         None, description="Column holding the ground truth (default: reward_model.ground_truth)."
@@ -316,12 +332,56 @@ class DataSourceSpec(_Frozen):
     shuffle_buffer: int = Field(10_000, ge=1, description="Rows in a streamed source's shuffle buffer.")
 
     @model_validator(mode="after")
+    def _one_source_or_a_mixture(self) -> "DataSourceSpec":
+        if (self.source is None) == (self.sources is None):
+            raise ValueError("set `source` (one source) or `sources` (a mixture: a list of {source, weight}), "
+                             + ("not both" if self.source is not None else "one of the two"))
+        if self.sources is not None:
+            if not self.sources:
+                raise ValueError("`sources` is empty: a mixture needs at least one {source, weight}")
+            setting = [k for k in ("size", "seed", "weight", "max_prompt_tokens") if getattr(self, k) is not None]
+            setting += [k for k in ("options", "config") if getattr(self, k)] + (["stream"] if self.stream else [])
+            if setting:
+                raise ValueError(f"{setting[0]} is set on a mixture: set it on each of its `sources`"
+                                 + (" (a mixture is read whole: stream takes a single parquet source)"
+                                    if setting[0] == "stream" else "")
+                                 + (" (max_prompt_tokens: on the mixture's data.max_prompt_length)"
+                                    if setting[0] == "max_prompt_tokens" else ""))
+            for entry in self.sources:
+                if entry.sources is not None:
+                    raise ValueError("a mixture's source is itself a mixture: list every source in one `sources`")
+                if entry.stream:
+                    raise ValueError(f"stream: true on mixture source {entry.source!r}: a mixture is read whole")
+                if entry.max_prompt_tokens is not None:
+                    raise ValueError("max_prompt_tokens on a mixture's source: the mixture has one prompt "
+                                     "budget (data.max_prompt_length)")
+        return self
+
+    @model_validator(mode="after")
     def _stream_reads_parquet(self) -> "DataSourceSpec":
-        if self.stream and (self.source.startswith("builtin:") or self.source.lower().endswith((".json", ".jsonl"))):
+        generated = ("builtin:", "reasoning_gym:")
+        if self.stream and self.source is not None and (
+                self.source.startswith(generated) or self.source.lower().endswith((".json", ".jsonl"))):
             raise ValueError(f"stream: true reads a .parquet file or a folder of .parquet shards, not "
                              f"{self.source!r}; convert the file to parquet, or drop stream (it is "
                              "read whole before the first step)")
         return self
+
+    def leaves(self) -> "tuple[DataSourceSpec, ...]":
+        """The single sources: this one, or a mixture's."""
+        return self.sources if self.sources is not None else (self,)
+
+    def shares(self) -> list[float]:
+        """Each leaf's share of the prompts (a mixture's weights normalized; [1.0] for one source)."""
+        weights = [1.0 if s.weight is None else s.weight for s in self.leaves()]
+        return [w / sum(weights) for w in weights]
+
+    @property
+    def label(self) -> str:
+        """What the source is, for a person: its `source`, or the mixture's sources and shares."""
+        if self.sources is None:
+            return str(self.source)
+        return "mixture of " + ", ".join(f"{s.source} ({share:.0%})" for s, share in zip(self.sources, self.shares()))
 
 
 class DataSpec(_Frozen):
@@ -343,6 +403,14 @@ class DataSpec(_Frozen):
     filter_overlong_prompts: bool = Field(
         False, description="Drop prompts over the budget when the data is read instead (counted and "
         "logged with the skipped rows), whatever on_bad_row says.")
+
+    @model_validator(mode="after")
+    def _weights_in_mixtures_only(self) -> "DataSpec":
+        for which, src in (("train", self.train), ("val", self.val)):
+            if src is not None and src.weight is not None:
+                raise ValueError(f"data.{which}.weight: a weight is a source's share in a mixture "
+                                 f"(data.{which}.sources: [{{source, weight}}, ...]); a single source takes none")
+        return self
 
     @model_validator(mode="after")
     def _overlong_handling_needs_a_budget(self) -> "DataSpec":

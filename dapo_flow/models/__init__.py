@@ -59,6 +59,8 @@ BUILTINS: dict[str, Builtin] = {
     "tiny-adder-judge": Builtin("dapo_flow.recipes.tiny_adder_judge", "build_tiny_adder_judge", "char"),
     "tiny-agent": Builtin("dapo_flow.recipes.tiny_agent", "build_tiny_agent", "char"),
     "tiny-adder-teacher": Builtin("dapo_flow.recipes.tiny_adder_teacher", "build_tiny_adder_teacher", "char"),
+    # printable-ASCII characters, not tiny-adder's arithmetic ones: its own family
+    "tiny-gym": Builtin("dapo_flow.recipes.tiny_gym", "build_tiny_gym", "char-ascii"),
 }
 
 

@@ -5,7 +5,9 @@ Reward functions: ``builtin:addition``, ``builtin:chain`` (the last line must be
 ``builtin:math`` (boxed / final answer, DAPO's +1 / -1, equivalent forms through math-verify),
 ``builtin:tool-reward`` (the row's ``tool_reward``: what agent-generate's tools or OpenEnv
 environment gave the sample; acc: it is positive), ``builtin:harness`` (harness-generate's
-``harness_reward``; ``wrong`` where the harness gave none), or user code ``module:fn`` / ``file.py:fn`` taking
+``harness_reward``; ``wrong`` where the harness gave none),
+``builtin:reasoning-gym`` (a reasoning_gym: source's own ``score_answer`` on the last ``<answer>``,
+mapped onto [wrong, correct]; ``dapo_flow/data/reasoning_gym.py``), or user code ``module:fn`` / ``file.py:fn`` taking
 ``(response_text, ground_truth, extra_info)`` (extra_info holds the row's ``data_source``, its
 ``tool_reward`` after agent-generate and ``harness_reward`` after harness-generate) and
 returning a float or a dict with ``score`` (and optionally ``acc`` plus the declared
@@ -58,6 +60,7 @@ import pyarrow as pa
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from dapo_flow.algos import fill_from_group, lowest_token_probability
+from dapo_flow.algos.metrics import source_sums
 from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import token_lists, with_columns
 from dapo_flow.data.reward_pool import (  # as_number: re-exported, tests and plugins use it here
@@ -114,7 +117,7 @@ class Params(BaseModel):
     reward: str | ModelReward = Field("builtin:addition")
     """`builtin:addition`, `builtin:chain`, `builtin:tool-arith`, `builtin:math`, `builtin:tool-reward`
     (the tools' / environment's reward, `tool_reward`), `builtin:harness` (the harness's, `harness_reward`),
-    `module:fn` or `file.py:fn`;
+    `builtin:reasoning-gym` (the reasoning_gym: source's own scorer), `module:fn` or `file.py:fn`;
     `http://HOST:PORT` (or https): a reward server's address (`dapo-flow serve-reward`); or
     `{model: NAME, rule: ..., combine: ...}`: a reward model's score (without a rule, `acc` is the
     model's verdict, score > 0)."""
@@ -278,7 +281,8 @@ class Score:
             extras = {name: fill(values, 0.0) for name, values in extras.items()}
         self._metrics = {"score/mean": float(score.mean()), "acc/mean": float(acc.mean()),
                          # a dict's extra values, averaged over the batch (verl logs its reward_extra_info so)
-                         **{f"score/extra/{name}": float(values.mean()) for name, values in extras.items()}}
+                         **{f"score/extra/{name}": float(values.mean()) for name, values in extras.items()},
+                         **_per_source(batch, score, acc)}
         if self.params.timeout_s is not None:
             self._metrics["score/timeouts"] = Total(timed_out)
         if self.params.url is not None:
@@ -377,6 +381,16 @@ def _sample_name(batch: pa.Table, row: int) -> str:
     if C.SAMPLE_IDX in batch.column_names:
         parts.append(f"sample {batch.column(C.SAMPLE_IDX)[row].as_py()}")
     return ", ".join(parts) or f"row {row}"
+
+
+def _per_source(batch: pa.Table, score: np.ndarray, acc: np.ndarray) -> dict[str, float]:
+    """``score/SOURCE/mean`` and ``acc/SOURCE/mean`` per ``data_source`` the rows carry (a
+    mixture's sources apart, as verl reports its data sources)."""
+    if C.DATA_SOURCE not in batch.column_names:
+        return {}
+    sources = batch.column(C.DATA_SOURCE).to_pylist()
+    return {f"{what}/{name}/mean": total / count for what, values in (("score", score), ("acc", acc))
+            for name, (total, count) in source_sums(sources, values).items()}
 
 
 def _extra_infos(batch: pa.Table) -> list[dict]:

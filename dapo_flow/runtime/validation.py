@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from dapo_flow import algos
+from dapo_flow.algos.metrics import source_sums
 from dapo_flow.data.arrow_utils import group_codes
 from dapo_flow.core import columns as C
 
@@ -26,7 +27,8 @@ def pass_ks(n: int) -> list[int]:
 
 class ValidationTally:
     """Graded validation batches in -> avg@n accuracy (``val/acc``), mean score and response
-    length, unbiased pass@k; and the first ``log_samples`` samples to log."""
+    length, unbiased pass@k, accuracy and score per data source (``val/SOURCE/acc``,
+    ``val/SOURCE/score``); and the first ``log_samples`` samples to log."""
 
     def __init__(self, n: int, log_samples: int):
         self.n, self.log_samples = n, log_samples
@@ -36,6 +38,7 @@ class ValidationTally:
         self.pass_sums = {k: 0.0 for k in pass_ks(n)}
         self.pass_prompts = {k: 0 for k in pass_ks(n)}
         self.samples: list[dict] = []
+        self.by_source: dict[str, dict[str, tuple[float, int]]] = {C.ACC: {}, C.SCORE: {}}  # source -> (sum, rows)
 
     def add(self, graded: pa.Table) -> None:
         """One graded batch (the reward node's output over whole prompts)."""
@@ -53,6 +56,12 @@ class ValidationTally:
             if counted:
                 self.pass_sums[k] += algos.pass_at_k(groups, acc, k) * counted
                 self.pass_prompts[k] += counted
+        if C.DATA_SOURCE in graded.column_names:
+            sources = graded.column(C.DATA_SOURCE).to_pylist()
+            for col, tally in self.by_source.items():
+                for name, (total, count) in source_sums(sources, graded.column(col).to_numpy()).items():
+                    old = tally.get(name, (0.0, 0))
+                    tally[name] = (old[0] + total, old[1] + count)
         if len(self.samples) < self.log_samples:
             cols = [c for c in SAMPLE_COLUMNS if c in graded.column_names]
             self.samples += graded.select(cols).slice(0, self.log_samples - len(self.samples)).to_pylist()
@@ -66,6 +75,8 @@ class ValidationTally:
             "val/score": self.sums[C.SCORE] / self.rows,
             "val/response_len_mean": self.sums[C.RESPONSE_LEN] / self.rows,
         }
+        for col, tally in self.by_source.items():  # per data_source, as verl's val-core/SOURCE/...
+            out.update({f"val/{name}/{col}": total / count for name, (total, count) in tally.items()})
         for k, total in self.pass_sums.items():
             if self.pass_prompts[k]:
                 out[f"val/pass_at_{k}"] = total / self.pass_prompts[k]
