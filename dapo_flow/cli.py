@@ -482,7 +482,7 @@ def _models_build(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import time
 
-    from dapo_flow.endpoint.serve import serve
+    from dapo_flow.runtime.serve import serve
 
     endpoint = serve(_compile(args).plan, model=args.model, checkpoint=args.checkpoint, host=args.host,
                      port=args.port)

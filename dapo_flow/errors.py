@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+
+def did_you_mean(word: str, options: Iterable[str]) -> str:
+    """The fix for an unknown name: the close matches among ``options``, else all of them."""
+    options = sorted(set(options))
+    close = difflib.get_close_matches(word, options, n=3, cutoff=0.6)
+    if close:
+        return "did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
+    return "expected one of: " + ", ".join(options)
 
 
 class DapoFlowError(Exception):

@@ -79,7 +79,7 @@ def source_problems(source: str, config: dict[str, Any], options: dict[str, Any]
         return [("source", f"{source} needs the optional reasoning-gym package, not installed", INSTALL)]
     from reasoning_gym.factory import DATASETS
 
-    from dapo_flow.graph.problems import did_you_mean
+    from dapo_flow.errors import did_you_mean
 
     name = gym_name(source)
     if name not in DATASETS:

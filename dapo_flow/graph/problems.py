@@ -4,7 +4,6 @@ back to their node and field)."""
 
 from __future__ import annotations
 
-import difflib
 import re
 import types
 import typing
@@ -14,7 +13,7 @@ from typing import Any, Iterable
 import pyarrow as pa
 from pydantic import BaseModel, ValidationError
 
-from dapo_flow.errors import GraphError, Problem
+from dapo_flow.errors import GraphError, Problem, did_you_mean
 from dapo_flow.graph.loader import GraphDoc, PathKey
 
 
@@ -60,14 +59,6 @@ def _dotted(path: Iterable[Any]) -> str:
     for part in path:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
-
-
-def did_you_mean(word: str, options: Iterable[str]) -> str:
-    options = sorted(set(options))
-    close = difflib.get_close_matches(word, options, n=3, cutoff=0.6)
-    if close:
-        return "did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
-    return "expected one of: " + ", ".join(options)
 
 
 def _short(value: Any, width: int = 60) -> str:
