@@ -190,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to serve on (default 127.0.0.1, this machine only; others need the token)")
     _edit_flags(p)
-    p = command("ui", "Open the MLflow UI on the runs' tracking store.", _ui)
+    p = command("ui", "Open the MLflow UI on the runs' tracking store, at the newest experiment's charts.", _ui)
     p.add_argument("--port", type=_port, default=5000, help="default 5000")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to serve on (default 127.0.0.1, this machine only; MLflow's UI has no login)")
@@ -535,11 +535,12 @@ def _serve_reward(args: argparse.Namespace) -> int:
 
 
 def ui_url(host: str, port: int, newest: tuple[str, str] | None) -> str:
-    """Where the UI should open: the training runs of the experiment run last (MLflow's own
-    landing page is its GenAI overview, empty for training runs)."""
+    """Where the UI should open: the training runs of the experiment run last, in MLflow's chart
+    view (its own landing page is its GenAI overview, empty for training runs, and the runs page
+    opens on a table: a person opening the dashboard wants the curves first)."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     base = f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}"
-    return f"{base}/#/experiments/{newest[0]}/runs" if newest else base
+    return f"{base}/#/experiments/{newest[0]}/runs?compareRunsMode=CHART" if newest else base
 
 
 def ui_host_warning(host: str) -> str | None:

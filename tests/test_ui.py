@@ -110,8 +110,9 @@ def test_ui_refuses_an_invalid_port(port, capsys):
     assert "argument --port:" in capsys.readouterr().err
 
 
-def test_the_ui_opens_on_the_training_runs_of_the_newest_experiment(tmp_path, monkeypatch):
-    """Not on MLflow's landing page (its GenAI overview): the runs of the experiment run last."""
+def test_the_ui_opens_on_the_charts_of_the_newest_experiments_runs(tmp_path, monkeypatch):
+    """Not on MLflow's landing page (its GenAI overview) nor the runs table: the runs of the
+    experiment run last, in the chart view (the curves first)."""
     from dapo_flow import cli
     from dapo_flow.tracking import Tracker, default_tracking_uri, newest_experiment
 
@@ -123,7 +124,8 @@ def test_the_ui_opens_on_the_training_runs_of_the_newest_experiment(tmp_path, mo
         time.sleep(0.01)  # start times in milliseconds
     exp_id, name = newest_experiment(uri)
     assert name == "newer"
-    assert cli.ui_url("127.0.0.1", 5000, (exp_id, name)) == f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs"
+    assert cli.ui_url("127.0.0.1", 5000, (exp_id, name)) == (
+        f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs?compareRunsMode=CHART")
     assert cli.ui_url("0.0.0.0", 5001, None) == "http://127.0.0.1:5001"
     assert cli.ui_url("::1", 5000, None) == "http://[::1]:5000"
 
