@@ -104,6 +104,41 @@ def test_the_hang_bound_follows_the_slowest_step(monkeypatch):
     assert StepWatchdog(fixed=90.0).bound() == 60.0 and StepWatchdog(fixed=20.0).bound() == 20.0
 
 
+class FakeRay:
+    """Ray whose ``get`` raises ``error`` (a real ray.exceptions instance), for RayExecutor._get."""
+
+    def __init__(self, error: Exception):
+        import ray
+
+        self.exceptions, self.error = ray.exceptions, error
+
+    def get(self, handle, timeout=None):
+        raise self.error
+
+
+def _lost_table():
+    from ray.exceptions import ObjectLostError
+
+    return ObjectLostError("ab" * 14, None, "call site")
+
+
+@pytest.mark.parametrize("error, said", [
+    (_lost_table, "the result of an actor was lost with its node: All copies of"),
+    (lambda: __import__("ray").exceptions.NodeDiedError("node 1f2e died"), "the result of an actor was lost with its node"),
+    (lambda: __import__("ray").exceptions.RayTaskError("f", "tb", _lost_table()),
+     "an actor lost a table it read with the node that held it"),
+])
+def test_a_table_lost_with_its_node_is_a_fault_to_recover_from(error, said):
+    from dapo_flow.runtime.executors import RayExecutor
+    from dapo_flow.runtime.watchdog import StepWatchdog
+
+    ex = object.__new__(RayExecutor)  # only what _get reads
+    ex._ray, ex.actors, ex.watchdog = FakeRay(error()), {}, StepWatchdog()
+    with pytest.raises(ActorFault, match="--resume") as info:
+        ex._get(object(), 1.0)
+    assert said in str(info.value) and not info.value.hung
+
+
 # --- real runs: actors killed and stopped ------------------------------------------------------
 
 
