@@ -252,7 +252,14 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
     version = driver_state.version if driver_state is not None else 0
     setups = stage_setups(placed, model_paths, weights_version=version)
     start = time.perf_counter()
-    ex = start_executor(placed, setups, executor, address, console)
+    try:
+        ex = start_executor(placed, setups, executor, address, console)
+    except BaseException as exc:
+        if owner is not None:
+            owner.release()  # a recovery's next try claims the run again
+        if isinstance(exc, ActorFault) and driver_state is not None:  # lost as the actors restart (a
+            exc.run_id = driver_state.mlflow_run_id  # node not yet known dead): before any step
+        raise
     startup = time.perf_counter() - start
     tracker = None
     state = None
