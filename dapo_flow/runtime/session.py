@@ -6,8 +6,9 @@ a step. The checkpoint holds the buffered metrics too, and a resume writes those
 lacks (the run died between writing the checkpoint and flushing). Without checkpoints
 (checkpoint_every: 0) they are written every ``FLUSH_EVERY_S`` seconds, at the end, and when
 the run stops on an error or Ctrl-C. A resume that falls back past a damaged
-checkpoint recomputes steps MLflow already has: those are not logged again (see
-:func:`_flush`). Which checkpoint a resume starts from: :mod:`dapo_flow.runtime.resume`.
+checkpoint, or past one the storage refused (written as if it had been: the run went on,
+:meth:`RunRecord.checkpoint`), recomputes steps MLflow already has: those are not logged
+again (see :func:`_flush`). Which checkpoint a resume starts from: :mod:`dapo_flow.runtime.resume`.
 """
 
 from __future__ import annotations
