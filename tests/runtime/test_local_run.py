@@ -287,8 +287,8 @@ def test_a_checkpoint_the_disk_refuses_is_gone_past_the_final_one_stops_resumabl
 
     from rich.console import Console
 
-    from dapo_flow.errors import CheckpointWriteError
-    from dapo_flow.runtime import checkpoint
+    from dapo_flow.errors import ActorFault, CheckpointWriteError
+    from dapo_flow.runtime import checkpoint, session
     from dapo_flow.tracking import runs_dir
 
     real_save = checkpoint.torch.save
@@ -309,7 +309,17 @@ def test_a_checkpoint_the_disk_refuses_is_gone_past_the_final_one_stops_resumabl
     [root] = (runs_dir() / "checkpoints").glob("*/*")  # the graph's folder / the run's
     assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000003"]  # nothing half-written
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
-    summary = _run(path, resume=True, console=Console(file=io.StringIO()))
+
+    def fake_lost_start(*args, **kwargs):  # an actor lost as they start (on Ray: a node not yet known dead)
+        raise ActorFault("the actor of stage 'model:policy' died: its node is gone")
+
+    real_start = session.start_executor
+    monkeypatch.setattr(session, "start_executor", fake_lost_start)
+    with pytest.raises(ActorFault) as info:
+        _run(path, resume=True, console=Console(file=io.StringIO()))
+    assert (info.value.run_id, info.value.step) == (root.name, None)  # what a recovery resumes
+    monkeypatch.setattr(session, "start_executor", real_start)
+    summary = _run(path, resume=True, console=Console(file=io.StringIO()))  # the run was let go: claimed again
     assert summary["steps"] == 4
     history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
     assert [s for s, _ in history["batch/reward_mean"]] == [1, 2, 3, 4]
