@@ -13,7 +13,6 @@ import resource
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 

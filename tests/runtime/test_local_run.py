@@ -301,8 +301,9 @@ def test_a_checkpoint_the_disk_refuses_is_gone_past_the_final_one_stops_resumabl
     monkeypatch.setattr(checkpoint.torch, "save", fake_full_disk)
     path = small_graph(workdir, steps=4, ckpt=1)
     out = io.StringIO()
-    with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*step_000004: No space left on "
-                                                   r"device .*\n    the previous checkpoint is .*step_000003 \(intact\)"):
+    with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*step_000004: No space left "
+                                                   r"on device .*\n    the previous checkpoint is "
+                                                   r".*step_000003 \(intact\)"):
         _run(path, console=Console(file=out, width=400))
     said = out.getvalue()
     assert "could not write checkpoint" in said and "tries again at step 3 (1 failed in a row" in said

@@ -136,7 +136,8 @@ def _lost_table():
 
 @pytest.mark.parametrize("error, said", [
     (_lost_table, "the result of an actor was lost with its node: All copies of"),
-    (lambda: __import__("ray").exceptions.NodeDiedError("node 1f2e died"), "the result of an actor was lost with its node"),
+    (lambda: __import__("ray").exceptions.NodeDiedError("node 1f2e died"),
+     "the result of an actor was lost with its node"),
     (lambda: __import__("ray").exceptions.RayTaskError("f", "tb", _lost_table()),
      "an actor lost a table it read with the node that held it"),
 ])
