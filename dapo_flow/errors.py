@@ -93,3 +93,16 @@ class ActorFault(RunError):
         self.hung = hung
         self.run_id: str | None = None
         self.step: int | None = None
+
+
+class CheckpointWriteError(RunError):
+    """A checkpoint could not be written (a full disk, a read-only or vanished folder); the
+    previous one is intact. ``path``: the checkpoint it was writing; ``why``: the cause;
+    ``fix``: what to do. A run goes on past a few of them in a row (run.max_failures) and tries
+    again at the next checkpoint (:mod:`dapo_flow.runtime.session`)."""
+
+    def __init__(self, message: str, *, path, why: str, fix: str):
+        super().__init__(message)
+        self.path = path
+        self.why = why
+        self.fix = fix

@@ -500,7 +500,9 @@ class RunSpec(_Frozen):
         "dies or stops answering) the run recovers from by itself: it stops what is left, starts "
         "the actors again and resumes from its last intact checkpoint (metrics faults/*). Beyond "
         "this many, or when the same step fails twice in a row (a deterministic crash), it stops "
-        "with the error. 0: stop at the first fault. A local run stops at once whatever this is.",
+        "with the error. 0: stop at the first fault. A local run stops at once whatever this is. "
+        "On any executor, also the checkpoints in a row the storage may refuse (a full disk, a "
+        "read-only or vanished folder) while the run goes on; its final checkpoint may not fail.",
     )
     hang_timeout_s: float | None = Field(
         None, gt=0,

@@ -11,13 +11,21 @@ A checkpoint is written to a temporary folder and renamed into place, so a crash
 never leaves a checkpoint that looks complete. Its last file is a manifest of every other
 file's size and SHA-256: :func:`verify` finds a checkpoint damaged afterwards (a truncated
 file, a disk error) before anything loads it. ``latest()`` finds the newest complete one.
+
+A write that fails for the storage's sake (a full disk or quota, a read-only or vanished
+folder: an OSError, torch.save's writer error, safetensors' I/O error, also from inside an
+actor) leaves no half-written folder and raises :class:`~dapo_flow.errors.CheckpointWriteError`
+naming the checkpoint, the cause and the fix; the previous checkpoint is untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,7 +33,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from dapo_flow.errors import RunError
+from dapo_flow.errors import ActorFault, CheckpointWriteError
 from dapo_flow.runtime.driver_state import DriverState
 
 DRIVER_FILE = "driver.json"
@@ -69,25 +77,76 @@ def save(root: Path, step: int, *, driver: DriverState, op_states: dict[str, Any
         _write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-    except OSError as exc:  # disk full, quota, permissions: the previous checkpoint stays whole
-        shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint never stays
+        code = write_failure(exc)
+        if code is False:
+            raise  # not the storage's doing: a bug, a dead actor
+        # disk full, quota, permissions, the folder gone: the previous checkpoint stays whole
         before = latest(root)
-        raise RunError(
-            f"could not write checkpoint {final}: {exc.strerror or exc}\n    the previous checkpoint "
+        why = _why(exc, code, root)
+        fix = _write_fix(code, root)
+        raise CheckpointWriteError(
+            f"could not write checkpoint {final}: {why}\n    the previous checkpoint "
             f"{'is ' + str(before) if before else 'does not exist'} (intact)\n    fix: "
-            f"{_write_fix(exc, root)}, then `dapo-flow run GRAPH --resume`"
+            f"{fix}, then `dapo-flow run GRAPH --resume`", path=final, why=why, fix=fix,
         ) from exc
     return final
 
 
-def _write_fix(exc: OSError, root: Path) -> str:
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust writers (safetensors) name an errno
+# torch.save's C++ writer on a failed write (a full disk): a RuntimeError without the errno
+_TORCH_WRITER = ("PytorchStreamWriter", "inline_container", "file write failed")
+
+
+def write_failure(exc: BaseException) -> int | None | bool:
+    """Whether ``exc`` (or what caused it: on Ray the actor's own error) is a failed write to
+    storage: its errno, None when the writer did not say which (torch.save's), False when it is
+    something else."""
+    if isinstance(exc, ActorFault):
+        return False  # an actor died while it wrote: a fault to recover from, not the storage's
+    seen = set()
+    while isinstance(exc, BaseException) and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and isinstance(exc.errno, int):
+            return exc.errno
+        match = _OS_ERROR.search(str(exc))
+        if match and "I/O error" in str(exc):
+            return int(match.group(1))
+        if isinstance(exc, RuntimeError) and any(s in str(exc) for s in _TORCH_WRITER):
+            return None
+        cause = getattr(exc, "cause", None)  # Ray's RayTaskError: the actor's own exception
+        exc = cause if isinstance(cause, BaseException) else exc.__cause__
+    return False
+
+
+def _why(exc: BaseException, code: int | None, root: Path) -> str:
+    """The failure in words, with the free space of the disk where it tells something."""
+    text = os.strerror(code) if code else "the write failed"
+    if code is None or code in _NO_SPACE or code == errno.EFBIG:
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(_existing(root)).free
+            text += f" ({free / 2**20:.0f} MiB free on its disk)"
+    return text
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or the nearest folder above it that exists."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _write_fix(code: int | None, root: Path) -> str:
     """What to do about a failed checkpoint write, by its cause (errno)."""
-    if exc.errno in _NO_SPACE:
+    if code in _NO_SPACE or code == errno.EFBIG:
         return f"free space under {root} (run.keep_checkpoints bounds it)"
-    if exc.errno in _NO_WRITE:
+    if code in _NO_WRITE:
         return (f"make {root} writable (its permissions, or a read-only filesystem), or run "
                 "from a folder you can write (checkpoints go under ./dapo-flow-runs)")
-    return f"check that {root} can be written"
+    if code == errno.ENOENT:
+        return f"check that {root} stays there (deleted while the run wrote it? a disk unmounted?)"
+    return f"check that {root} can be written (free space, permissions)"
 
 
 # --- integrity: a manifest of sizes and checksums, written last -------------------------------

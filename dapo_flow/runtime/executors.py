@@ -583,12 +583,18 @@ class RayExecutor:
             ) from exc
         except ray.exceptions.RayActorError as exc:
             raise ActorFault(f"{who or self._who(handle)} died: {_root_cause(exc)}. {RESUME_HINT}") from exc
+        except _node_lost(ray) as exc:  # a table held on a node that is gone (its actor went with it)
+            raise ActorFault(f"the result of {who or self._who(handle)} was lost with its node: "
+                             f"{_root_cause(exc)}. {RESUME_HINT}") from exc
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             if isinstance(cause, Exception) and type(cause).__module__.startswith("dapo_flow"):
                 raise cause from None
             if isinstance(cause, ray.exceptions.RayActorError):  # it read a table a dead actor made
                 raise ActorFault(f"{who or self._who(handle)} lost an actor whose output it read, which died: "
+                                 f"{_root_cause(cause)}. {RESUME_HINT}") from exc
+            if isinstance(cause, _node_lost(ray)):
+                raise ActorFault(f"{who or self._who(handle)} lost a table it read with the node that held it: "
                                  f"{_root_cause(cause)}. {RESUME_HINT}") from exc
             raise RunError(f"an operator failed inside an actor: {_root_cause(exc)}") from exc
 
@@ -690,6 +696,11 @@ def _read_parquet_file(path: str) -> pa.Table:
     import pyarrow.parquet as pq
 
     return pq.read_table(path)
+
+
+def _node_lost(ray) -> tuple[type, ...]:
+    """Ray's errors for objects (tables) and tasks lost with a node: faults, as a dead actor is."""
+    return (ray.exceptions.ObjectLostError, ray.exceptions.NodeDiedError)
 
 
 def _cluster_resources(ray) -> str:

@@ -10,8 +10,9 @@ step: stopping, restarting, redoing the steps after the checkpoint) and ``faults
 
 The run stops with the fault's error when it has recovered ``run.max_failures`` times already,
 when the same step fails twice in a row (a deterministic crash: a bad row, an out-of-memory),
-or before its first checkpoint (nothing to resume: the error says so). A local run, in one
-process, stops at once.
+or before its first checkpoint (nothing to resume: the error says so). A restart that loses an
+actor again before any step (a node that died is not yet known dead to Ray, so an actor went
+there) is tried again within the same limit. A local run, in one process, stops at once.
 """
 
 from __future__ import annotations
@@ -66,7 +67,11 @@ def heal(session: Callable[..., dict], *, max_failures: int, resume: bool | str,
             at = time.monotonic()
             say(f"fault at step {fault.step}: {fault}\n  recovering ({count + 1} of at most {max_failures}): "
                 f"restarting the actors and resuming run {fault.run_id} from its last checkpoint")
-            recovery = Recovered(step=fault.step, at=at, count=count + 1)
+            if recovery is not None and fault.step is None:  # the restart itself lost an actor: the
+                # same recovery, tried again (the step it redoes and the time lost count from the first)
+                recovery = Recovered(step=recovery.step, at=recovery.at, count=count + 1)
+            else:
+                recovery = Recovered(step=fault.step, at=at, count=count + 1)
             resume = fault.run_id
 
 

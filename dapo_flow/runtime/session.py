@@ -6,8 +6,9 @@ a step. The checkpoint holds the buffered metrics too, and a resume writes those
 lacks (the run died between writing the checkpoint and flushing). Without checkpoints
 (checkpoint_every: 0) they are written every ``FLUSH_EVERY_S`` seconds, at the end, and when
 the run stops on an error or Ctrl-C. A resume that falls back past a damaged
-checkpoint recomputes steps MLflow already has: those are not logged again (see
-:func:`_flush`). Which checkpoint a resume starts from: :mod:`dapo_flow.runtime.resume`.
+checkpoint, or past one the storage refused (written as if it had been: the run went on,
+:meth:`RunRecord.checkpoint`), recomputes steps MLflow already has: those are not logged
+again (see :func:`_flush`). Which checkpoint a resume starts from: :mod:`dapo_flow.runtime.resume`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dapo_flow.core import columns as C
-from dapo_flow.errors import ActorFault, RunError
+from dapo_flow.errors import ActorFault, CheckpointWriteError, RunError
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.checkpoint_models import holds_full_weights
@@ -252,7 +253,14 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
     version = driver_state.version if driver_state is not None else 0
     setups = stage_setups(placed, model_paths, weights_version=version)
     start = time.perf_counter()
-    ex = start_executor(placed, setups, executor, address, console)
+    try:
+        ex = start_executor(placed, setups, executor, address, console)
+    except BaseException as exc:
+        if owner is not None:
+            owner.release()  # a recovery's next try claims the run again
+        if isinstance(exc, ActorFault) and driver_state is not None:  # lost as the actors restart (a
+            exc.run_id = driver_state.mlflow_run_id  # node not yet known dead): before any step
+        raise
     startup = time.perf_counter() - start
     tracker = None
     state = None
@@ -298,7 +306,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
             runner.sampler = sampler
             if spec.run.rollout_mode == "async":  # collects from now on, in a thread of its own
                 producer = RolloutProducer(runner, state, total, ahead)
-            record = RunRecord(tracker, run_root, console, ctrl_c, logged, ghash)
+            record = RunRecord(tracker, run_root, console, ctrl_c, logged, ghash, written=checkpoint.latest(run_root))
             first = {"time/startup": startup, "data/skipped_rows": float(skipped)}  # beside step 0's validation
             if recovery is not None:
                 recovery.resumed_at = state.step
@@ -353,6 +361,8 @@ class RunRecord:
     logged: dict[int, set[str]]
     graph_hash: str
     flushed_at: float = -math.inf  # time.monotonic() of the last flush
+    written: Path | None = None  # the newest checkpoint this run has (written, or resumed from)
+    failed_in_a_row: int = 0  # checkpoints the storage did not take since the last one written
     outage_at: float | None = None  # time.monotonic() when MLflow first failed to take metrics, while it does
 
     def flush_due(self) -> bool:
@@ -420,8 +430,34 @@ class RunRecord:
         self.console.print(f"[yellow]warning:[/] {text}", highlight=False)
 
     def checkpoint(self, runner: Runner, state: LoopState, pending: list[tuple[int, dict]],
-                   ahead: list[Rollout]) -> None:
-        _checkpoint(runner, state, self.tracker, self.root, pending, ahead)
+                   ahead: list[Rollout], *, total: int) -> None:
+        """The checkpoint of ``state.step`` (the run's final one at ``total``). One the storage
+        does not take (a full disk, a read-only or vanished folder) leaves the previous one intact
+        and is a warning: the run goes on (its metrics still reach MLflow) and tries again at the
+        next checkpoint, since storage often comes back (space freed, a disk mounted again) and
+        stopping would lose the steps since the previous one anyway. It stops, with the error and
+        its fix, at the run's final checkpoint (its result) and when more than run.max_failures
+        checkpoints in a row failed (what a later fault would redo stays bounded)."""
+        if self.written is not None and not self.written.is_dir():
+            self._warn(f"checkpoint {self.written} is gone (its folder deleted? its disk unmounted?): the run "
+                       f"has nothing to resume from until step {state.step}'s is written")
+            self.written = None
+        try:
+            self.written = _checkpoint(runner, state, self.tracker, self.root, pending, ahead)
+        except CheckpointWriteError as exc:
+            self.failed_in_a_row += 1
+            limit = runner.run.max_failures
+            if state.step >= total or self.failed_in_a_row > limit:
+                raise
+            every = runner.run.checkpoint_every
+            again = min((state.step // every + 1) * every, total)
+            before = checkpoint.latest(self.root)
+            self._warn(f"could not write checkpoint {exc.path}: {exc.why}; "
+                       f"{f'the previous one, {before}, is intact' if before else 'there is none before it'}"
+                       f"\n    fix: {exc.fix}\n    the run goes on and tries again at step {again} "
+                       f"({self.failed_in_a_row} failed in a row; it stops after {limit}: run.max_failures)")
+            return
+        self.failed_in_a_row = 0
 
 
 def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_prompts,
@@ -483,10 +519,10 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
                 with ctrl_c.held():  # a checkpoint and its metrics are written whole
                     if ckpt_due:
                         if producer is None:
-                            record.checkpoint(runner, state, pending, ahead)
+                            record.checkpoint(runner, state, pending, ahead, total=total)
                         else:
                             with producer.paused() as collected:  # what it holds, none in flight
-                                record.checkpoint(runner, state, pending, collected)
+                                record.checkpoint(runner, state, pending, collected, total=total)
                     if flush_due:
                         record.flush(pending)
                 progress.update(task, completed=step, info=_progress_info(metrics, last_val))
@@ -531,7 +567,7 @@ def _step(runner: Runner, state: LoopState, ahead: list[Rollout], producer: Roll
 
 
 def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path,
-                unlogged: list[tuple[int, dict]], ahead: list[Rollout]) -> None:
+                unlogged: list[tuple[int, dict]], ahead: list[Rollout]) -> Path:
     """The models, operator states and driver state after ``state.step``; ``ahead``, the next
     steps' rollouts a one_step_off or async run collected already, are saved whole (each
     trained once, after a resume, as it would have been)."""
@@ -554,12 +590,13 @@ def _checkpoint(runner: Runner, state: LoopState, tracker: Tracker, root: Path,
         for s in stages:
             ex.get(ex.call(s, "save_models", str(out)))
 
-    checkpoint.save(root, state.step, driver=driver, op_states=op_states, save_models=save_models,
-                    carry=runner.fetch(state.carry.table) if state.carry is not None else None,
-                    ahead=[runner.fetch(a.batch) if a.batch is not None else None for a in ahead])
+    written = checkpoint.save(root, state.step, driver=driver, op_states=op_states, save_models=save_models,
+                              carry=runner.fetch(state.carry.table) if state.carry is not None else None,
+                              ahead=[runner.fetch(a.batch) if a.batch is not None else None for a in ahead])
     keep = runner.run.keep_checkpoints
     if keep:
         checkpoint.prune(root, keep)
+    return written
 
 
 def _logged_metrics(tracker: Tracker) -> dict[int, set[str]]:

@@ -277,29 +277,53 @@ def test_a_failing_run_whose_store_also_fails_reports_the_first_error(workdir, s
         _run(small_graph(workdir, steps=2, ckpt=0))
 
 
-def test_a_checkpoint_that_cannot_be_written_is_a_clear_error_and_resumable(workdir, small_graph, monkeypatch):
+def test_a_checkpoint_the_disk_refuses_is_gone_past_the_final_one_stops_resumably(workdir, small_graph,
+                                                                                   monkeypatch):
+    """The disk fills at checkpoint 2 (the run goes on), has room at 3, fills again at the final
+    one, 4: the run stops with the fix, and --resume finishes from checkpoint 3 with every step
+    in MLflow once (the rule of run.max_failures in a row: tests/runtime/test_checkpoint_storage.py)."""
     import errno
+    import io
 
-    from dapo_flow.runtime import checkpoint
+    from rich.console import Console
+
+    from dapo_flow.errors import ActorFault, CheckpointWriteError
+    from dapo_flow.runtime import checkpoint, session
     from dapo_flow.tracking import runs_dir
 
     real_save = checkpoint.torch.save
-    calls = []
 
-    def disk_fills_up(obj, path):
-        calls.append(path)
-        if len(calls) == 2:  # checkpoint 2's op states
+    def fake_full_disk(obj, path):
+        if any(f"step_00000{k}" in str(path) for k in (2, 4)):  # the op states of checkpoints 2, 4
             raise OSError(errno.ENOSPC, "No space left on device")
         real_save(obj, path)
 
-    monkeypatch.setattr(checkpoint.torch, "save", disk_fills_up)
-    path = small_graph(workdir, steps=3, ckpt=1)
-    with pytest.raises(RunError, match=r"could not write checkpoint .*step_000002: No space left on device"):
-        _run(path)
+    monkeypatch.setattr(checkpoint.torch, "save", fake_full_disk)
+    path = small_graph(workdir, steps=4, ckpt=1)
+    out = io.StringIO()
+    with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*step_000004: No space left "
+                                                   r"on device .*\n    the previous checkpoint is "
+                                                   r".*step_000003 \(intact\)"):
+        _run(path, console=Console(file=out, width=400))
+    said = out.getvalue()
+    assert "could not write checkpoint" in said and "tries again at step 3 (1 failed in a row" in said
     [root] = (runs_dir() / "checkpoints").glob("*/*")  # the graph's folder / the run's
-    assert [p.name for p in root.iterdir()] == ["step_000001"]  # no half-written folder left
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000003"]  # nothing half-written
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
-    assert _run(path, resume=True)["steps"] == 3
+
+    def fake_lost_start(*args, **kwargs):  # an actor lost as they start (on Ray: a node not yet known dead)
+        raise ActorFault("the actor of stage 'model:policy' died: its node is gone")
+
+    real_start = session.start_executor
+    monkeypatch.setattr(session, "start_executor", fake_lost_start)
+    with pytest.raises(ActorFault) as info:
+        _run(path, resume=True, console=Console(file=io.StringIO()))
+    assert (info.value.run_id, info.value.step) == (root.name, None)  # what a recovery resumes
+    monkeypatch.setattr(session, "start_executor", real_start)
+    summary = _run(path, resume=True, console=Console(file=io.StringIO()))  # the run was let go: claimed again
+    assert summary["steps"] == 4
+    history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    assert [s for s, _ in history["batch/reward_mean"]] == [1, 2, 3, 4]
 
 
 def test_colocated_hf_rollout_skips_the_weight_sync_call(workdir, small_graph, monkeypatch):

@@ -7,6 +7,7 @@ and the hang bound are checked on their own first."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import threading
@@ -50,6 +51,17 @@ def test_each_fault_resumes_the_same_run_until_it_finishes():
     assert [resume for resume, _ in session.calls] == [False, "r1", "r1"]
     assert [(r.step, r.count) for _, r in session.calls[1:]] == [(5, 1), (9, 2)]
     assert len(said) == 2 and "fault at step 5" in said[0] and "recovering (1 of at most 3)" in said[0]
+
+
+def test_a_restart_that_loses_an_actor_again_is_the_same_recovery_tried_again():
+    """Step 5 fails; the restart loses an actor before any step (step None: a node not yet known
+    dead took one): tried again, the faults/* still for step 5, timed from the first fault."""
+    session = FakeSession([5, None])
+    _heal(session)
+    (_, first), (_, second) = session.calls[1:]
+    assert (second.step, second.count, second.at) == (5, 2, first.at)
+    with pytest.raises(ActorFault):  # within the same limit
+        _heal(FakeSession([5, None, None, None]))
 
 
 @pytest.mark.parametrize("failing, max_failures, why", [
@@ -104,6 +116,42 @@ def test_the_hang_bound_follows_the_slowest_step(monkeypatch):
     assert StepWatchdog(fixed=90.0).bound() == 60.0 and StepWatchdog(fixed=20.0).bound() == 20.0
 
 
+class FakeRay:
+    """Ray whose ``get`` raises ``error`` (a real ray.exceptions instance), for RayExecutor._get."""
+
+    def __init__(self, error: Exception):
+        import ray
+
+        self.exceptions, self.error = ray.exceptions, error
+
+    def get(self, handle, timeout=None):
+        raise self.error
+
+
+def _lost_table():
+    from ray.exceptions import ObjectLostError
+
+    return ObjectLostError("ab" * 14, None, "call site")
+
+
+@pytest.mark.parametrize("error, said", [
+    (_lost_table, "the result of an actor was lost with its node: All copies of"),
+    (lambda: __import__("ray").exceptions.NodeDiedError("node 1f2e died"),
+     "the result of an actor was lost with its node"),
+    (lambda: __import__("ray").exceptions.RayTaskError("f", "tb", _lost_table()),
+     "an actor lost a table it read with the node that held it"),
+])
+def test_a_table_lost_with_its_node_is_a_fault_to_recover_from(error, said):
+    from dapo_flow.runtime.executors import RayExecutor
+    from dapo_flow.runtime.watchdog import StepWatchdog
+
+    ex = object.__new__(RayExecutor)  # only what _get reads
+    ex._ray, ex.actors, ex.watchdog = FakeRay(error()), {}, StepWatchdog()
+    with pytest.raises(ActorFault, match="--resume") as info:
+        ex._get(object(), 1.0)
+    assert said in str(info.value) and not info.value.hung
+
+
 # --- real runs: actors killed and stopped ------------------------------------------------------
 
 
@@ -150,6 +198,25 @@ def executors_started(monkeypatch) -> list:
     return started
 
 
+@pytest.fixture()
+def at_step(monkeypatch, executors_started):
+    """``at_step(k, action, session=0)``: ``action(executor)`` runs in the driver as the run's
+    ``session``-th start (0: the first, 1: the one after a recovery) begins step ``k``, before
+    that step's calls; the executor is that session's."""
+    from dapo_flow.runtime import session as sessions
+
+    real = sessions._step
+    actions: dict[tuple[int, int], list] = {}
+
+    def step(runner, state, *args, **kwargs):
+        for action in actions.pop((len(executors_started) - 1, state.step + 1), []):
+            action(executors_started[-1])
+        return real(runner, state, *args, **kwargs)
+
+    monkeypatch.setattr(sessions, "_step", step)
+    return lambda k, action, session=0: actions.setdefault((session, k), []).append(action)
+
+
 STEPS = 8
 WALL_CLOCK = ("time/", "perf/", "faults/", "gen/seconds", "gen/tokens_per_s")
 
@@ -164,7 +231,7 @@ def _deterministic(history: dict) -> dict:
     return {k: v for k, v in history.items() if not k.startswith(WALL_CLOCK)}
 
 
-def _run(workdir, path, executor: str, *edits):
+def _run(workdir, path, executor: str, *edits, address: str | None = None):
     from rich.console import Console
 
     from dapo_flow.graph.edits import edit_file, parse_cli_edits
@@ -173,32 +240,104 @@ def _run(workdir, path, executor: str, *edits):
 
     placed = edit_file(str(path), parse_cli_edits([("set", e) for e in edits])).compile(Cluster(cpus=2))
     with open(workdir / f"{executor}.log", "a") as log:
-        return execute(placed, executor=executor, console=Console(file=log, width=200))
+        return execute(placed, executor=executor, address=address, console=Console(file=log, width=200))
 
 
-def _assert_healed_once(healed: dict, straight: dict, log) -> None:
+def _assert_healed_once(healed: dict, straight: dict, log, steps: int = STEPS) -> int:
+    """Every step once, the fault logged once, the weights as if uninterrupted; the steps redone."""
     history = _history(healed)
     for key in ("batch/reward_mean", "actor/pg_loss"):  # every step exactly once
-        assert [s for s, _ in history[key]] == list(range(1, STEPS + 1)), key
+        assert [s for s, _ in history[key]] == list(range(1, steps + 1)), key
     [(step, count)] = history["faults/count"]
-    assert count == 1.0 and 2 < step <= STEPS
+    assert count == 1.0 and 2 < step <= steps
     [(_, redone)] = history["faults/steps_redone"]
     [resumed_at] = re.findall(r"resuming from \S*step_(\d+)", log.read_text())
     assert redone == step - 1 - int(resumed_at)  # the steps after the checkpoint, trained again
     assert _deterministic(history) == _deterministic(_history(straight))  # the weights came back exactly
+    return int(redone)
+
+
+#: the training actor is killed as a step chosen at random (seeded) begins, not right after a
+#: checkpoint: the steps since the checkpoint are trained again (CKPT 3: checkpoints 3, 6, 8)
+CKPT = 3
+KILL_AT = random.Random(2026).choice([k for k in range(CKPT + 2, STEPS + 1) if (k - 1) % CKPT])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_training_actor_killed_mid_run_is_replaced_and_the_run_ends_as_if_not(workdir, small_graph,
-                                                                                 executors_started):
-    path = small_graph(workdir, name="healing", steps=STEPS, ckpt=2)
-    killer = _signal_after_checkpoint(workdir, executors_started, "model:policy", signal.SIGKILL, step=2)
+def test_a_training_actor_killed_at_a_random_step_is_replaced_and_the_run_ends_as_if_not(workdir, small_graph,
+                                                                                          at_step, executors_started):
+    path = small_graph(workdir, name="healing", steps=STEPS, ckpt=CKPT)
+    pid = []
+    at_step(1, lambda ex: pid.append(_actor_pid(ex, "model:policy")))  # asked while it is idle
+    at_step(KILL_AT, lambda ex: os.kill(pid[0], signal.SIGKILL))
     healed = _run(workdir, path, "ray")
-    killer.join()
     assert len(executors_started) == 2  # started again once
     assert "the actor of stage 'model:policy' died" in (workdir / "ray.log").read_text()
-    _assert_healed_once(healed, _run(workdir, path, "local"), workdir / "ray.log")
+    redone = _assert_healed_once(healed, _run(workdir, path, "local"), workdir / "ray.log")
+    assert redone == (KILL_AT - 1) % CKPT > 0  # the steps since the last checkpoint, trained twice
+
+
+def _node_of(executor, stage: str) -> str:
+    """The Ray node id of ``stage``'s actor."""
+    import ray
+
+    return ray.get(executor.actors[stage].__ray_call__.remote(
+        lambda _self: __import__("ray").get_runtime_context().get_node_id()), timeout=60)
+
+
+def _remove(cluster, node) -> None:
+    """Remove ``node`` abruptly (its raylet and workers killed) and wait until Ray knows it is dead
+    (missed heartbeats): a restart before that may place an actor on it, and recovers again (a
+    unit test above), which this test would count as a second fault."""
+    import ray
+
+    cluster.remove_node(node, allow_graceful=False)
+    deadline = time.monotonic() + 120
+    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_node_removed_mid_run_heals_onto_the_node_left(workdir, small_graph, at_step, executors_started,
+                                                         monkeypatch):
+    """A simulated two-node cluster (ray.cluster_utils): the training actor starts on the second
+    node (pinned there for the first start only: Ray would put it on the head), the node is
+    removed mid-step, and the run heals onto the head: actors ask only for CPUs and GPUs (a
+    training group's placement group is PACK or SPREAD, both soft), so nothing ties them to a
+    node that is gone."""
+    import ray
+    import ray.actor
+    from ray.cluster_utils import Cluster as RayCluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    assert not ray.is_initialized(), "a Ray of this process is up: an earlier test left it running"
+    cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    second = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    head = cluster.head_node.node_id
+    options = ray.actor.ActorClass.options
+
+    def pinned(self, **kw):  # the first start's CPU actors on the second node
+        if not executors_started and kw.get("num_cpus") and "scheduling_strategy" not in kw:
+            kw["scheduling_strategy"] = NodeAffinitySchedulingStrategy(second.node_id, soft=False)
+        return options(self, **kw)
+
+    monkeypatch.setattr(ray.actor.ActorClass, "options", pinned)
+    steps, nodes = 4, []
+    path = small_graph(workdir, name="node-lost", steps=steps, ckpt=2)
+    at_step(1, lambda ex: nodes.append(_node_of(ex, "model:policy")))
+    at_step(4, lambda ex: _remove(cluster, second))  # after checkpoint 2 and step 3
+    at_step(3, lambda ex: nodes.append(_node_of(ex, "model:policy")), session=1)  # resumed from 2
+    try:
+        healed = _run(workdir, path, "ray", address=cluster.address)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert nodes == [second.node_id, head]
+    assert len(executors_started) == 2
+    assert _assert_healed_once(healed, _run(workdir, path, "local"), workdir / "ray.log", steps=steps) == 1
 
 
 @pytest.mark.slow
