@@ -77,9 +77,10 @@ def resolve_path(options: dict[str, Any]) -> str | None:
 
 
 def source_problems(source: str, config: dict[str, Any], options: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(field, message, fix) for each thing wrong with a verifiers source, loading no task:
-    the library missing, unknown options, an environment id nothing provides, args its taskset
-    config refuses."""
+    """(field, message, fix) for each thing wrong with a verifiers source that shows without
+    importing verifiers (seconds) or the environment: the library missing, unknown options, a
+    missing folder, an environment id nothing provides. Its args are checked when the taskset
+    loads (a DataError naming them, :func:`records`)."""
     if not installed():
         return [("source", f"{source} needs the optional verifiers package, not installed", INSTALL)]
     unknown = sorted(set(options) - set(OPTIONS))
@@ -90,14 +91,12 @@ def source_problems(source: str, config: dict[str, Any], options: dict[str, Any]
     if path and not Path(path).is_dir():
         return [("options.path", f"folder {options['path']} does not exist (resolved: {path})",
                  "give the folder that holds the environment's package, relative to where the run starts")]
-    problem = _env_problem(env_name(source), path)
-    if problem:
-        return [("source", *problem)]
-    try:
-        env_config(env_name(source), config, path)
-    except Exception as exc:  # noqa: BLE001 - pydantic's errors, or the environment's own validators
-        return [("config", f"{env_name(source)} refuses these args: {_first_lines(exc)}",
-                 "config: holds the fields of the environment's taskset config")]
+    env_id = env_name(source)
+    if not _findable(env_id, path):
+        where = f", nor in {options['path']}" if path else ""
+        return [("source", f"no verifiers environment '{env_id}' is installed (no package "
+                 f"'{module_name(env_id)}'{where})", "pip install the environment's package, or set "
+                 "options.path to the folder that holds it")]
     return []
 
 
@@ -105,22 +104,27 @@ def harness_problem(ref: str) -> str:
     """What is wrong with ``harness: verifiers:ENV_ID`` before the run ('' when nothing is)."""
     if not installed():
         return f"harness {ref!r} needs the optional verifiers package, not installed; fix: {INSTALL}"
+    if not env_name(ref):
+        return f"harness {ref!r} names no environment: write verifiers:ENV_ID"
     return ""
 
 
-def _env_problem(env_id: str, path: str | None) -> tuple[str, str] | None:
-    vf = library()
-    _use_path(path)
-    try:
-        vf.import_taskset(env_id)
-        return None
-    except ModuleNotFoundError as exc:
-        where = f" or in {path}" if path else ""
-        return (f"no verifiers environment '{env_id}' is installed{where}: {exc}",
-                "pip install the environment's package (`prime env install OWNER/NAME`), or set "
-                "options.path to the folder holding it")
-    except Exception as exc:  # noqa: BLE001 - importing runs the package's own code
-        return f"importing verifiers environment '{env_id}' failed: {_first_lines(exc)}", "fix the package"
+def module_name(env_id: str) -> str:
+    """The package verifiers imports for ``env_id`` (its loader's rule: a Hub id ``owner/name@version``
+    is installed as ``name``, dashes as underscores)."""
+    return env_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+
+
+def _findable(env_id: str, path: str | None) -> bool:
+    name = module_name(env_id)
+    if not name.isidentifier():
+        return False
+    if path and ((Path(path) / name).is_dir() or (Path(path) / f"{name}.py").is_file()):
+        return True
+    builtin = importlib.util.find_spec("verifiers").submodule_search_locations  # verifiers' own tasksets
+    if any((Path(root) / "v1" / "tasksets" / name).is_dir() for root in builtin or ()):
+        return True
+    return importlib.util.find_spec(name) is not None
 
 
 def env_config(env_id: str, env_args: dict[str, Any], path: str | None) -> Any:
@@ -150,7 +154,13 @@ def load_env(env_id: str, env_args: dict[str, Any], path: str | None = None) -> 
 def records(source: str, config: dict[str, Any], options: dict[str, Any], size: int | None) -> list[tuple[int, dict]]:
     """(index, row fields) of the taskset's first ``size`` tasks (all of a finite taskset)."""
     env_id, path = env_name(source), resolve_path(options)
-    taskset = load_env(env_id, config, path).taskset
+    try:
+        taskset = load_env(env_id, config, path).taskset
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pydantic's errors, or the environment's own code
+        raise DataError(f"{source}: cannot load the environment with config {config}: {_first_lines(exc)}\n"
+                        "    fix: config: holds the fields of the environment's taskset config") from None
     if size is not None:
         taskset = taskset.take(size)
     elif not taskset.bounded:
@@ -174,8 +184,10 @@ def _messages(data: Any) -> list[dict[str, Any]]:
 
 def harness(ref: str) -> Callable:
     """``async def run(client, task)`` playing one episode of environment ``ref``'s id on the
-    row ``task`` through ``client``'s endpoint; returns the episode's reward."""
+    row ``task`` through ``client``'s endpoint; returns the episode's reward. verifiers is
+    imported here, not in the first episode (seconds that would hold every episode's loop)."""
     env_id = env_name(ref)
+    library()
 
     async def run(client: Any, task: dict[str, Any]) -> float:
         vf = library()
