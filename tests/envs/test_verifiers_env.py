@@ -168,3 +168,21 @@ def test_an_unknown_id_or_a_missing_package_fails_validation(tmp_path, capsys, m
     err = capsys.readouterr().err
     assert "needs the optional verifiers package" in err and "harness" in err and "data.train.source" in err
     assert err.count(verifiers_env.INSTALL) >= 2  # the source and the harness
+
+
+@pytest.mark.slow
+def test_the_verifiers_graph_runs_locally(tmp_path, monkeypatch, capsys):
+    """graphs/verifiers.yaml, shortened, on the local executor."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from dapo_flow.tracking import default_tracking_uri, latest_run
+
+    short = ["--steps", "2", "--set", "run.prompts_per_step=4", "--set", "run.gen_prompts_per_batch=4",
+             "--set", "rollout.n=4", "--set", "data.val.size=4", "--set", "run.val_n=2",
+             "--set", "run.checkpoint_every=0", "--set", "dynamic_sampling.max_gen_batches=2",
+             "--set", f"data.train.options.path={SHIPPED}", "--set", f"data.val.options.path={SHIPPED}",
+             "--set", "tracking.experiment=verifiers-local"]
+    assert cli.main(["run", str(ROOT / "graphs" / "verifiers.yaml"), "--executor", "local", *short]) == 0
+    metrics = latest_run(default_tracking_uri(), "verifiers-local")["metrics"]
+    assert "OpenAI-compatible endpoint http://127.0.0.1:" in capsys.readouterr().out
+    assert metrics["harness/masked_frac"] == 0.0 and metrics["harness/engine_calls"] >= 1
