@@ -117,7 +117,7 @@ def test_its_rubric_is_the_reward_and_every_trained_token_was_sampled(model):
 
 
 def test_the_shipped_tool_environment_masks_what_its_harness_inserted(model):
-    rows = _rows(model, "verifiers:vf-calculator", SHIPPED, {"split": "val"}, size=3)
+    rows = _rows(model, "verifiers:vf-calculator", SHIPPED, {"split": "val"}, size=2)
     model.generator.sampled.clear()
     out, metrics = _play(model, rows, "verifiers:vf-calculator", "vf-calculator", n=8)
     assert metrics["harness/masked_frac"] == 0.0  # verifiers' interception passed the history on unchanged
