@@ -1,7 +1,8 @@
 """Prompt data sources -> an Arrow table with ``columns.prompt_schema()``.
 
 Sources: ``reasoning_gym:NAME`` (a reasoning-gym generator, see
-``dapo_flow.data.reasoning_gym``), ``builtin:addition`` (see ``dapo_flow.data.tasks``), ``builtin:chain`` (chat messages,
+``dapo_flow.data.reasoning_gym``), ``verifiers:ENV_ID`` (a verifiers environment's taskset, see
+``dapo_flow.envs.verifiers_env``), ``builtin:addition`` (see ``dapo_flow.data.tasks``), ``builtin:chain`` (chat messages,
 see ``dapo_flow.data.chain_task``), ``builtin:tool-arith`` (``a*b=`` for a calculator-using agent,
 see ``dapo_flow.data.tool_arith``), ``.parquet``, ``.jsonl`` and ``.json``
 (a list of records). verl-format rows are understood: ``prompt`` as a chat message list
@@ -23,6 +24,7 @@ from dapo_flow.core import columns as C
 from dapo_flow.errors import DataError
 from dapo_flow.data.prompt_budget import PromptBudget
 from dapo_flow.data import reasoning_gym
+from dapo_flow.envs import verifiers_env
 from dapo_flow.data.chain_task import CHAIN, CHAIN_OPTIONS, ChainTask, question
 from dapo_flow.data.tasks import ADDITION, AdditionTask
 from dapo_flow.data.tool_arith import TOOL_ARITH, TOOL_ARITH_OPTIONS, ToolArithTask
@@ -95,12 +97,16 @@ def load_prompts(
     if reasoning_gym.is_gym(source):
         records, default_source = _gym_records(source, seed, size, config or {}, options or {}, avoid, report), source
         prompt_key, answer_key = "prompt", "ground_truth"
+    elif verifiers_env.is_verifiers(source):
+        records = [_Record(i, f"task {i}", fields)
+                   for i, fields in verifiers_env.records(source, config or {}, options or {}, size)]
+        default_source, prompt_key, answer_key = source, "prompt", "ground_truth"
     elif source.startswith("builtin:"):
         records, default_source = _builtin_records(source, split, seed, options or {}), source[len("builtin:"):]
         prompt_key, answer_key = "prompt", "ground_truth"
     else:
         if options or config:
-            raise DataError(f"{source}: `options` and `config` only apply to builtin and reasoning_gym "
+            raise DataError(f"{source}: `options` and `config` only apply to builtin, reasoning_gym and verifiers "
                             f"sources, got {sorted({**(options or {}), **(config or {})})}")
         records, default_source = _file_records(Path(source), read_parquet), Path(source).stem
     records = records[:size] if size is not None else records
@@ -265,7 +271,8 @@ def _gym_records(source: str, seed: int, size: int | None, config: dict[str, Any
 
 ParquetReader = Callable[["Path | list[Path]"], pa.Table]
 #: What a prompt source can be (the fix of an error about one).
-SOURCE_KINDS = "a .parquet file or a folder of them, a .json/.jsonl file, builtin:NAME or reasoning_gym:NAME"
+SOURCE_KINDS = ("a .parquet file or a folder of them, a .json/.jsonl file, builtin:NAME, reasoning_gym:NAME or "
+                "verifiers:ENV_ID")
 
 
 def missing_prompt_file(path: Path) -> DataError:

@@ -26,7 +26,7 @@ SAVED_COLUMNS = (C.PROMPT_ID, C.SAMPLE_IDX, C.DATA_SOURCE, C.PROMPT_TEXT, C.RESP
 def streams(source: str | None) -> bool:
     """Whether eval reads ``source`` batch by batch (parquet) rather than whole (None: a mixture,
     read whole, as generated sources are)."""
-    return (source is not None and not source.startswith(("builtin:", "reasoning_gym:"))
+    return (source is not None and not source.startswith(("builtin:", "reasoning_gym:", "verifiers:"))
             and not source.lower().endswith((".json", ".jsonl")))
 
 

@@ -23,7 +23,7 @@ from dapo_flow.core.contract import (contract_of, contract_problems, node_model,
                                      model_head, upstream_problems, uses_model)
 from dapo_flow.errors import DapoFlowError, OperatorContractError, SchemaError, UnknownOperatorError
 from dapo_flow.core.imports import load_object
-from dapo_flow.graph.data_checks import gym_problems
+from dapo_flow.graph.data_checks import gym_problems, verifiers_problems
 from dapo_flow.graph.loader import GraphDoc, PathKey
 from dapo_flow.graph.plan import ValidGraph
 from dapo_flow.graph.problems import COLUMN_TYPE, MISSING_COLUMN, Found, did_you_mean, pydantic_problems, type_name
@@ -109,7 +109,7 @@ def validate(doc: GraphDoc, registries: Registries | None = None) -> ValidGraph:
             _check_tokenizers(found, nodes, graph, order, spec)
     if spec is not None:
         _check_prompt_budget(found, nodes, spec)
-        for path, message, fix in gym_problems(spec.data, spec.seed):
+        for path, message, fix in gym_problems(spec.data, spec.seed) + verifiers_problems(spec.data):
             found.add(path, message, fix)
     found.raise_if_any()
     assert spec is not None

@@ -1,12 +1,14 @@
 """Checks of the data sources a graph names that need more than their own fields: a
 reasoning_gym source's task, settings and options (against the installed library), and train /
-validation splits of one gym task that would share items (``data.reasoning_gym``)."""
+validation splits of one gym task that would share items (``data.reasoning_gym``); a verifiers
+source's environment and args (``envs.verifiers_env``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
 from dapo_flow.data import reasoning_gym as gym
+from dapo_flow.envs import verifiers_env
 
 if TYPE_CHECKING:
     from dapo_flow.graph.spec import DataSourceSpec, DataSpec
@@ -38,7 +40,7 @@ def gym_problems(data: "DataSpec", graph_seed: int) -> list[Located]:
     out: list[Located] = []
     for _, path, src in leaves(data):
         if not gym.is_gym(src.source):
-            if src.config:
+            if src.config and not verifiers_env.is_verifiers(src.source):
                 out.append((path + ("config",), f"config is a reasoning_gym source's generator settings; "
                             f"{src.source} takes none", "remove it (a builtin task takes `options`)"))
             continue
@@ -61,4 +63,14 @@ def gym_problems(data: "DataSpec", graph_seed: int) -> list[Located]:
                 clear = train_seed + (train.size or gym.DEFAULT_SIZE)
                 out.append((path + ("seed",), problem, f"set this seed to {clear} or more (or the train seed "
                             "past this split's items), or leave both unset"))
+    return out
+
+
+def verifiers_problems(data: "DataSpec") -> list[Located]:
+    """A verifiers source's library, environment id, args and options (``envs.verifiers_env``)."""
+    out: list[Located] = []
+    for _, path, src in leaves(data):
+        if verifiers_env.is_verifiers(src.source):
+            for field, message, fix in verifiers_env.source_problems(src.source, dict(src.config), dict(src.options)):
+                out.append((path + tuple(field.split(".")), message, fix))
     return out

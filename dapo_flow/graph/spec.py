@@ -289,6 +289,7 @@ def _attention_heads(path: str) -> int | None:
 class DataSourceSpec(_Frozen):
     source: str | None = Field(
         None, description="`builtin:addition`, `builtin:chain`, `reasoning_gym:NAME` (a reasoning-gym generator), "
+        "`verifiers:ENV_ID` (a verifiers environment's taskset; config: its args, options: {path: DIR}), "
         "a .parquet / .jsonl / .json file, or a folder of .parquet shards read in name order (verl format "
         "accepted). It must yield at least one usable row. One of `source` and `sources`."
     )
@@ -311,7 +312,8 @@ class DataSourceSpec(_Frozen):
     )
     config: dict[str, Any] = Field(
         default_factory=dict, description="A reasoning_gym source's generator settings (the fields of its "
-        "config, e.g. {min_terms: 2, max_terms: 2}), seed and size apart.")
+        "config, e.g. {min_terms: 2, max_terms: 2}), seed and size apart; a verifiers source's environment "
+        "args (its taskset config's fields).")
     prompt_key: str = Field("prompt", description="Column holding the prompt.")
     answer_key: str | None = Field(
         None, description="Column holding the ground truth (default: reward_model.ground_truth)."
@@ -359,7 +361,7 @@ class DataSourceSpec(_Frozen):
 
     @model_validator(mode="after")
     def _stream_reads_parquet(self) -> "DataSourceSpec":
-        generated = ("builtin:", "reasoning_gym:")
+        generated = ("builtin:", "reasoning_gym:", "verifiers:")
         if self.stream and self.source is not None and (
                 self.source.startswith(generated) or self.source.lower().endswith((".json", ".jsonl"))):
             raise ValueError(f"stream: true reads a .parquet file or a folder of .parquet shards, not "

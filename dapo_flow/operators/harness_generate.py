@@ -44,7 +44,9 @@ from dapo_flow.reductions import Rate, Seconds, Total
 class Params(GenerateParams):
     harness: str = Field("harness.py:run", min_length=3)
     """The harness: `file.py:run` (relative to the directory the run starts in) or `module:run`;
-    `async def run(client, task)` or a plain function, returning a reward, a dict with `score`, or None."""
+    `async def run(client, task)` or a plain function, returning a reward, a dict with `score`, or None.
+    `verifiers:ENV_ID`: a verifiers environment's own rollout and rubric, on prompts from source
+    `verifiers:ENV_ID` (dapo_flow/envs/verifiers_env.py)."""
     max_tokens: int = Field(256, ge=1, le=65536)
     """Response tokens in all per sample: every completion and every token the harness inserts."""
     max_requests: int = Field(32, ge=1, le=4096)
@@ -64,6 +66,13 @@ class Params(GenerateParams):
     @field_validator("harness")
     @classmethod
     def _reference(cls, value: str) -> str:
+        from dapo_flow.envs import verifiers_env
+
+        if verifiers_env.is_verifiers(value):
+            problem = verifiers_env.harness_problem(value)
+            if problem:
+                raise ValueError(problem)
+            return value
         target, sep, name = value.rpartition(":")
         if not sep or not target or not name.isidentifier():
             raise ValueError(f"harness {value!r} must be 'file.py:function' or 'module:function'")
@@ -99,7 +108,10 @@ class HarnessGenerate:
         self.params = params
         self.ctx = ctx
         self.seeds = CallSeeds(ctx.seed)
-        self.fn = load_object(params.harness, base_dir=Path(ctx.workdir or os.getcwd()))
+        from dapo_flow.envs import verifiers_env
+
+        self.fn = (verifiers_env.harness(params.harness) if verifiers_env.is_verifiers(params.harness)
+                   else load_object(params.harness, base_dir=Path(ctx.workdir or os.getcwd())))
         self._key: tuple[str, int] | None = None  # the endpoint this instance started
         self._metrics: dict[str, float] = {}
 
