@@ -58,7 +58,7 @@ class Side:
         self.manifest = self.policy.weight_manifest()
 
     def address(self):
-        from dapo_flow.runtime.ports import node_address
+        from dapo_flow.runtime.node import node_address
 
         return node_address()
 

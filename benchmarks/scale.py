@@ -38,7 +38,7 @@ from pathlib import Path
 
 from _common import LoadSampler, fmt, make_console, write_json
 
-from dapo_flow.runtime.ports import free_port
+from dapo_flow.core.ports import free_port
 
 WORKER = Path(__file__).with_name("_scale_worker.py")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_flow.runtime.ports import free_port
+from dapo_flow.core.ports import free_port
 
 CLI = Path(sys.executable).with_name("dapo-flow")
 

@@ -44,7 +44,7 @@ class LoopbackServer:
     """``app_ref`` served at :attr:`url` (``http://127.0.0.1:PORT``) once the constructor returns."""
 
     def __init__(self, app_ref: str, start_timeout_s: float = 60.0):
-        from dapo_flow.runtime.ports import free_port
+        from dapo_flow.core.ports import free_port
 
         port = free_port()
         self.app_ref, self.url = app_ref, f"http://127.0.0.1:{port}"

@@ -21,7 +21,8 @@ import pyarrow as pa
 
 from dapo_flow.errors import ActorFault, RunError
 from dapo_flow.runtime import group
-from dapo_flow.runtime.ports import free_port, node_address
+from dapo_flow.core.ports import free_port
+from dapo_flow.runtime.node import node_address
 from dapo_flow.runtime.tables import TableParts, assemble
 from dapo_flow.runtime.watchdog import StepWatchdog, call_timeout
 from dapo_flow.core.contract import contract_of

@@ -269,7 +269,7 @@ class StageWorker:
     # --- broadcast weight sync (rollout.weight_sync: broadcast; models.weight_bus) -------------
     def weight_bus_address(self) -> tuple[str, int]:
         """This worker's node address and a port free there: the bus's rank 0 (the trainer)."""
-        from dapo_flow.runtime.ports import node_address
+        from dapo_flow.runtime.node import node_address
 
         return node_address()
 

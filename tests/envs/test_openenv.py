@@ -20,7 +20,7 @@ from dapo_flow.errors import RunError
 from dapo_flow.models.sampling import Rollouts, SamplingConfig
 from dapo_flow.models.tokenizer import build_char_tokenizer
 from dapo_flow.operators.score import Params as ScoreParams, Score
-from dapo_flow.runtime.ports import free_port
+from dapo_flow.core.ports import free_port
 from dapo_flow.tools import ToolSpec, load_tool
 
 HERE = Path(__file__).resolve().parent

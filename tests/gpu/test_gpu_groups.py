@@ -35,7 +35,7 @@ def _graph(model_path, strategy: str | None):
 def _worker(model_path, strategy: str, model_paths: dict | None = None):
     """The stage worker of a training group of one (``strategy`` ddp or fsdp2: it joins a process
     group of world size 1 as the executors start group members), or a plain one (``none``)."""
-    from dapo_flow.runtime.ports import free_port
+    from dapo_flow.core.ports import free_port
     from dapo_flow.runtime.worker import GroupMember, NodeSetup, StageSetup, StageWorker
 
     setup = StageSetup(name=STAGE, nodes=(NodeSetup(id="train", op="update", params=UPDATE, impl=UPDATE_OP, model="policy"),),

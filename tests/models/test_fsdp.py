@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo_flow.runtime.ports import free_port
+from dapo_flow.core.ports import free_port
 
 pytestmark = pytest.mark.slow
 

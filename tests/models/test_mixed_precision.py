@@ -258,7 +258,7 @@ torch.set_num_threads(1)
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.models import fsdp
 from dapo_flow.runtime.resources import load_resource
-from dapo_flow.runtime.ports import free_port
+from dapo_flow.core.ports import free_port
 fsdp.init_group(0, 1, "127.0.0.1", free_port())
 spec = ModelSpec(path="builtin:tiny-adder", dtype="bfloat16",
                  train={"mixed_precision": "bf16", "strategy": "fsdp2"})

@@ -113,7 +113,7 @@ def test_a_real_ray_cluster_is_read_as_it_reports_itself():
 GROUP_OF_ONE = """
 import sys, torch
 from dapo_flow.models import fsdp
-from dapo_flow.runtime.ports import free_port
+from dapo_flow.core.ports import free_port
 torch.cuda.is_available = lambda: True  # a GPU beside the model must not choose the backend
 fsdp.init_group(0, 1, "127.0.0.1", free_port(), device=sys.argv[1])
 import torch.distributed as dist

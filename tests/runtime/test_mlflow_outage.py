@@ -22,7 +22,7 @@ from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
 from dapo_flow.runtime.loop import Runner
-from dapo_flow.runtime.ports import free_port
+from dapo_flow.core.ports import free_port
 from dapo_flow.tracking import read_run
 
 pytestmark = pytest.mark.slow  # a real MLflow server started three times (~10-40 s each)

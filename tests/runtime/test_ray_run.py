@@ -20,7 +20,7 @@ from dapo_flow.graph.compiler import compile_graph
 from dapo_flow.errors import RunError
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
-from dapo_flow.runtime.ports import free_port
+from dapo_flow.core.ports import free_port
 from dapo_flow.tracking import read_run, search_runs
 
 pytestmark = pytest.mark.slow

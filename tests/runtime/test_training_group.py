@@ -143,7 +143,7 @@ def test_a_group_of_one_in_process_shares_a_process_group_of_one_already_there(t
 
     from dapo_flow.errors import ModelError
     from dapo_flow.models import fsdp
-    from dapo_flow.runtime.ports import free_port
+    from dapo_flow.core.ports import free_port
 
     formed = not dist.is_initialized()  # else an engine of tests/models/test_vllm.py formed it
     if formed:

@@ -41,10 +41,3 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         return s.getsockname()[1]
 
-
-def node_address() -> tuple[str, int]:
-    """This Ray node's address and a port free on it now: a process group's master (run on
-    rank 0's node)."""
-    import ray
-
-    return ray.util.get_node_ip_address(), free_port("")
