@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     async def one_call(client, task):
         await client.completions.create(model=MODEL, prompt=task["prompt"], max_tokens=max_tokens)
 
-    endpoint = Endpoint(policy, model_name=MODEL, call_format="compact", require_episode=True,
+    endpoint = Endpoint(policy, model_name=MODEL, call_format="compact", require_episode=True, spare_threads=1,
                         sampling=(1.0, 1.0, -1)).start()
     rounds = 0
 

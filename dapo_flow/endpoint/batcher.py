@@ -64,7 +64,8 @@ class Batcher:
     """``submit`` from any thread; the engine runs in this batcher's thread."""
 
     def __init__(self, engine: Any, *, window_s: float = 0.005, max_batch: int = 512, max_queue: int = 4096,
-                 expected: Callable[[], int] | None = None, expect_window_s: float = 0.05):
+                 expected: Callable[[], int] | None = None, expect_window_s: float = 0.05,
+                 spare_threads: int = 0):
         self.engine = engine
         self.window_s, self.max_batch, self.max_queue = window_s, max_batch, max_queue
         # how many more requests may come soon (episodes between two requests): while some may,
@@ -73,7 +74,13 @@ class Batcher:
         self.stats = BatchStats()
         self._last_call_s = 0.0
         self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._threads = _torch_threads()
+        # torch threads for the engine: the process's, less ``spare_threads`` (at least one) left to
+        # the threads that share this process and run Python the whole time (harness clients, the
+        # HTTP server): OpenMP's workers spin at each op's barrier, and with a thread fewer cores
+        # than runnable threads a barrier waits on a descheduled worker (tiny-agent's 256-episode
+        # round: 0.7 s of engine time on 1 thread of 2 cores, 11-17 s on 2)
+        process = _torch_threads()
+        self._threads = max(1, process - spare_threads) if process else 0
         self._thread = threading.Thread(target=self._loop, name="endpoint-batcher", daemon=True)
         self._thread.start()
 

@@ -16,6 +16,7 @@ import asyncio
 import inspect
 import logging
 import math
+import ssl
 import numbers
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 EPISODE_HEADER = "X-Episode-Id"
+EPISODES_PER_POOL = 16
 
 
 @dataclass(frozen=True)
@@ -55,42 +57,54 @@ async def _run_all(fn: Callable, base_url: str, token: str, jobs: list[tuple[str
     import httpx
     import openai
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
     semaphore = asyncio.Semaphore(concurrency)
     pool = None if is_async else ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="harness")
-    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as http:
-        base = openai.AsyncOpenAI(base_url=base_url, api_key=token, http_client=http, max_retries=0)
-        sync_base = None if is_async else openai.OpenAI(
-            base_url=base_url, api_key=token, max_retries=0,
-            http_client=httpx.Client(limits=limits, timeout=timeout_s))
+    # a connection pool per EPISODES_PER_POOL episodes: httpcore scans every connection of its pool
+    # for each request it places, so one pool of 256 connections costs more than the requests;
+    # one TLS context for all (never used over http, but each client would build its own)
+    tls = ssl.create_default_context()
+    size = max(1, min(EPISODES_PER_POOL, concurrency))
+    limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+    groups = max(1, math.ceil(len(jobs) / size))
+    # trust_env off: a proxy from the environment must not carry loopback requests
+    https = [httpx.AsyncClient(limits=limits, timeout=timeout_s, verify=tls, trust_env=False) for _ in range(groups)]
+    bases = [openai.AsyncOpenAI(base_url=base_url, api_key=token, http_client=h, max_retries=0) for h in https]
+    sync_https = [] if is_async else [httpx.Client(limits=limits, timeout=timeout_s, verify=tls, trust_env=False)
+                                      for _ in range(groups)]
+    sync_bases = [openai.OpenAI(base_url=base_url, api_key=token, http_client=h, max_retries=0) for h in sync_https]
+    index = {episode: i // size for i, (episode, _) in enumerate(jobs)}
 
-        async def one(episode: str, task: dict) -> Any:
-            return on_done(episode, await outcome(episode, task))
+    async def one(episode: str, task: dict) -> Any:
+        return on_done(episode, await outcome(episode, task))
 
-        async def outcome(episode: str, task: dict) -> Outcome:
-            headers = {EPISODE_HEADER: episode}
-            async with semaphore:
-                try:
-                    if is_async:
-                        result = await asyncio.wait_for(fn(base.with_options(default_headers=headers), task), timeout_s)
-                    else:
-                        client = sync_base.with_options(default_headers=headers)
-                        call = asyncio.get_running_loop().run_in_executor(pool, fn, client, task)
-                        result = await asyncio.wait_for(call, timeout_s)
-                except asyncio.TimeoutError:
-                    return _logged(episode, Outcome(None, "timeout", f"timed out after {timeout_s:g} s (timeout_s)"))
-                except Exception as exc:  # noqa: BLE001 - user code: the sample is masked, the run goes on
-                    return _logged(episode, Outcome(None, "harness_error", f"{type(exc).__name__}: {exc}"))
-            reward, problem = reward_of(result)
-            return _logged(episode, Outcome(None, "harness_error", problem)) if problem else Outcome(reward)
+    async def outcome(episode: str, task: dict) -> Outcome:
+        headers = {EPISODE_HEADER: episode}
+        async with semaphore:
+            try:
+                if is_async:
+                    client = bases[index[episode]].with_options(default_headers=headers)
+                    result = await asyncio.wait_for(fn(client, task), timeout_s)
+                else:
+                    client = sync_bases[index[episode]].with_options(default_headers=headers)
+                    call = asyncio.get_running_loop().run_in_executor(pool, fn, client, task)
+                    result = await asyncio.wait_for(call, timeout_s)
+            except asyncio.TimeoutError:
+                return _logged(episode, Outcome(None, "timeout", f"timed out after {timeout_s:g} s (timeout_s)"))
+            except Exception as exc:  # noqa: BLE001 - user code: the sample is masked, the run goes on
+                return _logged(episode, Outcome(None, "harness_error", f"{type(exc).__name__}: {exc}"))
+        reward, problem = reward_of(result)
+        return _logged(episode, Outcome(None, "harness_error", problem)) if problem else Outcome(reward)
 
-        try:
-            return list(await asyncio.gather(*(one(episode, task) for episode, task in jobs)))
-        finally:
-            if pool is not None:  # a timed-out call's thread is left to finish (its requests get 410)
-                pool.shutdown(wait=False, cancel_futures=True)
-                sync_base.close()
+    try:
+        return list(await asyncio.gather(*(one(episode, task) for episode, task in jobs)))
+    finally:
+        if pool is not None:  # a timed-out call's thread is left to finish (its requests get 410)
+            pool.shutdown(wait=False, cancel_futures=True)
+        for h in sync_https:
+            h.close()
+        for h in https:
+            await h.aclose()
 
 
 def _logged(episode: str, outcome: Outcome) -> Outcome:

@@ -11,6 +11,7 @@ assistant turn whose calls were split out into ``tool_calls`` is put back as its
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections import OrderedDict
@@ -27,7 +28,7 @@ def tool_schemas(request: ChatRequest) -> dict[str, dict[str, Any]]:
     """``{name: schema}`` of the request's tools; a 400 naming every bad one."""
     problems, schemas = [], {}
     for i, tool in enumerate(request.tools or []):
-        found = schema_problems(tool)
+        found = _schema_problems(json.dumps(tool, sort_keys=True, default=repr))
         if found:
             problems += [f"tools[{i}]: {p}" for p in found]
         else:
@@ -39,6 +40,13 @@ def tool_schemas(request: ChatRequest) -> dict[str, dict[str, Any]]:
         raise ApiError(400, f"tool_choice {json.dumps(choice)} is not supported: the endpoint does not "
                        "constrain decoding; use 'auto' or 'none'", param="tool_choice")
     return schemas
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_problems(schema_json: str) -> list[str]:
+    """schema_problems of a schema by its JSON: a harness sends the same tools with every
+    request, and checking a schema with jsonschema costs more than the rest of a request."""
+    return schema_problems(json.loads(schema_json))
 
 
 class SampledTurns:

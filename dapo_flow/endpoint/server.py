@@ -49,18 +49,21 @@ class Endpoint:
     """An OpenAI-compatible server over ``engine`` (a RolloutEngine); ``model_name`` is the id
     clients send as ``model``. ``require_episode``: refuse requests outside a registered episode
     (a training run: the engine is used only while the harness node runs); ``sampling``: the
-    (temperature, top_p, top_k) every request samples with, whatever it asks (a training run's)."""
+    (temperature, top_p, top_k) every request samples with, whatever it asks (a training run's);
+    ``spare_threads``: torch threads the engine leaves to clients running in this process."""
 
     def __init__(self, engine: Any, *, model_name: str, call_format: str = "hermes", host: str = LOOPBACK,
                  port: int = 0, token: str | None = None, require_episode: bool = False,
-                 sampling: tuple[float, float, int] | None = None, window_s: float = 0.005):
+                 sampling: tuple[float, float, int] | None = None, window_s: float = 0.005,
+                 spare_threads: int = 0):
         if not _is_loopback(host):
             warnings.warn(f"the endpoint binds {host}, not loopback: anyone who reaches {host}:{port or '<port>'} "
                           "with the token samples from the model", stacklevel=2)
         self.host, self.port = host, port
         self.token = token or secrets.token_urlsafe(24)
         self.book = EpisodeBook()
-        self.batcher = Batcher(engine, window_s=window_s, expected=self.book.expected if require_episode else None)
+        self.batcher = Batcher(engine, window_s=window_s, expected=self.book.expected if require_episode else None,
+                               spare_threads=spare_threads)
         self.served = Served(engine.tokenizer, self.batcher, self.book, model_name, self.token, call_format,
                              context_length(engine), eos_ids(engine), require_episode, sampling)
         self._server: Any = None

@@ -135,7 +135,8 @@ class HarnessGenerate:
             p = self.params
             name = next((n for n, m in self.ctx.models.items() if m is self.ctx.model), self.ctx.node_id)
             _ENDPOINTS[key] = Endpoint(generator, model_name=name, call_format=p.format, host=p.host,
-                                       port=p.port, require_episode=True).start()
+                                       port=p.port, require_episode=True,
+                                       spare_threads=1).start()  # a core for the harness's clients
             print(f"harness-generate '{self.ctx.node_id}': OpenAI-compatible endpoint {_ENDPOINTS[key].base_url} "
                   f"(model '{name}')", flush=True)
             self._key = key  # this instance started it: its close() stops it
