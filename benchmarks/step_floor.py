@@ -269,7 +269,10 @@ class Floor:
 
 
 def one_round(job: MainJob, floor: Floor, round_no: int) -> dict:
+    """A step of the job, then the floor's rollout and update on the step's inputs and weights."""
     import torch
+
+    from dapo_flow.core import columns as C
 
     ours = job.step()
     floor.model.load_state_dict(ours.pop("weights"))  # the weights the step started from
@@ -277,7 +280,7 @@ def one_round(job: MainJob, floor: Floor, round_no: int) -> dict:
     tokens = forwards = 0
     start = time.perf_counter()
     for prompts in ours.pop("prompts"):
-        t, f = floor.rollout(prompts.column("prompt_ids").to_pylist(), generator)
+        t, f = floor.rollout(prompts.column(C.PROMPT_IDS).to_pylist(), generator)
         tokens, forwards = tokens + t, forwards + f
     rollout_floor_s = time.perf_counter() - start
     mini_batches = floor.passes(ours.pop("batch"))  # padded before the clock starts
@@ -373,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                    "gen_prompts_per_batch": run.gen_prompts_per_batch, "prompts_per_step": run.prompts_per_step,
                    "n": gen.n, "temperature": gen.temperature, "max_tokens": gen.max_tokens,
                    "mini_batches": train.mini_batches, "micro_batch_size": train.micro_batch_size},
-        "per_round": [{k: v for k, v in r.items()} for r in measured],
+        "per_round": measured,
         "startup_s": startup_s, "torch_threads": measured[0]["torch_threads"],
         "cpu": cpu, "cpus": os.cpu_count(), "load": load.mean,
     }
