@@ -33,6 +33,93 @@ def test_healed_faults_are_logged_with_no_step_redone_and_merge_with_a_recovery(
     assert issubclass(ReplicaLost, ActorFault)  # not healed in place: the whole run recovers
 
 
+class _Method:
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def remote(self, *args):
+        self.calls.append((self.name, args))
+        return f"ref:{self.name}"
+
+    def options(self, **_):
+        return self
+
+
+class _Actor:
+    """Stands for a replica's actor handle: records the calls made on it."""
+
+    def __init__(self, name: str):
+        self.name, self.calls = name, []
+
+    def __getattr__(self, method: str):
+        return _Method(method, self.calls)
+
+
+class _Ray:
+    """Ray as ReplicaHealer uses it: ``ready`` says whether a replacement is up, ``fails``
+    whether fetching its ready call raises (it died loading its model)."""
+
+    def __init__(self, ready: bool = True, fails: bool = False):
+        self.killed, self.ready, self.fails = [], ready, fails
+
+    def kill(self, actor):
+        self.killed.append(actor)
+
+    def wait(self, refs, timeout=None):
+        return (refs, []) if self.ready else ([], refs)
+
+    def get(self, ref, timeout=None):
+        if self.fails and ref == "ref:ready":
+            raise RuntimeError("Traceback ...\nModelError: no such model")
+        return {}
+
+
+def _healer(ray, replicas: int = 3):
+    from dapo_flow.runtime.replicas import ReplicaHealer
+
+    members = [_Actor(f"r{k}") for k in range(replicas)]
+    return ReplicaHealer(ray, STAGE, members, list(range(replicas)), lambda bundle: _Actor(f"new{bundle}"))
+
+
+def test_a_lost_share_goes_to_a_survivor_as_the_lost_replica_would_have_run_it():
+    from dapo_flow.runtime.worker import Share
+
+    ray = _Ray(ready=False)
+    healer = _healer(ray)
+    first, second = healer.next_call(["rollout"], "prompts"), healer.next_call(["rollout"], "more prompts")
+    r0, r1, r2 = first.actors
+    call, redone, said = healer.reissue(second, [1])
+    assert list(redone) == [1] and call.actors == [r0, r0, r2] and call.number == second.number == 1
+    assert r0.calls == [("redo_chain", (["rollout"], "more prompts", Share(1, 3), 1))]  # its share, as call 1
+    assert healer.members == [r0, r2] and healer.bundles == [0, 2] and ray.killed == [r1]
+    assert len(said) == 1 and "training goes on with 2 replica(s)" in said[0]
+    _, _, again = healer.reissue(first, [1])  # its other call: re-issued too, one fault still
+    assert again == [] and len(healer.replacements) == 1
+    assert healer.admit(lambda actor: {}) == []  # still starting: it waits
+    ray.ready = True
+    [joined] = healer.admit(lambda actor: {"rollout": {"calls": 2}})
+    assert "joined" in joined and healer.members[-1].name == "new1" and healer.bundles == [0, 2, 1]
+    assert ("load_op_states", ({"rollout": {"calls": 2}},)) in healer.members[-1].calls  # a survivor's states
+
+
+def test_a_replacement_that_cannot_start_is_given_up_with_a_warning_and_training_goes_on():
+    healer = _healer(_Ray(fails=True), replicas=2)
+    call = healer.next_call(["rollout"], "prompts")
+    roster = healer.roster
+    healer.reissue(call, [0])
+    [warning] = healer.admit(lambda actor: {})
+    assert warning.startswith("warning:") and "no such model" in warning and "goes on with 1 replica(s)" in warning
+    assert len(healer.members) == 1 and healer.replacements == [] and healer.roster == roster + 1
+
+
+def test_every_replica_of_a_call_lost_is_a_fault_the_whole_run_recovers_from():
+    healer = _healer(_Ray(), replicas=2)
+    call = healer.next_call(["rollout"], "prompts")
+    with pytest.raises(ActorFault, match="every rollout replica") as info:
+        healer.reissue(call, [0, 1])
+    assert not isinstance(info.value, ReplicaLost)
+
+
 def _pid(actor) -> int:
     import ray
 
@@ -139,3 +226,22 @@ def test_a_rollout_replica_killed_mid_generation_heals_in_place_and_the_run_ends
     [(_, lost)] = history["faults/seconds_lost"]
     assert lost > 0.0
     _same_metrics(history, _history(_run(workdir, path, log="straight.log")))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_one_step_off_run_does_not_heal_in_place_it_recovers_from_its_checkpoint(
+        workdir, small_graph, executors_started, kill_replica_at):
+    """one_step_off (and async) runs fall back to the whole run's recovery: the next batch
+    generates beside the update, with no point where a replacement can take a survivor's
+    operator states (dapo_flow.runtime.replicas)."""
+    path = small_graph(workdir, name="replica-lost-overlap", steps=STEPS, ckpt=2)
+    kill_replica_at(3, rank=1)  # after checkpoint 2: its next generation call (step 4's, collected ahead)
+    healed = _run(workdir, path, "run.rollout_mode=one_step_off")
+    log = (workdir / "ray.log").read_text()
+    assert len(executors_started) == 2 and "resuming from" in log and "re-issued" not in log
+    history = _history(healed)
+    for key in ("batch/reward_mean", "actor/pg_loss"):
+        assert [s for s, _ in history[key]] == list(range(1, STEPS + 1)), key
+    [(_, count)] = history["faults/count"]
+    assert count == 1.0
