@@ -424,7 +424,8 @@ class RayExecutor:
         if setup.grouped:
             addr, port = ray.get(ray.remote(node_address).options(num_cpus=0, scheduling_strategy=on(0)).remote(),
                                  timeout=STARTUP_TIMEOUT_S)
-        def start(rank: int) -> Any:
+
+        def start(rank: int) -> Any:  # a member in bundle ``rank`` (a lost replica's replacement too)
             member = GroupMember(rank, setup.workers, addr, port) if setup.grouped else None
             return remote_cls.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=on(rank)
                                       ).remote(graph, replace(setup, group=member), seed)
