@@ -3,19 +3,22 @@
 graphs/dapo.yaml on Ray (shortened), with run.max_failures at its default: once the checkpoint
 of step 2 is written, the process of one actor is killed with SIGKILL, and the run heals itself
 (dapo_flow/runtime/recovery.py). Kinds: a training worker (a member of the policy's training
-group, which also generates: colocated), the rollout actor (placement disaggregated), and the
-driver stage's actor (the model-free operators: score, filter, advantage).
+group, which also generates: colocated), the rollout actor (placement disaggregated), the
+driver stage's actor (the model-free operators: score, filter, advantage), and one of two rollout
+replicas (rollout.replicas 2), which heals in place (dapo_flow/runtime/replicas.py): its rows go
+to the other replica, a replacement starts, and nothing restarts or is trained again.
 
 Per kind, measured in the same run:
 - detect_s: from the kill to the run's report of the fault;
 - to_next_step_s: from the kill to the end of the first step trained after the recovery (the
-  restart of every actor, the models loaded again, the checkpoint restored, the step trained);
+  restart of every actor, the models loaded again, the checkpoint restored, the step trained;
+  in place: the step the replica was lost in, its share generated again);
 - seconds_lost: the run's own faults/seconds_lost (the fault until it is back at the step that
   failed), and steps_redone (trained again after the checkpoint);
 - step_s: the median step before the fault (the baseline), and to_next_step_steps =
   to_next_step_s / step_s: what a fault costs, in steps.
 
-Run: python benchmarks/recovery.py [--quick] [--json PATH] [--workdir DIR]
+Run: python benchmarks/recovery.py [--quick] [--kind KIND ...] [--json PATH] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ KINDS = {  # kind -> (stage, --set edits)
     "training worker": ("model:policy", []),
     "rollout actor": ("rollout:policy", ["placement.mode=disaggregated"]),
     "driver stage": ("driver", []),
+    "lost rollout replica": ("rollout:policy", ["placement.mode=disaggregated", "models.policy.rollout.replicas=2"]),
 }
+#: how each kind's fault shows in the run's log: a whole run's recovery, or a replica healed in place
+REPORTED = ("fault at step", "died during a generation call")
 
 
 class StampedLog:
@@ -106,11 +112,13 @@ def measure(kind: str, steps: int, prompts: int, console) -> dict:
     history = step_history(summary)
     kill_t = killed[0]
     before = [b - a for (a, _, s1), (b, _, s2) in zip(step_ends, step_ends[1:]) if b <= kill_t and s1 == s2 == 1]
-    after = next(t for t, _, session in step_ends if session == 2)
+    restarted = len(started) > 1
+    after = next(t for t, _, session in step_ends if (session == 2 if restarted else t > kill_t))
     fault_step = next(iter(history["faults/count"]))
+    reported = [t for t in map(log.first, REPORTED) if t is not None]
     row = {
         "kind": kind, "stage": stage, "fault_step": fault_step,
-        "detect_s": (log.first("fault at step") or float("nan")) - kill_t,
+        "detect_s": (min(reported) if reported else float("nan")) - kill_t,
         "to_next_step_s": after - kill_t,
         "seconds_lost": history["faults/seconds_lost"][fault_step],
         "steps_redone": history["faults/steps_redone"][fault_step],
@@ -118,7 +126,7 @@ def measure(kind: str, steps: int, prompts: int, console) -> dict:
         "restarts": len(started) - 1,
     }
     row["to_next_step_steps"] = row["to_next_step_s"] / row["step_s"]
-    console.print(f"{kind:16s} detect {row['detect_s']:6.2f} s  to next step {row['to_next_step_s']:6.1f} s "
+    console.print(f"{kind:20s} detect {row['detect_s']:6.2f} s  to next step {row['to_next_step_s']:6.1f} s "
                   f"({row['to_next_step_steps']:.0f} steps of {row['step_s']:.2f} s)  "
                   f"lost {row['seconds_lost']:.1f} s, {row['steps_redone']:.0f} redone")
     return row
@@ -126,12 +134,15 @@ def measure(kind: str, steps: int, prompts: int, console) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the training worker only, 6 steps of 8 prompts")
+    ap.add_argument("--quick", action="store_true", help="the training worker and a lost rollout replica "
+                    "only, 6 steps of 8 prompts")
+    ap.add_argument("--kind", action="append", choices=list(KINDS), help="measure this kind (repeatable; "
+                    "default: every kind, or --quick's)")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("--workdir", help="keep the MLflow store and checkpoints here (default: a temp dir)")
     args = ap.parse_args(argv)
     console = make_console()
-    kinds = ["training worker"] if args.quick else list(KINDS)
+    kinds = args.kind or (["training worker", "lost rollout replica"] if args.quick else list(KINDS))
     steps, prompts = (6, 8) if args.quick else (10, 16)
     rows = []
     with scratch_dir(args.workdir, console) as where:

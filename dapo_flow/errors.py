@@ -95,6 +95,18 @@ class ActorFault(RunError):
         self.step: int | None = None
 
 
+class ReplicaLost(ActorFault):
+    """Members of a stage's rollout replicas died during a generation call while others are
+    left: the run heals in place (:mod:`dapo_flow.runtime.replicas`): ``call`` is the call's
+    handle (the executor's), ``ranks`` the members of it that were lost. Not healed, it is the
+    fault a whole run recovers from, as any ActorFault."""
+
+    def __init__(self, message: str, *, call, ranks: list[int]):
+        super().__init__(message)
+        self.call = call
+        self.ranks = ranks
+
+
 class CheckpointWriteError(RunError):
     """A checkpoint could not be written (a full disk, a read-only or vanished folder); the
     previous one is intact. ``path``: the checkpoint it was writing; ``why``: the cause;

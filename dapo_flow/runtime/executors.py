@@ -19,10 +19,11 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, runtime_checkable
 
 import pyarrow as pa
 
-from dapo_flow.errors import ActorFault, RunError
+from dapo_flow.errors import ActorFault, ReplicaLost, RunError
 from dapo_flow.runtime import group
 from dapo_flow.core.ports import free_port
 from dapo_flow.runtime.node import node_address
+from dapo_flow.runtime.replicas import ReplicaHealer, RowCall
 from dapo_flow.runtime.tables import TableParts, assemble
 from dapo_flow.runtime.watchdog import StepWatchdog, call_timeout
 from dapo_flow.core.contract import contract_of
@@ -73,6 +74,13 @@ class Executor(Protocol):
     def observe_step(self, seconds: float) -> None:
         """A step took ``seconds``: where calls can hang (actors), the hang bound follows
         (:mod:`dapo_flow.runtime.watchdog`)."""
+
+    def roster(self, stage: str) -> int:
+        """A number that changes whenever the actors serving ``stage`` change (rollout replicas
+        healed in place: :mod:`dapo_flow.runtime.replicas`)."""
+
+    def admit_replacements(self, stage: str) -> list[str]:
+        """Let replacement replicas of ``stage`` that are up join it; what happened, a line each."""
 
     def shutdown(self) -> None:
         """Release every worker (and a cluster the executor started)."""
@@ -128,6 +136,12 @@ class LocalExecutor:
 
     def observe_step(self, seconds: float) -> None:
         pass  # calls run in this process: nothing to wait for
+
+    def roster(self, stage: str) -> int:
+        return 0  # in-process workers are never lost and replaced
+
+    def admit_replacements(self, stage: str) -> list[str]:
+        return []
 
     def shutdown(self) -> None:
         for name, worker in self.workers.items():
@@ -410,14 +424,20 @@ class RayExecutor:
         if setup.grouped:
             addr, port = ray.get(ray.remote(node_address).options(num_cpus=0, scheduling_strategy=on(0)).remote(),
                                  timeout=STARTUP_TIMEOUT_S)
-        members = [
-            remote_cls.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=on(rank)).remote(
-                graph, replace(setup, group=GroupMember(rank, setup.workers, addr, port) if setup.grouped else None),
-                seed)
-            for rank in range(setup.workers)
-        ]
+
+        def start(rank: int) -> Any:  # a member in bundle ``rank`` (a lost replica's replacement too)
+            member = GroupMember(rank, setup.workers, addr, port) if setup.grouped else None
+            return remote_cls.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=on(rank)
+                                      ).remote(graph, replace(setup, group=member), seed)
+
+        members = [start(rank) for rank in range(setup.workers)]
         sinks = {n.id for n in setup.nodes if contract_of(resolve_op(n)).cardinality == "sink"}
-        return WorkerGroup(stage, members, sinks, "worker" if setup.grouped else "replica")
+        if setup.grouped:
+            return WorkerGroup(stage, members, sinks, "worker")
+        # see dapo_flow.runtime.replicas for why only sync runs heal in place
+        healer = ReplicaHealer(ray, stage, members, list(range(setup.workers)), start) if (
+            graph.run.rollout_mode == "sync") else None
+        return WorkerGroup(stage, members, sinks, "replica", healer)
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
         if method in ROW_CALLS:  # the whole result, as a local worker gives it (tests, tools)
@@ -518,6 +538,7 @@ class RayExecutor:
         deadline = time.monotonic() + timeout
         values: dict[Any, Any] = {}
         pending = list(owner)
+        lost: list[int] = []  # members of a generation call on replicas that heal in place, dead
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
@@ -529,15 +550,62 @@ class RayExecutor:
                 try:
                     values[ref] = self._get(ref, timeout, who=self._member(*owner[ref]))
                 except RunError as failure:
+                    call, rank = owner[ref]
+                    if getattr(call, "row_call", None) is not None and _died(ray, failure):
+                        lost.append(rank)  # the others' shares are still awaited: they may be lost too
+                        continue
                     if not isinstance(failure.__cause__, ray.exceptions.RayTaskError):
                         raise  # the actor died (named), or did not answer
                     dead = self._dead_peer(pending, owner)
                     if dead is not None:
                         raise dead from failure
                     raise
+        if lost:
+            call = calls[0]  # a row call is waited for alone
+            raise ReplicaLost(f"{self._late([(call, r) for r in sorted(lost)])} died during a generation call",
+                              call=call, ranks=sorted(lost))
         out = tuple(call.join([values[r] for r in call.refs]) if isinstance(call, GroupCall) else values[call]
                     for call in calls)
         return out if isinstance(handles, tuple) else out[0]
+
+    def reissue(self, rows: "Rows", lost: ReplicaLost) -> tuple["Rows", list[str]]:
+        """``rows`` (a generation call on rollout replicas) with the shares of the members
+        ``lost`` names run again on survivors (:meth:`ReplicaHealer.reissue`): the same rows, the
+        same samples; and what happened, a line for each replica newly lost. ActorFault when
+        no replica is left."""
+        call: GroupCall = lost.call
+        group = self.groups[call.stage]
+        record, redone, said = group.healer.reissue(call.row_call, lost.ranks)
+        tables, infos = list(rows.table.parts), list(call.refs)
+        self.discard(Rows(TableParts(tuple(tables[r] for r in redone)), None))
+        for rank, (table, info) in redone.items():
+            tables[rank], infos[rank] = table, info
+        return Rows(TableParts(tuple(tables)), group.infos(infos, record=record)), said
+
+    def discard(self, rows: "Rows") -> None:
+        """Read the results of a row call that failed, or will, because it read a lost
+        replica's share (it was queued again), so that Ray does not report their errors as
+        unhandled; whatever they hold is dropped."""
+        refs = [*_refs_in(rows.table), *(_refs_in(rows.info.refs if isinstance(rows.info, GroupCall) else rows.info))]
+        for ref in refs:
+            try:
+                self._ray.get(ref, timeout=DISCARD_WAIT_S)
+            except Exception:  # noqa: BLE001 - the errors are the point: it read a lost share
+                pass
+
+    def roster(self, stage: str) -> int:
+        """A number that changes whenever the actors serving ``stage`` do (a replica lost or
+        replaced): a weight bus formed with them before is stale."""
+        group = self.groups.get(stage)
+        return group.healer.roster if group is not None and group.healer is not None else 0
+
+    def admit_replacements(self, stage: str) -> list[str]:
+        """Replacement replicas of ``stage`` that are up join it now (before a weight sync, with
+        nothing queued on the replicas): what happened, a line each."""
+        group = self.groups.get(stage)
+        if group is None or group.healer is None:
+            return []
+        return group.healer.admit(lambda actor: self.get(actor.op_states.remote()))
 
     def _dead_peer(self, pending: list, owner: dict) -> RunError | None:
         """The death of the actor of one of the ``pending`` calls, named, if one shows within
@@ -614,6 +682,9 @@ class RayExecutor:
     def shutdown(self) -> None:
         for actor in [*self.actors.values(), *(a for g in self.groups.values() for a in g.members)]:
             self._ray.kill(actor)
+        for g in self.groups.values():
+            if g.healer is not None:
+                g.healer.shutdown()
         self.actors.clear()
         self.groups.clear()
         for pg in self.placement_groups:
@@ -632,6 +703,9 @@ class GroupCall:
     join: Callable[[list], Any]
     member: str = "worker"
     kind: str = "training group"
+    #: a generation call on rollout replicas that heal in place: how it was made (a lost
+    #: member's share is run again from it: :meth:`RayExecutor.reissue`)
+    row_call: "RowCall | None" = None
 
 
 @dataclass
@@ -645,6 +719,7 @@ class WorkerGroup:
     members: list
     sinks: set[str]  # node ids whose output is one row of group-reduced metrics
     member: str = "worker"  # what a member is called in messages: "worker" (of a training group), "replica"
+    healer: ReplicaHealer | None = None  # rollout replicas that heal in place (its members are ours)
 
     @property
     def kind(self) -> str:
@@ -669,12 +744,18 @@ class WorkerGroup:
         if method == "run_variant":
             refs = [m.run_variant.remote(head, inputs, *rest, share) for m, share in zip(self.members, shares)]
             return Rows(TableParts(tuple(refs)), None)
-        pairs = [m.run_chain.options(num_returns=2).remote(head, inputs, share)
+        record = self.healer.next_call(head, inputs) if self.healer is not None and not sink else None
+        number = () if record is None else (record.number,)
+        pairs = [m.run_chain.options(num_returns=2).remote(head, inputs, share, *number)
                  for m, share in zip(self.members, shares)]
         tables, infos = [t for t, _ in pairs], [i for _, i in pairs]
         table = tables[0] if sink else TableParts(tuple(tables))
-        return Rows(table, GroupCall(self.stage, infos, member=self.member, kind=self.kind,
-                                     join=lambda out: group.join_infos(out, sink)))
+        return Rows(table, self.infos(infos, sink, record))
+
+    def infos(self, refs: list, sink: bool = False, record: "RowCall | None" = None) -> GroupCall:
+        """The handle of a row call's reports (joined into one ChainInfo)."""
+        return GroupCall(self.stage, refs, member=self.member, kind=self.kind,
+                         join=lambda out: group.join_infos(out, sink), row_call=record)
 
 
 @dataclass
@@ -697,6 +778,28 @@ def _read_parquet_file(path: str) -> pa.Table:
     import pyarrow.parquet as pq
 
     return pq.read_table(path)
+
+
+#: how long :meth:`RayExecutor.discard` waits for a call that read a lost share to fail (it has, by
+#: the time the call queued again after it on the same actor is done)
+DISCARD_WAIT_S = 5.0
+
+
+def _refs_in(handle: Any) -> list:
+    """The object references in a handle (a reference, a list of them, TableParts; else none)."""
+    if isinstance(handle, TableParts):
+        return [r for p in handle.parts for r in _refs_in(p)]
+    if isinstance(handle, (list, tuple)):
+        return [r for h in handle for r in _refs_in(h)]
+    import ray
+
+    return [handle] if isinstance(handle, ray.ObjectRef) else []
+
+
+def _died(ray, failure: RunError) -> bool:
+    """Whether ``failure`` (of :meth:`RayExecutor._get`) is the death of the called actor itself,
+    not an error of its operators nor a hang."""
+    return isinstance(failure, ActorFault) and isinstance(failure.__cause__, ray.exceptions.RayActorError)
 
 
 def _node_lost(ray) -> tuple[type, ...]:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 
-from dapo_flow.errors import RunError
+from dapo_flow.errors import ReplicaLost, RunError
 from dapo_flow.graph.plan import IN_ACTOR, Call, DynamicSampling
 from dapo_flow.reductions import Max, Min, Seconds
 from dapo_flow.runtime.weight_sync import WeightSyncs
@@ -63,7 +63,7 @@ class QueuedUpdate:
     """A train segment queued on the trainer (:meth:`Runner.submit_update`), not read back yet."""
 
     rollout: Rollout
-    calls: list  # (Call, handle) of each call queued
+    calls: list  # (Call, handle, inputs) of each call queued
     version: int  # the policy version it trains (the weights it starts from)
     submitted_at: float
 
@@ -189,6 +189,9 @@ class Runner:
         self.rollout_lock = threading.Lock()
         self.queued: QueuedUpdate | None = None  # the next step's update, queued on the trainer already
         self.trainer_free_at = 0.0  # when the driver saw the last weight sync done (the trainer's last call)
+        self.say: Callable[[str], None] = print  # what the run tells its user (the session's console)
+        self.healed: list[float] = []  # seconds each call that lost rollout replicas lost, since take_healed()
+        self.healed_count = 0  # rollout replicas lost and healed in place by this runner
 
     @property
     def senders_train_alone(self) -> bool:
@@ -228,22 +231,81 @@ class Runner:
         the first call's handle, already submitted (streaming)."""
         return self.finish_calls(self.submit_calls(phase, feeds, first_done), acc)
 
-    def submit_calls(self, phase: str, feeds: dict[str, Any], first_done: Any = None) -> list[tuple[Call, Any]]:
+    def submit_calls(self, phase: str, feeds: dict[str, Any], first_done: Any = None) -> list[tuple[Call, Any, list]]:
         """Queue every call of the phase at once, each reading the handles of the calls before
         it: under Ray a call waits in its actor for its inputs, not for the driver to see its
-        predecessor finish."""
+        predecessor finish. Each entry: (call, its handle, its input handles)."""
         tables = dict(feeds)
         submitted = []
         for k, call in enumerate(self.placed.calls[phase]):
-            handle = first_done if k == 0 and first_done is not None else (
-                self._submit(phase, call, [tables[i] for i in self.nodes[call.nodes[0]].inputs]))
+            inputs = [tables[i] for i in self.nodes[call.nodes[0]].inputs]
+            handle = first_done if k == 0 and first_done is not None else self._submit(phase, call, inputs)
             tables[call.nodes[-1]] = handle.table
-            submitted.append((call, handle))
+            submitted.append((call, handle, inputs))
         return submitted
 
-    def finish_calls(self, submitted: list[tuple[Call, Any]], acc: MetricAccumulator) -> dict[str, Output]:
-        """Each queued call's output, read in order (the first failure raised)."""
-        return {call.nodes[-1]: self._finish(handle, acc) for call, handle in submitted}
+    def finish_calls(self, submitted: list[tuple[Call, Any, list]], acc: MetricAccumulator) -> dict[str, Output]:
+        """Each queued call's output, read in order (the first failure raised). A generation
+        call that lost a rollout replica has its lost share run again (:meth:`_finish_healing`)."""
+        submitted, stale = list(submitted), []
+        outs = {submitted[k][0].nodes[-1]: self._finish_healing(submitted, k, acc, stale)
+                for k in range(len(submitted))}
+        for handle in stale:  # failed by now: each was queued before its second try, on the same actors
+            self.ex.discard(handle)
+        return outs
+
+    def _finish_healing(self, submitted: list[tuple[Call, Any, list]], k: int, acc: MetricAccumulator,
+                        stale: list) -> Output:
+        """:meth:`_finish` of call ``k``; where it lost rollout replicas (ReplicaLost), their
+        share re-issued to the others (:mod:`dapo_flow.runtime.replicas`) and the calls after it
+        that read its output queued again on the re-issued rows (their first try fails as it
+        reads the lost share, before any operator runs: nothing runs twice). ``submitted`` is
+        updated with the calls queued again; ``stale`` gets the first tries, for the executor to
+        discard. (Only an executor whose replicas heal in place raises ReplicaLost and has
+        ``reissue`` and ``discard``.)"""
+        seen = None
+        while True:
+            call, handle, inputs = submitted[k]
+            try:
+                out = self._finish(handle, acc)
+            except ReplicaLost as lost:
+                if lost.call is not handle.info:
+                    raise  # another call's loss: its own finish heals it
+                seen = seen or time.monotonic()
+                redone, said = self.ex.reissue(handle, lost)
+                for line in said:  # a line per replica newly lost: one fault each
+                    self.say(line)
+                self.healed_count += len(said)
+                submitted[k] = (call, redone, inputs)
+                stale.extend(self._requeue_readers(submitted, k))
+                continue
+            if seen is not None:
+                self.healed.append(time.monotonic() - seen)
+            return out
+
+    def _requeue_readers(self, submitted: list[tuple[Call, Any, list]], k: int) -> list:
+        """Queue again every call after ``k`` that reads call ``k``'s output (or one queued
+        again), on the new handles; the handles they replace. Not in ``call_log``: the plan's
+        calls are the same."""
+        changed = {submitted[k][0].nodes[-1]: submitted[k][1].table}
+        replaced = []
+        for j in range(k + 1, len(submitted)):
+            call, old, inputs = submitted[j]
+            names = self.nodes[call.nodes[0]].inputs
+            if not any(n in changed for n in names):
+                continue
+            inputs = [changed.get(n, h) for n, h in zip(names, inputs)]
+            handle = self.ex.rows(call.stage, "run_chain", list(call.nodes), inputs)
+            submitted[j] = (call, handle, inputs)
+            changed[call.nodes[-1]] = handle.table
+            replaced.append(old)
+        return replaced
+
+    def take_healed(self) -> list[float]:
+        """The seconds each call that lost rollout replicas lost since the last take (from the
+        driver seeing the loss until the lost share was generated again)."""
+        out, self.healed = self.healed, []
+        return out
 
     # --- phase 1: rollout with dynamic sampling ---------------------------------
     def rollout_batch(self, prompts: pa.Table, acc: MetricAccumulator) -> Kept:
@@ -452,6 +514,9 @@ class Runner:
             waited = time.perf_counter() - asked  # for a batch's generate calls to be queued (overlapped modes)
             for sync in self.placed.syncs:
                 self.call_log.append(("sync", sync.source, (sync.target, sync.kind)))
+                if sync.kind != IN_ACTOR:  # replacements of lost replicas that are up take these weights
+                    for line in self.ex.admit_replacements(sync.target):
+                        self.say(line)
                 handles.append(self.ex.call(sync.source, "sync_generators") if sync.kind == IN_ACTOR
                                else self.syncs.start(sync, version, live=live))
             if not live:  # a batch queued from now on is generated after the weights arrive

@@ -13,6 +13,10 @@ when the same step fails twice in a row (a deterministic crash: a bad row, an ou
 or before its first checkpoint (nothing to resume: the error says so). A restart that loses an
 actor again before any step (a node that died is not yet known dead to Ray, so an actor went
 there) is tried again within the same limit. A local run, in one process, stops at once.
+
+One of several rollout replicas lost in a generation call of a sync run is not such a fault: the
+run heals it in place and goes on (:mod:`dapo_flow.runtime.replicas`); the step logs
+``faults/*`` alike (:func:`healed_in_place`), with no step redone.
 """
 
 from __future__ import annotations
@@ -45,6 +49,17 @@ class Recovered:
         self.logged = True
         return {"faults/count": float(self.count), "faults/seconds_lost": time.monotonic() - self.at,
                 "faults/steps_redone": float(max(0, step - 1 - self.resumed_at))}
+
+
+def healed_in_place(seconds: list[float], count: int, recovered: dict[str, float]) -> dict[str, float]:
+    """faults/* for a step that lost rollout replicas and healed them in place: ``seconds`` what
+    each cost (its share generated again), ``count`` the faults of the run so far, these included;
+    merged with a recovery's at the same step (``recovered``: :meth:`Recovered.metrics`)."""
+    if not seconds:
+        return recovered
+    return {"faults/count": float(count),
+            "faults/seconds_lost": sum(seconds) + recovered.get("faults/seconds_lost", 0.0),
+            "faults/steps_redone": recovered.get("faults/steps_redone", 0.0)}
 
 
 def heal(session: Callable[..., dict], *, max_failures: int, resume: bool | str, say: Callable[[str], None],

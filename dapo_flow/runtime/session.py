@@ -35,7 +35,7 @@ from dapo_flow.runtime.driver_state import AheadRecord, DriverState
 from dapo_flow.runtime.executors import executor_class
 from dapo_flow.runtime.async_rollout import RolloutProducer
 from dapo_flow.runtime.loop import Kept, LoopState, Rollout, Runner
-from dapo_flow.runtime.recovery import Recovered
+from dapo_flow.runtime.recovery import Recovered, healed_in_place
 from dapo_flow.runtime.resume import checkpoint_root, claim, resume_point
 from dapo_flow.runtime.sampler import PromptSampler
 from dapo_flow.runtime.setup import graph_hash, stage_setups
@@ -289,6 +289,7 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
                 if states:
                     ex.get(ex.call(stage, "load_op_states", states))
             runner = Runner(placed, ex, None)
+            runner.say = lambda text: console.print(text, highlight=False)
             runner.rollout_version = version  # the weights every actor was built from
             if not all(holds_full_weights(Path(p)) for p in model_paths.values()):
                 runner.sync(version)  # rollout actors were built from the spec's weights: the checkpoint's now
@@ -503,7 +504,8 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
                 faults = recovery.metrics(step) if recovery is not None else {}  # back where it failed
                 metrics, ahead = _step(runner, state, ahead, producer, collect_next=overlap and step < total,
                                        queue_next=not (val_due or flush_due))
-                metrics.update(faults)
+                before = recovery.count if recovery is not None else 0  # full recoveries of the run so far
+                metrics.update(healed_in_place(runner.take_healed(), before + runner.healed_count, faults))
                 runner.ex.observe_step(metrics["time/step"])  # the hang bound follows the step times
                 if val_due:
                     val, samples = runner.validate(val_prompts, spec.tracking.log_samples)

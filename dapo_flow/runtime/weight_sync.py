@@ -27,6 +27,7 @@ class WeightSyncs:
     placed: Any
     ex: Any
     manifests: dict[str, list] = field(default_factory=dict)  # model -> its weights' manifest (bus joined)
+    rosters: dict[str, int] = field(default_factory=dict)  # model -> its targets' roster when the bus formed
 
     def broadcasts(self, sync: Sync) -> bool:
         """Whether ``sync`` goes over a weight bus: its setting says so and the executor has
@@ -43,8 +44,8 @@ class WeightSyncs:
         if not self.broadcasts(sync):
             weights = self.ex.call(sync.source, "export_weights", sync.model)
             return self.ex.call(sync.target, "import_weights" + suffix, sync.model, weights, version)
-        if sync.model not in self.manifests:
-            self._join(sync)
+        if sync.model not in self.manifests or self.rosters[sync.model] != self.ex.roster(sync.target):
+            self._join(sync)  # first, or again: a rollout replica was lost or replaced since
         bucket = int(self.placed.plan.spec.models[sync.model].rollout.sync_bucket_mb * MB)
         manifest = self.manifests[sync.model]
         send = self.ex.call(sync.source, "send_weights", sync.model, manifest, bucket)
@@ -60,7 +61,9 @@ class WeightSyncs:
         return min(got) if isinstance(handle, tuple) else got
 
     def _join(self, sync: Sync) -> None:
-        """The trainer and every rollout actor of ``sync.model`` form its bus (one rendezvous)."""
+        """The trainer and every rollout actor of ``sync.model`` form its bus (one rendezvous;
+        each leaves the bus it was on)."""
+        self.rosters[sync.model] = self.ex.roster(sync.target)
         addr, port = self.ex.get(self.ex.call(sync.source, "weight_bus_address"))
         targets = self.ex.members(sync.target)
         backend = bus_backend(self.placed.stage(sync.source), self.placed.stage(sync.target))

@@ -7,6 +7,7 @@ and are resolved here, so custom operators loaded from files work inside actors 
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any, Callable, Mapping
 import pyarrow as pa
 
 from dapo_flow import threads
+from dapo_flow.errors import RunError
 from dapo_flow.runtime import group as group_rows
 from dapo_flow.runtime.metrics import batch_stats, first_row
 from dapo_flow.runtime.tables import ChainInfo, assemble, info_of, merge_inputs
@@ -31,6 +33,9 @@ from dapo_flow.runtime.checkpoint_models import (SHARDED, checkpoint_format, loa
 #: while a generate call is in flight; the engine's WeightGate keeps them apart token by token).
 #: Every other call of a worker runs after the one before it, as an actor takes them.
 LIVE_METHODS = frozenset({"import_weights_live", "receive_weights_live"})
+#: a rollout replica keeps its operators' states from before its last this many calls: a lost
+#: replica's share of one of them is run again by a survivor soon after (one step's calls)
+KEPT_CALL_STATES = 64
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,7 @@ class StageWorker:
         self.contracts: dict[str, Contract] = {}  # each node's operator contract, read once
         self.model_of: dict[str, str | None] = {}
         self.buses: dict[str, Any] = {}  # model -> its WeightBus (broadcast weight sync)
+        self.states_before: dict[int, dict] = {}  # a replica's recent row calls -> op_states() before each
         for node in setup.nodes:
             cls = resolve_op(node)
             params = cls.Params.model_validate(dict(node.params))
@@ -207,13 +213,19 @@ class StageWorker:
             metrics = {**batch_stats(table), **metrics, **first_row(out)}
         return out, metrics, seconds
 
-    def run_chain(self, node_ids: list[str], inputs: Any, share: "Share | None" = None
-                  ) -> tuple[pa.Table, ChainInfo]:
+    def run_chain(self, node_ids: list[str], inputs: Any, share: "Share | None" = None,
+                  number: int | None = None) -> tuple[pa.Table, ChainInfo]:
         """Run a linear chain of this stage's nodes in one call (one round trip); returns the
         last output and a :class:`ChainInfo` (each node's metrics and seconds, row counts, the
         output's prompt groups). ``inputs``: the first node's input tables, one per input, as
         handles (tables, references, TableParts; one handle alone is the only input); a group
-        worker takes its ``share`` of the joined input."""
+        worker takes its ``share`` of the joined input. ``number``: the call's number among a
+        rollout replica group's (which heals in place): the operators' states before it are
+        kept a while, for :meth:`redo_chain`."""
+        if number is not None:
+            self.states_before[number] = copy.deepcopy(self.op_states())
+            for old in [n for n in self.states_before if n <= number - KEPT_CALL_STATES]:
+                del self.states_before[old]
         table = self._input(node_ids[0], inputs, share)
         rows_in = table.num_rows
         report = []
@@ -221,6 +233,21 @@ class StageWorker:
             table, metrics, seconds = self.run(nid, table)
             report.append((nid, metrics, seconds))
         return table, info_of(report, rows_in, table)
+
+    def redo_chain(self, node_ids: list[str], inputs: Any, share: "Share", number: int
+                   ) -> tuple[pa.Table, ChainInfo]:
+        """:meth:`run_chain` call ``number`` again for a lost replica's ``share`` of it, this
+        worker's operators as they were before that call (generate's seeds are per prompt and
+        call: the lost replica's samples), then as they are now again."""
+        if number not in self.states_before:
+            raise RunError(f"call {number} of this replica is too old to run again (the states of its last "
+                           f"{KEPT_CALL_STATES} calls are kept)")
+        now = copy.deepcopy(self.op_states())
+        self.load_op_states(self.states_before[number])
+        try:
+            return self.run_chain(node_ids, inputs, share)
+        finally:
+            self.load_op_states(now)
 
     def run_variant(self, node_id: str, inputs: Any, overrides: Mapping[str, Any],
                     share: "Share | None" = None) -> pa.Table:
@@ -280,6 +307,9 @@ class StageWorker:
 
         if self.setup.group is not None and self.setup.group.rank != 0:
             return False
+        old = self.buses.pop(model, None)
+        if old is not None:  # formed again: a member was lost or joined
+            old.close()
         self.buses[model] = WeightBus(addr, port, rank, world_size, backend)
         return True
 

@@ -182,41 +182,6 @@ def _signal_after_checkpoint(workdir, started: list, stage: str, sig: int, step:
     return thread
 
 
-@pytest.fixture()
-def executors_started(monkeypatch) -> list:
-    """Every RayExecutor the test's runs start, in order."""
-    from dapo_flow.runtime import executors
-
-    started = []
-    init = executors.RayExecutor.__init__
-
-    def recording(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        started.append(self)
-
-    monkeypatch.setattr(executors.RayExecutor, "__init__", recording)
-    return started
-
-
-@pytest.fixture()
-def at_step(monkeypatch, executors_started):
-    """``at_step(k, action, session=0)``: ``action(executor)`` runs in the driver as the run's
-    ``session``-th start (0: the first, 1: the one after a recovery) begins step ``k``, before
-    that step's calls; the executor is that session's."""
-    from dapo_flow.runtime import session as sessions
-
-    real = sessions._step
-    actions: dict[tuple[int, int], list] = {}
-
-    def step(runner, state, *args, **kwargs):
-        for action in actions.pop((len(executors_started) - 1, state.step + 1), []):
-            action(executors_started[-1])
-        return real(runner, state, *args, **kwargs)
-
-    monkeypatch.setattr(sessions, "_step", step)
-    return lambda k, action, session=0: actions.setdefault((session, k), []).append(action)
-
-
 STEPS = 8
 WALL_CLOCK = ("time/", "perf/", "faults/", "gen/seconds", "gen/tokens_per_s")
 
