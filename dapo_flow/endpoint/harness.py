@@ -13,6 +13,7 @@ the episode.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
@@ -62,8 +63,7 @@ async def _run_all(fn: Callable, base_url: str, token: str, jobs: list[tuple[str
     pool = None if is_async else ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="harness")
     # a connection pool per EPISODES_PER_POOL episodes: httpcore scans every connection of its pool
     # for each request it places, so one pool of 256 connections costs more than the requests;
-    # one TLS context for all (never used over http, but each client would build its own)
-    tls = ssl.create_default_context()
+    tls = _tls_context()
     size = max(1, min(EPISODES_PER_POOL, concurrency))
     limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
     groups = max(1, math.ceil(len(jobs) / size))
@@ -105,6 +105,13 @@ async def _run_all(fn: Callable, base_url: str, token: str, jobs: list[tuple[str
             h.close()
         for h in https:
             await h.aclose()
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One TLS context for every client of the process: never used over the endpoint's http, but
+    an httpx client builds one unless given one, and loading the CA bundle costs ~10-100 ms."""
+    return ssl.create_default_context()
 
 
 def _logged(episode: str, outcome: Outcome) -> Outcome:
