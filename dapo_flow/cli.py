@@ -345,7 +345,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from dapo_flow.graph.compiler import explain
+    from dapo_flow.graph.explain import explain
 
     sys.stdout.write(explain(_compile(args, _cluster(args))))
     return 0

@@ -14,7 +14,8 @@ import pytest
 
 from dapo_flow.graph import rewrites
 from dapo_flow.core.contract import produces
-from dapo_flow.graph.compiler import compile_graph, explain, load, place, plan, validate
+from dapo_flow.graph.compiler import compile_graph, load, place, plan, validate
+from dapo_flow.graph.explain import explain
 from dapo_flow.errors import GraphError, SchemaError, UnknownOperatorError
 from dapo_flow.graph.plan import Call, Cluster, Sync
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dapo_flow import cli
-from dapo_flow.graph.compiler import explain
+from dapo_flow.graph.explain import explain
 from dapo_flow.graph.edits import (
     DropEdit,
     InsertEdit,

@@ -9,7 +9,7 @@ import pytest
 
 from dapo_flow import cli
 from dapo_flow.errors import GraphError
-from dapo_flow.graph.compiler import explain
+from dapo_flow.graph.explain import explain
 from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.memory import GiB
 from dapo_flow.graph.plan import Cluster

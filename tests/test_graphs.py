@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dapo_flow.graph.compiler import explain, load, place, plan, validate
+from dapo_flow.graph.compiler import load, place, plan, validate
+from dapo_flow.graph.explain import explain
 from dapo_flow.graph.plan import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,8 @@ ABOVE_CORE = ("graph", "runtime", "experiments", "tracking", "cli", "models", "r
 #: package -> modules it must never import (prefix match on dotted names)
 FORBIDDEN = {
     "dapo_flow.runtime": ("dapo_flow.experiments", "dapo_flow.cli", "dapo_flow.graph.compiler", "dapo_flow.graph.drawing",
-                          "dapo_flow.graph.edits"),
+                          "dapo_flow.graph.edits", "dapo_flow.graph.placement", "dapo_flow.graph.placement_checks",
+                          "dapo_flow.graph.explain"),
     "dapo_flow.graph": ("dapo_flow.runtime", "dapo_flow.experiments", "dapo_flow.tracking", "dapo_flow.cli",
                         "dapo_flow.models.hf", "dapo_flow.models.vllm_engine", "dapo_flow.recipes",
                         "torch", "ray", "mlflow", "vllm"),

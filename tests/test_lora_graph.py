@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from dapo_flow.errors import GraphError
-from dapo_flow.graph.compiler import explain
+from dapo_flow.graph.explain import explain
 from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.memory import ModelShape, estimate_training, lora_param_count
 from dapo_flow.graph.plan import Cluster

@@ -16,11 +16,11 @@ from dapo_flow.data.prompts import load_prompts
 from dapo_flow.data.stream import OK, TokenizeBatch
 from dapo_flow.errors import DataError, GraphError
 from dapo_flow.core import columns as C
-from dapo_flow.graph.compiler import explain
+from dapo_flow.graph.explain import explain
 from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.data.prompt_budget import PromptBudget
-from dapo_flow.graph.prompt_budget import Room, plan_budget, source_budget
+from dapo_flow.graph.prompt_room import Room, source_budget
 from dapo_flow.graph.spec import DataSpec
 from dapo_flow.models.tokenizer import build_char_tokenizer
 
@@ -170,7 +170,7 @@ def test_a_run_loads_no_row_longer_than_the_models_context(tmp_path, tok):
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"prompt": "1" * 60 + "+1=", "answer": "2"}) + "\n")
     placed = _compiled(f"data.train.source={path}")
-    budget = plan_budget(placed.plan, placed.plan.spec.data.train)
+    budget = placed.plan.prompt_budget(placed.plan.spec.data.train)
     assert (budget.tokens, budget.overlong) == (56, "error")
     with pytest.raises(DataError, match=r"long.jsonl: line 1: field 'prompt' has 64 tokens > 56, the room model "
                                         r"'policy''s context of 64 positions leaves beside generate node 'rollout''s"):

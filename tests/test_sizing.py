@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from dapo_flow.errors import GraphError
-from dapo_flow.graph.compiler import compile_graph, explain
+from dapo_flow.graph.compiler import compile_graph
+from dapo_flow.graph.explain import explain
 from dapo_flow.graph.edits import edit_file, parse_cli_edits
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.graph.sizing import CPU_WORKERS

@@ -1,6 +1,6 @@
 """A prompt budget: how many tokens a prompt may have, and what happens to a longer one. The
 data loaders (``dapo_flow.data.prompts``, ``dapo_flow.data.stream``) apply one; the graph's
-`data:` block and its generating models' contexts decide it (``dapo_flow.graph.prompt_budget``)."""
+`data:` block and its generating models' contexts decide it (``dapo_flow.graph.prompt_room``)."""
 
 from __future__ import annotations
 

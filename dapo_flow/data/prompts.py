@@ -81,7 +81,7 @@ def load_prompts(
     ``split`` picks the builtin split and prefixes every ``prompt_id``.
     Bad rows (no ground truth, empty prompt, more than ``max_prompt_tokens`` tokens) raise
     :class:`DataError` with ``on_bad_row="error"`` and are counted and dropped with ``"skip"``.
-    ``budget`` (the graph's prompt budget, ``graph.prompt_budget.source_budget``) replaces
+    ``budget`` (the graph's prompt budget, ``graph.prompt_room.source_budget``) replaces
     ``max_prompt_tokens``: a longer prompt is a bad row, dropped and counted, or cut to its last or
     first tokens, as it says. ``report`` gets one line saying how many rows were dropped and why.
     ``read_parquet`` replaces pyarrow's reader for .parquet files (the Ray executor passes

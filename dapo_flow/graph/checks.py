@@ -595,8 +595,8 @@ def _check_tokenizers(found: Found, nodes: list[_Node], graph: nx.DiGraph, order
 def _check_prompt_budget(found: Found, nodes: list[_Node], spec: GraphSpec) -> None:
     """No row longer than a model's context: a declared prompt budget plus a generate node's
     max_tokens must fit its model's context (max_position_embeddings, read where there is a
-    config.json to read; ``graph.prompt_budget``)."""
-    from dapo_flow.graph.prompt_budget import budget_problems, rooms
+    config.json to read; ``graph.prompt_room``)."""
+    from dapo_flow.graph.prompt_room import budget_problems, rooms
 
     generators = [n for n in nodes if n.params is not None and role(n.cls) == "generate"]
     index = {n.id: n.index for n in generators}

@@ -134,7 +134,7 @@ def plan_artifacts(placed: PlacedPlan) -> dict[str, str | bytes]:
     nice to have, never a reason to fail a run)."""
     import tempfile
 
-    from dapo_flow.graph.compiler import explain
+    from dapo_flow.graph.explain import explain
 
     out: dict[str, str | bytes] = {"graph/plan.txt": explain(placed)}
     try:

@@ -16,12 +16,15 @@ from typing import TYPE_CHECKING, Mapping
 import pyarrow as pa
 from pydantic import BaseModel
 
+from dapo_flow.data.prompt_budget import PromptBudget
+from dapo_flow.graph.prompt_room import declared_for_all, rooms, source_budget, tightest
 from dapo_flow.graph.spec import GraphSpec
 from dapo_flow.models.engines import Backend
 
 if TYPE_CHECKING:
     from dapo_flow.graph.loader import GraphDoc
     from dapo_flow.graph.memory import Budget
+    from dapo_flow.graph.spec import DataSourceSpec
 
 
 @dataclass(frozen=True)
@@ -162,8 +165,6 @@ class Plan:
         budget (the largest of the sources', data.max_prompt_length or a source's
         max_prompt_tokens) plus the largest max_tokens of its generate nodes. Empty where a
         source has no prompt budget (rows are then bounded by the model's own maximum)."""
-        from dapo_flow.graph.prompt_budget import declared_for_all
-
         budget = declared_for_all(self.spec.data)
         if budget is None:
             return {}
@@ -179,9 +180,45 @@ class Plan:
         """Models some `train`-role node updates, sorted."""
         return tuple(sorted({n.model for n in self.with_role("train") if n.model}))
 
+    def prompt_budget(self, src: "DataSourceSpec") -> PromptBudget | None:
+        """What bounds source ``src``'s prompts (:func:`~dapo_flow.graph.prompt_room.source_budget`),
+        beside the tightest room this graph's generate nodes leave; what the data loaders apply."""
+        found = rooms(((n.id, n.model, getattr(n.params, "max_tokens", None)) for n in self.with_role("generate")),
+                      self.spec.models)
+        return source_budget(self.spec.data, src, tightest(found))
+
 
 #: The stage (and stage kind) that runs in the driver process: CPU operators no actor hosts.
 DRIVER = "driver"
+
+# An actor stage is named after the model it hosts, e.g. "model:policy" (the model's trainer, and
+# its rollout engine when colocated) or "rollout:policy" (only the rollout engine: disaggregated
+# placement). These helpers are the one place that builds and reads the names, which MLflow and
+# explain show as they are.
+_MODEL_PREFIX, _ROLLOUT_PREFIX = "model:", "rollout:"
+
+
+def model_stage(model: str) -> str:
+    """The stage that trains ``model`` (and generates with it, colocated): ``model:NAME``."""
+    return f"{_MODEL_PREFIX}{model}"
+
+
+def rollout_stage(model: str) -> str:
+    """The stage that only generates with ``model`` (disaggregated): ``rollout:NAME``."""
+    return f"{_ROLLOUT_PREFIX}{model}"
+
+
+def is_model_stage(stage: str) -> bool:
+    return stage.startswith(_MODEL_PREFIX)
+
+
+def is_rollout_stage(stage: str) -> bool:
+    return stage.startswith(_ROLLOUT_PREFIX)
+
+
+def stage_model(stage: str) -> str:
+    """The model an actor stage hosts (``policy`` of ``rollout:policy``)."""
+    return stage.split(":", 1)[1]
 
 
 #: strategies whose stage is a training group (Stage.strategy, StageSetup.strategy)
@@ -190,7 +227,7 @@ GROUP_STRATEGIES = ("fsdp2", "ddp")
 
 @dataclass(frozen=True)
 class Stage:
-    name: str  # "driver", "model:policy", "rollout:policy"
+    name: str  # "driver", "model:policy", "rollout:policy" (DRIVER, model_stage, rollout_stage)
     kind: str  # "actor" | "driver"
     nodes: tuple[str, ...]
     models: tuple[str, ...]  # models this actor loads

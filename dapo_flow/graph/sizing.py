@@ -1,5 +1,5 @@
 """Sizing a placement to the devices the run gets: `workers: auto`, and the GPUs of the actors
-without `placement.models` resources. ``compiler.place`` calls both; they are pure functions of
+without `placement.models` resources. ``placement.place`` calls both; they are pure functions of
 the plan, the :class:`Cluster` and the actor stages, and each decision carries the reason
 `explain` prints.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from dapo_flow.errors import Problem
-from dapo_flow.graph.plan import Cluster, Plan
+from dapo_flow.graph.plan import Cluster, Plan, is_model_stage
 
 AUTO = "auto"
 
@@ -135,7 +135,7 @@ def default_gpus(plan: Plan, cluster: Cluster, model_of: Mapping[str, str], work
     wanting = [a for a in default if wants_gpu(plan, model_of[a], cluster)]
     if not wanting or free < 0:  # none wants a GPU; or the explicit asks are over (a problem of their own)
         return Shares(out)
-    groups = [a for a in wanting if a.startswith("model:") and workers[a] > 1]  # ranks of a process group
+    groups = [a for a in wanting if is_model_stage(a) and workers[a] > 1]  # ranks of a process group
     sharers = [a for a in wanting if a not in groups]
     ranks, actors = sum(workers[a] for a in groups), sum(workers[a] for a in sharers)
     if free >= ranks + actors:

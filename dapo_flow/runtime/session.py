@@ -28,6 +28,7 @@ from rich.table import Table
 
 from dapo_flow.core import columns as C
 from dapo_flow.errors import ActorFault, CheckpointWriteError, RunError
+from dapo_flow.graph.plan import is_rollout_stage
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.checkpoint_models import holds_full_weights
@@ -107,7 +108,6 @@ def load_parts(plan, src, tokenizer, read_parquet=None, report=None, role: str =
     from dapo_flow.data.arrow_utils import with_columns
     from dapo_flow.data.prompts import load_prompts
     from dapo_flow.graph.data_checks import leaves, source_seed
-    from dapo_flow.graph.prompt_budget import plan_budget
 
     spec, out = plan.spec, []
     for k, leaf in enumerate(src.leaves()):
@@ -120,7 +120,7 @@ def load_parts(plan, src, tokenizer, read_parquet=None, report=None, role: str =
         table, dropped = load_prompts(
             leaf.source, tokenizer=tokenizer, split=leaf.split, size=leaf.size, seed=source_seed(leaf, role, spec.seed),
             options=dict(leaf.options), config=dict(leaf.config), avoid=avoid, prompt_key=leaf.prompt_key,
-            answer_key=leaf.answer_key, on_bad_row=leaf.on_bad_row, budget=plan_budget(plan, src),
+            answer_key=leaf.answer_key, on_bad_row=leaf.on_bad_row, budget=plan.prompt_budget(src),
             read_parquet=read_parquet, report=report,
         )
         if src.sources is not None:
@@ -180,10 +180,9 @@ def tokenize_batch(plan, src):
     """The :class:`~dapo_flow.data.stream.TokenizeBatch` of a streamed source: its bad-row
     handling and the graph's prompt budget, with the generator's tokenizer."""
     from dapo_flow.data.stream import TokenizeBatch
-    from dapo_flow.graph.prompt_budget import plan_budget
 
     return TokenizeBatch(str(generator_dir(plan)), src.source, src.split, src.prompt_key, src.answer_key,
-                         on_bad_row=src.on_bad_row, budget=plan_budget(plan, src))
+                         on_bad_row=src.on_bad_row, budget=plan.prompt_budget(src))
 
 
 def start_executor(placed, setups: dict, executor: str, address: str | None, console: Console,
@@ -200,7 +199,7 @@ def start_executor(placed, setups: dict, executor: str, address: str | None, con
     with console.status(f"starting {len(setups)} stage worker(s) on {executor}..."):
         ex = cls(spec, setups, seed, resources, address=address)
     for stage, nodes in getattr(ex, "group_nodes", {}).items():
-        what = "rollout replicas" if stage.startswith("rollout:") else "training group"
+        what = "rollout replicas" if is_rollout_stage(stage) else "training group"
         console.print(f"{what} of stage '{stage}': {len(nodes)} worker(s) on {len(set(nodes))} node(s)",
                       highlight=False)
     return ex

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dapo_flow.graph.compiler import explain
+from dapo_flow.graph.explain import explain
 from dapo_flow.graph.edits import edit_file, parse_cli_edits
 
 GRAPH = Path(__file__).resolve().parents[2] / "graphs" / "harness.yaml"

@@ -176,7 +176,7 @@ def test_an_update_trains_the_same_weights_packed(tiny_adder_path, bins_made):
 def test_explain_says_packed_and_prices_the_one_mask():
     from pathlib import Path
 
-    from dapo_flow.graph.compiler import explain
+    from dapo_flow.graph.explain import explain
     from dapo_flow.graph.edits import edit_file, parse_cli_edits
     from dapo_flow.graph.plan import Cluster
 

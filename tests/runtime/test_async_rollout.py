@@ -46,7 +46,7 @@ def test_max_staleness_is_for_async_only(workdir, small_graph):
 def test_every_step_trains_once_within_the_staleness_bound(workdir, small_graph, monkeypatch, bound, executor):
     """``queueing``: the path calls take on Ray, where each sync is queued behind its update at
     once and a batch collected already has its update queued behind that sync."""
-    from dapo_flow.graph.compiler import explain
+    from dapo_flow.graph.explain import explain
     from dapo_flow.runtime import executors
 
     monkeypatch.setitem(executors.EXECUTORS, "queueing", FakeQueueingLocalExecutor)
@@ -112,7 +112,7 @@ def test_with_partial_rollouts_a_sync_goes_into_the_generation_in_flight(workdir
     """Generation slowed (a test-only sleep per decode step) to ~10x a training step: each sync
     lands in the middle of the next batch's generation, which goes on with the new weights. The
     tokens say so (rollout_version), within the staleness bound, never older than their batch."""
-    from dapo_flow.graph.compiler import explain
+    from dapo_flow.graph.explain import explain
     from dapo_flow.models.hf import HFPolicy
 
     sample = HFPolicy._sample

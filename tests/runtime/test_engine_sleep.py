@@ -145,7 +145,7 @@ def _vllm_graph(tmp_path, small_graph, *edits: str, disaggregated: bool = False)
 
 
 def test_sleep_is_a_setting_of_colocated_engines(tmp_path, small_graph):
-    from dapo_flow.graph.compiler import explain
+    from dapo_flow.graph.explain import explain
 
     placed = _vllm_graph(tmp_path, small_graph, "models.policy.rollout.sleep=true")
     assert "sleep True" in explain(placed)

@@ -51,7 +51,7 @@ def test_each_batch_after_the_first_is_generated_before_the_update_before_it(wor
     logprobs differ from the sampler's (in a synchronous run of this float32 model they agree to
     rounding, the first step here too). Every call of the plan runs, the rollout phase of the
     next step before the weight sync of this one."""
-    from dapo_flow.graph.compiler import explain
+    from dapo_flow.graph.explain import explain
 
     path = small_graph(workdir, steps=3, ckpt=0)
     assert "one_step_off: runs for the next step while this step trains" in explain(_placed(path, ONE_STEP_OFF))

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from dapo_flow.graph.compiler import compile_graph, explain
+from dapo_flow.graph.compiler import compile_graph
+from dapo_flow.graph.explain import explain
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
 

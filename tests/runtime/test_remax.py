@@ -15,7 +15,8 @@ from rich.console import Console
 
 from dapo_flow.errors import GraphError, RunError
 from dapo_flow.core import columns as C
-from dapo_flow.graph.compiler import compile_graph, explain
+from dapo_flow.graph.compiler import compile_graph
+from dapo_flow.graph.explain import explain
 from dapo_flow.graph.plan import Cluster
 from dapo_flow.runtime import execute
 from dapo_flow.tracking import read_run

@@ -44,7 +44,7 @@ def test_replicas_need_their_own_rollout_stage(tmp_path, small_graph):
     assert "models.policy.rollout.replicas" in str(info.value) and "disaggregated" in str(info.value)
     placed = _placed(_graph(tmp_path, small_graph), 2)
     assert placed.stage(STAGE).workers == 2 and not placed.stage(STAGE).is_group
-    from dapo_flow.graph.compiler import explain
+    from dapo_flow.graph.explain import explain
 
     assert "2 replicas (resources above are per replica)" in explain(placed)
     with pytest.raises(RunError, match="rollout.replicas: 1"):

@@ -1,12 +1,15 @@
-"""The prompt budget of a graph: how many tokens a prompt may have, and what happens to a longer one.
+"""How much room a graph leaves a prompt: the prompt budget it declares, or the room its generating
+models' contexts leave beside max_tokens; and what happens to a longer prompt. The result is a
+:class:`~dapo_flow.data.prompt_budget.PromptBudget`, which the data loaders apply.
 
 A graph sets it in its `data:` block with verl's names (`max_prompt_length`, `truncation`,
 `filter_overlong_prompts`), or per source (`max_prompt_tokens`, which takes the place of
 `max_prompt_length` for that source). Without either, a prompt may take the room its generating
 model's context leaves beside the generate node's `max_tokens`: either way no row longer than the
 model's context reaches a forward pass. ``validate`` refuses a budget that does not fit the
-context; the data loaders (``dapo_flow.data.prompts``) apply what :func:`source_budget` returns;
-the memory estimate sizes rows by the budget plus ``max_tokens`` (``Plan.engine_context``).
+context; the data loaders (``dapo_flow.data.prompts``) apply what :func:`source_budget` returns
+(``Plan.prompt_budget`` for a planned graph); the memory estimate sizes rows by the budget plus
+``max_tokens`` (``Plan.engine_context``).
 
 Pure and light (no torch, no tokenizer): a model's context comes from its config.json.
 """
@@ -20,7 +23,6 @@ from dapo_flow.data.prompt_budget import Overlong, PromptBudget
 from dapo_flow.errors import DataError
 
 if TYPE_CHECKING:
-    from dapo_flow.graph.plan import Plan
     from dapo_flow.graph.spec import DataSourceSpec, DataSpec, ModelSpec
 
 
@@ -64,12 +66,6 @@ def rooms(generators: Iterable[tuple[str, str | None, object]], models: Mapping[
             if context is not None:
                 out.append(Room(node, model, context, max_tokens))
     return out
-
-
-def plan_rooms(plan: "Plan") -> list[Room]:
-    """The rooms of a plan's generate nodes."""
-    return rooms(((n.id, n.model, getattr(n.params, "max_tokens", None)) for n in plan.with_role("generate")),
-                 plan.spec.models)
 
 
 def tightest(found: Iterable[Room]) -> Room | None:
@@ -160,7 +156,3 @@ def budget_problems(data: "DataSpec", found: list[Room]) -> list[tuple[tuple, st
             out.append((path, *overrun(setting, tokens, room)))
     return out
 
-
-def plan_budget(plan: "Plan", src: "DataSourceSpec") -> PromptBudget | None:
-    """:func:`source_budget` of a placed graph's source (its generators' tightest room)."""
-    return source_budget(plan.spec.data, src, tightest(plan_rooms(plan)))
