@@ -59,22 +59,13 @@ def test_on_ray_it_computes_what_the_local_executor_does(workdir, small_graph, m
 
 @pytest.mark.shared_ray
 @pytest.mark.timeout(400)
-def test_a_dead_rollout_actor_is_named_and_the_run_heals(workdir, small_graph, monkeypatch):
+def test_a_dead_rollout_actor_is_named_and_the_run_heals(workdir, small_graph, executors_started):
     """The rollout actor is killed once the checkpoint of step 2 is written (it is then
     generating step 3's or 4's batch): the run names its stage, starts the actors again and
     resumes by itself (run.max_failures), training every step exactly once."""
     import ray
 
-    from dapo_flow.runtime import executors
-
-    started = []
-    init = executors.RayExecutor.__init__
-
-    def recording(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        started.append(self)
-
-    monkeypatch.setattr(executors.RayExecutor, "__init__", recording)
+    started = executors_started
 
     def kill_after_step_2() -> None:
         deadline = time.monotonic() + 300
