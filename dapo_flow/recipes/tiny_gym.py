@@ -1,18 +1,21 @@
-"""``builtin:tiny-gym``: a ~0.1M-parameter character-level Llama warm-started on one
-reasoning-gym task (``basic_arithmetic``: ``Calculate a + b.`` for one- and two-digit a, b,
-the source ``graphs/gym.yaml`` trains on). Its sampled accuracy on the held-out validation sums is
-low (7.4%, greedy 9%: it learned the train sums far better than the rule), so most of what RL
-gets to learn from are the train prompts; docs/results.md has what RL made of it.
+"""``builtin:tiny-gym``: a ~0.14M-parameter character-level Llama warm-started on one
+reasoning-gym task (``spell_backward`` on words of 3 to 5 letters: ``Spell this word backward
+(example: sun -> nus): bird``, the source ``graphs/gym.yaml`` trains on). Reversing a word is
+learned as a rule: greedy accuracy on held-out words (~0.35) is as high as on train words and
+well above sampled accuracy at temperature 1 (~0.10), the regime in which RL at temperature 1
+gains; docs/results.md has what RL made of it (and of ``basic_arithmetic``, the task before,
+whose sums the warm start memorized rather than learned).
 
 It is prompted as the graph prompts it: reasoning-gym's ``direct`` system prompt (answer between
 ``<answer>`` tags, nothing else), a newline, the question (the tokenizer has no chat template,
 so ``data.prompts`` joins the messages' contents by lines), and answers
-``<answer>N</answer>`` then EOS. The warm start sees the train split the graph trains on
+``<answer>WORD</answer>`` then EOS. The warm start sees the train split the graph trains on
 (seed 0, :data:`TRAIN_SIZE` items); the build's accuracy is measured on the validation split's
 first ``eval_items`` items (seed ``VAL_SEED_OFFSET``) less those a train item equals, as the
-graph's validation reads them. As with tiny-adder, a fixed step count with label smoothing,
-fixed seeds, one thread and deterministic kernels make a build reproducible on one machine type.
-reasoning-gym (the ``gym`` extra) is needed to build it.
+graph's validation reads them. The question is a fixed sentence and the word, so "a train item
+equals it" is "its word is a train word": every validation word is unseen. As with tiny-adder,
+a fixed step count, fixed seeds, one thread and deterministic kernels make a build reproducible
+on one machine type. reasoning-gym (the ``gym`` extra) is needed to build it.
 """
 
 from __future__ import annotations
@@ -28,13 +31,11 @@ from dapo_flow.data import reasoning_gym as gym
 from dapo_flow.recipes.warm_start import (
     char_llama, deterministic_torch, sampled_accuracy_of, save_model_dir, set_generation_config, write_build_info)
 
-RECIPE_VERSION = 1  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
-TASK = "basic_arithmetic"
-# a + b with a, b of one or two digits: tiny-adder's task, as reasoning-gym words it
-CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+"],
-          "allow_parentheses": False, "allow_negation": False}
+RECIPE_VERSION = 2  # bump whenever the recipe (and so the bytes) changes: it names the cache dir
+TASK = "spell_backward"
+CONFIG = {"min_word_len": 3, "max_word_len": 5}  # ~16,800 words of the library's word list
 SYSTEM_PROMPT = "direct"
-TRAIN_SIZE = 40_000  # graphs/gym.yaml's data.train.size: most of the ~10^4 distinct sums
+TRAIN_SIZE = 8000  # graphs/gym.yaml's data.train.size: 6,357 distinct words
 # printable ASCII but the rarer whitespace: every character reasoning-gym's prompts use here
 CHARS = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")
 
@@ -45,18 +46,18 @@ class Recipe:
     num_heads: int = 2  # head_dim 32 (vLLM's CPU attention takes it)
     num_layers: int = 2
     intermediate_size: int = 256
-    max_position_embeddings: int = 256  # a ~215-character prompt and a ~20-character answer
-    steps: int = 1500
+    max_position_embeddings: int = 256  # a <= 196-character prompt and a <= 23-token reply (EOS included)
+    steps: int = 600
     batch_size: int = 64
     lr: float = 1e-3
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
-    # no label smoothing, unlike tiny-adder: it would put mass on every character of the ~19-character
-    # reply, and samples at temperature 1 would almost never write `<answer>N</answer>` whole
-    # (0.2 gave 0.2% sampled accuracy at 42% greedy); what stays uncertain is the sum's digits
+    # no label smoothing, unlike tiny-adder: it would put mass on every character of the ~21-character
+    # reply, and samples at temperature 1 would almost never write `<answer>...</answer>` whole
+    # (on basic_arithmetic 0.2 gave 0.2% sampled accuracy at 42% greedy); what stays uncertain is the word
     label_smoothing: float = 0.0
-    eval_items: int = 2000  # the val items' first (~130 once train repeats are dropped)
+    eval_items: int = 500  # the val items' first (310 once train words are dropped): graphs/gym.yaml's val
     eval_samples_per_prompt: int = 4
     eval_seed: int = 1234
 
