@@ -12,9 +12,8 @@ and `--executor ray`, and reads each run's per-step timings back from its MLflow
 - per node, the seconds of operator compute per step on each executor (a node that is
   slower inside the actor than in-process points at threads, not at transport).
 
-`time/<node>` is the mean over a step's calls of that node (MetricAccumulator averages it),
-so nodes of the rollout segment are multiplied by `sampling/gen_batches` to get seconds per
-step. Validation and checkpoint writes are outside `time/step` on both executors.
+`time/<node>` is the seconds of that node over all of a step's calls (a `Seconds` metric is
+summed over calls: a step that draws several generation batches counts each). Validation and checkpoint writes are outside `time/step` on both executors.
 
 Run: python benchmarks/step_overhead.py [--steps 30] [--quick] [--json out.json]
 """
@@ -45,18 +44,14 @@ def analyse(summary: dict, placed, warmup: int) -> dict:
     steps = sorted(s for s in step_times if s > warmup)
     if not steps:
         raise SystemExit(f"need more than {warmup} steps to measure (got {len(step_times)})")
-    gen_batches = hist.get("sampling/gen_batches", {})
-    rollout = set(plan.rollout)
     node_secs: dict[str, list[float]] = {n.id: [] for n in plan.nodes}
     outside: list[float] = []
     for s in steps:
-        calls = gen_batches.get(s, 1.0)
         total_ops = 0.0
         for n in plan.nodes:
             t = hist.get(f"time/{n.id}", {}).get(s)
             if t is None:
                 continue
-            t *= calls if n.id in rollout else 1.0
             node_secs[n.id].append(t)
             total_ops += t
         outside.append(1.0 - total_ops / step_times[s])
