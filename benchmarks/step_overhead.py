@@ -13,7 +13,8 @@ and `--executor ray`, and reads each run's per-step timings back from its MLflow
   slower inside the actor than in-process points at threads, not at transport).
 
 `time/<node>` is the seconds of that node over all of a step's calls (a `Seconds` metric is
-summed over calls: a step that draws several generation batches counts each). Validation and checkpoint writes are outside `time/step` on both executors.
+summed over calls: a step that draws several generation batches counts each). Validation and
+checkpoint writes are outside `time/step` on both executors.
 
 Run: python benchmarks/step_overhead.py [--steps 30] [--quick] [--json out.json]
 """
