@@ -63,30 +63,24 @@ async def _run_all(fn: Callable, base_url: str, token: str, jobs: list[tuple[str
     pool = None if is_async else ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="harness")
     # a connection pool per EPISODES_PER_POOL episodes: httpcore scans every connection of its pool
     # for each request it places, so one pool of 256 connections costs more than the requests;
-    tls = _tls_context()
-    size = max(1, min(EPISODES_PER_POOL, concurrency))
-    limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-    groups = max(1, math.ceil(len(jobs) / size))
     # trust_env off: a proxy from the environment must not carry loopback requests
-    https = [httpx.AsyncClient(limits=limits, timeout=timeout_s, verify=tls, trust_env=False) for _ in range(groups)]
-    bases = [openai.AsyncOpenAI(base_url=base_url, api_key=token, http_client=h, max_retries=0) for h in https]
-    sync_https = [] if is_async else [httpx.Client(limits=limits, timeout=timeout_s, verify=tls, trust_env=False)
-                                      for _ in range(groups)]
-    sync_bases = [openai.OpenAI(base_url=base_url, api_key=token, http_client=h, max_retries=0) for h in sync_https]
-    index = {episode: i // size for i, (episode, _) in enumerate(jobs)}
+    size = max(1, min(EPISODES_PER_POOL, concurrency))
+    pooled = dict(limits=httpx.Limits(max_connections=size, max_keepalive_connections=size), timeout=timeout_s,
+                  verify=_tls_context(), trust_env=False)
+    https = [(httpx.AsyncClient if is_async else httpx.Client)(**pooled) for _ in range(math.ceil(len(jobs) / size))]
+    client_cls = openai.AsyncOpenAI if is_async else openai.OpenAI
+    clients = [client_cls(base_url=base_url, api_key=token, http_client=h, max_retries=0) for h in https]
 
-    async def one(episode: str, task: dict) -> Any:
-        return on_done(episode, await outcome(episode, task))
+    async def one(k: int, episode: str, task: dict) -> Any:
+        return on_done(episode, await outcome(clients[k // size], episode, task))
 
-    async def outcome(episode: str, task: dict) -> Outcome:
-        headers = {EPISODE_HEADER: episode}
+    async def outcome(base: Any, episode: str, task: dict) -> Outcome:
+        client = base.with_options(default_headers={EPISODE_HEADER: episode})
         async with semaphore:
             try:
                 if is_async:
-                    client = bases[index[episode]].with_options(default_headers=headers)
                     result = await asyncio.wait_for(fn(client, task), timeout_s)
                 else:
-                    client = sync_bases[index[episode]].with_options(default_headers=headers)
                     call = asyncio.get_running_loop().run_in_executor(pool, fn, client, task)
                     result = await asyncio.wait_for(call, timeout_s)
             except asyncio.TimeoutError:
@@ -97,14 +91,15 @@ async def _run_all(fn: Callable, base_url: str, token: str, jobs: list[tuple[str
         return _logged(episode, Outcome(None, "harness_error", problem)) if problem else Outcome(reward)
 
     try:
-        return list(await asyncio.gather(*(one(episode, task) for episode, task in jobs)))
+        return list(await asyncio.gather(*(one(k, episode, task) for k, (episode, task) in enumerate(jobs))))
     finally:
         if pool is not None:  # a timed-out call's thread is left to finish (its requests get 410)
             pool.shutdown(wait=False, cancel_futures=True)
-        for h in sync_https:
-            h.close()
         for h in https:
-            await h.aclose()
+            if is_async:
+                await h.aclose()
+            else:
+                h.close()
 
 
 @functools.cache
