@@ -78,7 +78,7 @@ def run_case(niceness: int, reps: int, busy: int) -> dict:
 
     os.environ["RAY_worker_niceness"] = str(niceness)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=max(2, busy), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=max(2, busy), include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         actor = _actor_class(reset_priority=niceness == 0).remote()
         nice = ray.get(actor.nice.remote())

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         info = random_qwen2(Path(tmp), shape, build_char_tokenizer(model_max_length=512))
         console.print(f"{info['num_parameters'] / 1e6:.1f}M parameters, {info['model_bytes'] / 2**20:,.0f} MiB "
                       f"float32; 1 trainer -> {args.replicas} rollout actor(s); buckets of {args.bucket_mb:g} MB")
-        ray.init(num_cpus=1 + args.replicas, include_dashboard=False, logging_level="ERROR",
+        ray.init(address="local", num_cpus=1 + args.replicas, include_dashboard=False, logging_level="ERROR",
                  runtime_env={"env_vars": {"PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}})
         try:
             actor = ray.remote(num_cpus=1)(Side)

@@ -72,7 +72,7 @@ def child(mode: str, path: str, model: str) -> dict:
         ex = RayExecutor.__new__(RayExecutor)  # only its stream reader: no stages
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
         ex._ray = ray
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()

@@ -136,7 +136,8 @@ def ray_cluster():
     import ray
 
     _SharedRay.stop()
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", configure_logging=True)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR",
+             configure_logging=True)
     yield
     ray.shutdown()
 

@@ -59,7 +59,8 @@ def test_two_replicas_sample_what_one_engine_samples(tmp_path, small_graph, tiny
     prompts = _prompts(AutoTokenizer.from_pretrained(tiny_adder_path), 9)
     path = _graph(tmp_path, small_graph)
     outs = {}
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", configure_logging=True)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR",
+             configure_logging=True)
     try:
         for replicas in (1, 2):
             placed = _placed(path, replicas)
