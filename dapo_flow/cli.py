@@ -189,6 +189,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_int_in(0, 65535), default=0, help="default 0: a free port")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to serve on (default 127.0.0.1, this machine only; others need the token)")
+    p.add_argument("--replicas", type=_int_in(1, 64), default=1,
+                   help="copies of the model, one address in front (episodes stick to one; default 1)")
     _edit_flags(p)
     p = command("ui", "Open the MLflow UI on the runs' tracking store, at the newest experiment's charts.", _ui)
     p.add_argument("--port", type=_port, default=5000, help="default 5000")
@@ -485,9 +487,10 @@ def _serve(args: argparse.Namespace) -> int:
     from dapo_flow.runtime.serve import serve
 
     endpoint = serve(_compile(args).plan, model=args.model, checkpoint=args.checkpoint, host=args.host,
-                     port=args.port)
-    name = endpoint.served.model_name
-    _line(f"OpenAI-compatible endpoint on {endpoint.base_url}  model '{name}'  token {endpoint.token}\n"
+                     port=args.port, replicas=args.replicas)
+    name = endpoint.model_name
+    behind = f"  ({args.replicas} replicas behind it)" if args.replicas > 1 else ""
+    _line(f"OpenAI-compatible endpoint on {endpoint.base_url}  model '{name}'  token {endpoint.token}{behind}\n"
           f"  openai.OpenAI(base_url=\"{endpoint.base_url}\", api_key=\"{endpoint.token}\")  (Ctrl-C stops it)",
           markup=False)
     try:

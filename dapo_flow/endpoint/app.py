@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from dapo_flow.agent.rollout import request_seed
 from dapo_flow.endpoint.batcher import Batcher, QueueFull, SamplingKey
 from dapo_flow.endpoint.episodes import EpisodeBook, EpisodeError, Sampled
-from dapo_flow.endpoint.protocol import ApiError, ChatRequest, CompletionRequest
+from dapo_flow.endpoint.protocol import ApiError, ChatRequest, CompletionRequest, authorize
 from dapo_flow.endpoint.render import (SampledTurns, assistant_message, chat_prompt, completion_prompt,
                                        tool_schemas)
 
@@ -109,10 +109,7 @@ def build_app(served: Served) -> FastAPI:
 
 
 def _authorize(served: Served, request: Request) -> None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), served.token.encode()):
-        raise ApiError(401, "missing or wrong bearer token: send 'Authorization: Bearer TOKEN' with the token "
-                       "the run printed (an openai client's api_key)", code="invalid_api_key")
+    authorize(request.headers.get("authorization", ""), served.token)
 
 
 async def _parse(served: Served, request: Request, model: type) -> Any:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,6 +27,14 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
+
+
+def authorize(header: str, token: str) -> None:
+    """Refuse (401) an ``Authorization`` header that is not ``Bearer TOKEN``."""
+    scheme, _, sent = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(sent.strip().encode(), token.encode()):
+        raise ApiError(401, "missing or wrong bearer token: send 'Authorization: Bearer TOKEN' with the token "
+                       "the run printed (an openai client's api_key)", code="invalid_api_key")
 
 
 class FunctionCall(BaseModel):

@@ -56,9 +56,7 @@ class Endpoint:
                  port: int = 0, token: str | None = None, require_episode: bool = False,
                  sampling: tuple[float, float, int] | None = None, window_s: float = 0.005,
                  spare_threads: int = 0):
-        if not _is_loopback(host):
-            warnings.warn(f"the endpoint binds {host}, not loopback: anyone who reaches {host}:{port or '<port>'} "
-                          "with the token samples from the model", stacklevel=2)
+        warn_unless_loopback(host, port)
         self.host, self.port = host, port
         self.token = token or secrets.token_urlsafe(24)
         self.book = EpisodeBook()
@@ -66,8 +64,7 @@ class Endpoint:
                                spare_threads=spare_threads)
         self.served = Served(engine.tokenizer, self.batcher, self.book, model_name, self.token, call_format,
                              context_length(engine), eos_ids(engine), require_episode, sampling)
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._thread: ServerThread | None = None
 
     @property
     def base_url(self) -> str:
@@ -75,6 +72,34 @@ class Endpoint:
         return f"http://{self.host}:{self.port}/v1"
 
     def start(self) -> "Endpoint":
+        self._thread = ServerThread(build_app(self.served), self.host, self.port, "endpoint-server")
+        self.port = self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
+        self.batcher.close()
+
+    def __enter__(self) -> "Endpoint":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ServerThread:
+    """A uvicorn server for ``app`` on a thread of its own: the socket bound first (a taken port is
+    an :class:`EndpointError` now, not a thread dying later), ``start`` returning once it serves."""
+
+    def __init__(self, app: Any, host: str, port: int, name: str, lifespan: str = "off"):
+        self.app, self.host, self.port, self.name, self.lifespan = app, host, port, name, lifespan
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        """Serve; the bound port (a free one when ``port`` is 0)."""
         import uvicorn
 
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -86,21 +111,21 @@ class Endpoint:
             sock.bind((self.host, self.port))
         except OSError as exc:
             sock.close()
-            raise EndpointError(f"the endpoint cannot bind {self.host}:{self.port}: {exc.strerror}\n"
+            raise EndpointError(f"cannot bind {self.host}:{self.port}: {exc.strerror}\n"
                                 "    fix: pick another port (0: a free one) or a host of this machine") from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self.served), log_level="warning", access_log=False, lifespan="off",
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan=self.lifespan,
                                 timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])),
-                                        name="endpoint-server", daemon=True)
+                                        name=self.name, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise EndpointError(f"the endpoint on {self.host}:{self.port} did not start")
+                raise EndpointError(f"the server on {self.host}:{self.port} did not start")
             time.sleep(0.01)
-        return self
+        return self.port
 
     def close(self) -> None:
         if self._server is not None:
@@ -108,13 +133,12 @@ class Endpoint:
             if self._thread is not None:
                 self._thread.join(timeout=10)
             self._server = None
-        self.batcher.close()
 
-    def __enter__(self) -> "Endpoint":
-        return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+def warn_unless_loopback(host: str, port: int) -> None:
+    if not _is_loopback(host):
+        warnings.warn(f"the endpoint binds {host}, not loopback: anyone who reaches {host}:{port or '<port>'} "
+                      "with the token samples from the model", stacklevel=3)
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,5 +1,6 @@
-"""`dapo-flow serve`: a real process serving graphs/harness.yaml's model; a client with the
-printed address and token is served, one without the token is refused; bad input exits 2."""
+"""`dapo-flow serve`: a real process serving graphs/harness.yaml's model (once, and as two replicas
+behind one address); a client with the printed address and token is served, one without the
+token is refused; bad input exits 2."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 GRAPH = str(ROOT / "graphs" / "harness.yaml")
 
 
-def test_serve_prints_an_address_and_token_that_serve_the_model():
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_serve_prints_an_address_and_token_that_serve_the_model(replicas):
     # SIGINT's default handler back: a test runner in the background starts children with it ignored
     start = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
              "from dapo_flow.cli import main; sys.exit(main())")
-    proc = subprocess.Popen([sys.executable, "-c", start, "serve", GRAPH], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", start, "serve", GRAPH, "--replicas", str(replicas)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     try:
         lines = []
@@ -34,9 +36,11 @@ def test_serve_prints_an_address_and_token_that_serve_the_model():
                 break
         assert found, "".join(lines)
         url, token = found.groups()
-        reply = openai.OpenAI(base_url=url, api_key=token, max_retries=0).chat.completions.create(
+        assert ("2 replicas behind it" in line) == (replicas == 2)
+        raw = openai.OpenAI(base_url=url, api_key=token, max_retries=0).chat.completions.with_raw_response.create(
             model="policy", messages=[{"role": "user", "content": "12*34="}], max_tokens=8)
-        assert reply.choices[0].message.role == "assistant"
+        assert raw.parse().choices[0].message.role == "assistant"
+        assert ("x-dapo-flow-replica" in raw.headers) == (replicas == 2)  # served through the router
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="guess", max_retries=0).models.list()
     finally:
