@@ -59,16 +59,7 @@ class Served:
 
 def build_app(served: Served) -> FastAPI:
     app = FastAPI(title="dapo-flow endpoint", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        message = (f"no route {request.method} {request.url.path}; routes: POST /v1/chat/completions, "
-                   "POST /v1/completions, GET /v1/models, GET /health") if exc.status_code in (404, 405) else str(exc.detail)
-        return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code)
+    answer_errors_as_openai(app)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -106,6 +97,20 @@ def build_app(served: Served) -> FastAPI:
         return _response(served, "text_completion", "cmpl", out, fed, choices)
 
     return app
+
+
+def answer_errors_as_openai(app: FastAPI) -> None:
+    """Errors in OpenAI's shape: an :class:`ApiError` as it says, an unknown route a 404 naming the routes."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = (f"no route {request.method} {request.url.path}; routes: POST /v1/chat/completions, "
+                   "POST /v1/completions, GET /v1/models, GET /health") if exc.status_code in (404, 405) else str(exc.detail)
+        return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code)
 
 
 def _authorize(served: Served, request: Request) -> None:

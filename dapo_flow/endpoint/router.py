@@ -25,10 +25,9 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
+from fastapi.responses import Response
 
-from dapo_flow.endpoint.app import EPISODE_HEADER
+from dapo_flow.endpoint.app import EPISODE_HEADER, answer_errors_as_openai
 from dapo_flow.endpoint.protocol import ApiError, authorize
 from dapo_flow.endpoint.server import LOOPBACK, ServerThread, warn_unless_loopback
 
@@ -133,15 +132,7 @@ def build_router_app(router: Router) -> FastAPI:
     app = FastAPI(title="dapo-flow endpoint router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        message = (f"no route {request.method} {request.url.path}; routes: POST /v1/chat/completions, "
-                   "POST /v1/completions, GET /v1/models, GET /health") if exc.status_code in (404, 405) else str(exc.detail)
-        return JSONResponse(ApiError(exc.status_code, message).body(), status_code=exc.status_code)
+    answer_errors_as_openai(app)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
