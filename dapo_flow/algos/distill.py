@@ -23,9 +23,13 @@ from dapo_flow.algos.errors import AlgoError
 from dapo_flow.algos.masked import _as_bool, _check_pair
 
 
-def distill_advantages(student_logp: Tensor, teacher_logp: Tensor, mask: Tensor) -> Tensor:
+def distill_advantages(student_logp: Tensor, teacher_logp: Tensor, mask: Tensor,
+                       clip: float | None = None) -> Tensor:
     """Per-token distillation advantage teacher_logp - student_logp (the negative per-token
     reverse-KL estimate, Thinking Machines 2025); 0 at mask-0 positions (padding, tool tokens).
+    ``clip``: each advantage clamped to [-clip, clip], so a token the teacher all but rules out
+    (logprob -19 from a sharp teacher) weighs as much as one it merely disfavours, not 19x an
+    outcome advantage: the step size a sharp teacher allows is then the RL step's.
 
     ``student_logp`` are the student's logprobs of its sampled tokens at sampling time (the
     `old_logp` column), ``teacher_logp`` the teacher's of the same tokens.
@@ -38,6 +42,8 @@ def distill_advantages(student_logp: Tensor, teacher_logp: Tensor, mask: Tensor)
         diff = teacher_logp.detach().float() - student_logp.detach().float()
         if not torch.isfinite(diff[valid]).all():
             raise AlgoError("student_logp or teacher_logp contain NaN or inf at valid tokens")
+        if clip is not None:
+            diff = diff.clamp(-clip, clip)
         return torch.where(valid, diff, diff.new_zeros(()))
 
 

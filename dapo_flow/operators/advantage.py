@@ -50,6 +50,9 @@ class Params(BaseModel):
     """On-policy distillation: > 0 adds distill_coef x (teacher_logp - old_logp) per sampled token
     (reads both; teacher_logp from a `logprob` node with role teacher). Required > 0 by estimator
     distill (distillation alone); with another estimator it is RL + distillation."""
+    distill_clip: float | None = Field(None, gt=0.0, le=1000.0)
+    """Clamp each token's distillation advantage to [-distill_clip, distill_clip] (None: as is);
+    a sharp teacher's near-zero probabilities otherwise give advantages of -20 nats and more."""
 
     @field_validator("estimator")
     @classmethod
@@ -144,7 +147,7 @@ class Advantage:
         if p.distill_coef > 0:
             student, teacher = (torch.from_numpy(ragged_to_padded(batch.column(c), dtype=np.float32)[0][:, :width])
                                 for c in (C.OLD_LOGP, C.TEACHER_LOGP))
-            adv = adv + p.distill_coef * algos.distill_advantages(student, teacher, valid)
+            adv = adv + p.distill_coef * algos.distill_advantages(student, teacher, valid, p.distill_clip)
             distill = {"distill/reverse_kl": algos.reverse_kl_per_token(student, teacher, valid)}
         self._record(adv[valid].numpy())
         self._metrics.update(distill)

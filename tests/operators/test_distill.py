@@ -47,6 +47,22 @@ def test_distill_advantage_is_the_teachers_minus_the_students_logprob_on_valid_t
         algos.distill_advantages(student, teacher, torch.ones(2, 3))
 
 
+def test_distill_clip_bounds_each_tokens_advantage_and_not_the_reverse_kl():
+    student = torch.tensor([[-0.5, -0.1, -2.0]])
+    teacher = torch.tensor([[-0.25, -19.0, -0.5]])  # a sharp teacher: one token all but ruled out
+    mask = torch.ones(1, 3)
+    assert algos.distill_advantages(student, teacher, mask, clip=1.0).tolist() == [[0.25, -1.0, 1.0]]
+    op = advantage.Advantage(advantage.Params(estimator="distill", distill_coef=2.0, distill_clip=0.5),
+                             OpContext(node_id="adv", seed=0, model=None))
+    out = op(_batch()).column(C.TOKEN_ADVANTAGE).to_pylist()
+    clipped = [[2 * min(max(t - s, -0.5), 0.5) for s, t in zip(srow, trow)] for srow, trow in zip(STUDENT, TEACHER)]
+    assert _flat(out) == pytest.approx(_flat(clipped))
+    tokens = [s - t for srow, trow in zip(STUDENT, TEACHER) for s, t in zip(srow, trow)]
+    assert op.last_metrics()["distill/reverse_kl"] == pytest.approx(np.mean(tokens))  # the divergence itself
+    with pytest.raises(ValidationError, match="greater than 0"):
+        advantage.Params(estimator="distill", distill_coef=1.0, distill_clip=0.0)
+
+
 def test_distill_alone_needs_no_reward_and_gives_each_token_its_own_advantage():
     params = advantage.Params(estimator="distill", distill_coef=2.0)
     assert set(requires(advantage.Advantage, params)) == {C.PROMPT_ID, C.RESPONSE_LEN, C.OLD_LOGP, C.TEACHER_LOGP}
