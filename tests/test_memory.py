@@ -243,6 +243,39 @@ def test_num_params_matches_transformers(arch, extra):
     assert shape.num_params() == _real_params(arch, **config)
 
 
+@pytest.mark.parametrize("arch, extra", [
+    ("Qwen3Moe", dict(head_dim=16)),  # every layer sparse, q/k norms
+    ("Qwen2Moe", dict(shared_expert_intermediate_size=48, mlp_only_layers=[1])),  # a shared expert, a dense layer
+    ("Qwen2Moe", dict(shared_expert_intermediate_size=48, decoder_sparse_step=2)),  # every second layer sparse
+])
+def test_total_and_active_params_of_a_mixture_of_experts_match_transformers(arch, extra):
+    """Total: every expert; active: a token's top-k experts (the rest of the model whole)."""
+    import transformers
+
+    config = dict(vocab_size=300, hidden_size=64, intermediate_size=160, moe_intermediate_size=32, num_experts=6,
+                  num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, **extra)
+    model = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**config))
+    saved = json.loads(model.config.to_json_string())  # as config.json spells it (num_local_experts)
+    shape = ModelShape.from_config(saved)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+    assert shape.active_params() == shape.num_params() - experts + experts * 2 // 6
+
+
+def test_tiny_moe_declares_its_shape_and_counts_before_it_is_built():
+    """builtin:tiny-moe's declared shape (what `explain` reads without building it): 232,640
+    parameters, 134,336 active per token (tiny-adder's 133,696 plus the routers and q/k norms)."""
+    from dapo_flow.models import model_config
+    from dapo_flow.recipes.tiny_moe import char_qwen3_moe, RECIPE
+    from dapo_flow.models.tokenizer import build_char_tokenizer
+
+    shape = ModelShape.from_config(model_config("builtin:tiny-moe"))
+    model = char_qwen3_moe(build_char_tokenizer(model_max_length=64), RECIPE)
+    assert shape.num_params() == sum(p.numel() for p in model.parameters()) == 232_640
+    assert shape.active_params() == 134_336
+    assert ModelShape.from_config(model_config("builtin:tiny-adder")).active_params() == 133_696  # dense: all
+
+
 def test_from_config_defaults():
     shape = ModelShape.from_config(dict(vocab_size=10, hidden_size=64, intermediate_size=128,
                                         num_hidden_layers=2, num_attention_heads=8))
