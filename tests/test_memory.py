@@ -36,6 +36,10 @@ LLAMA_5M = dict(vocab_size=4000, hidden_size=256, intermediate_size=768, num_hid
 # a small vocabulary: a recomputed layer, not the logits, makes the peak under checkpointing
 NARROW_VOCAB = dict(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+# a Qwen3-MoE: 8 experts of which each token uses 2, every layer sparse
+QWEN3_MOE_5M = dict(model_type="qwen3_moe", vocab_size=4000, hidden_size=256, intermediate_size=768,
+                    moe_intermediate_size=192, num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
 LLAMA_20M = dict(vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
 # a vocabulary wide for the model: the logits are most of the micro-batch's memory
@@ -60,7 +64,7 @@ def _measure(args: dict) -> dict:
     import gc
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from dapo_flow import algos
     from dapo_flow.models.hf import left_pad, packed_logprobs_of, positions, response_logprobs_of, right_pad
@@ -89,7 +93,10 @@ def _measure(args: dict) -> dict:
 
     def build():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa")).to(getattr(torch, args["dtype"]))
+        moe = cfg.get("model_type") == "qwen3_moe"  # else a Llama
+        config = (Qwen3MoeConfig if moe else LlamaConfig)(**{k: v for k, v in cfg.items() if k != "model_type"},
+                                                           attn_implementation="sdpa")
+        model = (Qwen3MoeForCausalLM if moe else LlamaForCausalLM)(config).to(getattr(torch, args["dtype"]))
         if args["checkpointing"]:  # as HFPolicy: non-reentrant, active in train mode (no dropout)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train(args["checkpointing"])
@@ -488,6 +495,11 @@ CASES = {
     "wide-chunk128": _case(WIDE_VOCAB, chunk=128, within=0.09),
     # a frozen model's logprob passes (a reference's, a judge's), above its weights
     "forward-1m": _case(LLAMA_1M, forward=True, phase=FROZEN_HEAD),
+    # a mixture of experts: weights and optimizer state of every expert, activations of a token's 2.
+    # Measured 6.1% under (estimate 257.3 MiB, measured 273.9, peak at the logits' backward): HF's
+    # Python loop over the experts keeps more than the per-expert input/output copies priced; not
+    # located yet, so held to the issue's 10%, not CLOSE
+    "moe-5m-padded": _case(QWEN3_MOE_5M, pad=True, within=0.08),
     "forward-narrow-padded": _case(NARROW_VOCAB, pad=True, forward=True, phase=FROZEN_LAYERS),
     "forward-wide": _case(WIDE_VOCAB, forward=True, phase=FROZEN_HEAD),  # the logits are nearly all of it
     "forward-20m-chunk64": _case(LLAMA_20M, chunk=64, forward=True, phase=FROZEN_LAYERS),  # a layer's MLP
@@ -500,6 +512,7 @@ CASES = {
 BATCHES = {
     # one of each kind in the fast tier: plain, padded GQA, chunked logprobs, LoRA, a frozen forward
     "fast": ["1m", "5m-gqa-padded", "1m-chunk64", "1m-lora", "forward-1m"],
+    "mixture-of-experts": ["moe-5m-padded"],
     "checkpointing-and-autocast": ["1m-ckpt", "narrow-ckpt", "1m-chunk64-ckpt", "1m-autocast",
                                    "5m-padded-chunk128", "forward-narrow-padded"],
     "lora-and-packing": ["5m-padded-lora", "5m-packed", "5m-long-packed"],
@@ -527,7 +540,7 @@ def _estimated(c: str, measured: dict) -> tuple[Budget, float]:
 # the fast batch in the fast tier, SLOW_BATCHES in the whole suite; the others (bigger models,
 # bf16 matmuls: ~8 min of a core) in the figures tier, beside the other measurements docs/ prints
 # (`pytest -m figures`)
-SLOW_BATCHES = {"checkpointing-and-autocast", "lora-and-packing"}
+SLOW_BATCHES = {"checkpointing-and-autocast", "lora-and-packing", "mixture-of-experts"}
 
 
 def _tier(batch: str) -> tuple:

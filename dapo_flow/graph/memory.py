@@ -310,6 +310,10 @@ def layer_activation_bytes(shape: ModelShape, compute_bytes: int, *, repeated_kv
     norms = 2 * h * (FP32 + FP32) + 5 * h * c if autocast else 2 * h * (FP32 + c)
     attention = c * (3 * shape.q_dim + 2 * kv) + FP32 * shape.num_attention_heads
     mlp = 4 * shape.mlp_width * c
+    if shape.sparse_layers:  # HF's expert loop: each of a token's k experts saves its own copy of
+        # the token's input and its output before the routing weight; the router, its logits and
+        # float32 probabilities
+        mlp += 2 * shape.num_experts_per_tok * h * c + shape.num_experts * (c + FP32)
     return norms + attention + mlp
 
 
