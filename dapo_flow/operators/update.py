@@ -122,6 +122,15 @@ class Update:
         return temperature_problems(params.temperature, generator_id, generator_params.temperature)
 
     @classmethod
+    def model_problems(cls, params: Params, config: dict) -> list:
+        """A load-balancing loss weight needs a model with experts (Qwen2/Qwen3-MoE's config names them)."""
+        if params.router_aux_loss_coef > 0 and not (config.get("num_experts") or config.get("num_local_experts")):
+            return [("router_aux_loss_coef", f"router_aux_loss_coef is {params.router_aux_loss_coef} but the "
+                     f"model ({config.get('model_type', 'unknown type')}) has no experts: there is no router to balance",
+                     "remove router_aux_loss_coef, or train a mixture-of-experts model (e.g. builtin:tiny-moe)")]
+        return []
+
+    @classmethod
     def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:
         update = {}
         if params.loss_mask == "auto":
