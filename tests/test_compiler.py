@@ -465,3 +465,19 @@ def test_dynamic_sampling_is_an_object_the_compiler_builds():
         max_skipped_steps=5)
     assert "at most 10 generation batches, then train-on-what-we-have" in explain(placed)
     assert compile_graph(GRPO).plan.dynamic_sampling is None
+
+
+def test_a_load_balancing_loss_on_a_model_without_experts_is_a_validate_error(tmp_path):
+    """update's router_aux_loss_coef needs routers: validate reads the model's config (a builtin's
+    declared shape, nothing built) and names the param's line; on builtin:tiny-moe it validates."""
+    graphs = Path(__file__).resolve().parents[1] / "graphs"
+    text = (graphs / "moe.yaml").read_text().replace("router_aux_loss_coef: 0.0", "router_aux_loss_coef: 0.01")
+    dense = tmp_path / "dense.yaml"
+    dense.write_text(text.replace('path: "builtin:tiny-moe"', 'path: "builtin:tiny-adder"'))
+    line = next(i for i, row in enumerate(dense.read_text().splitlines(), 1) if "router_aux_loss_coef: 0.01" in row)
+    with pytest.raises(GraphError, match=rf"dense.yaml:{line}: node 'train' params.router_aux_loss_coef: "
+                                         r"router_aux_loss_coef is 0.01 but the model \(llama\) has no experts"):
+        validate(load(dense))
+    moe = tmp_path / "moe.yaml"
+    moe.write_text(text)
+    assert validate(load(moe)).params["train"].router_aux_loss_coef == 0.01

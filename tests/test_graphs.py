@@ -30,3 +30,11 @@ def test_graph_compiles(path: Path):
     assert set(placed.node_stage) == {n.id for n in placed.plan.nodes}
     assert sum(s.num_cpus for s in placed.stages if s.kind == "actor") <= 2
     assert f"graph {valid.spec.name}" in explain(placed)
+
+
+def test_the_moe_graph_explains_its_experts_and_active_parameters():
+    """graphs/moe.yaml's policy is builtin:tiny-moe: explain prints its experts and its
+    parameters, all of them and those a token runs through, without building it."""
+    placed = place(plan(validate(load(ROOT / "graphs" / "moe.yaml"))), Cluster(cpus=2))
+    assert ("builtin:tiny-moe (float32, hf, device auto, trained by 2 worker(s) with ddp, 4 experts top-2 in 2 of 2 "
+            "layers: 233k parameters, 134k active per token; experts not split across workers)") in explain(placed)

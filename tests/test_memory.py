@@ -36,6 +36,10 @@ LLAMA_5M = dict(vocab_size=4000, hidden_size=256, intermediate_size=768, num_hid
 # a small vocabulary: a recomputed layer, not the logits, makes the peak under checkpointing
 NARROW_VOCAB = dict(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+# a Qwen3-MoE: 8 experts of which each token uses 2, every layer sparse
+QWEN3_MOE_5M = dict(model_type="qwen3_moe", vocab_size=4000, hidden_size=256, intermediate_size=768,
+                    moe_intermediate_size=192, num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
 LLAMA_20M = dict(vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
 # a vocabulary wide for the model: the logits are most of the micro-batch's memory
@@ -60,7 +64,7 @@ def _measure(args: dict) -> dict:
     import gc
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from dapo_flow import algos
     from dapo_flow.models.hf import left_pad, packed_logprobs_of, positions, response_logprobs_of, right_pad
@@ -89,7 +93,10 @@ def _measure(args: dict) -> dict:
 
     def build():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa")).to(getattr(torch, args["dtype"]))
+        moe = cfg.get("model_type") == "qwen3_moe"  # else a Llama
+        config = (Qwen3MoeConfig if moe else LlamaConfig)(**{k: v for k, v in cfg.items() if k != "model_type"},
+                                                           attn_implementation="sdpa")
+        model = (Qwen3MoeForCausalLM if moe else LlamaForCausalLM)(config).to(getattr(torch, args["dtype"]))
         if args["checkpointing"]:  # as HFPolicy: non-reentrant, active in train mode (no dropout)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train(args["checkpointing"])
@@ -241,6 +248,39 @@ def test_num_params_matches_transformers(arch, extra):
                   num_attention_heads=4, num_key_value_heads=2, **extra)
     shape = ModelShape.from_config({**config, "model_type": arch.lower()})
     assert shape.num_params() == _real_params(arch, **config)
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("Qwen3Moe", dict(head_dim=16)),  # every layer sparse, q/k norms
+    ("Qwen2Moe", dict(shared_expert_intermediate_size=48, mlp_only_layers=[1])),  # a shared expert, a dense layer
+    ("Qwen2Moe", dict(shared_expert_intermediate_size=48, decoder_sparse_step=2)),  # every second layer sparse
+])
+def test_total_and_active_params_of_a_mixture_of_experts_match_transformers(arch, extra):
+    """Total: every expert; active: a token's top-k experts (the rest of the model whole)."""
+    import transformers
+
+    config = dict(vocab_size=300, hidden_size=64, intermediate_size=160, moe_intermediate_size=32, num_experts=6,
+                  num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, **extra)
+    model = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**config))
+    saved = json.loads(model.config.to_json_string())  # as config.json spells it (num_local_experts)
+    shape = ModelShape.from_config(saved)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+    assert shape.active_params() == shape.num_params() - experts + experts * 2 // 6
+
+
+def test_tiny_moe_declares_its_shape_and_counts_before_it_is_built():
+    """builtin:tiny-moe's declared shape (what `explain` reads without building it): 232,640
+    parameters, 134,336 active per token (tiny-adder's 133,696 plus the routers and q/k norms)."""
+    from dapo_flow.models import model_config
+    from dapo_flow.recipes.tiny_moe import char_qwen3_moe, RECIPE
+    from dapo_flow.models.tokenizer import build_char_tokenizer
+
+    shape = ModelShape.from_config(model_config("builtin:tiny-moe"))
+    model = char_qwen3_moe(build_char_tokenizer(model_max_length=64), RECIPE)
+    assert shape.num_params() == sum(p.numel() for p in model.parameters()) == 232_640
+    assert shape.active_params() == 134_336
+    assert ModelShape.from_config(model_config("builtin:tiny-adder")).active_params() == 133_696  # dense: all
 
 
 def test_from_config_defaults():
@@ -455,6 +495,11 @@ CASES = {
     "wide-chunk128": _case(WIDE_VOCAB, chunk=128, within=0.09),
     # a frozen model's logprob passes (a reference's, a judge's), above its weights
     "forward-1m": _case(LLAMA_1M, forward=True, phase=FROZEN_HEAD),
+    # a mixture of experts: weights and optimizer state of every expert, activations of a token's 2.
+    # Measured 6.1% under (estimate 257.3 MiB, measured 273.9, peak at the logits' backward): HF's
+    # Python loop over the experts keeps more than the per-expert input/output copies priced; not
+    # located yet, so held to the issue's 10%, not CLOSE
+    "moe-5m-padded": _case(QWEN3_MOE_5M, pad=True, within=0.08),
     "forward-narrow-padded": _case(NARROW_VOCAB, pad=True, forward=True, phase=FROZEN_LAYERS),
     "forward-wide": _case(WIDE_VOCAB, forward=True, phase=FROZEN_HEAD),  # the logits are nearly all of it
     "forward-20m-chunk64": _case(LLAMA_20M, chunk=64, forward=True, phase=FROZEN_LAYERS),  # a layer's MLP
@@ -467,6 +512,7 @@ CASES = {
 BATCHES = {
     # one of each kind in the fast tier: plain, padded GQA, chunked logprobs, LoRA, a frozen forward
     "fast": ["1m", "5m-gqa-padded", "1m-chunk64", "1m-lora", "forward-1m"],
+    "mixture-of-experts": ["moe-5m-padded"],
     "checkpointing-and-autocast": ["1m-ckpt", "narrow-ckpt", "1m-chunk64-ckpt", "1m-autocast",
                                    "5m-padded-chunk128", "forward-narrow-padded"],
     "lora-and-packing": ["5m-padded-lora", "5m-packed", "5m-long-packed"],
@@ -494,7 +540,7 @@ def _estimated(c: str, measured: dict) -> tuple[Budget, float]:
 # the fast batch in the fast tier, SLOW_BATCHES in the whole suite; the others (bigger models,
 # bf16 matmuls: ~8 min of a core) in the figures tier, beside the other measurements docs/ prints
 # (`pytest -m figures`)
-SLOW_BATCHES = {"checkpointing-and-autocast", "lora-and-packing"}
+SLOW_BATCHES = {"checkpointing-and-autocast", "lora-and-packing", "mixture-of-experts"}
 
 
 def _tier(batch: str) -> tuple:

@@ -37,6 +37,10 @@ An operator is a plain class (no base class to inherit from):
 - optionally ``upstream_problems(params, generator_id, generator_params) -> [(field, message,
   fix)]``: a classmethod validate calls with the nearest ``generate``-role node upstream, for
   params that must agree with it (e.g. a logprob temperature equal to the sampling temperature).
+- optionally ``model_problems(params, config) -> [(field, message, fix)]``: a classmethod
+  validate calls with its model's config.json as a dict (a builtin's declared shape; only when
+  one can be read without building or loading anything), for params the model must support
+  (e.g. a load-balancing loss weight on a model without experts).
 - optionally ``MODEL_HEAD``: what its model must be, `lm` (a causal LM, the default), `value`
   (a critic: ``values``, ``critic-update``) or `reward` (a sequence classifier: ``score``);
   validate checks it against the model's ``head``. An op whose params decide it also has a
@@ -103,6 +107,7 @@ class Contract:
     produces_static: Mapping[str, pa.DataType]
     resolve: Callable[[BaseModel, dict], BaseModel] | None
     upstream_problems: Callable[..., Any] | None
+    model_problems: Callable[..., Any] | None
     uses_model: Callable[[BaseModel], bool] | None
     model_head_fn: Callable[[BaseModel], str] | None
     model_head_static: str
@@ -129,6 +134,7 @@ def contract_of(op_cls: type) -> Contract:
         produces_static=dict(getattr(op_cls, "PRODUCES", None) or {}),
         resolve=hook("resolve"),
         upstream_problems=hook("upstream_problems"),
+        model_problems=hook("model_problems"),
         uses_model=hook("uses_model"),
         model_head_fn=hook("model_head"),
         model_head_static=getattr(op_cls, "MODEL_HEAD", "lm"),

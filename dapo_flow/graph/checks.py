@@ -106,6 +106,8 @@ def validate(doc: GraphDoc, registries: Registries | None = None) -> ValidGraph:
         _check_greedy_groups(found, nodes, graph)
         _check_consistency(found, nodes, graph, order)
         if spec is not None:
+            _check_model_support(found, nodes, spec)
+        if spec is not None:
             _check_tokenizers(found, nodes, graph, order, spec)
     if spec is not None:
         _check_prompt_budget(found, nodes, spec)
@@ -551,6 +553,23 @@ def _check_consistency(found: Found, nodes: list[_Node], graph: nx.DiGraph,
         if gen is None:
             continue
         for field_name, message, fix in upstream_problems(node.cls, node.params, gen.id, gen.params):
+            found.add(node.path + ("params", field_name), message, fix)
+
+
+def _check_model_support(found: Found, nodes: list[_Node], spec: GraphSpec) -> None:
+    """Params the node's model must support, as its config.json says (each operator says which:
+    ``model_problems``); a model whose config cannot be read yet is checked when it loads."""
+    from dapo_flow.models import model_config
+
+    for node in nodes:
+        hook = contract_of(node.cls).model_problems if node.cls is not None else None
+        model = node.spec.model
+        if node.params is None or hook is None or model not in spec.models:
+            continue
+        config = model_config(spec.models[model].path)
+        if config is None:
+            continue
+        for field_name, message, fix in hook(node.params, config):
             found.add(node.path + ("params", field_name), message, fix)
 
 

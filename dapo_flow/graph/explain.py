@@ -42,6 +42,27 @@ def _lora_settings(model) -> str:
     return f", LoRA rank {lora.rank} alpha {lora.alpha:g} on {targets}{size}"
 
 
+def _expert_settings(model) -> str:
+    """A mixture-of-experts model's experts and its parameters, total and active per token
+    (what memory holds vs what a token's compute runs through); "" for a dense model."""
+    from dapo_flow.graph.memory import ModelShape
+    from dapo_flow.models import model_config
+
+    try:
+        shape = ModelShape.from_config(model_config(model.path) or {})
+    except (KeyError, TypeError, ValueError):  # no config to read yet, or not a decoder's: memory says why
+        return ""
+    if not shape.num_experts:
+        return ""
+    return (f", {shape.num_experts} experts top-{shape.num_experts_per_tok} in {len(shape.sparse_layers)} of "
+            f"{shape.num_hidden_layers} layers: {_count(shape.num_params())} parameters, "
+            f"{_count(shape.active_params())} active per token; experts not split across workers")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n / 1e3:.3g}k"
+
+
 def explain(placed: PlacedPlan) -> str:
     """The placed plan as text: models, stages, memory, then one step phase by phase."""
     out = [*_explain_models(placed), "", "stages:", *_explain_stages(placed), *_explain_memory(placed),
@@ -64,7 +85,7 @@ def _explain_models(placed: PlacedPlan) -> list[str]:
           + (", gradient checkpointing" if m.train.grad_checkpointing else "")
           + (", packed micro-batches" if m.train.pack else "")
           + (f", logprobs in chunks of {m.train.logprob_chunk_tokens} tokens" if m.train.logprob_chunk_tokens else "")
-          + _group_settings(p, name) + _lora_settings(m) + ")"
+          + _group_settings(p, name) + _lora_settings(m) + _expert_settings(m) + ")"
           + _rollout_settings(p, name)
           for name, m in spec.models.items()),
     ]

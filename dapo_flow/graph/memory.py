@@ -88,6 +88,16 @@ class ModelShape:
     o_bias: bool = False  # Llama attention_bias: o_proj too
     mlp_bias: bool = False
     head: str = "lm"  # `lm`: the vocabulary-wide output head; `value` / `reward`: one output
+    qk_norm: bool = False  # Qwen3: an RMSNorm of head_dim on q and on k
+    # mixture of experts (Qwen2/Qwen3-MoE): 0 experts = dense. A sparse layer's MLP is a router
+    # (hidden -> experts), `num_experts` gate/up/down experts of `moe_intermediate_size`, of
+    # which each token uses `num_experts_per_tok`, and (Qwen2-MoE) a shared expert every token
+    # uses with its sigmoid gate (hidden -> 1)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    sparse_layers: tuple[int, ...] = ()  # which layers are sparse (the others: a dense MLP)
 
     @property
     def out_features(self) -> int:
@@ -99,7 +109,7 @@ class ModelShape:
         """From config.json's keys (Llama, Qwen2, Mistral spelling); missing optional keys take
         those classes' defaults (head_dim hidden/heads, kv heads = heads, untied)."""
         heads = int(config["num_attention_heads"])
-        qwen2 = config.get("model_type") == "qwen2"
+        qwen2 = config.get("model_type") in ("qwen2", "qwen2_moe")  # q/k/v biases
         attention_bias = bool(config.get("attention_bias", False))
         return cls(
             vocab_size=int(config["vocab_size"]),
@@ -114,6 +124,8 @@ class ModelShape:
             qkv_bias=qwen2 or attention_bias,
             o_bias=attention_bias and not qwen2,
             mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=config.get("model_type") in ("qwen3", "qwen3_moe"),
+            **_experts(config),
         )
 
     @classmethod
@@ -129,12 +141,25 @@ class ModelShape:
     def kv_dim(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def layer_params(self) -> int:
-        """One decoder layer: q/k/v/o (GQA: k, v have kv_dim rows), gate/up/down, two RMSNorms."""
-        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+    def attention_params(self) -> int:
+        """One layer's attention and its two RMSNorms: q/k/v/o (GQA: k, v have kv_dim rows), Qwen3's q/k norms."""
+        h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv) * self.qkv_bias + h * self.o_bias
-        mlp = 3 * h * i + (2 * i + h) * self.mlp_bias
-        return attn + mlp + 2 * h
+        return attn + 2 * h + 2 * self.head_dim * self.qk_norm
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        """Layer ``layer``'s MLP: dense gate/up/down, or a sparse block's router, experts (all
+        of them, or ``active``: those one token uses) and shared expert."""
+        h = self.hidden_size
+        if layer not in self.sparse_layers:
+            return 3 * h * self.intermediate_size + (2 * self.intermediate_size + h) * self.mlp_bias
+        experts = self.num_experts_per_tok if active else self.num_experts
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        return h * self.num_experts + experts * 3 * h * self.moe_intermediate_size + shared
+
+    def layer_params(self) -> int:
+        """The largest decoder layer (FSDP2 gathers a layer at a time): attention, norms, MLP."""
+        return self.attention_params() + max(self.mlp_params(i) for i in range(self.num_hidden_layers))
 
     def root_params(self) -> int:
         """What is not in a decoder layer: embeddings, final norm, the output head (the lm_head
@@ -144,7 +169,39 @@ class ModelShape:
         return embed + (0 if tied else self.out_features * self.hidden_size) + self.hidden_size
 
     def num_params(self) -> int:
-        return self.num_hidden_layers * self.layer_params() + self.root_params()
+        """Every parameter: every expert of every layer (what is stored, trained and synced)."""
+        layers = sum(self.mlp_params(i) for i in range(self.num_hidden_layers))
+        return self.num_hidden_layers * self.attention_params() + layers + self.root_params()
+
+    def active_params(self) -> int:
+        """The parameters one token runs through: a sparse layer's top-k experts only (the
+        "A3B" of Qwen3-30B-A3B; embeddings counted, as Qwen counts them). A dense model's all."""
+        layers = sum(self.mlp_params(i, active=True) for i in range(self.num_hidden_layers))
+        return self.num_hidden_layers * self.attention_params() + layers + self.root_params()
+
+    @property
+    def mlp_width(self) -> int:
+        """The widest MLP one token runs through (what its activations scale with): the dense
+        intermediate size, or a sparse layer's top-k experts' and shared expert's together."""
+        sparse = self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
+        dense = self.intermediate_size if len(self.sparse_layers) < self.num_hidden_layers else 0
+        return max(dense, sparse if self.sparse_layers else 0)
+
+
+def _experts(config: Mapping[str, Any]) -> dict[str, Any]:
+    """ModelShape's mixture-of-experts fields from a Qwen2/Qwen3-MoE config.json (``num_experts``,
+    which transformers 5 writes as Mixtral's ``num_local_experts``); none for a dense model. A
+    layer is sparse unless listed in ``mlp_only_layers`` or off ``decoder_sparse_step``, as HF
+    builds them."""
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    layers, step = int(config["num_hidden_layers"]), int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or ())
+    return {"num_experts": experts, "num_experts_per_tok": int(config["num_experts_per_tok"]),
+            "moe_intermediate_size": int(config["moe_intermediate_size"]),
+            "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0),
+            "sparse_layers": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)}
 
 
 @dataclass(frozen=True)
@@ -252,7 +309,11 @@ def layer_activation_bytes(shape: ModelShape, compute_bytes: int, *, repeated_kv
     kv = shape.q_dim if repeated_kv else shape.kv_dim
     norms = 2 * h * (FP32 + FP32) + 5 * h * c if autocast else 2 * h * (FP32 + c)
     attention = c * (3 * shape.q_dim + 2 * kv) + FP32 * shape.num_attention_heads
-    mlp = 4 * shape.intermediate_size * c
+    mlp = 4 * shape.mlp_width * c
+    if shape.sparse_layers:  # HF's expert loop: each of a token's k experts saves its own copy of
+        # the token's input and its output before the routing weight; the router, its logits and
+        # float32 probabilities
+        mlp += 2 * shape.num_experts_per_tok * h * c + shape.num_experts * (c + FP32)
     return norms + attention + mlp
 
 
@@ -436,7 +497,7 @@ def _activations(shape: ModelShape, compute: int, tokens: int, response: int, ro
     terms = [Term(name, saved, phases=FWD_BWD, fix=act_fix)]
     if checkpointing:
         terms.append(Term("one decoder layer recomputed", tokens * per_layer, phases=(LAYER_BACKWARD,), fix=budget_fix))
-    terms.append(Term("layer backward temporaries", tokens * 2 * shape.intermediate_size * compute,
+    terms.append(Term("layer backward temporaries", tokens * 2 * shape.mlp_width * compute,
                       phases=(LAYER_BACKWARD,), fix=budget_fix))
     if padded:  # SDPA turns the bool mask into an additive one per call and saves it
         # packed: a block-diagonal mask per bin of the longest row's length, at most one per row
@@ -528,7 +589,7 @@ def estimate_forward(
     h, c = shape.hidden_size, compute_bytes
     fix = "a smaller micro_batch_size on the node that runs it (rows per forward)"
     upcast = h * FP32 if c != FP32 else 0  # RMSNorm's float32 copy of its input
-    mlp = tokens * FORWARD_MLP_BUFFERS * shape.intermediate_size * c
+    mlp = tokens * FORWARD_MLP_BUFFERS * shape.mlp_width * c
     attention = tokens * (2 * shape.q_dim + 2 * shape.kv_dim) * c  # q, k, v and the output
     if rows > 1 if padded is None else padded:  # SDPA's additive mask, made per call
         seq = math.ceil(tokens / rows)

@@ -1,6 +1,6 @@
 """Policy backends and model resolution.
 
-``resolve_model("builtin:tiny-adder")`` (or ``builtin:tiny-chat``, ``builtin:tiny-agent``) builds the model on first use and caches it under
+``resolve_model("builtin:tiny-adder")`` (or ``builtin:tiny-chat``, ``builtin:tiny-agent``, ``builtin:tiny-moe``) builds the model on first use and caches it under
 ``dapo_flow_home()/models``; any other string must be a local Hugging Face causal-LM directory
 (nothing is downloaded from the Hub). Backends: ``models.hf.HFPolicy`` (torch) and
 ``models.vllm_engine.VLLMGenerator``. Importing this package loads neither torch nor vLLM.
@@ -59,6 +59,8 @@ BUILTINS: dict[str, Builtin] = {
     "tiny-adder-judge": Builtin("dapo_flow.recipes.tiny_adder_judge", "build_tiny_adder_judge", "char"),
     "tiny-agent": Builtin("dapo_flow.recipes.tiny_agent", "build_tiny_agent", "char"),
     "tiny-adder-teacher": Builtin("dapo_flow.recipes.tiny_adder_teacher", "build_tiny_adder_teacher", "char"),
+    # a Qwen3-MoE (4 experts, top-2) on tiny-adder's task and tokenizer
+    "tiny-moe": Builtin("dapo_flow.recipes.tiny_moe", "build_tiny_moe", "char"),
     # printable-ASCII characters, not tiny-adder's arithmetic ones: its own family
     "tiny-gym": Builtin("dapo_flow.recipes.tiny_gym", "build_tiny_gym", "char-ascii"),
 }

@@ -15,6 +15,7 @@ whose every response is masked out (``actor/skipped_minibatches`` counts such mi
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Literal
 
 import numpy as np
@@ -26,8 +27,11 @@ from dapo_flow import algos
 from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, token_lists
 from dapo_flow.core import columns as C
 from dapo_flow.core.contract import OpContext
+from dapo_flow.errors import ModelError
 from dapo_flow.models.devices import host_floats
+from dapo_flow.models.moe import routing_of
 from dapo_flow.training import OptimizerParams, StepRows, make_trainer
+from dapo_flow.training.router import RouterTerm
 
 KLType = Literal[algos.KL_KINDS]  # type: ignore[valid-type]
 
@@ -72,6 +76,13 @@ class Params(OptimizerParams):
     critic_warmup: int = Field(0, ge=0)
     """Leave the policy as it is for the first this many RL steps, while a critic learns the
     values its advantages come from (verl's trainer.critic_warmup)."""
+    router_aux_loss_coef: float = Field(0.0, ge=0.0, le=10.0)
+    """A mixture-of-experts policy's load-balancing loss weight (the model config's
+    `router_aux_loss_coef` is what its pretraining used: 0.001 for Qwen3-MoE): its mean per
+    sequence (algos/moe.py) times this is added to the loss. 0 (the default) trains on the RL
+    objective alone and only reports the routing (moe/* metrics): RL fine-tunes a router that
+    pretraining balanced, over few steps, and a balance term is a second objective the ratio
+    clip does not bound; set it when moe/load_max climbs. An error on a dense model."""
 
     @model_validator(mode="after")
     def _dual_clip_is_vanilla_only(self) -> "Params":
@@ -111,6 +122,15 @@ class Update:
         return temperature_problems(params.temperature, generator_id, generator_params.temperature)
 
     @classmethod
+    def model_problems(cls, params: Params, config: dict) -> list:
+        """A load-balancing loss weight needs a model with experts (Qwen2/Qwen3-MoE's config names them)."""
+        if params.router_aux_loss_coef > 0 and not (config.get("num_experts") or config.get("num_local_experts")):
+            return [("router_aux_loss_coef", f"router_aux_loss_coef is {params.router_aux_loss_coef} but the "
+                     f"model ({config.get('model_type', 'unknown type')}) has no experts: there is no router to balance",
+                     "remove router_aux_loss_coef, or train a mixture-of-experts model (e.g. builtin:tiny-moe)")]
+        return []
+
+    @classmethod
     def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:
         update = {}
         if params.loss_mask == "auto":
@@ -141,6 +161,16 @@ class Update:
                                     world_size=ctx.world_size,
                                     max_tokens_per_micro_batch=ctx.model.spec.train.max_tokens_per_micro_batch)
         self.rl_steps = 0  # calls, warm-up ones included (critic_warmup counts them)
+        self.routing = routing_of(self.policy.model)  # None: a dense model
+        if self.routing is None and params.router_aux_loss_coef > 0:
+            raise ModelError(f"update '{ctx.node_id}': router_aux_loss_coef is {params.router_aux_loss_coef} but "
+                             f"the model has no experts (no router to balance): remove router_aux_loss_coef")
+        self.moe_metrics: dict[str, float] = {}
+
+    def last_metrics(self) -> dict[str, float]:
+        """A mixture-of-experts policy's router metrics of the last step (``RouterTerm.metrics``:
+        as many per-expert loads as the model has experts, so not columns); {} for a dense one."""
+        return self.moe_metrics
 
     def state_dict(self) -> dict:
         return {**self.trainer.state_dict(), "rl_steps": self.rl_steps}
@@ -161,8 +191,12 @@ class Update:
             return metrics_row(METRICS, {"actor/lr": self.trainer.lr,
                                          "actor/skipped_steps_total": float(self.trainer.skipped_total)})
         data = self._arrays(batch)
-        loss = PolicyLoss(self.policy, self.params, data)
-        return metrics_row(METRICS, self.trainer.step(step_rows(batch, data), loss))
+        router = RouterTerm(self.routing, self.params.router_aux_loss_coef) if self.routing else None
+        loss = PolicyLoss(self.policy, self.params, data, router)
+        out = self.trainer.step(step_rows(batch, data), loss)
+        if router is not None:  # a collective: every worker of a group gets here
+            self.moe_metrics = router.metrics(self.trainer.parallel)
+        return metrics_row(METRICS, out)
 
     def _arrays(self, batch: pa.Table) -> dict:
         p = self.params
@@ -194,19 +228,16 @@ class PolicyLoss:
     :class:`dapo_flow.training.MicroLoss`): the chosen surrogate, entropy bonus and KL loss,
     aggregated with ``loss_agg_mode`` over the mini-batch's token and sequence counts."""
 
-    def __init__(self, policy, params: Params, data: dict):
-        self.policy, self.params, self.data = policy, params, data
+    def __init__(self, policy, params: Params, data: dict, router: RouterTerm | None = None):
+        self.policy, self.params, self.data, self.router = policy, params, data, router
 
     def __call__(self, rows: np.ndarray, n_tokens: int, n_seqs: int) -> tuple[torch.Tensor, dict[str, float]]:
         p, data = self.params, self.data
         adv, ref_logp = data["adv"], data["ref_logp"]
-        logp, entropy, resp_mask = self.policy.response_logprobs(
-            [data["prompts"][i] for i in rows],
-            [data["responses"][i] for i in rows],
-            temperature=p.temperature,
-            with_entropy=True,
-            grad=True,
-        )
+        prompts, responses = [data["prompts"][i] for i in rows], [data["responses"][i] for i in rows]
+        with self.router.recording() if self.router else nullcontext():
+            logp, entropy, resp_mask = self.policy.response_logprobs(
+                prompts, responses, temperature=p.temperature, with_entropy=True, grad=True)
         width = logp.shape[1]
         dev = self.policy.to_device({  # the batch's arrays where the model's outputs are
             "mask": data["mask"][rows, :width],
@@ -232,6 +263,9 @@ class PolicyLoss:
             kl_loss = algos.agg_loss(kl, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
             loss = loss + p.kl_coef * kl_loss
             stats["actor/kl_loss"] = kl_loss
+        balance = self.router.loss(prompts, responses, packed=self.policy.packed, n_seqs=n_seqs) if self.router else None
+        if balance is not None:  # the router's load-balancing term (MoE, router_aux_loss_coef > 0)
+            loss = loss + balance
         stats = host_floats({**stats, "tokens": m.sum()})  # one transfer from the device
         share = stats.pop("tokens") / n_tokens  # this micro-batch's weight in the token statistics
         for key in ("clipfrac", "clipfrac_lower", "ppo_kl"):

@@ -20,40 +20,43 @@ pytestmark = pytest.mark.gpu
 STAGE = "model:policy"
 UPDATE = {"lr": 1e-3, "micro_batch_size": 3, "ppo_epochs": 2, "clip_high": 0.28}
 UPDATE_OP = "dapo_flow.operators.update:Update"  # where a worker imports the node's class from
+#: each model's update: the mixture of experts with its load-balancing loss trained on
+UPDATES = {"tiny-adder": UPDATE, "tiny-moe": {**UPDATE, "router_aux_loss_coef": 0.1}}
 
 
-def _graph(model_path, strategy: str | None):
+def _graph(model_path, strategy: str | None, update: dict = UPDATE):
     from dapo_flow.graph.spec import GraphSpec
 
     return GraphSpec.model_validate({
         "name": "group", "models": {"policy": {"path": str(model_path), "train": {"workers": 1, "strategy": strategy}}},
         "data": {"train": {"source": "builtin:addition"}},
-        "nodes": [{"id": "train", "op": "update", "model": "policy", "inputs": ["prompts"], "params": UPDATE}],
+        "nodes": [{"id": "train", "op": "update", "model": "policy", "inputs": ["prompts"], "params": update}],
     })
 
 
-def _worker(model_path, strategy: str, model_paths: dict | None = None):
+def _worker(model_path, strategy: str, model_paths: dict | None = None, update: dict = UPDATE):
     """The stage worker of a training group of one (``strategy`` ddp or fsdp2: it joins a process
     group of world size 1 as the executors start group members), or a plain one (``none``)."""
     from dapo_flow.core.ports import free_port
     from dapo_flow.runtime.worker import GroupMember, NodeSetup, StageSetup, StageWorker
 
-    setup = StageSetup(name=STAGE, nodes=(NodeSetup(id="train", op="update", params=UPDATE, impl=UPDATE_OP, model="policy"),),
+    setup = StageSetup(name=STAGE, nodes=(NodeSetup(id="train", op="update", params=update, impl=UPDATE_OP, model="policy"),),
                        models=("policy",), trainable=("policy",), scores=("policy",),
                        model_paths=model_paths or {}, strategy=strategy, workers=1)
     if strategy != "none":
         setup = replace(setup, group=GroupMember(0, 1, "127.0.0.1", free_port()))
-    return StageWorker(_graph(model_path, None if strategy == "none" else strategy), setup, seed=0)
+    return StageWorker(_graph(model_path, None if strategy == "none" else strategy, update), setup, seed=0)
 
 
 METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/clipfrac", "actor/ppo_kl", "actor/entropy")
 
 
 def _train(worker, batches) -> list[dict]:
+    """Each step's metrics: the update's row and what it reports besides (a MoE's router metrics)."""
     rows = []
     for table in batches:
-        out, _ = worker.run_chain(["train"], table)
-        rows.append(out.to_pylist()[0])
+        out, info = worker.run_chain(["train"], table)
+        rows.append({**info.report[0][1], **out.to_pylist()[0]})
     return rows
 
 
@@ -65,25 +68,27 @@ def _same(a: dict, b: dict, atol: float = 1e-5) -> None:
 
 def _same_metrics(a: list[dict], b: list[dict]) -> None:
     for x, y in zip(a, b, strict=True):
-        for key in METRICS:
+        assert x.keys() == y.keys()
+        for key in METRICS + tuple(k for k in x if k.startswith("moe/")):
             assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
 
 
-@pytest.fixture()
-def plain(builtin) -> tuple[list[dict], dict]:
+def _plain(builtin, model: str) -> tuple[list[dict], dict]:
     """What a plain worker (no process group) makes of BATCHES: metrics, weights."""
-    worker = _worker(builtin("tiny-adder"), "none")
+    worker = _worker(builtin(model), "none", update=UPDATES[model])
     try:
         return _train(worker, BATCHES), worker.export_weights("policy")
     finally:
         worker.close()
 
 
+@pytest.mark.parametrize("model", [pytest.param("tiny-adder"), pytest.param("tiny-moe", marks=pytest.mark.models("tiny-moe"))])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_a_group_of_one_over_nccl_makes_the_plain_workers_update(builtin, device, plain, strategy):
+def test_a_group_of_one_over_nccl_makes_the_plain_workers_update(builtin, device, strategy, model):
     import torch.distributed as dist
 
-    worker = _worker(builtin("tiny-adder"), strategy)
+    plain = _plain(builtin, model)
+    worker = _worker(builtin(model), strategy, update=UPDATES[model])
     try:
         assert dist.get_backend() == ("nccl" if device.type == "cuda" else "gloo")
         policy = worker.resources["policy"].policy
