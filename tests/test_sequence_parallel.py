@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (dapo_flow.training.sequence_parallel): the sequence dimension's
+"""Ulysses sequence parallelism (dapo_flow.models.sequence_parallel): the sequence dimension's
 padding and slices, the segment mask, and, with two real processes over gloo, a tiny Llama's
 logprobs, entropy and gradients split over the two equal the unsplit forward's."""
 
@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from dapo_flow.core.ports import free_port
 from dapo_flow.models.hf import positions
 from dapo_flow.models.packing import pack_rows
-from dapo_flow.training import sequence_parallel as sp
+from dapo_flow.models import sequence_parallel as sp
 
 TOL = 1e-5
 
@@ -85,12 +85,14 @@ def _unsplit(model, case: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _split(model, case: dict, group) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def _split(model, case: dict, group, chunk_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    from dapo_flow.models.hf import split_logprobs_of
+
     model.zero_grad()
-    with sp.split_attention(model, group):
-        logp, ent = sp.sequence_parallel_logprobs(model, case["ids"], case["pos"], case["targets"], group,
-                                                  keep=case["keep"], with_entropy=True)
-        _loss(logp, ent, case["weight"]).backward()
+    predict = case["weight"] > 0
+    logp, ent = split_logprobs_of(model, case["ids"], case["pos"], case["keep"], predict, case["targets"], group,
+                                  with_entropy=True, chunk_tokens=chunk_tokens)
+    _loss(logp, ent, case["weight"]).backward()
     grads = {}
     for n, p in model.named_parameters():
         dist.all_reduce(p.grad, group=group)  # each worker's backward covers its own tokens
@@ -104,14 +106,22 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     try:
         model = _model()
         diffs = []
-        for case in _cases():
-            ref, got = _unsplit(model, case), _split(model, case, dist.group.WORLD)
-            real = case["keep"]
+        for case, chunk in zip(_cases() * 2, (None, None, 5, 5)):  # the output head at once, in chunks
+            ref = _unsplit(model, case)
+            sp.install(model, dist.group.WORLD)
+            try:
+                again = _unsplit(model, case)  # a forward of whole rows runs the model's own attention
+                got = _split(model, case, dist.group.WORLD, chunk)
+                split_attention = model.config._attn_implementation
+            finally:
+                sp.uninstall(model)
+            real = case["weight"] > 0
             grad = max(float((ref[2][n] - got[2][n]).abs().max()) for n in ref[2])
             scale = max(float(g.abs().max()) for g in ref[2].values())
             diffs.append({"logp": float((ref[0] - got[0])[real].abs().max()),
                           "entropy": float((ref[1] - got[1])[real].abs().max()), "grad": grad,
-                          "grad_scale": scale, "attention": model.config._attn_implementation})
+                          "grad_scale": scale, "attention": (split_attention, model.config._attn_implementation),
+                          "whole_rows": float((ref[0] - again[0]).abs().max())})
         torch.save(diffs, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -119,15 +129,17 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow  # two spawned processes that import transformers: ~40 s on 2 busy cores
 def test_two_workers_split_a_sequence_into_the_unsplit_logprobs_entropy_and_gradients(tmp_path):
-    """Packed bins and padded rows, k = 2 (a sequence of odd length is padded to split): every
-    real position's logprob and entropy, and every parameter's gradient of a token-level loss
-    (summed over the two workers), equal the unsplit forward's to 1e-5."""
+    """Packed bins and padded rows, k = 2 (a sequence of odd length is padded to split), the
+    output head at once and in chunks: every predicting position's logprob and entropy, and
+    every parameter's gradient of a token-level loss (summed over the two workers), equal the
+    unsplit forward's to 1e-5."""
     mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         for case in torch.load(tmp_path / f"rank{rank}.pt"):
             assert case["logp"] <= TOL and case["entropy"] <= TOL, case
             assert case["grad"] <= TOL and case["grad_scale"] > 1e-3, case  # gradients that are there
-            assert case["attention"] == "sdpa"  # the model's own attention back after the block
+            assert case["attention"] == ("ulysses_sdpa", "sdpa")  # installed, then the model's own again
+            assert case["whole_rows"] == 0.0
 
 
 def test_heads_that_do_not_split_evenly_are_refused():

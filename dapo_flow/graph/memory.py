@@ -300,7 +300,7 @@ def estimate_training(
     longest row's length (dapo_flow.models.packing), each under a block-diagonal mask: in the
     worst case (every row as long as the longest) what the padded rows take.
     ``sequence_parallel`` k (``train.sequence_parallel``): each sequence's tokens split over k
-    workers (dapo_flow.training.sequence_parallel), so a worker keeps 1/k of the micro-batch's
+    workers (dapo_flow.models.sequence_parallel), so a worker keeps 1/k of the micro-batch's
     activations and logits; the attention mask is still the whole sequence's.
     """
     if sequence_parallel < 1:

@@ -15,24 +15,17 @@ there. The output head runs on a worker's slice; :func:`gather_sequence` puts pe
 values (logprobs, entropy) back together, whole, on every worker of the group.
 
 Gradients: a worker's backward covers the computation it did, so each parameter's gradient is
-the sum over the group's workers (:func:`sequence_parallel_logprobs` callers all-reduce, or a
-sharded model's reduce-scatter sums). gloo (CPU) and NCCL both implement ``all_to_all_single``
+the sum over the group's workers (an all-reduce, or a sharded model's reduce-scatter).
+:func:`dapo_flow.models.hf.split_logprobs_of` is a causal LM's logprobs this way. gloo (CPU) and NCCL both implement ``all_to_all_single``
 (checked with torch 2.13's gloo).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-
-from dapo_flow.algos.logprobs import entropy_from_logits, logprobs_from_logits
-
-ATTENTION = "ulysses"  # the attention implementation name a model runs under while split
-
 
 # --- the sequence dimension: padding, slices -----------------------------------------------------
 
@@ -130,33 +123,35 @@ def gather_sequence(x: torch.Tensor, group: Any, *, dim: int = 1) -> torch.Tenso
     return _GatherSequence.apply(x, dim, group)
 
 
-# --- attention ----------------------------------------------------------------------------------
+# --- attention ---------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Split:
-    group: Any
-    inner: Callable  # the model's own attention function (sdpa, eager ...), run on whole sequences
+ATTENTION = "ulysses_"  # + the model's own implementation: the name a split model's attention runs under
+_GROUPS: dict[int, Any] = {}  # id(model config) -> the sequence-parallel group its attention splits over
 
 
-_SPLIT: dict[int, _Split] = {}  # id(model config) -> how its attention is split, while it is
+def ulysses_attention(inner: Callable) -> Callable:
+    """The attention function a model runs once :func:`install` split it (transformers'
+    attention interface), around ``inner``, the model's own (sdpa, eager).
 
+    A forward of a worker's slice of whole sequences passes the whole sequences' mask
+    (:func:`segment_causal_mask`), more rows than the query has: heads are exchanged for tokens,
+    ``inner`` runs on whole sequences, and the result is exchanged back. Any other forward (a
+    logprob pass without gradients, generation) passes its own mask and runs ``inner`` as the
+    model would. The choice is made by the shapes, not by a flag, so a backward that recomputes
+    the forward (activation checkpointing), after every context has closed, splits as it did.
+    Shape: query (b, H, l, d), key/value (b, Hkv, l, d), l = L/k; mask (b, 1, L, L) bool
+    -> (b, l, H, d), the layout transformers' functions return."""
 
-def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, Any]:
-    """The attention function a split model runs (transformers' attention interface): heads
-    exchanged for tokens, the model's own attention on whole sequences, then back.
-    Shape: query (b, H, l, d), key/value (b, Hkv, l, d), l = L/k; attention_mask (b, 1, L, L)
-    bool (:func:`segment_causal_mask`) -> (b, l, H, d), the layout transformers' functions return."""
-    split = _SPLIT[id(module.config)]
-    q, k_, v = (all_to_all(t, 1, 2, split.group) for t in (query, key, value))  # (b, H/k, L, d)
-    out, weights = split.inner(module, q, k_, v, attention_mask, **kwargs)  # (b, L, H/k, d)
-    return all_to_all(out, 1, 2, split.group), weights  # (b, l, H, d)
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, Any]:
+        if attention_mask is None or attention_mask.shape[-2] == query.shape[2]:
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        group = _GROUPS[id(module.config)]
+        q, k, v = (all_to_all(t, 1, 2, group) for t in (query, key, value))  # (b, H/k, L, d)
+        out, weights = inner(module, q, k, v, attention_mask, **kwargs)  # (b, L, H/k, d)
+        return all_to_all(out, 1, 2, group), weights  # (b, l, H, d)
 
-
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION, ulysses_attention)
+    return attention
 
 
 def check_heads(config: Any, k: int) -> None:
@@ -168,58 +163,43 @@ def check_heads(config: Any, k: int) -> None:
                          f"{kv_heads} key/value heads are not both multiples of {k}")
 
 
-@contextmanager
-def split_attention(model: torch.nn.Module, group: Any) -> Iterator[None]:
-    """``model``'s attention runs split over ``group`` for the block: forwards *and* backwards
-    (a recomputing backward, activation checkpointing, runs the forward again) must happen
-    inside it."""
+def install(model: torch.nn.Module, group: Any) -> None:
+    """``model``'s attention splits over ``group`` whenever a forward passes it a slice of whole
+    sequences (:func:`ulysses_attention`), for the model's life or until :func:`uninstall`."""
+    import sys
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = model.config
     check_heads(config, dist.get_world_size(group))
     own = config._attn_implementation
-    if own == ATTENTION:
-        raise RuntimeError("the model's attention is split already")
     if own not in ("sdpa", "eager"):
         raise ValueError(f"sequence parallelism runs the model's attention on whole sequences with an explicit "
                          f"mask: sdpa or eager, not {own!r}")
-    _register()
-    inner = ALL_ATTENTION_FUNCTIONS[own] if own == "sdpa" else _eager(model)
-    _SPLIT[id(config)] = _Split(group=group, inner=inner)
-    config._attn_implementation = ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = own
-        del _SPLIT[id(config)]
+    # eager lives in the model family's module, not in the shared registry
+    inner = ALL_ATTENTION_FUNCTIONS[own] if own == "sdpa" else sys.modules[type(model).__module__].eager_attention_forward
+    AttentionInterface.register(ATTENTION + own, ulysses_attention(inner))
+    AttentionMaskInterface.register(ATTENTION + own, ALL_MASK_ATTENTION_FUNCTIONS[own])  # unsplit forwards' masks
+    _GROUPS[id(config)] = group
+    config._attn_implementation = ATTENTION + own
 
 
-def _eager(model: torch.nn.Module) -> Callable:
-    """The model family's own eager attention function (defined in its modeling module)."""
-    import sys
+def uninstall(model: torch.nn.Module) -> None:
+    """The model's own attention back."""
+    config = model.config
+    if config._attn_implementation.startswith(ATTENTION):
+        config._attn_implementation = config._attn_implementation[len(ATTENTION):]
+    _GROUPS.pop(id(config), None)
 
-    return sys.modules[type(model).__module__].eager_attention_forward
 
-
-# --- a causal LM's per-token logprobs, split ------------------------------------------------------
-
-def sequence_parallel_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                               targets: torch.Tensor, group: Any, *, keep: torch.Tensor | None = None,
-                               temperature: float = 1.0, with_entropy: bool = False
-                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(targets) of every position, and its entropy, from one forward split over the
-    group: this worker runs its 1/k of the positions, and the values come back whole on every
-    worker. ``targets[t]`` is the token position t predicts (the caller shifts); ``keep``
-    (default: all) says which positions are real tokens, the others are no key to anyone.
-    Must run inside :func:`split_attention` (as must its backward).
-    Shape: input_ids, position_ids, targets, keep (B, L) -> logp (B, L) float32, entropy (B, L) or None."""
+def slice_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor, group: Any
+                 ) -> dict[str, torch.Tensor]:
+    """A worker's forward inputs for its slice of whole sequences: its ids and (global) positions,
+    and the whole (padded) sequences' mask, which tells :func:`ulysses_attention` to split.
+    Shape: input_ids, position_ids, keep (B, L) -> input_ids, position_ids (B, l), attention_mask
+    (B, 1, k*l, k*l), l = padded_length(L, k) / k."""
     k, rank = dist.get_world_size(group), dist.get_rank(group)
-    length = input_ids.shape[1]
-    keep = torch.ones_like(input_ids, dtype=torch.bool) if keep is None else keep.bool()
-    mask = segment_causal_mask(pad_sequence(position_ids, k), pad_sequence(keep, k, value=False))
-    mine = {"input_ids": split_sequence(input_ids, k, rank), "position_ids": split_sequence(position_ids, k, rank)}
-    logits = model(**mine, attention_mask=mask, use_cache=False).logits.float() / temperature  # (B, l, V)
-    logp = logprobs_from_logits(logits, split_sequence(targets, k, rank))
-    out = gather_sequence(logp, group)[:, :length]
-    ent = gather_sequence(entropy_from_logits(logits), group)[:, :length] if with_entropy else None
-    return out, ent
+    return {"input_ids": split_sequence(input_ids, k, rank), "position_ids": split_sequence(position_ids, k, rank),
+            "attention_mask": segment_causal_mask(pad_sequence(position_ids, k), pad_sequence(keep.bool(), k, value=False))}
