@@ -106,7 +106,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     try:
         model = _model()
         diffs = []
-        for case, chunk in zip(_cases() * 2, (None, None, 5, 5)):  # the output head at once, in chunks
+        # the output head at once, in chunks, and with activation checkpointing (the backward
+        # recomputes each layer's forward, after the forward's call returned)
+        for case, chunk, recompute in zip(_cases() * 3, (None, None, 5, 5, None, None), (False,) * 4 + (True,) * 2):
+            if recompute:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                model.train()  # HF recomputes only in train mode (the model has no dropout)
             ref = _unsplit(model, case)
             sp.install(model, dist.group.WORLD)
             try:
@@ -130,7 +135,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow  # two spawned processes that import transformers: ~40 s on 2 busy cores
 def test_two_workers_split_a_sequence_into_the_unsplit_logprobs_entropy_and_gradients(tmp_path):
     """Packed bins and padded rows, k = 2 (a sequence of odd length is padded to split), the
-    output head at once and in chunks: every predicting position's logprob and entropy, and
+    output head at once and in chunks, with and without activation checkpointing: every predicting position's logprob and entropy, and
     every parameter's gradient of a token-level loss (summed over the two workers), equal the
     unsplit forward's to 1e-5."""
     mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)

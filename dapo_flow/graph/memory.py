@@ -428,11 +428,14 @@ def _activations(shape: ModelShape, compute: int, tokens: int, response: int, ro
     :func:`_logits`), and a layer's gradient temporaries in its backward (~2 x intermediate per
     token). ``autocast`` (mixed precision without FSDP2): the residual stream, so the layers'
     inputs and the final norm's output, stays float32; the lm_head saves its bf16 cast of its input.
-    ``split`` k: sequence parallelism, a worker's 1/k of every sequence's ``tokens`` and
-    ``response`` positions (every term per token shrinks); the mask covers whole sequences.
+    ``split`` k: sequence parallelism, a worker's 1/k slice of every sequence (every term per
+    token shrinks); the mask covers whole sequences. Responses sit at the end of each row, so
+    one worker's slice may be all response: its logits are priced at the slice, not response / k.
     """
     seq = math.ceil(tokens / rows)  # the whole sequence, before the split
-    tokens, response = math.ceil(tokens / split), math.ceil(response / split)
+    if split > 1:
+        tokens = math.ceil(tokens / split)
+        response = min(response, tokens)
     per_layer = layer_activation_bytes(shape, compute, repeated_kv=padded and shape.kv_dim != shape.q_dim,
                                        autocast=autocast)
     h, layers = shape.hidden_size, shape.num_hidden_layers
