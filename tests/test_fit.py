@@ -242,6 +242,7 @@ def test_sequence_parallelism_prices_a_workers_slice_of_the_activations(qwen_7b,
     assert "needs about 121.2 GiB" in err and "but has 80.0 GiB" in err
     assert cli.main(base + ["--set", "models.policy.train.sequence_parallel=4"]) == 0
     out = capsys.readouterr().out
+    assert "sequence parallel 4: 2 replica(s) of 4 workers" in out
     assert "model:policy, per worker of 8: peak" in out and "fits its 80.0 GiB GPU share" in out
 
     def terms(k: int) -> dict:
