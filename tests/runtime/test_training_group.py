@@ -262,13 +262,13 @@ def _train_graph(model_path, workers: int, strategy: str | None, **train) -> Gra
     return GraphSpec.model_validate(spec)
 
 
-@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
-def test_a_sequence_parallel_group_makes_the_update_one_worker_makes(ray_cluster, tiny_adder_path, pack):
+@pytest.mark.parametrize("extra", [{}, {"pack": True}, {"max_tokens_per_micro_batch": 20}],
+                         ids=["padded", "packed", "token-budget"])
+def test_a_sequence_parallel_group_makes_the_update_one_worker_makes(ray_cluster, tiny_adder_path, extra):
     """train.sequence_parallel 2 on a 2-worker FSDP2 group: one replica whose two workers both
     take every row and each run half of every sequence (Ulysses all-to-alls over gloo); counts
     add up over replicas only and FSDP2 sums the halves' gradients, so the update is one
-    unsharded worker's."""
-    extra = {"pack": True} if pack else {}
+    unsharded worker's: padded rows, packed ones, micro-batches by a token budget."""
     one = LocalExecutor(_train_graph(tiny_adder_path, 1, None, **extra), {STAGE: _setup(1, "none")}, seed=0)
     try:
         one_metrics, one_weights = _train(one, BATCHES), _weights(one)
