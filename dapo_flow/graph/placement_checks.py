@@ -168,7 +168,8 @@ def _sequence_parallel_problems(plan: Plan, model_of: Mapping[str, str], workers
         if workers[actor] % k:
             problems.append(problem(f"sequence_parallel {k} must divide the training group of '{name}', "
                                     f"which is placed with {workers[actor]} worker(s)",
-                                    f"set models.{name}.train.workers to a multiple of {k}, or another sequence_parallel"))
+                                    f"set models.{name}.train.workers to a multiple of {k}, "
+                                    "or another sequence_parallel"))
         if model.resolved_head != "lm":
             problems.append(problem(f"sequence_parallel splits a language model's logprobs, but '{name}' has "
                                     f"head: {model.resolved_head}", "remove sequence_parallel from this model"))

@@ -16,8 +16,8 @@ values (logprobs, entropy) back together, whole, on every worker of the group.
 
 Gradients: a worker's backward covers the computation it did, so each parameter's gradient is
 the sum over the group's workers (an all-reduce, or a sharded model's reduce-scatter).
-:func:`dapo_flow.models.hf.split_logprobs_of` is a causal LM's logprobs this way. gloo (CPU) and NCCL both implement ``all_to_all_single``
-(checked with torch 2.13's gloo).
+:func:`dapo_flow.models.hf.split_logprobs_of` is a causal LM's logprobs this way. gloo (CPU)
+and NCCL both implement ``all_to_all_single`` (checked with torch 2.13's gloo).
 """
 
 from __future__ import annotations
@@ -179,7 +179,8 @@ def install(model: torch.nn.Module, group: Any) -> None:
         raise ValueError(f"sequence parallelism runs the model's attention on whole sequences with an explicit "
                          f"mask: sdpa or eager, not {own!r}")
     # eager lives in the model family's module, not in the shared registry
-    inner = ALL_ATTENTION_FUNCTIONS[own] if own == "sdpa" else sys.modules[type(model).__module__].eager_attention_forward
+    inner = (ALL_ATTENTION_FUNCTIONS[own] if own == "sdpa"
+             else sys.modules[type(model).__module__].eager_attention_forward)
     AttentionInterface.register(ATTENTION + own, ulysses_attention(inner))
     AttentionMaskInterface.register(ATTENTION + own, ALL_MASK_ATTENTION_FUNCTIONS[own])  # unsplit forwards' masks
     _GROUPS[id(config)] = group
@@ -201,5 +202,6 @@ def slice_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torc
     Shape: input_ids, position_ids, keep (B, L) -> input_ids, position_ids (B, l), attention_mask
     (B, 1, k*l, k*l), l = padded_length(L, k) / k."""
     k, rank = dist.get_world_size(group), dist.get_rank(group)
+    mask = segment_causal_mask(pad_sequence(position_ids, k), pad_sequence(keep.bool(), k, value=False))
     return {"input_ids": split_sequence(input_ids, k, rank), "position_ids": split_sequence(position_ids, k, rank),
-            "attention_mask": segment_causal_mask(pad_sequence(position_ids, k), pad_sequence(keep.bool(), k, value=False))}
+            "attention_mask": mask}
