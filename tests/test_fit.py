@@ -276,3 +276,13 @@ def test_validate_refuses_a_sequence_split_the_group_or_heads_do_not_allow(qwen_
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert "models.policy.train" in err and what in err and fix in err, err
+
+
+def test_validate_refuses_a_sequence_split_of_a_critic(capsys):
+    """Only a language model's logprobs are split: a critic's values run whole sequences."""
+    args = ["validate", str(ROOT / "graphs/ppo.yaml"), "--set", "models.critic.train.workers=2",
+            "--set", "models.critic.train.strategy=fsdp2", "--set", "models.critic.train.sequence_parallel=2"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "models.critic.train.sequence_parallel" in err and "'critic' has head: value" in err
+    assert "fix: remove sequence_parallel from this model" in err
