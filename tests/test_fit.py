@@ -226,3 +226,63 @@ def test_a_frozen_judge_is_priced_with_its_forward_and_its_logits(qwen_7b):
     names = {t.name: t for t in budget.terms}
     assert names["logits of one chunk (float32)"].phases == ("frozen forward (output head)",)
     assert budget.peak() < 80 * GiB and "weights" in names
+
+
+# the 7B recipe on one node of 8 x 80 GB, a micro-batch of eight full-length rows (2048 + 20480)
+EIGHT_ROWS = ("models.policy.train.workers=8", "models.policy.train.max_tokens_per_micro_batch=180224")
+
+
+def test_sequence_parallelism_prices_a_workers_slice_of_the_activations(qwen_7b, capsys):
+    """train.sequence_parallel 4: each worker keeps a quarter of the micro-batch's activations,
+    so the recipe at 20k-token responses fits 8 x 80 GB with it and not without it."""
+    base = ["explain", RECIPE, "--gpus", "8", "--nodes", "1", "--cpus", "64", "--gpu-mem-gib", "80",
+            "--set", f"models.policy.path={qwen_7b}"] + [a for s in EIGHT_ROWS for a in ("--set", s)]
+    assert cli.main(base) == 2
+    err = capsys.readouterr().err
+    assert "needs about 121.2 GiB" in err and "but has 80.0 GiB" in err
+    assert cli.main(base + ["--set", "models.policy.train.sequence_parallel=4"]) == 0
+    out = capsys.readouterr().out
+    assert "sequence parallel 4: 2 replica(s) of 4 workers" in out
+    assert "model:policy, per worker of 8: peak" in out and "fits its 80.0 GiB GPU share" in out
+
+    def terms(k: int) -> dict:
+        placed = _placed(RECIPE, f"models.policy.path={qwen_7b}", *EIGHT_ROWS,
+                         f"models.policy.train.sequence_parallel={k}",
+                         cluster=Cluster(cpus=64, gpus=8, gpu_mem_gib=1000))
+        return {t.name: t.bytes for t in placed.budgets["model:policy"].terms}
+
+    one, four = terms(1), terms(4)
+    for name in ("activations (layer inputs)", "one decoder layer recomputed", "layer backward temporaries"):
+        assert four[name] == pytest.approx(one[name] / 4, rel=1e-6), name
+    # the mask is the whole sequence's on every worker; sharded state is the group's as before
+    assert four["attention masks (padded rows)"] == one["attention masks (padded rows)"]
+    assert four["parameters (1/8 shard)"] == one["parameters (1/8 shard)"]
+
+
+@pytest.mark.parametrize("sets, what, fix", [
+    (("models.policy.train.sequence_parallel=8",), "28 query and 4 key/value heads",
+     "fix: a sequence_parallel that divides both"),
+    (("models.policy.train.sequence_parallel=3", "models.policy.train.workers=6"),
+     "28 query and 4 key/value heads", "fix: a sequence_parallel that divides both"),
+    (("models.policy.train.sequence_parallel=4", "models.policy.train.workers=6"), "must divide workers (6)",
+     "set workers to a multiple of 4"),
+    (("models.policy.train.sequence_parallel=2", "models.policy.train.strategy=ddp"), "strategy is ddp",
+     "set strategy: fsdp2 (or null)"),
+], ids=["heads", "kv-heads", "workers", "ddp"])
+def test_validate_refuses_a_sequence_split_the_group_or_heads_do_not_allow(qwen_7b, capsys, sets, what, fix):
+    """What is wrong, where (the train block's line) and the fix; exit 2 as every graph error."""
+    args = ["validate", RECIPE, "--gpus", "16", "--nodes", "2", "--cpus", "128", "--gpu-mem-gib", "80",
+            "--set", f"models.policy.path={qwen_7b}"] + [a for s in sets for a in ("--set", s)]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "models.policy.train" in err and what in err and fix in err, err
+
+
+def test_validate_refuses_a_sequence_split_of_a_critic(capsys):
+    """Only a language model's logprobs are split: a critic's values run whole sequences."""
+    args = ["validate", str(ROOT / "graphs/ppo.yaml"), "--set", "models.critic.train.workers=2",
+            "--set", "models.critic.train.strategy=fsdp2", "--set", "models.critic.train.sequence_parallel=2"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "models.critic.train.sequence_parallel" in err and "'critic' has head: value" in err
+    assert "fix: remove sequence_parallel from this model" in err

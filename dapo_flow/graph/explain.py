@@ -107,6 +107,11 @@ def _explain_stages(placed: PlacedPlan) -> list[str]:
                        f"group ({s.strategy}; resources above are per worker): each worker takes its share "
                        "of a call's rows (whole prompt groups) from the object store; the update cuts "
                        "the mini-batches one worker would, each worker training its rows of each")
+            split = max((placed.plan.spec.models[m].train.sequence_parallel for m in s.models), default=1)
+            if split > 1:
+                out.append(f"  {'':<16} sequence parallel {split}: {s.workers // split} replica(s) of {split} "
+                           f"workers, each taking the same update rows and running 1/{split} of every "
+                           "sequence (Ulysses all-to-all around attention)")
         elif s.workers > 1:
             out.append(f"  {'':<16} {s.workers} replicas (resources above are per replica): each takes "
                        "its share of a call's prompts; per-prompt seeds, so the samples do not depend "

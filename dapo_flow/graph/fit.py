@@ -163,7 +163,7 @@ def _training(plan: Plan, stage: Stage, model: str, shape: ModelShape, update, o
         mixed_precision=train.mixed_precision, grad_checkpointing=train.grad_checkpointing,
         cpu_offload=train.cpu_offload, rows_per_micro_batch=rows, packed=train.pack,
         entropy_in_loss=getattr(update.params, "entropy_coef", 0.0) > 0, on_gpu=on_gpu,
-        logprob_chunk_tokens=train.logprob_chunk_tokens,
+        logprob_chunk_tokens=train.logprob_chunk_tokens, sequence_parallel=train.sequence_parallel,
         lora_params=lora_param_count(shape, train.lora.rank, train.lora.target_modules) if train.lora else 0)
     return list(budget.terms)
 
@@ -197,9 +197,12 @@ def _frozen_forward(plan: Plan, stage: Stage, model: str, shape: ModelShape, nod
 
 def _step_rows_per_worker(plan: Plan, stage: Stage, model: str, parts: int = 1) -> int:
     """Rows one worker of ``stage`` sees of a step's rows for ``model`` (prompts x the largest
-    group size of the generators it reads), cut into ``parts`` (an update's mini-batches)."""
+    group size of the generators it reads), cut into ``parts`` (an update's mini-batches). A
+    sequence-parallel group's k workers of a replica see the same rows (each a slice of them)."""
     n = max((getattr(g.params, "n", 1) for g in _generators(plan, model)), default=1)
-    return math.ceil(plan.spec.run.prompts_per_step * n / parts / stage.workers)
+    split = max(plan.spec.models[m].train.sequence_parallel for m in stage.models)
+    replicas = max(1, stage.workers // split)
+    return math.ceil(plan.spec.run.prompts_per_step * n / parts / replicas)
 
 
 def _micro_batch_rows(params) -> int:

@@ -337,6 +337,7 @@ def estimate_training(
     title: str = "training",
     lora_params: int = 0,
     packed: bool = False,
+    sequence_parallel: int = 1,
 ) -> Budget:
     """Bytes per worker of one update step (a micro-batch's forward and backward, then AdamW).
 
@@ -359,7 +360,12 @@ def estimate_training(
     small against a layer's). ``packed`` (``train.pack``): the rows run packed into bins of the
     longest row's length (dapo_flow.models.packing), each under a block-diagonal mask: in the
     worst case (every row as long as the longest) what the padded rows take.
+    ``sequence_parallel`` k (``train.sequence_parallel``): each sequence's tokens split over k
+    workers (dapo_flow.models.sequence_parallel), so a worker keeps 1/k of the micro-batch's
+    activations and logits; the attention mask is still the whole sequence's.
     """
+    if sequence_parallel < 1:
+        raise ValueError("sequence_parallel must be >= 1")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
     if optimizer != "adamw":
@@ -409,7 +415,8 @@ def estimate_training(
                           logprob_chunk_tokens,
                           # a bf16 base under LoRA: the residual stream is bf16 too (autocast keeps
                           # the float32 one of a float32 model's)
-                          autocast=bool(mixed_precision) and not sharded and not bf16_base, packed=packed)
+                          autocast=bool(mixed_precision) and not sharded and not bf16_base, packed=packed,
+                          split=sequence_parallel)
     return Budget(title, tuple(t for t in terms if t.bytes > 0))
 
 
@@ -473,7 +480,7 @@ def _autocast_weights(shape: ModelShape, compute: int, checkpointing: bool) -> l
 
 def _activations(shape: ModelShape, compute: int, tokens: int, response: int, rows: int, padded: bool,
                  checkpointing: bool, mixed_precision: str | None, entropy_in_loss: bool,
-                 chunk: int | None, autocast: bool = False, packed: bool = False) -> list[Term]:
+                 chunk: int | None, autocast: bool = False, packed: bool = False, split: int = 1) -> list[Term]:
     """What one micro-batch's forward keeps for its backward, and the logits.
 
     Per token: each layer's saved tensors (:func:`layer_activation_bytes`); with gradient
@@ -482,7 +489,14 @@ def _activations(shape: ModelShape, compute: int, tokens: int, response: int, ro
     :func:`_logits`), and a layer's gradient temporaries in its backward (~2 x intermediate per
     token). ``autocast`` (mixed precision without FSDP2): the residual stream, so the layers'
     inputs and the final norm's output, stays float32; the lm_head saves its bf16 cast of its input.
+    ``split`` k: sequence parallelism, a worker's 1/k slice of every sequence (every term per
+    token shrinks); the mask covers whole sequences. Responses sit at the end of each row, so
+    one worker's slice may be all response: its logits are priced at the slice, not response / k.
     """
+    seq = math.ceil(tokens / rows)  # the whole sequence, before the split
+    if split > 1:
+        tokens = math.ceil(tokens / split)
+        response = min(response, tokens)
     per_layer = layer_activation_bytes(shape, compute, repeated_kv=padded and shape.kv_dim != shape.q_dim,
                                        autocast=autocast)
     h, layers = shape.hidden_size, shape.num_hidden_layers
@@ -501,7 +515,6 @@ def _activations(shape: ModelShape, compute: int, tokens: int, response: int, ro
                       phases=(LAYER_BACKWARD,), fix=budget_fix))
     if padded:  # SDPA turns the bool mask into an additive one per call and saves it
         # packed: a block-diagonal mask per bin of the longest row's length, at most one per row
-        seq = math.ceil(tokens / rows)
         kept = 1 if checkpointing else layers
         name = "attention masks (packed rows)" if packed else "attention masks (padded rows)"
         terms.append(Term(name, rows * seq * seq * (kept * compute + 1), phases=FWD_BWD, fix=budget_fix))

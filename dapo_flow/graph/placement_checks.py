@@ -1,7 +1,8 @@
 """What ``place`` refuses before anything starts, each problem at its line in the graph file:
 rollout settings the placement leaves no stage for (replicas, sleep), a rollout mode that would
 overlap rollout with a stage that trains, partial rollouts on a backend that cannot take them,
-and `placement.models` resources the cluster cannot give."""
+`placement.models` resources the cluster cannot give, and a sequence-parallel split the group
+or the model's heads do not allow."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def placement_problems(plan: Plan, cluster: Cluster, stage_of: Mapping[str, str]
     actors = list(model_of)
     return (_replica_problems(plan, actors) + _sleep_problems(plan, actors)
             + _overlap_problems(plan, stage_of) + _partial_problems(plan)
-            + _resource_problems(plan, cluster, model_of, workers))
+            + _resource_problems(plan, cluster, model_of, workers)
+            + _sequence_parallel_problems(plan, model_of, workers))
 
 
 def _replica_problems(plan: Plan, actors: list[str]) -> list[Problem]:
@@ -141,3 +143,41 @@ def _resource_problems(plan: Plan, cluster: Cluster, model_of: Mapping[str, str]
                 f"ask for num_gpus: 1 (or more) per worker, or set models.{m}.train.workers: 1"))
     return problems
 
+
+
+def _sequence_parallel_problems(plan: Plan, model_of: Mapping[str, str], workers: Mapping[str, int]) -> list[Problem]:
+    """`train.sequence_parallel: k` splits each sequence over k workers of the group and each
+    attention's heads over the same k: k must divide the group as placed (`workers: auto` is
+    sized only now) and the model's query and key/value heads (its config.json; a model without
+    one is checked when it loads), and only a language model's logprobs are split (a critic's
+    values and a reward model's scores run whole sequences)."""
+    from dapo_flow.models import model_config  # light: no torch
+
+    problems = []
+    for actor, name in model_of.items():
+        model = plan.spec.models[name]
+        k = model.train.sequence_parallel
+        if k == 1 or not is_model_stage(actor):
+            continue
+        line = plan.doc.line_of(("models", name, "train", "sequence_parallel")) if plan.doc is not None else 0
+        where = f"models.{name}.train.sequence_parallel"
+
+        def problem(message: str, fix: str) -> Problem:
+            return Problem(plan.file, line, "", where, message, fix)
+
+        if workers[actor] % k:
+            problems.append(problem(f"sequence_parallel {k} must divide the training group of '{name}', "
+                                    f"which is placed with {workers[actor]} worker(s)",
+                                    f"set models.{name}.train.workers to a multiple of {k}, "
+                                    "or another sequence_parallel"))
+        if model.resolved_head != "lm":
+            problems.append(problem(f"sequence_parallel splits a language model's logprobs, but '{name}' has "
+                                    f"head: {model.resolved_head}", "remove sequence_parallel from this model"))
+        config = model_config(model.path) or {}
+        heads = config.get("num_attention_heads")
+        kv_heads = config.get("num_key_value_heads") or heads
+        if isinstance(heads, int) and (heads % k or kv_heads % k):
+            problems.append(problem(f"sequence_parallel {k} splits each attention's heads over {k} workers, but "
+                                    f"'{name}' has {heads} query and {kv_heads} key/value heads",
+                                    f"a sequence_parallel that divides both (1 turns it off)"))
+    return problems

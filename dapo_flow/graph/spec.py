@@ -112,6 +112,14 @@ class TrainSpec(_Frozen):
         "instead of the response length x vocabulary; the same values and gradients. null: all at once."
     )
 
+    sequence_parallel: int = Field(
+        1, ge=1, le=MAX_WORKERS, description="Ulysses sequence parallelism (verl's "
+        "ulysses_sequence_parallel_size): each sequence's tokens are split across this many workers of "
+        "the group, which exchange attention heads for tokens (all-to-all) around each attention, so a "
+        "worker holds 1/k of a micro-batch's activations. The group is then workers / k data-parallel "
+        "replicas of k workers each, FSDP2 sharding over all of them; k must divide train.workers and "
+        "the model's query and key/value heads. 1: every worker holds whole sequences.")
+
     @field_validator("workers", mode="before")
     @classmethod
     def _workers_or_auto(cls, v: Any) -> Any:
@@ -130,6 +138,13 @@ class TrainSpec(_Frozen):
         if self.cpu_offload and self.strategy != "fsdp2" and (self.auto or self.resolved_strategy != "fsdp2"):
             raise ValueError("cpu_offload is an FSDP2 setting: set strategy: fsdp2 (it runs at "
                              "workers: 1 too), or remove it")
+        if self.sequence_parallel > 1 and self.strategy in ("ddp", "none"):
+            raise ValueError(f"sequence_parallel {self.sequence_parallel} splits sequences inside an FSDP2 group, "
+                             f"but strategy is {self.strategy}: set strategy: fsdp2 (or null), or sequence_parallel: 1")
+        if self.sequence_parallel > 1 and not self.auto and self.workers % self.sequence_parallel:
+            raise ValueError(f"sequence_parallel {self.sequence_parallel} must divide workers ({self.workers}): "
+                             f"each sequence is split over that many workers of the group; set workers to a "
+                             f"multiple of {self.sequence_parallel}, or another sequence_parallel")
         return self
 
     @property

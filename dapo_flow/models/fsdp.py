@@ -163,20 +163,43 @@ def shard_model(model: nn.Module, *, mixed_precision: str | None = None, cpu_off
     return model
 
 
-def all_reduce_sum(values: Sequence[float]) -> list[float]:
-    """Element-wise sums over the group's ranks (token / sequence counts, metrics), in float64."""
-    return _all_reduce(values, dist.ReduceOp.SUM)
+def all_reduce_sum(values: Sequence[float], group: Any = None) -> list[float]:
+    """Element-wise sums over the group's ranks (token / sequence counts, metrics), in float64.
+    ``group``: a subgroup of ranks instead (a sequence-parallel group's replicas)."""
+    return _all_reduce(values, dist.ReduceOp.SUM, group)
 
 
-def all_reduce_max(values: Sequence[float]) -> list[float]:
+def all_reduce_max(values: Sequence[float], group: Any = None) -> list[float]:
     """Element-wise maxima over the group's ranks (e.g. the micro-batch count all ranks run)."""
-    return _all_reduce(values, dist.ReduceOp.MAX)
+    return _all_reduce(values, dist.ReduceOp.MAX, group)
 
 
-def _all_reduce(values: Sequence[float], op) -> list[float]:
+def sequence_parallel_groups(k: int) -> tuple[Any, Any]:
+    """This rank's two subgroups of a group of data-parallel replicas of ``k`` workers each:
+    (its replica's k consecutive ranks, which split each sequence; the ranks at its place in
+    every replica, which hold different rows: counts add up over these). Every rank creates
+    every subgroup, in the same order (torch.distributed's rule for new_group)."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    if world % k:
+        raise ModelError(f"sequence_parallel {k} must divide the training group's {world} workers")
+    mine = {}
+    for r in range(world // k):
+        ranks = list(range(r * k, (r + 1) * k))
+        group = dist.new_group(ranks)
+        if me in ranks:
+            mine["sequence"] = group
+    for s in range(k):
+        ranks = list(range(s, world, k))
+        group = dist.new_group(ranks)
+        if me in ranks:
+            mine["replicas"] = group
+    return mine["sequence"], mine["replicas"]
+
+
+def _all_reduce(values: Sequence[float], op, group: Any = None) -> list[float]:
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=group)
     return t.tolist()
 
 

@@ -182,6 +182,32 @@ def _logprobs_at(model: torch.nn.Module, inputs: dict, select, targets: torch.Te
     return out[0], out[1] if with_entropy else None
 
 
+def split_logprobs_of(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      keep: torch.Tensor, predict: torch.Tensor, targets: torch.Tensor, group: Any, *,
+                      temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward of a causal LM split over a sequence-parallel ``group`` (Ulysses,
+    :mod:`dapo_flow.models.sequence_parallel`; the model installed there): this worker runs its
+    slice of every sequence, its output head only on the positions of its slice that predict a
+    token (all at once or ``chunk_tokens`` at a time, as :func:`_logprobs_at`), and each
+    position's log p(``targets``) and entropy come back whole on every worker of the group; a
+    worker's backward covers its slice (the group's gradients add up). ``keep``: real tokens
+    (the others are no one's keys); position ids restart per packed row.
+    Shape: input_ids, position_ids, keep, predict, targets (B, L) -> logp (B, L) float32 (0
+    where not ``predict``), entropy (B, L) or None."""
+    from dapo_flow.models import sequence_parallel as sp
+
+    k, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    mine = sp.split_sequence(predict, k, rank, value=False)  # (B, l)
+    logp, ent = _logprobs_at(model, sp.slice_inputs(input_ids, position_ids, keep, group),
+                             lambda hidden: hidden[mine], sp.split_sequence(targets, k, rank)[mine], mine,
+                             temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+                             setting="train.sequence_parallel: 1")
+    length = input_ids.shape[1]
+    whole = [sp.gather_sequence(v, group)[:, :length] for v in (logp, ent) if v is not None]
+    return whole[0], whole[1] if with_entropy else None
+
+
 def _unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``values`` of the True positions of ``mask`` in place, 0 elsewhere. Shape: (N,), (b, R) -> (b, R)."""
     out = values.new_zeros(mask.shape)
@@ -303,6 +329,9 @@ class HFPolicy:
         self.sharded = False  # True once shard() made it one FSDP2 shard of a training group
         self.replicated = False  # True once replicate() made it one DDP replica of a training group
         self.world_size = 1
+        # sequence parallelism (split_sequences): the workers that split each sequence of a
+        # gradient pass, and the ranks holding other rows (one per replica), or None
+        self.sequence_group = self.replica_group = None
         self.eos_ids = self._eos_ids()
         self.eos_id = self.eos_ids[0]
         pad = self.tokenizer.pad_token_id
@@ -357,6 +386,26 @@ class HFPolicy:
 
         fsdp.shard_model(self.model, mixed_precision=mixed_precision, cpu_offload=cpu_offload)
         self.sharded, self.world_size = True, dist.get_world_size()
+
+    def split_sequences(self, k: int) -> None:
+        """Ulysses sequence parallelism over ``k`` consecutive workers of this FSDP2 group
+        (:mod:`dapo_flow.models.sequence_parallel`): each gradient pass of logprobs runs this
+        worker's 1/k slice of every sequence, attention exchanging heads for tokens with the
+        others. Those k workers get the same rows of an update (the runtime deals rows to the
+        group's replicas); passes without gradients run whole rows, each worker its own."""
+        from dapo_flow.models import fsdp, sequence_parallel
+
+        if not self.sharded:
+            raise ModelError("sequence parallelism splits sequences inside an FSDP2 group: shard() first")
+        if self.head != "lm":
+            raise ModelError(f"{self.path}: sequence parallelism splits a language model's logprobs, "
+                             f"not a `head: {self.head}` model's outputs: set train.sequence_parallel: 1")
+        try:
+            sequence_parallel.check_heads(self.model.config, k)
+            self.sequence_group, self.replica_group = fsdp.sequence_parallel_groups(k)
+            sequence_parallel.install(self.model, self.sequence_group)
+        except ValueError as exc:
+            raise ModelError(f"{self.path}: {exc}; set another train.sequence_parallel") from None
 
     def replicate(self) -> None:
         """Make this policy one DDP replica of the training group this process has joined: every
@@ -615,6 +664,8 @@ class HFPolicy:
         Shape: -> logp (B, R) float32 (0 at padding), entropy (B, R) or None, response_mask (B, R) bool.
         """
         temp = temperature or 1.0  # greedy rollouts are scored at temperature 1
+        if grad and self.sequence_group is not None:
+            return self._split_logprobs(prompt_ids, response_ids, temp, with_entropy)
         if self.packed:
             return self._packed_logprobs(prompt_ids, response_ids, temp, micro_batch_size, with_entropy, grad)
         batch = {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
@@ -657,6 +708,43 @@ class HFPolicy:
         logp = torch.cat([p[0] for p in parts]) if parts else mask.float()
         ent = torch.cat([p[1] for p in parts]) if with_entropy and parts else None
         return to_host((logp, ent, mask))
+
+    def _split_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float,
+                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """:meth:`response_logprobs`' gradient pass split over the sequence-parallel group: the
+        rows packed (``train.pack``) or padded as the unsplit pass lays them out, each position
+        predicting a response token marked, then :func:`split_logprobs_of`."""
+        from dapo_flow.models.packing import pack_rows
+
+        self._check_prompts(prompt_ids)
+        width = max(1, max(map(len, response_ids), default=1))
+        mask = right_pad(response_ids, self.pad_id, width)[1].bool()  # (B, R)
+        if self.packed:
+            packed = pack_rows(prompt_ids, response_ids, width)
+            ids, pos = packed.input_ids, packed.position_ids
+            keep = torch.ones_like(ids, dtype=torch.bool)  # a bin's tail is a segment of its own
+            flat, targets = packed.predict, packed.targets
+        else:
+            batch = self.pack(prompt_ids, response_ids)
+            mask = batch["response_mask"]
+            ids, pos, keep = batch["input_ids"], batch["position_ids"], batch["attention_mask"].bool()
+            start = int(batch["response_start"])  # response token j is predicted at start - 1 + j
+            rows, cols = mask.nonzero(as_tuple=True)
+            flat = rows * ids.shape[1] + start - 1 + cols
+            targets = batch["response_ids"][mask]
+        predict = torch.zeros(ids.numel(), dtype=torch.bool)
+        predict[flat] = True
+        target_ids = torch.zeros(ids.numel(), dtype=torch.long)
+        target_ids[flat] = targets
+        dev = self.device
+        with self._grad_mode(), self.compute_precision():
+            logp, ent = split_logprobs_of(self.model, ids.to(dev), pos.to(dev), keep.to(dev),
+                                          predict.view(ids.shape).to(dev), target_ids.view(ids.shape).to(dev),
+                                          self.sequence_group, temperature=temperature, with_entropy=with_entropy,
+                                          chunk_tokens=self.logprob_chunk_tokens)
+        flat, mask = flat.to(dev), mask.to(dev)
+        out = [_unpack(v.reshape(-1)[flat], mask) for v in (logp, ent) if v is not None]
+        return out[0], out[1] if with_entropy else None, mask
 
     def response_values(
         self,

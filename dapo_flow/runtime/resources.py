@@ -140,6 +140,8 @@ def load_resource(
                           adapters=adapters if trainable else None, pack=spec.train.pack)
         if strategy == "fsdp2":
             policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
+            if trainable and spec.train.sequence_parallel > 1:
+                policy.split_sequences(spec.train.sequence_parallel)
         elif strategy == "ddp":
             policy.replicate()
     generator = None

@@ -96,9 +96,13 @@ class Share:
     members: int
     for_update: bool = False
 
-    def of(self, table: pa.Table) -> pa.Table:
+    def of(self, table: pa.Table, sequence_parallel: int = 1) -> pa.Table:
+        """``sequence_parallel`` k: the update's rows are dealt to the group's members / k
+        replicas, consecutive ranks one replica, whose k workers each run a slice of every one of
+        its sequences (other calls run whole rows on every member, as without)."""
         if self.for_update:
-            return group_rows.update_share(table, self.members, self.rank)
+            k = sequence_parallel
+            return group_rows.update_share(table, self.members // k, self.rank // k)
         return group_rows.share(table, self.members, self.rank)
 
 
@@ -171,6 +175,9 @@ class StageWorker:
         for name in setup.model_paths:  # resumed weights: each sampled token reports their version
             if name in self.resources:
                 self.resources[name].set_weights_version(setup.weights_version)
+        # the trained model's train.sequence_parallel: how many workers share each row of an update
+        self._sequence_parallel = (graph.models[setup.trainable[0]].train.sequence_parallel
+                                   if group is not None and setup.trainable else 1)
         self.ops: dict[str, Any] = {}
         self.op_classes: dict[str, type] = {}
         self.contracts: dict[str, Contract] = {}  # each node's operator contract, read once
@@ -270,7 +277,7 @@ class StageWorker:
         handles = inputs if isinstance(inputs, list) else [inputs]
         tables = [assemble(h, self.resolve) for h in handles]
         table = merge_inputs(self.contracts[node_id].combine, self.ops[node_id].params, tables)
-        return share.of(table) if share is not None else table
+        return share.of(table, self._sequence_parallel) if share is not None else table
 
     def resolve(self, parts: list) -> list[pa.Table]:
         """Tables from handles' parts (``fetch``)."""
@@ -284,6 +291,11 @@ class StageWorker:
 
     def export_weights(self, model: str) -> dict:
         return self.resources[model].policy.named_weights()
+
+    def attention(self, model: str) -> str:
+        """The attention implementation ``model``'s loaded copy runs under (``ulysses_sdpa`` once
+        train.sequence_parallel split it): what a group really runs, for a check."""
+        return self.resources[model].policy.model.config._attn_implementation
 
     def import_weights(self, model: str, weights: dict, version: int | None = None) -> float:
         """``model``'s weights (of policy ``version``) from the object store; seconds taken."""

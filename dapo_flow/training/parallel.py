@@ -88,16 +88,21 @@ class FullySharded:
 
     checkpoints_optimizer = False  # saved with the weights, shard by shard (models.fsdp.save_sharded)
 
-    def __init__(self, world_size: int, model: Any):
+    def __init__(self, world_size: int, model: Any, replicas: Any = None):
+        """``replicas``: with sequence parallelism, the ranks that hold different rows (one per
+        replica of k workers, which hold the same rows): counts and statistics add up over them
+        only. ``world_size`` stays the whole group's: FSDP2 averages every worker's gradient,
+        and a worker's is its slice's part of its replica's."""
         self.world_size = world_size
         self.equal_passes = world_size > 1
         self.model = model
+        self.replicas = replicas
 
     def sum(self, values: Sequence[float]) -> list[float]:
-        return _group_sum(values) if self.world_size > 1 else [float(v) for v in values]
+        return _group_sum(values, self.replicas) if self.world_size > 1 else [float(v) for v in values]
 
     def max(self, values: Sequence[float]) -> list[float]:
-        return _group_max(values) if self.world_size > 1 else [float(v) for v in values]
+        return _group_max(values, self.replicas) if self.world_size > 1 else [float(v) for v in values]
 
     def reduce_gradients(self) -> None:
         return None  # reduce-scattered inside the backward
@@ -113,19 +118,19 @@ def parallelism_of(policy: Any, world_size: int) -> Parallelism:
     """The layout of a policy made a group's FSDP2 shard (``policy.sharded``) or DDP replica, or
     trained alone."""
     if policy.sharded:
-        return FullySharded(world_size, policy.model)
+        return FullySharded(world_size, policy.model, getattr(policy, "replica_group", None))
     if world_size > 1:
         return DataParallel(world_size, policy)
     return SingleWorker()
 
 
-def _group_sum(values: Sequence[float]) -> list[float]:
+def _group_sum(values: Sequence[float], group: Any = None) -> list[float]:
     from dapo_flow.models import fsdp
 
-    return fsdp.all_reduce_sum([float(v) for v in values])
+    return fsdp.all_reduce_sum([float(v) for v in values], group)
 
 
-def _group_max(values: Sequence[float]) -> list[float]:
+def _group_max(values: Sequence[float], group: Any = None) -> list[float]:
     from dapo_flow.models import fsdp
 
-    return fsdp.all_reduce_max([float(v) for v in values])
+    return fsdp.all_reduce_max([float(v) for v in values], group)
