@@ -176,7 +176,7 @@ def _grade_on_ray_data(placed, setups, data, *, n, temperature, seed, batch_size
     from dapo_flow.experiments.eval_data import streams
     from dapo_flow.experiments.eval_pipeline import graded_batches, row_groups
     from dapo_flow.runtime.executors import connect_ray
-    from dapo_flow.runtime.session import generator_tokenizer, load_source, tokenize_batch
+    from dapo_flow.runtime.run_data import generator_tokenizer, load_source, tokenize_batch
     from dapo_flow.runtime.validation import ValidationTally
 
     plan = placed.plan

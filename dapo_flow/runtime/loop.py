@@ -170,7 +170,8 @@ class Runner:
     ``call_log`` records every call and sync made, as (phase, stage, node ids) and
     ("sync", source, target, kind)."""
 
-    def __init__(self, placed, executor, sampler: PromptSampler | None):
+    def __init__(self, placed, executor, sampler: PromptSampler | None, *,
+                 say: Callable[[str], None] = print, rollout_version: int = 0):
         self.placed = placed
         self.plan = placed.plan
         self.run = self.plan.spec.run
@@ -185,11 +186,11 @@ class Runner:
         # the version of the weights the rollout actors hold for calls queued now; a weight sync
         # and a generation batch never overlap in queueing (one_step_off and async collect in a
         # thread of their own), so each batch knows the version it was generated with
-        self.rollout_version = 0
+        self.rollout_version = rollout_version
         self.rollout_lock = threading.Lock()
         self.queued: QueuedUpdate | None = None  # the next step's update, queued on the trainer already
         self.trainer_free_at = 0.0  # when the driver saw the last weight sync done (the trainer's last call)
-        self.say: Callable[[str], None] = print  # what the run tells its user (the session's console)
+        self.say = say  # what the run tells its user (the session's console)
         self.healed: list[float] = []  # seconds each call that lost rollout replicas lost, since take_healed()
         self.healed_count = 0  # rollout replicas lost and healed in place by this runner
 
