@@ -31,7 +31,8 @@ An operator is a plain class (no base class to inherit from):
   - ``reward``: grades responses (produces ``score`` and ``acc``); what validation grades with.
   - ``logprob``: reads its model's token logprobs (the actor needs the torch model).
   - ``train``: trains its model (one per model): the model is trainable and checkpointed, and its
-    new weights are synced to the model's generators after every step.
+    new weights are synced to the model's generators after every step. Its instances hold the
+    ``trainer`` whose optimizer a sharded checkpoint saves (:class:`TrainOperator`).
   - ``advantage``: turns rewards into advantages (a zero-spread group gives zero advantage).
   - ``transform``: anything else (shaping, filters, KL, metrics).
 - optionally ``upstream_problems(params, generator_id, generator_params) -> [(field, message,
@@ -62,7 +63,7 @@ or None), never by probing the class or its instances themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Literal, Mapping, Protocol
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
@@ -182,11 +183,20 @@ operator names (a reward function's) resolves, in whichever process the operator
     workdir: str | None = None  # the driver's working directory at start: where user files resolve
 
 
-@runtime_checkable
-class Operator(Protocol):
-    Params: type[BaseModel]
-    CARDINALITY: str
-    NEEDS_MODEL: bool
+class HoldsOptimizer(Protocol):
+    """What a checkpoint reads of a train op's trainer (:class:`dapo_flow.training.trainer.Trainer`
+    has it): its torch optimizer, whose state is saved beside a sharded model's weight shards."""
+
+    optimizer: Any
+
+
+class TrainOperator(Protocol):
+    """An instance of a ``train``-role operator: besides ``__call__``, the ``trainer`` that
+    updates its model, which the runtime reads to checkpoint a sharded model's optimizer state
+    with its weights (``update`` and ``critic-update`` build theirs with
+    :func:`dapo_flow.training.trainer.make_trainer`)."""
+
+    trainer: HoldsOptimizer
 
     def __call__(self, batch: pa.Table) -> pa.Table: ...
 

@@ -80,7 +80,7 @@ def start_executor(placed, setups: dict, executor: str, address: str | None, con
     setups = {name: s for name, s in setups.items() if s.nodes or s.models}  # no worker for an empty stage
     with console.status(f"starting {len(setups)} stage worker(s) on {executor}..."):
         ex = cls(spec, setups, seed, resources, address=address)
-    for stage, nodes in getattr(ex, "group_nodes", {}).items():
+    for stage, nodes in ex.group_nodes.items():
         what = "rollout replicas" if is_rollout_stage(stage) else "training group"
         console.print(f"{what} of stage '{stage}': {len(nodes)} worker(s) on {len(set(nodes))} node(s)",
                       highlight=False)
