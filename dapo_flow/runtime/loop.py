@@ -354,12 +354,7 @@ class Runner:
         while groups < need:
             if ds.max_gen_batches and batches >= ds.max_gen_batches:
                 if ds.on_cap == "error":
-                    raise RunError(
-                        f"dynamic sampling kept {groups}/{need} prompt groups after {batches} "
-                        f"generation batches (group-filter max_gen_batches={ds.max_gen_batches}). "
-                        "Fix: raise max_gen_batches or run.gen_prompts_per_batch, lower "
-                        "run.prompts_per_step, or set on_cap: train-on-what-we-have / skip-step"
-                    )
+                    raise RunError(_capped(ds, groups, need, batches))
                 if ds.on_cap == "skip-step" or groups == 0:
                     state.samples_generated += generated  # generated, though none is trained on
                     self._count_skipped(state, ds, groups, batches)
@@ -387,6 +382,13 @@ class Runner:
                     ds, f"{empty_in_a_row} generation batches in a row kept no prompt group at "
                     f"group-filter '{ds.node}' (with max_gen_batches: 0 the step "
                     f"would never end; max_skipped_steps={limit})"))
+        return self._trained_batch(state, kept, need, groups, batches, generated, acc)
+
+    def _trained_batch(self, state: LoopState, kept: list[Kept], need: int, groups: int, batches: int,
+                       generated: int, acc: MetricAccumulator) -> Rollout:
+        """The batch :meth:`collect` trains on: the first ``need`` of the ``groups`` groups
+        ``kept`` holds (the rest carried, under run.carry_surplus), its sampling metrics, and the
+        oldest weights' version among them."""
         state.skipped_in_a_row = 0
         # the first `need` whole groups in order of appearance, the rest carried (verl cuts by
         # rows and can split a group; we never do)
@@ -604,6 +606,13 @@ def token_staleness(metrics: dict[str, float], trained_version: int) -> dict[str
             "rollout/token_staleness_mean": trained_version - mean,
             **{f"rollout/token_staleness_frac_{lag}": lags.get(lag, 0.0) / tokens for lag in range(max(lags) + 1)}}
 
+
+def _capped(ds: DynamicSampling, groups: int, need: int, batches: int) -> str:
+    """Why a step stops at the group filter's cap of generation batches (on_cap: error)."""
+    return (f"dynamic sampling kept {groups}/{need} prompt groups after {batches} "
+            f"generation batches (group-filter max_gen_batches={ds.max_gen_batches}). "
+            "Fix: raise max_gen_batches or run.gen_prompts_per_batch, lower "
+            "run.prompts_per_step, or set on_cap: train-on-what-we-have / skip-step")
 
 def _nothing_kept(ds: DynamicSampling, what: str) -> str:
     """The RunError text when dynamic sampling keeps (almost) nothing, step after step."""
