@@ -379,17 +379,7 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...],
                       + "); several inputs are joined row by row",
                       "feed it from nodes that share their rows (chain the nodes instead)")
             continue
-        cols: dict[str, pa.DataType] = {}
-        source: dict[str, str] = {}
-        for i in inputs:
-            for f in rows[i].out_schema:
-                if f.name in cols and cols[f.name] != f.type:
-                    found.add(node.path + ("inputs",), f"inputs disagree on column '{f.name}': "
-                              f"'{source[f.name]}' gives {type_name(cols[f.name])}, '{rows[i].source[f.name]}' "
-                              f"gives {type_name(f.type)}", "make the producers agree on the type",
-                              kind=SchemaError)
-                cols.setdefault(f.name, f.type)
-                source.setdefault(f.name, rows[i].source[f.name])
+        cols, source = _merged_inputs(found, node, rows)
         try:
             node.params = resolve(node.cls, node.params, cols)
             needed, made = requires(node.cls, node.params), produces(node.cls, node.params)
@@ -397,16 +387,7 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...],
             found.add(node.path + ("impl",), f"resolve()/requires()/produces() raised {exc!r}",
                       "make resolve return params and the others {column: pyarrow type}", kind=SchemaError)
             continue
-        for name, typ in needed.items():
-            if name not in cols:
-                found.add(node.path + ("inputs",), f"requires column '{name}' ({type_name(typ)}) "
-                          "but no upstream node produces it", _producer_hint(name, operators), kind=SchemaError,
-                          code=MISSING_COLUMN, column=name)
-            elif cols[name] != typ:
-                found.add(node.path + ("inputs",), f"requires column '{name}' as {type_name(typ)}, "
-                          f"but '{source[name]}' gives {type_name(cols[name])}",
-                          f"make '{source[name]}' produce {type_name(typ)}", kind=SchemaError,
-                          code=COLUMN_TYPE, column=name)
+        _check_required(found, node, needed, cols, source, operators)
         if node.cardinality == "sink":
             out, out_src = dict(made), {name: nid for name in made}
         else:
@@ -422,6 +403,39 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...],
         rows[nid] = _Rows(pa.schema(list(cols.items())), pa.schema(list(out.items())), out_src,
                           rows_from, rows_in)
     return rows
+
+
+def _merged_inputs(found: Found, node: _Node,
+                   rows: dict[str, _Rows]) -> tuple[dict[str, pa.DataType], dict[str, str]]:
+    """The columns a node's inputs bring, merged row by row (the first input's type where two
+    disagree, which is reported), and the node each column comes from."""
+    cols: dict[str, pa.DataType] = {}
+    source: dict[str, str] = {}
+    for i in node.spec.inputs:
+        for f in rows[i].out_schema:
+            if f.name in cols and cols[f.name] != f.type:
+                found.add(node.path + ("inputs",), f"inputs disagree on column '{f.name}': "
+                          f"'{source[f.name]}' gives {type_name(cols[f.name])}, '{rows[i].source[f.name]}' "
+                          f"gives {type_name(f.type)}", "make the producers agree on the type",
+                          kind=SchemaError)
+            cols.setdefault(f.name, f.type)
+            source.setdefault(f.name, rows[i].source[f.name])
+    return cols, source
+
+
+def _check_required(found: Found, node: _Node, needed: Mapping[str, pa.DataType], cols: Mapping[str, pa.DataType],
+                    source: Mapping[str, str], operators: Mapping[str, type]) -> None:
+    """Report each column the node requires that its inputs lack or bring as another type."""
+    for name, typ in needed.items():
+        if name not in cols:
+            found.add(node.path + ("inputs",), f"requires column '{name}' ({type_name(typ)}) "
+                      "but no upstream node produces it", _producer_hint(name, operators), kind=SchemaError,
+                      code=MISSING_COLUMN, column=name)
+        elif cols[name] != typ:
+            found.add(node.path + ("inputs",), f"requires column '{name}' as {type_name(typ)}, "
+                      f"but '{source[name]}' gives {type_name(cols[name])}",
+                      f"make '{source[name]}' produce {type_name(typ)}", kind=SchemaError,
+                      code=COLUMN_TYPE, column=name)
 
 
 def _propagate_join(found: Found, node: _Node, rows: dict[str, _Rows], operators: Mapping[str, type]) -> None:
