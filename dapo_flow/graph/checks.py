@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from dapo_flow.core import columns as C
 from dapo_flow.core.contract import (contract_of, contract_problems, node_model, produces, requires, resolve, role,
-                                     model_head, upstream_problems, uses_model)
+                                     model_head, sampling_of, upstream_problems, uses_model)
 from dapo_flow.errors import DapoFlowError, OperatorContractError, SchemaError, UnknownOperatorError
 from dapo_flow.core.imports import load_object
 from dapo_flow.graph.data_checks import gym_problems, verifiers_problems
@@ -614,7 +614,7 @@ def _check_prompt_budget(found: Found, nodes: list[_Node], spec: GraphSpec) -> N
 
     generators = [n for n in nodes if n.params is not None and role(n.cls) == "generate"]
     index = {n.id: n.index for n in generators}
-    found_rooms = rooms(((n.id, n.model, getattr(n.params, "max_tokens", None)) for n in generators), spec.models)
+    found_rooms = rooms(((n.id, n.model, sampling_of(n.cls, n.params).max_tokens) for n in generators), spec.models)
     for path, message, fix in budget_problems(spec.data, found_rooms):
         if path[0] == "nodes":  # budget_problems names the node; the document numbers it
             path = ("nodes", index[path[1]], *path[2:])
