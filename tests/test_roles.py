@@ -82,7 +82,7 @@ def test_an_unknown_or_modelless_role_is_a_contract_problem():
 #: what an operator class declares (contract.py's docstring): read through contract_of only
 DECLARED = {"ROLE", "CARDINALITY", "NEEDS_MODEL", "REQUIRES", "PRODUCES", "MODEL_HEAD", "MODEL_PARAM", "INPUTS"}
 HOOKS = {"upstream_problems", "uses_model", "model_head", "combine", "input_requires", "last_metrics",
-         "sampling_settings", "train_sizing", "forward_rows"}
+         "sampling_settings", "train_sizing", "forward_rows", "group_settings"}
 
 
 def _contract_probes(path: Path) -> list[str]:
@@ -134,9 +134,9 @@ def test_the_compiler_reads_a_roles_settings_through_its_declared_hook():
     built-in names is a contract problem instead of a node sized by defaults without a word."""
     from pydantic import BaseModel, ConfigDict
 
-    from dapo_flow.core.contract import ROLE_SETTINGS, Sampling, sampling_of, train_sizing_of
+    from dapo_flow.core.contract import GroupSettings, ROLE_SETTINGS, Sampling, sampling_of, train_sizing_of
 
-    names = {n for _, fields in ROLE_SETTINGS.values() for n in fields}
+    names = {n for _, fields in ROLE_SETTINGS.values() for n in fields} | set(GroupSettings.__dataclass_fields__)
     probes = [f"{f.relative_to(ROOT)}:{node.lineno}" for f in sorted((ROOT / "dapo_flow" / "graph").rglob("*.py"))
               for node in ast.walk(ast.parse(f.read_text()))
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
@@ -145,6 +145,7 @@ def test_the_compiler_reads_a_roles_settings_through_its_declared_hook():
 
     generate, update = OPERATORS["generate"], OPERATORS["update"]
     assert sampling_of(generate, generate.Params(n=4, max_tokens=12)) == Sampling(n=4, max_tokens=12)
+    assert sampling_of(generate, generate.Params(n=4, temperature=0.0)).greedy
     sizing = train_sizing_of(update, update.Params(mini_batches=2, entropy_coef=0.01))
     assert (sizing.mini_batches, sizing.entropy_in_loss) == (2, True)
 

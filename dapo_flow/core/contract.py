@@ -57,7 +57,8 @@ An operator is a plain class (no base class to inherit from):
   None``. An op that declares none is read by the built-in ops' param names (``n``,
   ``max_tokens``; ``mini_batches``, ``micro_batch_size``, ``entropy_coef``; ``micro_batch_size``,
   a reward model's under ``reward``), those it lacks taking the defaults: :func:`sampling_of`,
-  :func:`train_sizing_of`, :func:`forward_rows_of`.
+  :func:`train_sizing_of`, :func:`forward_rows_of`. A ``group-filter`` op's ``group_settings(params)
+  -> GroupSettings`` is what dynamic sampling reads (:func:`group_settings_of`).
 - ``__init__(params, ctx)``, ``__call__(batch: pa.Table) -> pa.Table``, and optionally
   ``last_metrics() -> dict[str, float]`` for what the last call measured (a plain float is
   averaged over a step's calls; a count, a time, a throughput or an extreme says so by its
@@ -127,6 +128,7 @@ class Contract:
     sampling_settings: Callable[[BaseModel], "Sampling"] | None = None  # a generate op's group size, longest response
     train_sizing: Callable[[BaseModel], "TrainSizing"] | None = None  # a train op's update, as memory is sized
     forward_rows: Callable[[BaseModel], int | None] | None = None  # rows per forward of a model it only reads
+    group_settings: Callable[[BaseModel], "GroupSettings"] | None = None  # a group filter's, for dynamic sampling
 
 
 def contract_of(op_cls: type) -> Contract:
@@ -156,6 +158,7 @@ def contract_of(op_cls: type) -> Contract:
         sampling_settings=hook("sampling_settings"),
         train_sizing=hook("train_sizing"),
         forward_rows=hook("forward_rows"),
+        group_settings=hook("group_settings"),
     )
 
 
@@ -166,6 +169,7 @@ class Sampling:
 
     n: int = 1
     max_tokens: int | None = None
+    greedy: bool = False  # temperature 0 or top_k 1: the n samples of a prompt are one response
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,29 @@ def sampling_of(op_cls: type, params: BaseModel) -> Sampling:
     fn = contract_of(op_cls).sampling_settings
     if fn is not None:
         return fn(params)
-    return Sampling(n=getattr(params, "n", 1), max_tokens=getattr(params, "max_tokens", None))
+    return Sampling(n=getattr(params, "n", 1), max_tokens=getattr(params, "max_tokens", None),
+                    greedy=getattr(params, "temperature", None) == 0 or getattr(params, "top_k", None) == 1)
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """What dynamic sampling reads of a group filter's params (the op's ``group_settings(params)``;
+    without one, the built-in group-filter's param names, each one lacking at its default)."""
+
+    metric: str = "acc"  # the per-sequence value whose spread keeps a group (for messages)
+    max_gen_batches: int = 0  # generation batches per step before on_cap applies; 0: no cap
+    on_cap: str = "error"  # "error" | "train-on-what-we-have" | "skip-step"
+    max_skipped_steps: int = 0  # steps in a row that train nothing before the run stops; 0: never
+
+
+def group_settings_of(op_cls: type, params: BaseModel) -> GroupSettings:
+    """A group filter's :class:`GroupSettings`: its op's ``group_settings(params)``, else read by
+    the built-in group-filter's param names."""
+    fn = contract_of(op_cls).group_settings
+    if fn is not None:
+        return fn(params)
+    return GroupSettings(**{f: getattr(params, f) for f in ("metric", "max_gen_batches", "on_cap", "max_skipped_steps")
+                            if hasattr(params, f)})
 
 
 def forward_rows_of(op_cls: type, params: BaseModel) -> int | None:
@@ -358,7 +384,7 @@ def contract_problems(op_cls: Any) -> list[str]:
 #: per role, the hook declaring what the compiler reads of its params, and the built-in ops'
 #: param names it reads them by when an op declares no hook
 ROLE_SETTINGS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "generate": ("sampling_settings", ("n", "max_tokens")),
+    "generate": ("sampling_settings", ("n", "max_tokens", "temperature", "top_k")),
     "train": ("train_sizing", ("mini_batches", "micro_batch_size", "entropy_coef")),
 }
 

@@ -522,10 +522,10 @@ def _check_group_filter(found: Found, nodes: list[_Node], graph: nx.DiGraph,
                       f"move '{origin}' after '{gf.id}'")
 
 
-def _greedy_groups(p: BaseModel) -> bool:
-    """Whether generator params sample n >= 2 identical responses per prompt."""
-    n, temperature, top_k = (getattr(p, k, None) for k in ("n", "temperature", "top_k"))
-    return isinstance(n, int) and n >= 2 and (temperature == 0 or top_k == 1)
+def _greedy_groups(node: _Node) -> bool:
+    """Whether a generate node samples n >= 2 identical responses per prompt."""
+    sampling = sampling_of(node.cls, node.params)
+    return isinstance(sampling.n, int) and sampling.n >= 2 and sampling.greedy
 
 
 def _check_greedy_groups(found: Found, nodes: list[_Node], graph: nx.DiGraph) -> None:
@@ -535,7 +535,7 @@ def _check_greedy_groups(found: Found, nodes: list[_Node], graph: nx.DiGraph) ->
     by_id = {n.id: n for n in reversed(nodes)}
     for gen in nodes:
         p = gen.params
-        if role(gen.cls) != "generate" or p is None or not _greedy_groups(p):
+        if role(gen.cls) != "generate" or p is None or not _greedy_groups(gen):
             continue
         after = [by_id[d] for d in nx.descendants(graph, gen.id) if d in by_id]
         gf = next((n for n in after if n.cardinality == "group-filter"), None)

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Mapping
 import pyarrow as pa
 from pydantic import BaseModel
 
-from dapo_flow.core.contract import Sampling, TrainSizing, forward_rows_of, sampling_of, train_sizing_of
+from dapo_flow.core.contract import (Sampling, TrainSizing, forward_rows_of, group_settings_of, sampling_of,
+                                     train_sizing_of)
 from dapo_flow.data.prompt_budget import PromptBudget
 from dapo_flow.graph.prompt_room import declared_for_all, rooms, source_budget, tightest
 from dapo_flow.graph.spec import GraphSpec
@@ -112,9 +113,9 @@ class DynamicSampling:
 
     @classmethod
     def of(cls, node: "PlanNode") -> "DynamicSampling":
-        fields = {f: getattr(node.params, f) for f in ("metric", "max_gen_batches", "on_cap", "max_skipped_steps")
-                  if hasattr(node.params, f)}
-        return cls(node=node.id, **fields)
+        s = group_settings_of(node.op_cls, node.params)
+        return cls(node=node.id, metric=s.metric, max_gen_batches=s.max_gen_batches, on_cap=s.on_cap,
+                   max_skipped_steps=s.max_skipped_steps)
 
     @property
     def cap(self) -> str:

@@ -50,7 +50,7 @@ class Generate:
 
     @classmethod
     def sampling_settings(cls, params: Params) -> Sampling:
-        return Sampling(n=params.n, max_tokens=params.max_tokens)
+        return Sampling(n=params.n, max_tokens=params.max_tokens, greedy=params.temperature == 0 or params.top_k == 1)
 
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params
