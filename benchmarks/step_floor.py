@@ -94,7 +94,8 @@ class MainJob:
         from dapo_flow.graph.edits import edit_file, parse_cli_edits
         from dapo_flow.graph.registry import load_plugins
         from dapo_flow.runtime.loop import LoopState, Runner
-        from dapo_flow.runtime.session import generator_tokenizer, load_source, start_executor, train_sampler
+        from dapo_flow.runtime.run_data import generator_tokenizer, load_source, train_sampler
+        from dapo_flow.runtime.session import start_executor
         from dapo_flow.runtime.setup import driver_threads, stage_setups
 
         load_plugins()

@@ -165,7 +165,7 @@ def test_without_a_budget_the_context_bounds_the_prompt(jsonl, tok):
 def test_a_run_loads_no_row_longer_than_the_models_context(tmp_path, tok):
     """The main job without a budget: tiny-adder's context of 64 leaves 56 tokens beside max_tokens 8;
     the loader a run uses refuses a longer prompt, naming the row."""
-    from dapo_flow.runtime.session import load_source
+    from dapo_flow.runtime.run_data import load_source
 
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"prompt": "1" * 60 + "+1=", "answer": "2"}) + "\n")

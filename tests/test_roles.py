@@ -81,7 +81,8 @@ def test_an_unknown_or_modelless_role_is_a_contract_problem():
 
 #: what an operator class declares (contract.py's docstring): read through contract_of only
 DECLARED = {"ROLE", "CARDINALITY", "NEEDS_MODEL", "REQUIRES", "PRODUCES", "MODEL_HEAD", "MODEL_PARAM", "INPUTS"}
-HOOKS = {"upstream_problems", "uses_model", "model_head", "combine", "input_requires", "last_metrics"}
+HOOKS = {"upstream_problems", "uses_model", "model_head", "combine", "input_requires", "last_metrics",
+         "sampling_settings", "train_sizing", "forward_rows", "group_settings"}
 
 
 def _contract_probes(path: Path) -> list[str]:
@@ -125,3 +126,46 @@ def test_a_contract_holds_the_declarations_and_the_defaults():
     bare = contract_of(Minimal)
     assert (bare.role, bare.model_head_static, bare.model_param, bare.stateful, bare.reports_metrics) == (
         "transform", "lm", (), False, False)
+
+
+def test_the_compiler_reads_a_roles_settings_through_its_declared_hook():
+    """graph/ sizes and checks generate and train nodes by what their op declares (Sampling,
+    TrainSizing), never by a param's name; an op declaring neither the hook nor a param of the
+    built-in names is a contract problem instead of a node sized by defaults without a word."""
+    from pydantic import BaseModel, ConfigDict
+
+    from dapo_flow.core.contract import GroupSettings, ROLE_SETTINGS, Sampling, sampling_of, train_sizing_of
+
+    names = {n for _, fields in ROLE_SETTINGS.values() for n in fields} | set(GroupSettings.__dataclass_fields__)
+    probes = [f"{f.relative_to(ROOT)}:{node.lineno}" for f in sorted((ROOT / "dapo_flow" / "graph").rglob("*.py"))
+              for node in ast.walk(ast.parse(f.read_text()))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names]
+    assert not probes, "read node.sampling() / node.train_sizing() instead:\n" + "\n".join(probes)
+
+    generate, update = OPERATORS["generate"], OPERATORS["update"]
+    assert sampling_of(generate, generate.Params(n=4, max_tokens=12)) == Sampling(n=4, max_tokens=12)
+    assert sampling_of(generate, generate.Params(n=4, temperature=0.0)).greedy
+    sizing = train_sizing_of(update, update.Params(mini_batches=2, entropy_coef=0.01))
+    assert (sizing.mini_batches, sizing.entropy_in_loss) == (2, True)
+
+    class Knobs(BaseModel):
+        model_config = ConfigDict(frozen=True, extra="forbid")
+        samples: int = 3
+
+    class OddGenerate:  # its group size under another name, no hook
+        Params = Knobs
+        REQUIRES = generate.REQUIRES
+        PRODUCES = generate.PRODUCES
+        CARDINALITY = "expand"
+        NEEDS_MODEL = True
+        ROLE = "generate"
+
+        def __call__(self, batch):
+            return batch
+
+    assert any("sampling_settings(params)" in p for p in contract_problems(OddGenerate))
+    declared = type("DeclaredGenerate", (), {**vars(OddGenerate), "sampling_settings": classmethod(
+        lambda cls, params: Sampling(n=params.samples))})
+    assert contract_problems(declared) == []
+    assert sampling_of(declared, Knobs()).n == 3

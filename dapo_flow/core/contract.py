@@ -31,7 +31,8 @@ An operator is a plain class (no base class to inherit from):
   - ``reward``: grades responses (produces ``score`` and ``acc``); what validation grades with.
   - ``logprob``: reads its model's token logprobs (the actor needs the torch model).
   - ``train``: trains its model (one per model): the model is trainable and checkpointed, and its
-    new weights are synced to the model's generators after every step.
+    new weights are synced to the model's generators after every step. Its instances hold the
+    ``trainer`` whose optimizer a sharded checkpoint saves (:class:`TrainOperator`).
   - ``advantage``: turns rewards into advantages (a zero-spread group gives zero advantage).
   - ``transform``: anything else (shaping, filters, KL, metrics).
 - optionally ``upstream_problems(params, generator_id, generator_params) -> [(field, message,
@@ -52,6 +53,16 @@ An operator is a plain class (no base class to inherit from):
   rows going on are the first input's.
 - optionally ``explain_notes(params) -> [str]`` (a classmethod): lines `explain` prints under the
   node (harness-generate: where its endpoint will serve).
+- what the compiler sizes and checks a role's node by, read from its params through a classmethod
+  the op declares, never by the param's name: a ``generate`` op's ``sampling_settings(params) ->
+  Sampling`` (its group size and longest response), a ``train`` op's ``train_sizing(params) ->
+  TrainSizing`` (mini-batches, rows per forward, an entropy term), and any other op's that runs
+  a model it does not train (logprob, values, a reward model) ``forward_rows(params) -> int |
+  None``. An op that declares none is read by the built-in ops' param names (``n``,
+  ``max_tokens``; ``mini_batches``, ``micro_batch_size``, ``entropy_coef``; ``micro_batch_size``,
+  a reward model's under ``reward``), those it lacks taking the defaults: :func:`sampling_of`,
+  :func:`train_sizing_of`, :func:`forward_rows_of`. A ``group-filter`` op's ``group_settings(params)
+  -> GroupSettings`` is what dynamic sampling reads (:func:`group_settings_of`).
 - ``__init__(params, ctx)``, ``__call__(batch: pa.Table) -> pa.Table``, and optionally
   ``last_metrics() -> dict[str, float]`` for what the last call measured (a plain float is
   averaged over a step's calls; a count, a time, a throughput or an extreme says so by its
@@ -66,7 +77,7 @@ or None), never by probing the class or its instances themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Literal, Mapping, Protocol
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
@@ -119,6 +130,10 @@ class Contract:
     reports_metrics: bool  # instances have last_metrics()
     closes: bool  # instances hold something to release: close()
     explain_notes: Callable[[BaseModel], list[str]] | None = None  # extra lines `explain` prints under the node
+    sampling_settings: Callable[[BaseModel], "Sampling"] | None = None  # a generate op's group size, longest response
+    train_sizing: Callable[[BaseModel], "TrainSizing"] | None = None  # a train op's update, as memory is sized
+    forward_rows: Callable[[BaseModel], int | None] | None = None  # rows per forward of a model it only reads
+    group_settings: Callable[[BaseModel], "GroupSettings"] | None = None  # a group filter's, for dynamic sampling
 
 
 def contract_of(op_cls: type) -> Contract:
@@ -146,7 +161,89 @@ def contract_of(op_cls: type) -> Contract:
         reports_metrics=callable(getattr(op_cls, "last_metrics", None)),
         closes=callable(getattr(op_cls, "close", None)),
         explain_notes=hook("explain_notes"),
+        sampling_settings=hook("sampling_settings"),
+        train_sizing=hook("train_sizing"),
+        forward_rows=hook("forward_rows"),
+        group_settings=hook("group_settings"),
     )
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What the compiler reads of a ``generate``-role node's params: ``n``, the samples per prompt
+    (its group size), and ``max_tokens``, the longest response (None: the node sets no bound)."""
+
+    n: int = 1
+    max_tokens: int | None = None
+    greedy: bool = False  # temperature 0 or top_k 1: the n samples of a prompt are one response
+
+
+@dataclass(frozen=True)
+class TrainSizing:
+    """What the compiler reads of a ``train``-role node's params to size its update's memory: its
+    optimizer steps per RL step (``mini_batches``), its rows per forward (``micro_batch_size``;
+    None: one worker's share of a mini-batch) and whether its loss has an entropy term (which
+    widens the logits' backward)."""
+
+    mini_batches: int = 1
+    micro_batch_size: int | None = None
+    entropy_in_loss: bool = False
+
+
+def sampling_of(op_cls: type, params: BaseModel) -> Sampling:
+    """A generate node's :class:`Sampling`: its op's ``sampling_settings(params)``, else read by the
+    built-in generate's param names (a custom op written before the hook)."""
+    fn = contract_of(op_cls).sampling_settings
+    if fn is not None:
+        return fn(params)
+    return Sampling(n=getattr(params, "n", 1), max_tokens=getattr(params, "max_tokens", None),
+                    greedy=getattr(params, "temperature", None) == 0 or getattr(params, "top_k", None) == 1)
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """What dynamic sampling reads of a group filter's params (the op's ``group_settings(params)``;
+    without one, the built-in group-filter's param names, each one lacking at its default)."""
+
+    metric: str = "acc"  # the per-sequence value whose spread keeps a group (for messages)
+    max_gen_batches: int = 0  # generation batches per step before on_cap applies; 0: no cap
+    on_cap: str = "error"  # "error" | "train-on-what-we-have" | "skip-step"
+    max_skipped_steps: int = 0  # steps in a row that train nothing before the run stops; 0: never
+
+
+def group_settings_of(op_cls: type, params: BaseModel) -> GroupSettings:
+    """A group filter's :class:`GroupSettings`: its op's ``group_settings(params)``, else read by
+    the built-in group-filter's param names."""
+    fn = contract_of(op_cls).group_settings
+    if fn is not None:
+        return fn(params)
+    return GroupSettings(**{f: getattr(params, f) for f in ("metric", "max_gen_batches", "on_cap", "max_skipped_steps")
+                            if hasattr(params, f)})
+
+
+def forward_rows_of(op_cls: type, params: BaseModel) -> int | None:
+    """Rows per forward of a node that runs a model without training it: its op's
+    ``forward_rows(params)``, else its ``micro_batch_size`` param (a reward model's under
+    ``reward``); None: the model's default."""
+    fn = contract_of(op_cls).forward_rows
+    if fn is not None:
+        return fn(params)
+    for holder in (params, getattr(params, "reward", None)):
+        rows = getattr(holder, "micro_batch_size", None)
+        if isinstance(rows, int):
+            return rows
+    return None
+
+
+def train_sizing_of(op_cls: type, params: BaseModel) -> TrainSizing:
+    """A train node's :class:`TrainSizing`: its op's ``train_sizing(params)``, else read by the
+    built-in update's param names (a custom op written before the hook)."""
+    fn = contract_of(op_cls).train_sizing
+    if fn is not None:
+        return fn(params)
+    return TrainSizing(mini_batches=getattr(params, "mini_batches", 1),
+                       micro_batch_size=getattr(params, "micro_batch_size", None),
+                       entropy_in_loss=getattr(params, "entropy_coef", 0.0) > 0)
 
 
 def role(op_cls: Any) -> str:
@@ -188,11 +285,20 @@ operator names (a reward function's) resolves, in whichever process the operator
     workdir: str | None = None  # the driver's working directory at start: where user files resolve
 
 
-@runtime_checkable
-class Operator(Protocol):
-    Params: type[BaseModel]
-    CARDINALITY: str
-    NEEDS_MODEL: bool
+class HoldsOptimizer(Protocol):
+    """What a checkpoint reads of a train op's trainer (:class:`dapo_flow.training.trainer.Trainer`
+    has it): its torch optimizer, whose state is saved beside a sharded model's weight shards."""
+
+    optimizer: Any
+
+
+class TrainOperator(Protocol):
+    """An instance of a ``train``-role operator: besides ``__call__``, the ``trainer`` that
+    updates its model, which the runtime reads to checkpoint a sharded model's optimizer state
+    with its weights (``update`` and ``critic-update`` build theirs with
+    :func:`dapo_flow.training.trainer.make_trainer`)."""
+
+    trainer: HoldsOptimizer
 
     def __call__(self, batch: pa.Table) -> pa.Table: ...
 
@@ -274,6 +380,26 @@ def contract_problems(op_cls: Any) -> list[str]:
         problems.append(f"`ROLE` must be one of {', '.join(ROLES)} (or left out: {DEFAULT_ROLE})")
     elif declared_role in ("generate", "logprob", "train") and getattr(op_cls, "NEEDS_MODEL", None) is False:
         problems.append(f"`ROLE = {declared_role!r}` works on a model: set `NEEDS_MODEL = True`")
+    elif isinstance(params, type) and issubclass(params, BaseModel):
+        problems += _undeclared_settings(op_cls, declared_role, params)
     if not callable(getattr(op_cls, "__call__", None)):
         problems.append("needs `__call__(self, batch: pa.Table) -> pa.Table`")
     return problems
+
+
+#: per role, the hook declaring what the compiler reads of its params, and the built-in ops'
+#: param names it reads them by when an op declares no hook
+ROLE_SETTINGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "generate": ("sampling_settings", ("n", "max_tokens", "temperature", "top_k")),
+    "train": ("train_sizing", ("mini_batches", "micro_batch_size", "entropy_coef")),
+}
+
+
+def _undeclared_settings(op_cls: Any, declared_role: str, params: type[BaseModel]) -> list[str]:
+    """A role's op that neither declares its settings' hook nor has a param of the built-in
+    names: the compiler would size it by defaults without a word."""
+    hook, names = ROLE_SETTINGS.get(declared_role, ("", ()))
+    if not hook or callable(getattr(op_cls, hook, None)) or any(n in params.model_fields for n in names):
+        return []
+    return [f"`ROLE = {declared_role!r}` without a `{hook}(params)` classmethod, and `Params` has none of "
+            f"{', '.join(names)}: the compiler could not size its node (see dapo_flow.core.contract)"]

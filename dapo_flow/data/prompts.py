@@ -147,29 +147,9 @@ def prompt_table(records: list["_Record"], *, source: str, default_source: str, 
 
     answer_keys = (answer_key,) if answer_key else ANSWER_KEYS
     for rec in records:
-        prompt = _get(rec.fields, prompt_key)
-        wrong_type = _prompt_type_problem(prompt)
-        if wrong_type:
-            reject(rec, prompt_key, wrong_type, f"make every `{prompt_key}` a string or a list of "
-                   "chat messages [{role, content}]", f"`{prompt_key}` of the wrong type")
-            continue
-        try:
-            text = _render(prompt, tokenizer) if prompt else ""
-        except Exception as exc:  # noqa: BLE001 - the model's chat template rejects this row
-            reject(rec, prompt_key, f"cannot be rendered by the chat template: {_first_line(exc)}",
-                   "give the messages the roles and fields the model's chat template accepts",
-                   "rejected by the chat template")
-            continue
-        if not text.strip():
-            reject(rec, prompt_key, "is missing or empty", f"give every row a non-empty `{prompt_key}`",
-                   f"missing or empty `{prompt_key}`")
-            continue
-        answer = next((a for k in answer_keys if (a := _get(rec.fields, k)) not in (None, "")), None)
-        if answer is None:
-            reject(rec, " | ".join(answer_keys), "is missing (no ground truth)",
-                   "add the answer there or name its column with answer_key", "no ground truth")
-            continue
-        rows.append(_Row(rec, text, answer, raw=isinstance(prompt, str)))
+        row = _usable_row(rec, prompt_key, answer_keys, tokenizer, reject)
+        if row is not None:
+            rows.append(row)
 
     for row, ids in zip(rows, _tokenize(tokenizer, [r.text for r in rows], [r.raw for r in rows])):
         row.ids = ids
@@ -190,6 +170,35 @@ def prompt_table(records: list["_Record"], *, source: str, default_source: str, 
         schema=C.prompt_schema(),
     )
     return table, skipped, [r.record.number for r in rows]
+
+
+def _usable_row(rec: "_Record", prompt_key: str, answer_keys: tuple[str, ...], tokenizer: Any,
+                reject: Callable[..., None]) -> "_Row | None":
+    """A record's row (its prompt templated, its ground truth), or None after ``reject(record,
+    field, problem, fix, why)`` names what makes it unusable."""
+    prompt = _get(rec.fields, prompt_key)
+    wrong_type = _prompt_type_problem(prompt)
+    if wrong_type:
+        reject(rec, prompt_key, wrong_type, f"make every `{prompt_key}` a string or a list of "
+               "chat messages [{role, content}]", f"`{prompt_key}` of the wrong type")
+        return None
+    try:
+        text = _render(prompt, tokenizer) if prompt else ""
+    except Exception as exc:  # noqa: BLE001 - the model's chat template rejects this row
+        reject(rec, prompt_key, f"cannot be rendered by the chat template: {_first_line(exc)}",
+               "give the messages the roles and fields the model's chat template accepts",
+               "rejected by the chat template")
+        return None
+    if not text.strip():
+        reject(rec, prompt_key, "is missing or empty", f"give every row a non-empty `{prompt_key}`",
+               f"missing or empty `{prompt_key}`")
+        return None
+    answer = next((a for k in answer_keys if (a := _get(rec.fields, k)) not in (None, "")), None)
+    if answer is None:
+        reject(rec, " | ".join(answer_keys), "is missing (no ground truth)",
+               "add the answer there or name its column with answer_key", "no ground truth")
+        return None
+    return _Row(rec, text, answer, raw=isinstance(prompt, str))
 
 
 def _apply_budget(rows: list[_Row], budget: PromptBudget, tokenizer: Any,

@@ -16,7 +16,7 @@ from dapo_flow.data.prompts import SOURCE_KINDS
 from dapo_flow.data.stream import numbered_batches, rebatched, stream_files
 from dapo_flow.errors import DataError, RunError
 from dapo_flow.core import columns as C
-from dapo_flow.runtime.session import generator_tokenizer, load_source, prompt_stream
+from dapo_flow.runtime.run_data import generator_tokenizer, load_source, prompt_stream
 
 SAVED_COLUMNS = (C.PROMPT_ID, C.SAMPLE_IDX, C.DATA_SOURCE, C.PROMPT_TEXT, C.RESPONSE_TEXT, C.GROUND_TRUTH,
                  C.SCORE, C.ACC, C.RESPONSE_LEN, C.TRUNCATED, C.NUM_TURNS, C.NUM_TOOL_CALLS, C.TOOL_ERRORS,

@@ -95,15 +95,7 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
     writer = ResponseWriter(save) if save else None
     step_dir, models, step = resolve_checkpoint(
         spec, which, lambda text: console.print(f"[yellow]warning:[/] {text}", highlight=False))
-    data = spec.data.val or spec.data.train
-    if spec.data.val is None and source is None and split is None:
-        raise RunError(f"graph '{spec.name}' has no data.val: pass --source / --split for the prompts")
-    role = "val" if spec.data.val is not None else "train"  # a generated source's default seed
-    data = data.model_copy(update={k: v for k, v in (("source", source), ("split", split), ("size", size))
-                                   if v is not None} | ({"sources": None} if source is not None else {}))
-    if writer is not None and data.source is not None and (
-            Path(data.source).expanduser().resolve() == writer.path.resolve()):
-        raise RunError(f"--save {save}: that is the file the prompts are read from: name another file")
+    data, role = _eval_prompts(spec, source=source, split=split, size=size, writer=writer, save=save)
     n = n or spec.run.val_n
     temperature = spec.run.val_temperature if temperature is None else temperature
     label = "base model" if step_dir is None else f"{step_dir} (step {step})"
@@ -124,23 +116,47 @@ def evaluate(placed, *, which: str = "latest", n: int | None = None, temperature
             writer.abort()  # a no-op once closed: an interrupted eval leaves no half file
     metrics.update({"eval/prompts": float(counts[0]), "eval/skipped_rows": float(counts[1])})
 
-    tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
-                      run_name=run_name or f"eval {spec.name} " + ("base" if step is None else f"step {step}"),
-                      tags={EVAL_TAG: "1", "graph": spec.name}, parent_run_id=parent_run_id)
-    tracker.log_params({"eval.checkpoint": str(step_dir) if step_dir else "base", "eval.step": str(step),
-                        "eval.n": str(n), "eval.temperature": str(temperature), "eval.source": data.label,
-                        "eval.split": data.split, "eval.size": str(data.size), "seed": str(seed),
-                        **(extra_params or {})})
-    tracker.log_metrics(step or 0, metrics)
-    if samples:
-        tracker.log_table(samples, "samples/eval.json")
-    tracker.finish()
+    tracker = _log_eval(spec, step_dir, step, metrics, samples, {
+        "eval.n": str(n), "eval.temperature": str(temperature), "eval.source": data.label, "eval.split": data.split,
+        "eval.size": str(data.size), "seed": str(seed), **(extra_params or {})}, run_name, parent_run_id)
     _print(console, "base model" if step is None else f"step {step}", metrics, seconds, tracker)
     if writer is not None:
         console.print(f"wrote {writer.path}: {writer.rows} graded sample(s)", highlight=False, markup=False)
     return {"metrics": metrics, "run_id": tracker.run_id, "tracking_uri": tracker.uri,
             "checkpoint": str(step_dir) if step_dir else None, "step": step, "n": n, "seconds": seconds,
             "saved": str(writer.path) if writer is not None else None}
+
+
+def _eval_prompts(spec, *, source: str | None, split: str | None, size: int | None, writer,
+                  save: str | None):
+    """The prompts an eval reads: the graph's val data (else its train data), with the source,
+    split and size given instead; and the role whose default seed a generated source takes."""
+    data = spec.data.val or spec.data.train
+    if spec.data.val is None and source is None and split is None:
+        raise RunError(f"graph '{spec.name}' has no data.val: pass --source / --split for the prompts")
+    role = "val" if spec.data.val is not None else "train"  # a generated source's default seed
+    data = data.model_copy(update={k: v for k, v in (("source", source), ("split", split), ("size", size))
+                                   if v is not None} | ({"sources": None} if source is not None else {}))
+    if writer is not None and data.source is not None and (
+            Path(data.source).expanduser().resolve() == writer.path.resolve()):
+        raise RunError(f"--save {save}: that is the file the prompts are read from: name another file")
+    return data, role
+
+
+def _log_eval(spec, step_dir, step: int | None, metrics: dict, samples: list, params: dict[str, str],
+              run_name: str | None, parent_run_id: str | None) -> Tracker:
+    """The eval's MLflow run, finished: which checkpoint, ``params``, the metrics at the
+    checkpoint's step (0: the base model) and the logged samples."""
+    tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
+                      run_name=run_name or f"eval {spec.name} " + ("base" if step is None else f"step {step}"),
+                      tags={EVAL_TAG: "1", "graph": spec.name}, parent_run_id=parent_run_id)
+    tracker.log_params({"eval.checkpoint": str(step_dir) if step_dir else "base", "eval.step": str(step),
+                        **params})
+    tracker.log_metrics(step or 0, metrics)
+    if samples:
+        tracker.log_table(samples, "samples/eval.json")
+    tracker.finish()
+    return tracker
 
 
 def _grade_with_runner(placed, setups, data, *, n, temperature, seed, batch_size, address, console, writer,
@@ -176,7 +192,7 @@ def _grade_on_ray_data(placed, setups, data, *, n, temperature, seed, batch_size
     from dapo_flow.experiments.eval_data import streams
     from dapo_flow.experiments.eval_pipeline import graded_batches, row_groups
     from dapo_flow.runtime.executors import connect_ray
-    from dapo_flow.runtime.session import generator_tokenizer, load_source, tokenize_batch
+    from dapo_flow.runtime.run_data import generator_tokenizer, load_source, tokenize_batch
     from dapo_flow.runtime.validation import ValidationTally
 
     plan = placed.plan

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from dapo_flow.core import columns as C
 from dapo_flow.core.contract import (contract_of, contract_problems, node_model, produces, requires, resolve, role,
-                                     model_head, upstream_problems, uses_model)
+                                     model_head, sampling_of, upstream_problems, uses_model)
 from dapo_flow.errors import DapoFlowError, OperatorContractError, SchemaError, UnknownOperatorError
 from dapo_flow.core.imports import load_object
 from dapo_flow.graph.data_checks import gym_problems, verifiers_problems
@@ -381,17 +381,7 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...],
                       + "); several inputs are joined row by row",
                       "feed it from nodes that share their rows (chain the nodes instead)")
             continue
-        cols: dict[str, pa.DataType] = {}
-        source: dict[str, str] = {}
-        for i in inputs:
-            for f in rows[i].out_schema:
-                if f.name in cols and cols[f.name] != f.type:
-                    found.add(node.path + ("inputs",), f"inputs disagree on column '{f.name}': "
-                              f"'{source[f.name]}' gives {type_name(cols[f.name])}, '{rows[i].source[f.name]}' "
-                              f"gives {type_name(f.type)}", "make the producers agree on the type",
-                              kind=SchemaError)
-                cols.setdefault(f.name, f.type)
-                source.setdefault(f.name, rows[i].source[f.name])
+        cols, source = _merged_inputs(found, node, rows)
         try:
             node.params = resolve(node.cls, node.params, cols)
             needed, made = requires(node.cls, node.params), produces(node.cls, node.params)
@@ -399,16 +389,7 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...],
             found.add(node.path + ("impl",), f"resolve()/requires()/produces() raised {exc!r}",
                       "make resolve return params and the others {column: pyarrow type}", kind=SchemaError)
             continue
-        for name, typ in needed.items():
-            if name not in cols:
-                found.add(node.path + ("inputs",), f"requires column '{name}' ({type_name(typ)}) "
-                          "but no upstream node produces it", _producer_hint(name, operators), kind=SchemaError,
-                          code=MISSING_COLUMN, column=name)
-            elif cols[name] != typ:
-                found.add(node.path + ("inputs",), f"requires column '{name}' as {type_name(typ)}, "
-                          f"but '{source[name]}' gives {type_name(cols[name])}",
-                          f"make '{source[name]}' produce {type_name(typ)}", kind=SchemaError,
-                          code=COLUMN_TYPE, column=name)
+        _check_required(found, node, needed, cols, source, operators)
         if node.cardinality == "sink":
             out, out_src = dict(made), {name: nid for name in made}
         else:
@@ -424,6 +405,39 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...],
         rows[nid] = _Rows(pa.schema(list(cols.items())), pa.schema(list(out.items())), out_src,
                           rows_from, rows_in)
     return rows
+
+
+def _merged_inputs(found: Found, node: _Node,
+                   rows: dict[str, _Rows]) -> tuple[dict[str, pa.DataType], dict[str, str]]:
+    """The columns a node's inputs bring, merged row by row (the first input's type where two
+    disagree, which is reported), and the node each column comes from."""
+    cols: dict[str, pa.DataType] = {}
+    source: dict[str, str] = {}
+    for i in node.spec.inputs:
+        for f in rows[i].out_schema:
+            if f.name in cols and cols[f.name] != f.type:
+                found.add(node.path + ("inputs",), f"inputs disagree on column '{f.name}': "
+                          f"'{source[f.name]}' gives {type_name(cols[f.name])}, '{rows[i].source[f.name]}' "
+                          f"gives {type_name(f.type)}", "make the producers agree on the type",
+                          kind=SchemaError)
+            cols.setdefault(f.name, f.type)
+            source.setdefault(f.name, rows[i].source[f.name])
+    return cols, source
+
+
+def _check_required(found: Found, node: _Node, needed: Mapping[str, pa.DataType], cols: Mapping[str, pa.DataType],
+                    source: Mapping[str, str], operators: Mapping[str, type]) -> None:
+    """Report each column the node requires that its inputs lack or bring as another type."""
+    for name, typ in needed.items():
+        if name not in cols:
+            found.add(node.path + ("inputs",), f"requires column '{name}' ({type_name(typ)}) "
+                      "but no upstream node produces it", _producer_hint(name, operators), kind=SchemaError,
+                      code=MISSING_COLUMN, column=name)
+        elif cols[name] != typ:
+            found.add(node.path + ("inputs",), f"requires column '{name}' as {type_name(typ)}, "
+                      f"but '{source[name]}' gives {type_name(cols[name])}",
+                      f"make '{source[name]}' produce {type_name(typ)}", kind=SchemaError,
+                      code=COLUMN_TYPE, column=name)
 
 
 def _propagate_join(found: Found, node: _Node, rows: dict[str, _Rows], operators: Mapping[str, type]) -> None:
@@ -510,10 +524,10 @@ def _check_group_filter(found: Found, nodes: list[_Node], graph: nx.DiGraph,
                       f"move '{origin}' after '{gf.id}'")
 
 
-def _greedy_groups(p: BaseModel) -> bool:
-    """Whether generator params sample n >= 2 identical responses per prompt."""
-    n, temperature, top_k = (getattr(p, k, None) for k in ("n", "temperature", "top_k"))
-    return isinstance(n, int) and n >= 2 and (temperature == 0 or top_k == 1)
+def _greedy_groups(node: _Node) -> bool:
+    """Whether a generate node samples n >= 2 identical responses per prompt."""
+    sampling = sampling_of(node.cls, node.params)
+    return isinstance(sampling.n, int) and sampling.n >= 2 and sampling.greedy
 
 
 def _check_greedy_groups(found: Found, nodes: list[_Node], graph: nx.DiGraph) -> None:
@@ -523,7 +537,7 @@ def _check_greedy_groups(found: Found, nodes: list[_Node], graph: nx.DiGraph) ->
     by_id = {n.id: n for n in reversed(nodes)}
     for gen in nodes:
         p = gen.params
-        if role(gen.cls) != "generate" or p is None or not _greedy_groups(p):
+        if role(gen.cls) != "generate" or p is None or not _greedy_groups(gen):
             continue
         after = [by_id[d] for d in nx.descendants(graph, gen.id) if d in by_id]
         gf = next((n for n in after if n.cardinality == "group-filter"), None)
@@ -619,7 +633,7 @@ def _check_prompt_budget(found: Found, nodes: list[_Node], spec: GraphSpec) -> N
 
     generators = [n for n in nodes if n.params is not None and role(n.cls) == "generate"]
     index = {n.id: n.index for n in generators}
-    found_rooms = rooms(((n.id, n.model, getattr(n.params, "max_tokens", None)) for n in generators), spec.models)
+    found_rooms = rooms(((n.id, n.model, sampling_of(n.cls, n.params).max_tokens) for n in generators), spec.models)
     for path, message, fix in budget_problems(spec.data, found_rooms):
         if path[0] == "nodes":  # budget_problems names the node; the document numbers it
             path = ("nodes", index[path[1]], *path[2:])

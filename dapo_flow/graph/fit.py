@@ -53,7 +53,7 @@ def context_of(plan: Plan, model: str, shape: ModelShape) -> tuple[int, int]:
     generators = _generators(plan, model)
     own = any(n.model == model for n in generators)
     derived = plan.engine_context().get(model) if own else max(plan.engine_context().values(), default=None)
-    responses = [n.params.max_tokens for n in generators if isinstance(getattr(n.params, "max_tokens", None), int)]
+    responses = [tokens for n in generators if isinstance(tokens := n.sampling().max_tokens, int)]
     context = (plan.spec.models[model].rollout.max_model_len or derived or shape.max_position_embeddings)
     return context, min(max(responses, default=context), context)
 
@@ -149,20 +149,20 @@ def _unbudgeted(plan: Plan, model: str) -> str:
 def _training(plan: Plan, stage: Stage, model: str, shape: ModelShape, update, on_gpu: bool) -> list[Term]:
     """The update's budget: micro-batches of the token budget, or of ``micro_batch_size`` rows
     (at most one worker's share of a mini-batch), every row as long as the context."""
-    spec = plan.spec.models[model]
+    spec, sizing = plan.spec.models[model], update.train_sizing()
     train = spec.train
     context, response = context_of(plan, model, shape)
     if train.max_tokens_per_micro_batch:
         rows = max(1, train.max_tokens_per_micro_batch // context)
     else:
-        per_worker = _step_rows_per_worker(plan, stage, model, getattr(update.params, "mini_batches", 1))
-        rows = max(1, min(getattr(update.params, "micro_batch_size", per_worker), per_worker))
+        per_worker = _step_rows_per_worker(plan, stage, model, sizing.mini_batches)
+        rows = max(1, min(sizing.micro_batch_size or per_worker, per_worker))
     budget = estimate_training(
         shape, micro_batch_tokens=rows * context, response_tokens_per_micro_batch=rows * response,
         workers=stage.workers, strategy=train.resolved_strategy, dtype=spec.dtype,
         mixed_precision=train.mixed_precision, grad_checkpointing=train.grad_checkpointing,
         cpu_offload=train.cpu_offload, rows_per_micro_batch=rows, packed=train.pack,
-        entropy_in_loss=getattr(update.params, "entropy_coef", 0.0) > 0, on_gpu=on_gpu,
+        entropy_in_loss=sizing.entropy_in_loss, on_gpu=on_gpu,
         logprob_chunk_tokens=train.logprob_chunk_tokens, sequence_parallel=train.sequence_parallel,
         lora_params=lora_param_count(shape, train.lora.rank, train.lora.target_modules) if train.lora else 0)
     return list(budget.terms)
@@ -188,7 +188,7 @@ def _frozen_forward(plan: Plan, stage: Stage, model: str, shape: ModelShape, nod
     spec = plan.spec.models[model]
     context, response = context_of(plan, model, shape)
     per_worker = _step_rows_per_worker(plan, stage, model)
-    rows = max(min(_micro_batch_rows(r.params), per_worker) for r in readers)
+    rows = max(min(_micro_batch_rows(r), per_worker) for r in readers)
     compute = 2 if spec.train.mixed_precision == "bf16" else DTYPE_BYTES[spec.dtype]
     return estimate_forward(shape, micro_batch_tokens=rows * context, response_tokens_per_micro_batch=rows * response,
                             rows_per_micro_batch=rows, compute_bytes=compute,
@@ -199,20 +199,16 @@ def _step_rows_per_worker(plan: Plan, stage: Stage, model: str, parts: int = 1) 
     """Rows one worker of ``stage`` sees of a step's rows for ``model`` (prompts x the largest
     group size of the generators it reads), cut into ``parts`` (an update's mini-batches). A
     sequence-parallel group's k workers of a replica see the same rows (each a slice of them)."""
-    n = max((getattr(g.params, "n", 1) for g in _generators(plan, model)), default=1)
+    n = max((g.sampling().n for g in _generators(plan, model)), default=1)
     split = max(plan.spec.models[m].train.sequence_parallel for m in stage.models)
     replicas = max(1, stage.workers // split)
     return math.ceil(plan.spec.run.prompts_per_step * n / parts / replicas)
 
 
-def _micro_batch_rows(params) -> int:
-    """Rows per forward of a node: its ``micro_batch_size`` (a reward model's under ``reward``),
-    else HFPolicy's default of 64."""
-    for holder in (params, getattr(params, "reward", None)):
-        rows = getattr(holder, "micro_batch_size", None)
-        if isinstance(rows, int):
-            return rows
-    return 64
+def _micro_batch_rows(node) -> int:
+    """Rows per forward of a node, as its op declares them, else HFPolicy's default of 64."""
+    rows = node.forward_rows()
+    return rows if rows is not None else 64
 
 
 def _rollout(plan: Plan, stage: Stage, model: str, shape: ModelShape, cluster: Cluster, on_gpu: bool,
@@ -222,7 +218,7 @@ def _rollout(plan: Plan, stage: Stage, model: str, shape: ModelShape, cluster: C
     context, _ = context_of(plan, model, shape)
     gen_batch = run.gen_prompts_per_batch
     prompts = run.prompts_per_step if gen_batch in (None, "auto") else gen_batch
-    n = max((getattr(g.params, "n", 1) for g in plan.with_role("generate") if g.model == model), default=1)
+    n = max((g.sampling().n for g in plan.with_role("generate") if g.model == model), default=1)
     rows = math.ceil(prompts * n / stage.workers)
     gpu_mem = cluster.gpu_mem_gib * min(stage.num_gpus, 1.0) if cluster.gpu_mem_gib else None
     if spec.backend == "vllm" and on_gpu and gpu_mem is None:

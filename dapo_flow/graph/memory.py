@@ -318,26 +318,12 @@ def layer_activation_bytes(shape: ModelShape, compute_bytes: int, *, repeated_kv
 
 
 def estimate_training(
-    shape: ModelShape,
-    *,
-    micro_batch_tokens: int,
-    response_tokens_per_micro_batch: int,
-    workers: int = 1,
-    strategy: Literal["fsdp2", "ddp", "none"] | None = None,
-    dtype: str = "float32",
-    mixed_precision: Literal["bf16"] | None = None,
-    grad_checkpointing: bool = False,
-    cpu_offload: bool = False,
-    rows_per_micro_batch: int = 1,
-    padded: bool | None = None,
-    entropy_in_loss: bool = False,
-    logprob_chunk_tokens: int | None = None,
-    optimizer: str = "adamw",
-    on_gpu: bool = True,
-    title: str = "training",
-    lora_params: int = 0,
-    packed: bool = False,
-    sequence_parallel: int = 1,
+    shape: ModelShape, *, micro_batch_tokens: int, response_tokens_per_micro_batch: int, workers: int = 1,
+    strategy: Literal["fsdp2", "ddp", "none"] | None = None, dtype: str = "float32",
+    mixed_precision: Literal["bf16"] | None = None, grad_checkpointing: bool = False, cpu_offload: bool = False,
+    rows_per_micro_batch: int = 1, padded: bool | None = None, entropy_in_loss: bool = False,
+    logprob_chunk_tokens: int | None = None, optimizer: str = "adamw", on_gpu: bool = True,
+    title: str = "training", lora_params: int = 0, packed: bool = False, sequence_parallel: int = 1,
 ) -> Budget:
     """Bytes per worker of one update step (a micro-batch's forward and backward, then AdamW).
 
@@ -366,42 +352,16 @@ def estimate_training(
     """
     if sequence_parallel < 1:
         raise ValueError("sequence_parallel must be >= 1")
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
-    if optimizer != "adamw":
-        raise ValueError(f"optimizer {optimizer!r}: only adamw is estimated")
-    if not 0 < response_tokens_per_micro_batch <= micro_batch_tokens:
-        raise ValueError("response tokens must be > 0 and at most the micro-batch's tokens")
-    if logprob_chunk_tokens is not None and logprob_chunk_tokens < 1:
-        raise ValueError("logprob_chunk_tokens must be >= 1 (or None: all at once)")
-    resolved = strategy or ("fsdp2" if workers > 1 else "none")
-    sharded = resolved == "fsdp2"
-    if not sharded and ((workers > 1 and resolved != "ddp") or cpu_offload):
-        raise ValueError("workers > 1 need strategy fsdp2 or ddp; cpu_offload fsdp2")
-    if mixed_precision not in (None, "bf16"):
-        raise ValueError(f"mixed_precision {mixed_precision!r}: use None or bf16")
+    sharded = _checked_sharding(dtype, optimizer, micro_batch_tokens, response_tokens_per_micro_batch,
+                                logprob_chunk_tokens, workers, strategy, cpu_offload, mixed_precision)
     # parameters, gradients, AdamW moments (torch keeps them alike): float32 master weights under
     # mixed precision, whatever dtype
     store = FP32 if mixed_precision else DTYPE_BYTES[dtype]
     compute = 2 if mixed_precision == "bf16" else store
+    if lora_params:  # what trains is the adapters, float32 (peft's choice too); the base keeps its dtype
+        store = FP32
     shard = workers if sharded else 1
-    p = shape.num_params()
-    state_at: Where = "host" if cpu_offload else "device"
-    state_fix = "more train.workers (FSDP2 shards it)" + (
-        "" if cpu_offload else ", or train.cpu_offload: true" + ("" if sharded else " (strategy: fsdp2)"))
-    of = f" (1/{shard} shard)" if sharded else ""
-    if lora_params:  # the base frozen in its dtype; the adapters float32 (peft's choice too)
-        trained, store = lora_params, FP32
-        terms = [Term(f"base weights (frozen){of}", p * DTYPE_BYTES[dtype] // shard, state_at, fix=state_fix),
-                 Term(f"LoRA adapters{of}", lora_params * store // shard, state_at)]
-    else:
-        trained = p
-        terms = [Term(f"parameters{of}", p * store // shard, state_at, fix=state_fix)]
-    terms += [
-        Term(f"gradients{of}", trained * store // shard, state_at, fix=state_fix),
-        Term(f"AdamW moments{of}", 2 * trained * store // shard, state_at, fix=state_fix),
-        _step_temporaries(shape, store, shard, on_gpu, state_at, trained if lora_params else None),
-    ]
+    terms = _state_terms(shape, dtype, store, shard, sharded, cpu_offload, on_gpu, lora_params)
     if on_gpu:
         terms.append(Term("CUDA context and workspaces", GPU_OVERHEAD_BYTES))
     if sharded:
@@ -418,6 +378,52 @@ def estimate_training(
                           autocast=bool(mixed_precision) and not sharded and not bf16_base, packed=packed,
                           split=sequence_parallel)
     return Budget(title, tuple(t for t in terms if t.bytes > 0))
+
+
+def _checked_sharding(dtype: str, optimizer: str, micro_batch_tokens: int, response_tokens_per_micro_batch: int,
+                      logprob_chunk_tokens: int | None, workers: int, strategy: str | None, cpu_offload: bool,
+                      mixed_precision: str | None) -> bool:
+    """Whether :func:`estimate_training`'s state is sharded (FSDP2), after refusing what it
+    cannot price."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
+    if optimizer != "adamw":
+        raise ValueError(f"optimizer {optimizer!r}: only adamw is estimated")
+    if not 0 < response_tokens_per_micro_batch <= micro_batch_tokens:
+        raise ValueError("response tokens must be > 0 and at most the micro-batch's tokens")
+    if logprob_chunk_tokens is not None and logprob_chunk_tokens < 1:
+        raise ValueError("logprob_chunk_tokens must be >= 1 (or None: all at once)")
+    resolved = strategy or ("fsdp2" if workers > 1 else "none")
+    sharded = resolved == "fsdp2"
+    if not sharded and ((workers > 1 and resolved != "ddp") or cpu_offload):
+        raise ValueError("workers > 1 need strategy fsdp2 or ddp; cpu_offload fsdp2")
+    if mixed_precision not in (None, "bf16"):
+        raise ValueError(f"mixed_precision {mixed_precision!r}: use None or bf16")
+    return sharded
+
+
+def _state_terms(shape: ModelShape, dtype: str, store: int, shard: int, sharded: bool, cpu_offload: bool,
+                 on_gpu: bool, lora_params: int) -> list[Term]:
+    """The training state of one worker: the weights (under LoRA the frozen base in ``dtype``
+    beside the adapters), what trains' gradients and AdamW moments (``store`` bytes each),
+    and the optimizer step's temporaries; each a 1/``shard`` shard when ``sharded``."""
+    p = shape.num_params()
+    state_at: Where = "host" if cpu_offload else "device"
+    state_fix = "more train.workers (FSDP2 shards it)" + (
+        "" if cpu_offload else ", or train.cpu_offload: true" + ("" if sharded else " (strategy: fsdp2)"))
+    of = f" (1/{shard} shard)" if sharded else ""
+    if lora_params:  # the base frozen in its dtype beside the adapters
+        trained = lora_params
+        terms = [Term(f"base weights (frozen){of}", p * DTYPE_BYTES[dtype] // shard, state_at, fix=state_fix),
+                 Term(f"LoRA adapters{of}", lora_params * store // shard, state_at)]
+    else:
+        trained = p
+        terms = [Term(f"parameters{of}", p * store // shard, state_at, fix=state_fix)]
+    return terms + [
+        Term(f"gradients{of}", trained * store // shard, state_at, fix=state_fix),
+        Term(f"AdamW moments{of}", 2 * trained * store // shard, state_at, fix=state_fix),
+        _step_temporaries(shape, store, shard, on_gpu, state_at, trained if lora_params else None),
+    ]
 
 
 def _step_temporaries(shape: ModelShape, store: int, shard: int, on_gpu: bool, where: Where,

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Mapping
 import pyarrow as pa
 from pydantic import BaseModel
 
+from dapo_flow.core.contract import (Sampling, TrainSizing, forward_rows_of, group_settings_of, sampling_of,
+                                     train_sizing_of)
 from dapo_flow.data.prompt_budget import PromptBudget
 from dapo_flow.graph.prompt_room import declared_for_all, rooms, source_budget, tightest
 from dapo_flow.graph.spec import GraphSpec
@@ -84,6 +86,18 @@ class PlanNode:
     line: int
     role: str = "transform"  # what the operator is (contract.ROLES): read instead of op names
 
+    def sampling(self) -> Sampling:
+        """A generate node's group size and longest response, as its op declares them."""
+        return sampling_of(self.op_cls, self.params)
+
+    def forward_rows(self) -> int | None:
+        """Rows per forward of a node that runs a model without training it, as its op declares them."""
+        return forward_rows_of(self.op_cls, self.params)
+
+    def train_sizing(self) -> TrainSizing:
+        """A train node's update sizes, as its op declares them."""
+        return train_sizing_of(self.op_cls, self.params)
+
 
 @dataclass(frozen=True)
 class DynamicSampling:
@@ -99,9 +113,9 @@ class DynamicSampling:
 
     @classmethod
     def of(cls, node: "PlanNode") -> "DynamicSampling":
-        fields = {f: getattr(node.params, f) for f in ("metric", "max_gen_batches", "on_cap", "max_skipped_steps")
-                  if hasattr(node.params, f)}
-        return cls(node=node.id, **fields)
+        s = group_settings_of(node.op_cls, node.params)
+        return cls(node=node.id, metric=s.metric, max_gen_batches=s.max_gen_batches, on_cap=s.on_cap,
+                   max_skipped_steps=s.max_skipped_steps)
 
     @property
     def cap(self) -> str:
@@ -141,7 +155,7 @@ class Plan:
     def group_size(self) -> int:
         """Samples per prompt: the first generate node's ``n`` (1 without one)."""
         gen = self.first("generate")
-        return int(getattr(gen.params, "n", 1)) if gen is not None else 1
+        return int(gen.sampling().n) if gen is not None else 1
 
     def consumers(self) -> dict[str, list[str]]:
         """node id (or `prompts`) -> ids of the nodes that read it, in topological order."""
@@ -170,7 +184,7 @@ class Plan:
             return {}
         out: dict[str, int] = {}
         for node in self.with_role("generate"):
-            tokens = getattr(node.params, "max_tokens", None)
+            tokens = node.sampling().max_tokens
             if node.model and isinstance(tokens, int):
                 out[node.model] = max(out.get(node.model, 0), budget + tokens)
         return out
@@ -183,7 +197,7 @@ class Plan:
     def prompt_budget(self, src: "DataSourceSpec") -> PromptBudget | None:
         """What bounds source ``src``'s prompts (:func:`~dapo_flow.graph.prompt_room.source_budget`),
         beside the tightest room this graph's generate nodes leave; what the data loaders apply."""
-        found = rooms(((n.id, n.model, getattr(n.params, "max_tokens", None)) for n in self.with_role("generate")),
+        found = rooms(((n.id, n.model, n.sampling().max_tokens) for n in self.with_role("generate")),
                       self.spec.models)
         return source_budget(self.spec.data, src, tightest(found))
 

@@ -252,7 +252,24 @@ def _loading(path: Path, what: str) -> Iterator[None]:
 
 
 class HFPolicy:
-    """A causal LM held in torch: rollouts, logprobs (optionally with grad), weight export/import."""
+    """A causal LM held in torch: rollouts, logprobs (optionally with grad), weight export/import.
+
+    ``head``: `lm` loads the causal LM (sampling, logprobs); `value` the value model of a
+    PPO critic (:mod:`dapo_flow.models.heads`: :meth:`response_values`; it does not sample).
+    ``grad_checkpointing``: gradient passes recompute each decoder layer's activations in
+    the backward pass (HF gradient checkpointing, non-reentrant) instead of storing them.
+    ``logprob_chunk_tokens``: logprobs and entropy over at most this many response tokens
+    at a time, each chunk's logits recomputed in the backward (:func:`response_logprobs_of`).
+    ``mixed_precision`` ``"bf16"``: every forward of the policy (gradient passes, logprobs,
+    sampling) computes under ``torch.autocast(bf16)`` while the weights, their gradients and
+    the optimizer's state stay in ``dtype``: float32 for a trained copy, the master weights
+    (``load_resource`` loads it so whatever the model's ``dtype``); logits are cast to
+    float32 before any log-softmax. Not with :meth:`shard` (FSDP2 casts the parameters
+    itself: pass ``mixed_precision`` there). ``lora`` (``train.lora``): LoRA adapters on the
+    model (:mod:`dapo_flow.models.lora`), the only weights that train; ``adapters``: a
+    directory of trained ones to load into them (a checkpoint's). ``pack``: logprob and
+    value passes run on the rows packed end to end into a few sequences
+    (:mod:`dapo_flow.models.packing`: next to no padding; the same values)."""
 
     max_batch_samples: int = 2048  # rows per generation batch; prompts*n above this are chunked
     host_sync_every: int = 16  # decoding steps between the host's looks at an accelerator's state
@@ -273,27 +290,9 @@ class HFPolicy:
         adapters: Path | None = None,
         pack: bool = False,
     ) -> None:
-        """``head``: `lm` loads the causal LM (sampling, logprobs); `value` the value model of a
-        PPO critic (:mod:`dapo_flow.models.heads`: :meth:`response_values`; it does not sample).
-        ``grad_checkpointing``: gradient passes recompute each decoder layer's activations in
-        the backward pass (HF gradient checkpointing, non-reentrant) instead of storing them.
-        ``logprob_chunk_tokens``: logprobs and entropy over at most this many response tokens
-        at a time, each chunk's logits recomputed in the backward (:func:`response_logprobs_of`).
-        ``mixed_precision`` ``"bf16"``: every forward of the policy (gradient passes, logprobs,
-        sampling) computes under ``torch.autocast(bf16)`` while the weights, their gradients and
-        the optimizer's state stay in ``dtype``: float32 for a trained copy, the master weights
-        (``load_resource`` loads it so whatever the model's ``dtype``); logits are cast to
-        float32 before any log-softmax. Not with :meth:`shard` (FSDP2 casts the parameters
-        itself: pass ``mixed_precision`` there). ``lora`` (``train.lora``): LoRA adapters on the
-        model (:mod:`dapo_flow.models.lora`), the only weights that train; ``adapters``: a
-        directory of trained ones to load into them (a checkpoint's). ``pack``: logprob and
-        value passes run on the rows packed end to end into a few sequences
-        (:mod:`dapo_flow.models.packing`: next to no padding; the same values)."""
         from dapo_flow.models.heads import load_torch_model, skip_unneeded_transformers_imports
 
         skip_unneeded_transformers_imports()  # before the first transformers import below
-        from transformers import AutoTokenizer
-
         from dapo_flow.models import resolve_model
 
         if dtype not in DTYPES:
@@ -324,20 +323,27 @@ class HFPolicy:
                              f"chunked and packed logprobs leave out; set {setting}")
         if grad_checkpointing:  # active only in train mode: gradient passes switch to it (_grad_mode)
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        with _loading(self.path, "the tokenizer"):
-            self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self._load_tokenizer()
         self.sharded = False  # True once shard() made it one FSDP2 shard of a training group
         self.replicated = False  # True once replicate() made it one DDP replica of a training group
         self.world_size = 1
         # sequence parallelism (split_sequences): the workers that split each sequence of a
         # gradient pass, and the ranks holding other rows (one per replica), or None
         self.sequence_group = self.replica_group = None
+        # the weights' policy version, and the lock between decode steps and weight loads
+        self.gate = WeightGate()
+
+    def _load_tokenizer(self) -> None:
+        """The model's tokenizer, its end-of-sequence ids (the first is what a response ends
+        with) and the padding id."""
+        from transformers import AutoTokenizer
+
+        with _loading(self.path, "the tokenizer"):
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.eos_ids = self._eos_ids()
         self.eos_id = self.eos_ids[0]
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_id  # pads are masked; any id works
-        # the weights' policy version, and the lock between decode steps and weight loads
-        self.gate = WeightGate()
 
     def _add_adapters(self, lora: Any, trainable: bool, adapters: Path | None) -> None:
         from dapo_flow.models import lora as lora_lib

@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from dapo_flow.agent.rollout import AgentLimits, rollout_metrics, run_agent
 from dapo_flow.data.arrow_utils import token_lists, with_columns
 from dapo_flow.core import columns as C
-from dapo_flow.core.contract import OpContext
+from dapo_flow.core.contract import OpContext, Sampling
 from dapo_flow.models.sampling import SamplingConfig
 from dapo_flow.tools.base import ToolSpec
 from dapo_flow.operators.generate import CallSeeds, Params as GenerateParams
@@ -95,6 +95,10 @@ class AgentGenerate:
     CARDINALITY = "expand"
     NEEDS_MODEL = True
     ROLE = "generate"
+
+    @classmethod
+    def sampling_settings(cls, params: Params) -> Sampling:
+        return Sampling(n=params.n, max_tokens=params.max_tokens, greedy=params.temperature == 0 or params.top_k == 1)
 
     @classmethod
     def produces(cls, params: Params) -> dict[str, pa.DataType]:

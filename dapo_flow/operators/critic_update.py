@@ -19,7 +19,7 @@ from pydantic import Field
 from dapo_flow import algos
 from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, token_lists
 from dapo_flow.core import columns as C
-from dapo_flow.core.contract import OpContext
+from dapo_flow.core.contract import OpContext, TrainSizing
 from dapo_flow.models.devices import host_floats
 from dapo_flow.training import OptimizerParams, make_trainer
 from dapo_flow.operators.update import metrics_row, step_rows
@@ -50,6 +50,10 @@ class CriticUpdate:
     CARDINALITY = "sink"
     NEEDS_MODEL = True
     ROLE = "train"
+
+    @classmethod
+    def train_sizing(cls, params: Params) -> TrainSizing:
+        return TrainSizing(params.mini_batches, params.micro_batch_size)  # a value loss: no entropy term
     MODEL_HEAD = "value"
     REQUIRES = C.typed(C.PROMPT_IDS, C.RESPONSE_IDS, C.VALUES, C.RETURNS)
     PRODUCES = {name: pa.float32() for name in METRICS}

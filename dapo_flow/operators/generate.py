@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import token_lists, with_columns
-from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.core.contract import OpContext, PARAMS_CONFIG, Sampling
 from dapo_flow.reductions import Rate, Seconds, Total
 
 
@@ -47,6 +47,10 @@ class Generate:
     CARDINALITY = "expand"
     NEEDS_MODEL = True
     ROLE = "generate"
+
+    @classmethod
+    def sampling_settings(cls, params: Params) -> Sampling:
+        return Sampling(n=params.n, max_tokens=params.max_tokens, greedy=params.temperature == 0 or params.top_k == 1)
 
     def __init__(self, params: Params, ctx: OpContext):
         self.params = params

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from dapo_flow import algos
 from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import group_codes
-from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.core.contract import GroupSettings, OpContext, PARAMS_CONFIG
 from dapo_flow.reductions import Total
 
 # verl's metric names map onto our columns
@@ -52,6 +52,10 @@ class GroupFilter:
     CARDINALITY = "group-filter"
     NEEDS_MODEL = False
     ROLE = "transform"
+
+    @classmethod
+    def group_settings(cls, params: Params) -> GroupSettings:
+        return GroupSettings(params.metric, params.max_gen_batches, params.on_cap, params.max_skipped_steps)
     PRODUCES: dict[str, pa.DataType] = {}
 
     @classmethod

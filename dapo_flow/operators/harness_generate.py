@@ -34,7 +34,7 @@ from pydantic import Field, field_validator
 
 from dapo_flow.agent.rollout import request_seed
 from dapo_flow.core import columns as C
-from dapo_flow.core.contract import OpContext
+from dapo_flow.core.contract import OpContext, Sampling
 from dapo_flow.data.arrow_utils import with_columns
 from dapo_flow.endpoint.episodes import MASK_REASONS
 from dapo_flow.operators.generate import CallSeeds, Params as GenerateParams
@@ -94,6 +94,10 @@ class HarnessGenerate:
     CARDINALITY = "expand"
     NEEDS_MODEL = True
     ROLE = "generate"
+
+    @classmethod
+    def sampling_settings(cls, params: Params) -> Sampling:
+        return Sampling(n=params.n, max_tokens=params.max_tokens, greedy=params.temperature == 0 or params.top_k == 1)
 
     @classmethod
     def explain_notes(cls, params: Params) -> list[str]:

@@ -64,6 +64,10 @@ class Logprob:
     ROLE = "logprob"
 
     @classmethod
+    def forward_rows(cls, params: Params) -> int:
+        return params.micro_batch_size
+
+    @classmethod
     def uses_model(cls, params: Params) -> bool:
         """`source: rollout` copies the generator's column: no model, so the node runs in the
         driver (no round trip of the batch to the model's workers and back)."""

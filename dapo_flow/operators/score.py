@@ -183,6 +183,10 @@ class Score:
     ROLE = "reward"
 
     @classmethod
+    def forward_rows(cls, params: Params) -> int | None:
+        return params.reward.micro_batch_size if isinstance(params.reward, ModelReward) else None
+
+    @classmethod
     def uses_model(cls, params: Params) -> bool:
         return isinstance(params.reward, ModelReward)
 

@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 from dapo_flow import algos
 from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, token_lists
 from dapo_flow.core import columns as C
-from dapo_flow.core.contract import OpContext
+from dapo_flow.core.contract import OpContext, TrainSizing
 from dapo_flow.errors import ModelError
 from dapo_flow.models.devices import host_floats
 from dapo_flow.models.moe import routing_of
@@ -113,6 +113,10 @@ class Update:
     CARDINALITY = "sink"
     NEEDS_MODEL = True
     ROLE = "train"
+
+    @classmethod
+    def train_sizing(cls, params: Params) -> TrainSizing:
+        return TrainSizing(params.mini_batches, params.micro_batch_size, entropy_in_loss=params.entropy_coef > 0)
     PRODUCES = {name: pa.float32() for name in METRICS}
 
     @classmethod

@@ -32,6 +32,10 @@ class Values:
     NEEDS_MODEL = True
     MODEL_HEAD = "value"
     ROLE = "logprob"  # reads its model's per-token outputs with the torch model
+
+    @classmethod
+    def forward_rows(cls, params: Params) -> int:
+        return params.micro_batch_size
     REQUIRES = C.typed(C.PROMPT_IDS, C.RESPONSE_IDS)
     PRODUCES = C.typed(C.VALUES)
 

@@ -3,8 +3,9 @@ fast tests); `ray` makes each actor stage a long-lived Ray actor for the whole r
 
 Each satisfies :class:`Executor`: built with ``(graph, setups, seed, resources, address=None)``,
 it has a ``name``, ``read_parquet`` and ``stream_parquet`` (callables, or None: the driver reads),
-`call(stage, method, *args) -> handle`, `rows(...)` (a row call whose table stays where it is
-made), `fetch(table)`, `get(handle)` and `shutdown()`. A local handle is the finished value; a
+`call(stage, method, *args) -> handle`, `call_each(stage, method, per_member)` (a call on each of a
+stage's workers), `rows(...)` (a row call whose table stays where it is made), `fetch(table)`,
+`get(handle)` and `shutdown()`. A local handle is the finished value; a
 Ray handle is an ObjectRef, so the driver can queue work on an actor and keep going (streaming). :data:`EXECUTORS` is the
 registry `--executor` chooses from: adding one is a class plus one line there.
 """
@@ -56,9 +57,23 @@ class Executor(Protocol):
     #: ``stream_parquet(files, tokenize)``: tokenized batches of a streamed source, read and
     #: tokenized on the executor's side; None: the driver reads and tokenizes them in turn
     stream_parquet: Callable[[list, Callable], Iterator[pa.Table]] | None
+    #: whether its workers are processes of their own (actors), so that a trained model's
+    #: weights can reach its rollout actors over a weight bus (a collective); False: every
+    #: worker lives in this process, and a weight transfer is a call
+    forms_weight_buses: bool
+    #: stage -> the node each worker of a multi-worker stage runs on, by rank (what a run says
+    #: at start); empty where every worker lives in this process
+    group_nodes: Mapping[str, list[str]]
 
     def call(self, stage: str, method: str, *args: Any) -> Any:
         """Start ``StageWorker.method(*args)`` on ``stage``; a handle for :meth:`get`."""
+
+    def members(self, stage: str) -> int:
+        """How many workers serve ``stage`` (a group's workers or replicas; else 1)."""
+
+    def call_each(self, stage: str, method: str, per_member: list[tuple]) -> Any:
+        """Start ``method`` on each worker of ``stage`` with its own arguments (rank order); a
+        handle whose result is the list of theirs (a weight bus's rendezvous)."""
 
     def rows(self, stage: str, method: str, *args: Any) -> "Rows":
         """Start a row call (``run_chain`` or ``run_variant``) whose output table stays where
@@ -89,6 +104,7 @@ class Executor(Protocol):
 class LocalExecutor:
     name = "local"
     queues_calls = False
+    forms_weight_buses = False  # one process: a weight transfer is a call
     read_parquet = None  # prompts are read with pyarrow in-process
     stream_parquet = None  # and streamed prompts read and tokenized in-process
 
@@ -107,6 +123,7 @@ class LocalExecutor:
                                "the local executor runs everything in this process"
                                f"\n    fix: --executor ray, or set the model's {knob}: 1")
         self.workers = {}
+        self.group_nodes: dict[str, list[str]] = {}  # no stage spans processes here
         # one call at a time per stage, as an actor takes them: one_step_off's rollout thread
         # and the training calls may both use a stage (the driver stage's operators)
         self.locks = {name: threading.RLock() for name in setups}
@@ -123,6 +140,14 @@ class LocalExecutor:
             return getattr(self.workers[stage], method)(*args)
         with self.locks[stage]:
             return getattr(self.workers[stage], method)(*args)
+
+    def members(self, stage: str) -> int:
+        return 1  # a stage is one in-process worker
+
+    def call_each(self, stage: str, method: str, per_member: list[tuple]) -> list:
+        if len(per_member) != 1:
+            raise ValueError(f"{len(per_member)} argument lists for the one worker of {stage}")
+        return [self.call(stage, method, *per_member[0])]
 
     def rows(self, stage: str, method: str, *args: Any) -> "Rows":
         out = self.call(stage, method, *args)
@@ -350,6 +375,7 @@ def cluster_of(available: Mapping[str, float], nodes: list[Mapping[str, Any]]) -
 class RayExecutor:
     name = "ray"
     queues_calls = True
+    forms_weight_buses = True  # actors: a model's trainer and rollout actors join a bus
 
     def __init__(self, graph: GraphSpec, setups: Mapping[str, StageSetup], seed: int,
                  resources: Mapping[str, tuple[float, float]], address: str | None = None):

@@ -170,7 +170,8 @@ class Runner:
     ``call_log`` records every call and sync made, as (phase, stage, node ids) and
     ("sync", source, target, kind)."""
 
-    def __init__(self, placed, executor, sampler: PromptSampler | None):
+    def __init__(self, placed, executor, sampler: PromptSampler | None, *,
+                 say: Callable[[str], None] = print, rollout_version: int = 0):
         self.placed = placed
         self.plan = placed.plan
         self.run = self.plan.spec.run
@@ -185,11 +186,11 @@ class Runner:
         # the version of the weights the rollout actors hold for calls queued now; a weight sync
         # and a generation batch never overlap in queueing (one_step_off and async collect in a
         # thread of their own), so each batch knows the version it was generated with
-        self.rollout_version = 0
+        self.rollout_version = rollout_version
         self.rollout_lock = threading.Lock()
         self.queued: QueuedUpdate | None = None  # the next step's update, queued on the trainer already
         self.trainer_free_at = 0.0  # when the driver saw the last weight sync done (the trainer's last call)
-        self.say: Callable[[str], None] = print  # what the run tells its user (the session's console)
+        self.say = say  # what the run tells its user (the session's console)
         self.healed: list[float] = []  # seconds each call that lost rollout replicas lost, since take_healed()
         self.healed_count = 0  # rollout replicas lost and healed in place by this runner
 
@@ -353,12 +354,7 @@ class Runner:
         while groups < need:
             if ds.max_gen_batches and batches >= ds.max_gen_batches:
                 if ds.on_cap == "error":
-                    raise RunError(
-                        f"dynamic sampling kept {groups}/{need} prompt groups after {batches} "
-                        f"generation batches (group-filter max_gen_batches={ds.max_gen_batches}). "
-                        "Fix: raise max_gen_batches or run.gen_prompts_per_batch, lower "
-                        "run.prompts_per_step, or set on_cap: train-on-what-we-have / skip-step"
-                    )
+                    raise RunError(_capped(ds, groups, need, batches))
                 if ds.on_cap == "skip-step" or groups == 0:
                     state.samples_generated += generated  # generated, though none is trained on
                     self._count_skipped(state, ds, groups, batches)
@@ -386,6 +382,13 @@ class Runner:
                     ds, f"{empty_in_a_row} generation batches in a row kept no prompt group at "
                     f"group-filter '{ds.node}' (with max_gen_batches: 0 the step "
                     f"would never end; max_skipped_steps={limit})"))
+        return self._trained_batch(state, kept, need, groups, batches, generated, acc)
+
+    def _trained_batch(self, state: LoopState, kept: list[Kept], need: int, groups: int, batches: int,
+                       generated: int, acc: MetricAccumulator) -> Rollout:
+        """The batch :meth:`collect` trains on: the first ``need`` of the ``groups`` groups
+        ``kept`` holds (the rest carried, under run.carry_surplus), its sampling metrics, and the
+        oldest weights' version among them."""
         state.skipped_in_a_row = 0
         # the first `need` whole groups in order of appearance, the rest carried (verl cuts by
         # rows and can split a group; we never do)
@@ -603,6 +606,13 @@ def token_staleness(metrics: dict[str, float], trained_version: int) -> dict[str
             "rollout/token_staleness_mean": trained_version - mean,
             **{f"rollout/token_staleness_frac_{lag}": lags.get(lag, 0.0) / tokens for lag in range(max(lags) + 1)}}
 
+
+def _capped(ds: DynamicSampling, groups: int, need: int, batches: int) -> str:
+    """Why a step stops at the group filter's cap of generation batches (on_cap: error)."""
+    return (f"dynamic sampling kept {groups}/{need} prompt groups after {batches} "
+            f"generation batches (group-filter max_gen_batches={ds.max_gen_batches}). "
+            "Fix: raise max_gen_batches or run.gen_prompts_per_batch, lower "
+            "run.prompts_per_step, or set on_cap: train-on-what-we-have / skip-step")
 
 def _nothing_kept(ds: DynamicSampling, what: str) -> str:
     """The RunError text when dynamic sampling keeps (almost) nothing, step after step."""

@@ -110,7 +110,6 @@ def load_resource(
     and the checkpoint's adapters, any other copy the base and then a weight sync (merged).
     """
     from dapo_flow.models import resolve_model
-    from dapo_flow.models.hf import HFPolicy
     from dapo_flow.models.lora import is_adapter_dir
     from dapo_flow.runtime.checkpoint_models import SHARDED, checkpoint_format, holds_full_weights
 
@@ -126,24 +125,8 @@ def load_resource(
     backend = backend or BACKENDS[spec.backend]
     policy = None
     if scores or trainable or (generates and backend.generates_with_trainer):
-        # mixed precision: FSDP2's policy casts a shard's parameters; anywhere else (one worker, a
-        # DDP replica, a rollout actor's copy) the policy's forwards run under torch.autocast, so
-        # every copy of the model computes in the precision the trainer does. The trained copy
-        # holds float32 master weights (its gradients and AdamW state follow) whatever `dtype`,
-        # which is every other copy's (verl's actor: fp32 parameters, bf16 compute)
-        policy = HFPolicy(model_path, dtype=trained_dtype(spec) if trainable else spec.dtype, device=device,
-                          seed=seed, trainable=trainable,
-                          grad_checkpointing=trainable and spec.train.grad_checkpointing,
-                          logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
-                          mixed_precision=None if strategy == "fsdp2" else spec.train.mixed_precision,
-                          head=spec.resolved_head, lora=spec.train.lora if trainable else None,
-                          adapters=adapters if trainable else None, pack=spec.train.pack)
-        if strategy == "fsdp2":
-            policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
-            if trainable and spec.train.sequence_parallel > 1:
-                policy.split_sequences(spec.train.sequence_parallel)
-        elif strategy == "ddp":
-            policy.replicate()
+        policy = _torch_policy(spec, model_path, device=device, seed=seed, trainable=trainable, strategy=strategy,
+                               adapters=adapters)
     generator = None
     if generates:
         options = spec.rollout
@@ -157,6 +140,33 @@ def load_resource(
             copy.load_weights(merged.items())
     tokenizer = policy.tokenizer if policy is not None else generator.tokenizer
     return ModelResource(name, spec, model_path, policy, generator, tokenizer)
+
+
+def _torch_policy(spec: ModelSpec, model_path: Path, *, device: str, seed: int, trainable: bool, strategy: str,
+                  adapters: Path | None):
+    """The torch copy of the model an actor trains, scores or generates with: as the training
+    group holds it (``strategy``), LoRA adapters on a trained copy."""
+    from dapo_flow.models.hf import HFPolicy
+
+    # mixed precision: FSDP2's policy casts a shard's parameters; anywhere else (one worker, a
+    # DDP replica, a rollout actor's copy) the policy's forwards run under torch.autocast, so
+    # every copy of the model computes in the precision the trainer does. The trained copy
+    # holds float32 master weights (its gradients and AdamW state follow) whatever `dtype`,
+    # which is every other copy's (verl's actor: fp32 parameters, bf16 compute)
+    policy = HFPolicy(model_path, dtype=trained_dtype(spec) if trainable else spec.dtype, device=device,
+                      seed=seed, trainable=trainable,
+                      grad_checkpointing=trainable and spec.train.grad_checkpointing,
+                      logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
+                      mixed_precision=None if strategy == "fsdp2" else spec.train.mixed_precision,
+                      head=spec.resolved_head, lora=spec.train.lora if trainable else None,
+                      adapters=adapters if trainable else None, pack=spec.train.pack)
+    if strategy == "fsdp2":
+        policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
+        if trainable and spec.train.sequence_parallel > 1:
+            policy.split_sequences(spec.train.sequence_parallel)
+    elif strategy == "ddp":
+        policy.replicate()
+    return policy
 
 
 def distinct_copies(policy: Any, generator: Any) -> list:

@@ -20,25 +20,26 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pyarrow as pa
+from filelock import FileLock
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from dapo_flow.core import columns as C
 from dapo_flow.errors import ActorFault, CheckpointWriteError, RunError
 from dapo_flow.graph.plan import is_rollout_stage
 from dapo_flow.runtime import checkpoint
 from dapo_flow.runtime.interrupts import CtrlC
 from dapo_flow.runtime.checkpoint_models import holds_full_weights
 from dapo_flow.runtime.driver_state import AheadRecord, DriverState
-from dapo_flow.runtime.executors import executor_class
+from dapo_flow.runtime.executors import Executor, executor_class
 from dapo_flow.runtime.async_rollout import RolloutProducer
 from dapo_flow.runtime.loop import Kept, LoopState, Rollout, Runner
 from dapo_flow.runtime.recovery import Recovered, healed_in_place
 from dapo_flow.runtime.resume import checkpoint_root, claim, resume_point
-from dapo_flow.runtime.sampler import PromptSampler
+from dapo_flow.runtime.run_data import generator_tokenizer, load_run_data, train_sampler
 from dapo_flow.runtime.setup import graph_hash, stage_setups
 from dapo_flow.runtime.tables import groups_of
 from dapo_flow.runtime.worker import quiet_libraries
@@ -66,125 +67,6 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def generator_dir(plan):
-    """The directory of the model the plan generates with (else its first model); resolving
-    the models first builds a builtin one, with its progress bar here in the driver, before any
-    actor asks for it."""
-    from dapo_flow.models import resolve_model
-
-    spec = plan.spec
-    generator = plan.first("generate")
-    model_name = generator.model if generator is not None and generator.model else next(iter(spec.models))
-    for model in spec.models.values():
-        resolve_model(model.path)
-    return resolve_model(spec.models[model_name].path)
-
-
-def generator_tokenizer(plan):
-    """The tokenizer of :func:`generator_dir`'s model."""
-    from dapo_flow.core.imports import skip_unneeded_transformers_imports
-
-    skip_unneeded_transformers_imports()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(generator_dir(plan)))
-
-
-def load_source(plan, src, tokenizer, read_parquet=None, report=None, role: str = "train"):
-    """One data source's prompts as an Arrow table, plus the count of dropped rows (bad rows
-    skipped, prompts over the budget filtered). Prompts are held to the graph's prompt budget,
-    else to the room the generating model's context leaves beside max_tokens. A mixture's
-    sources are read one by one (:func:`load_parts`) and concatenated."""
-    parts = load_parts(plan, src, tokenizer, read_parquet, report, role)
-    return pa.concat_tables([t for t, _ in parts]), sum(n for _, n in parts)
-
-
-def load_parts(plan, src, tokenizer, read_parquet=None, report=None, role: str = "train"):
-    """(prompts, dropped rows) of each single source of ``src`` (``role``: train or val, which
-    picks a generated source's default seed). A mixture's prompt ids are prefixed with the
-    source's position, so that two sources' rows never share a group. A validation gym source
-    leaves out the items a train source of the same task and config holds."""
-    from dapo_flow.data import reasoning_gym as gym
-    from dapo_flow.data.arrow_utils import with_columns
-    from dapo_flow.data.prompts import load_prompts
-    from dapo_flow.graph.data_checks import leaves, source_seed
-
-    spec, out = plan.spec, []
-    for k, leaf in enumerate(src.leaves()):
-        avoid: set[str] = set()
-        if role == "val" and gym.is_gym(leaf.source):
-            for r, _, train in leaves(spec.data):
-                if r == "train" and train.source == leaf.source and train.config == leaf.config:
-                    avoid |= gym.questions(gym.gym_name(leaf.source), train.config,
-                                           seed=source_seed(train, r, spec.seed), size=train.size or gym.DEFAULT_SIZE)
-        table, dropped = load_prompts(
-            leaf.source, tokenizer=tokenizer, split=leaf.split, size=leaf.size, seed=source_seed(leaf, role, spec.seed),
-            options=dict(leaf.options), config=dict(leaf.config), avoid=avoid, prompt_key=leaf.prompt_key,
-            answer_key=leaf.answer_key, on_bad_row=leaf.on_bad_row, budget=plan.prompt_budget(src),
-            read_parquet=read_parquet, report=report,
-        )
-        if src.sources is not None:
-            table = with_columns(table, {C.PROMPT_ID: [f"{k}/{i}" for i in table.column(C.PROMPT_ID).to_pylist()]})
-        out.append((table, dropped))
-    return out
-
-
-def _load_data(plan, tokenizer, read_parquet=None, report=None):
-    """(train prompts, val prompts, dropped rows); train prompts are None for a streamed source
-    (:func:`train_sampler` reads it as the run goes), and a list of tables, one per source, for a
-    mixture."""
-    data = plan.spec.data
-    if data.train.stream:
-        train, skipped = None, 0
-    else:
-        parts = load_parts(plan, data.train, tokenizer, read_parquet, report)
-        train = [t for t, _ in parts] if data.train.sources is not None else parts[0][0]
-        skipped = sum(n for _, n in parts)
-    val, val_skipped = (load_source(plan, data.val, tokenizer, read_parquet, report, role="val")
-                        if data.val is not None else (None, 0))
-    return train, val, skipped + val_skipped
-
-
-def train_sampler(plan, train_prompts, ex):
-    """The training prompts' sampler: a seeded permutation per epoch of a table read whole, a
-    stratified draw over a mixture's tables (:class:`~dapo_flow.runtime.mixture.MixtureSampler`),
-    or a shuffle buffer over a streamed source (:func:`prompt_stream`)."""
-    spec = plan.spec
-    src = spec.data.train
-    if src.sources is not None:
-        from dapo_flow.runtime.mixture import MixtureSampler
-
-        return MixtureSampler(train_prompts, src.shares(), spec.seed)
-    if not src.stream:
-        return PromptSampler(train_prompts, spec.seed)
-    from dapo_flow.data.stream import StreamSampler
-
-    return StreamSampler(prompt_stream(plan, src, ex), spec.seed, src.shuffle_buffer, src.split, src.source,
-                         src.size)
-
-
-def prompt_stream(plan, src, ex):
-    """``open()`` -> one pass over a parquet source's tokenized batches (:class:`~dapo_flow.data.
-    stream.TokenizeBatch` outputs, in source order): read and tokenized by streaming Ray tasks
-    under Ray, else here batch by batch."""
-    from dapo_flow.data.stream import stream_files, tokenized_batches
-
-    files = stream_files(src.source)
-    tokenize = tokenize_batch(plan, src)
-    if ex.stream_parquet is not None:
-        return lambda: ex.stream_parquet(files, tokenize)
-    return lambda: (b for f in files for b in tokenized_batches(str(f), tokenize))
-
-
-def tokenize_batch(plan, src):
-    """The :class:`~dapo_flow.data.stream.TokenizeBatch` of a streamed source: its bad-row
-    handling and the graph's prompt budget, with the generator's tokenizer."""
-    from dapo_flow.data.stream import TokenizeBatch
-
-    return TokenizeBatch(str(generator_dir(plan)), src.source, src.split, src.prompt_key, src.answer_key,
-                         on_bad_row=src.on_bad_row, budget=plan.prompt_budget(src))
-
-
 def start_executor(placed, setups: dict, executor: str, address: str | None, console: Console,
                    seed: int | None = None):
     """The model actors (Ray) or in-process workers (local) of a placed plan's stages, their
@@ -198,7 +80,7 @@ def start_executor(placed, setups: dict, executor: str, address: str | None, con
     setups = {name: s for name, s in setups.items() if s.nodes or s.models}  # no worker for an empty stage
     with console.status(f"starting {len(setups)} stage worker(s) on {executor}..."):
         ex = cls(spec, setups, seed, resources, address=address)
-    for stage, nodes in getattr(ex, "group_nodes", {}).items():
+    for stage, nodes in ex.group_nodes.items():
         what = "rollout replicas" if is_rollout_stage(stage) else "training group"
         console.print(f"{what} of stage '{stage}': {len(nodes)} worker(s) on {len(set(nodes))} node(s)",
                       highlight=False)
@@ -218,6 +100,62 @@ def _log_start(tracker: Tracker, placed, ghash: str, executor: str) -> None:
     tracker.log_artifact(plan.file, "graph")
 
 
+@dataclass
+class Resumed:
+    """What a resume restores from its checkpoint: the driver's and the operators' states, the
+    groups carried over, the tables of the rollouts collected ahead, and the trained models'
+    weights (model -> folder)."""
+
+    checkpoint: Path
+    driver: DriverState
+    op_states: dict
+    carry: pa.Table | None
+    ahead: list
+    model_paths: dict[str, str]
+
+
+@dataclass
+class Held:
+    """What a session holds, each part set once it exists, for its end to release or mark
+    whichever way it ends: the run folder (+ the run id once the MLflow run exists) and its lock
+    while this process trains the run, the MLflow run, the loop's state (the step a fault
+    stopped at) and an async run's rollout thread."""
+
+    run_root: Path
+    owner: FileLock | None = None
+    tracker: Tracker | None = None
+    state: LoopState | None = None
+    producer: RolloutProducer | None = None
+
+    def interrupted(self, console: Console) -> RunError:
+        """After Ctrl-C: the MLflow run marked KILLED (a 2nd Ctrl-C waits for it), and the
+        error saying how to continue it."""
+        if self.tracker is not None:
+            with CtrlC() as again, again.held(then_raise=False):
+                _mark_ended(self.tracker, "KILLED", console)
+        which = f" run {self.tracker.run_id}" if self.tracker is not None else ""
+        return RunError(f"interrupted; `dapo-flow run GRAPH --resume` continues{which} from its last "
+                        f"checkpoint under {self.run_root}")
+
+    def failed(self, exc: BaseException, console: Console) -> None:
+        """After an error: the MLflow run marked FAILED; an :class:`ActorFault` told what a
+        recovery resumes, and from which step it failed."""
+        if self.tracker is not None:
+            _mark_ended(self.tracker, "FAILED", console)
+        if isinstance(exc, ActorFault):
+            exc.run_id = self.tracker.run_id if self.tracker is not None else None
+            exc.step = self.state.step + 1 if self.state is not None else None
+
+    def close(self, ex: Executor) -> None:
+        """Every stage's workers (the driver stage's operators, a reward pool, too) and the run
+        folder released, the rollout thread stopped first."""
+        if self.producer is not None:
+            self.producer.stop()
+        ex.shutdown()
+        if self.owner is not None:
+            self.owner.release()
+
+
 def run_session(placed, *, executor: str, address: str | None, resume: bool | str, steps: int | None,
                 console: Console | None = None, run_name: str | None = None,
                 parent_run_id: str | None = None, extra_params: dict | None = None,
@@ -229,108 +167,133 @@ def run_session(placed, *, executor: str, address: str | None, resume: bool | st
     quiet_libraries()
     spec = placed.plan.spec
     console = console or Console()
+    say = lambda text: console.print(text, highlight=False)  # noqa: E731
     total = steps or spec.run.steps
     ghash = graph_hash(spec)
-    driver_state: DriverState | None = None  # a resumed run's, from its checkpoint
-    op_states: dict = {}
-    carry, ahead = None, []
-    producer = None  # rollout_mode async: the thread that collects ahead
-    model_paths: dict[str, str] = {}
-    owner = None  # the run folder's lock, held while this process trains the run
-    if resume:
-        last = resume_point(spec, resume, total, lambda text: console.print(
-            f"[yellow]warning:[/] {text}", highlight=False))
-        owner = claim(last.parent)  # before anything marks the run RUNNING again
-        driver_state, op_states = checkpoint.load(last)
-        carry = checkpoint.load_carry(last)
-        ahead = checkpoint.load_ahead(last, len(driver_state.ahead))
-        model_paths = {m: str(last / "models" / m) for m in driver_state.trained_models}
-        console.print(f"resuming from {last} (step {driver_state.step} of run "
-                      f"{driver_state.mlflow_run_id})", highlight=False)
-
+    held = Held(run_root=checkpoint_root(spec))
+    resumed = _restore(spec, resume, total, console, held) if resume else None
     tokenizer = generator_tokenizer(placed.plan)
-    version = driver_state.version if driver_state is not None else 0
-    setups = stage_setups(placed, model_paths, weights_version=version)
+    ex, startup = _start_workers(placed, resumed, executor, address, console, held)
+    try:
+        with CtrlC() as ctrl_c:
+            train_prompts, val_prompts, skipped = load_run_data(placed.plan, tokenizer, ex.read_parquet, say)
+            with ctrl_c.held():
+                logged = _start_tracking(held, placed, resumed, ghash, executor, run_name=run_name,
+                                         parent_run_id=parent_run_id, extra_params=extra_params,
+                                         artifacts=artifacts)
+            runner, ahead = _rebuild_loop(held, placed, ex, resumed, train_prompts, total, say)
+            record = RunRecord(held.tracker, held.run_root, console, ctrl_c, logged, ghash,
+                               written=checkpoint.latest(held.run_root))
+            first = {"time/startup": startup, "data/skipped_rows": float(skipped)}  # beside step 0's validation
+            if recovery is not None:
+                recovery.resumed_at = held.state.step
+            return _loop(record, runner, held.state, total, val_prompts, first, ahead, held.producer, recovery)
+    except KeyboardInterrupt:
+        raise held.interrupted(console) from None
+    except BaseException as exc:
+        held.failed(exc, console)
+        raise
+    finally:
+        held.close(ex)
+
+
+def _restore(spec, resume: bool | str, total: int, console: Console, held: Held) -> Resumed:
+    """Step 1 of a resumed session: the checkpoint it continues from, its run claimed for this
+    process before anything marks the run RUNNING again."""
+    last = resume_point(spec, resume, total, lambda text: console.print(
+        f"[yellow]warning:[/] {text}", highlight=False))
+    held.owner = claim(last.parent)
+    driver, op_states = checkpoint.load(last)
+    resumed = Resumed(last, driver, op_states, carry=checkpoint.load_carry(last),
+                      ahead=checkpoint.load_ahead(last, len(driver.ahead)),
+                      model_paths={m: str(last / "models" / m) for m in driver.trained_models})
+    console.print(f"resuming from {last} (step {driver.step} of run {driver.mlflow_run_id})", highlight=False)
+    return resumed
+
+
+def _weights_version(resumed: Resumed | None) -> int:
+    """The policy version of the weights the workers start from: the checkpoint's, else 0."""
+    return resumed.driver.version if resumed is not None else 0
+
+
+def _start_workers(placed, resumed: Resumed | None, executor: str, address: str | None, console: Console,
+                   held: Held) -> tuple[Executor, float]:
+    """Step 2: every stage's workers, built from the checkpoint's weights or the spec's, and
+    the seconds they took to start. A start that fails releases the run, which a recovery's
+    next try claims again."""
+    setups = stage_setups(placed, resumed.model_paths if resumed is not None else {},
+                          weights_version=_weights_version(resumed))
     start = time.perf_counter()
     try:
         ex = start_executor(placed, setups, executor, address, console)
     except BaseException as exc:
-        if owner is not None:
-            owner.release()  # a recovery's next try claims the run again
-        if isinstance(exc, ActorFault) and driver_state is not None:  # lost as the actors restart (a
-            exc.run_id = driver_state.mlflow_run_id  # node not yet known dead): before any step
+        if held.owner is not None:
+            held.owner.release()
+        if isinstance(exc, ActorFault) and resumed is not None:  # lost as the actors restart (a node
+            exc.run_id = resumed.driver.mlflow_run_id  # not yet known dead): before any step
         raise
-    startup = time.perf_counter() - start
-    tracker = None
-    state = None
-    run_root = checkpoint_root(spec)  # + the run id, once the MLflow run exists
-    try:
-        with CtrlC() as ctrl_c:
-            train_prompts, val_prompts, skipped = _load_data(
-                placed.plan, tokenizer, ex.read_parquet, lambda line: console.print(line, highlight=False))
-            with ctrl_c.held():
-                tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
-                                  run_id=driver_state.mlflow_run_id if driver_state is not None else None,
-                                  run_name=run_name or spec.name, parent_run_id=parent_run_id)
-                run_root = checkpoint_root(spec) / tracker.run_id
-                owner = owner or claim(run_root)
-                logged: dict[int, set[str]] = {}
-                if not resume:
-                    _log_start(tracker, placed, ghash, executor)
-                    if extra_params:
-                        tracker.log_params({k: str(v) for k, v in extra_params.items()})
-                    for name, content in (artifacts or {}).items():
-                        tracker.log_file(content, name)
-                else:
-                    logged = _logged_metrics(tracker)
-                    _flush(tracker, driver_state.unlogged_metrics, logged)
-            for stage, states in op_states.items():
-                if states:
-                    ex.get(ex.call(stage, "load_op_states", states))
-            runner = Runner(placed, ex, None)
-            runner.say = lambda text: console.print(text, highlight=False)
-            runner.rollout_version = version  # the weights every actor was built from
-            if not all(holds_full_weights(Path(p)) for p in model_paths.values()):
-                runner.sync(version)  # rollout actors were built from the spec's weights: the checkpoint's now
-            sampler = train_sampler(placed.plan, train_prompts, ex)
-            state = LoopState(policy_version=version)
-            if driver_state is not None:
-                sampler.load(driver_state.sampler)
-                carry_version = version if driver_state.carry_version is None else driver_state.carry_version
-                state = LoopState(step=driver_state.step, policy_version=version,
-                                  carry=Kept(carry, groups_of(carry) or (), carry_version) if carry is not None else None,
-                                  samples_generated=driver_state.samples_generated,
-                                  wall_seconds=driver_state.wall_seconds, keep_rate=driver_state.keep_rate,
-                                  skipped_in_a_row=driver_state.skipped_in_a_row)
-                ahead = _rollouts_ahead(driver_state, ahead)
-            runner.sampler = sampler
-            if spec.run.rollout_mode == "async":  # collects from now on, in a thread of its own
-                producer = RolloutProducer(runner, state, total, ahead)
-            record = RunRecord(tracker, run_root, console, ctrl_c, logged, ghash, written=checkpoint.latest(run_root))
-            first = {"time/startup": startup, "data/skipped_rows": float(skipped)}  # beside step 0's validation
-            if recovery is not None:
-                recovery.resumed_at = state.step
-            return _loop(record, runner, state, total, val_prompts, first, ahead, producer, recovery)
-    except KeyboardInterrupt:
-        if tracker is not None:
-            with CtrlC() as again, again.held(then_raise=False):  # a 2nd Ctrl-C waits for it
-                _mark_ended(tracker, "KILLED", console)
-        which = f" run {tracker.run_id}" if tracker is not None else ""
-        raise RunError(f"interrupted; `dapo-flow run GRAPH --resume` continues{which} from its last "
-                       f"checkpoint under {run_root}") from None
-    except BaseException as exc:
-        if tracker is not None:
-            _mark_ended(tracker, "FAILED", console)
-        if isinstance(exc, ActorFault):  # what a recovery resumes, and from which step it failed
-            exc.run_id = tracker.run_id if tracker is not None else None
-            exc.step = state.step + 1 if state is not None else None
-        raise
-    finally:
-        if producer is not None:
-            producer.stop()
-        ex.shutdown()  # every stage's workers, the driver stage's operators (a reward pool) too
-        if owner is not None:
-            owner.release()
+    return ex, time.perf_counter() - start
+
+
+def _start_tracking(held: Held, placed, resumed: Resumed | None, ghash: str, executor: str, *,
+                    run_name: str | None, parent_run_id: str | None, extra_params: dict | None,
+                    artifacts: dict | None) -> dict[int, set[str]]:
+    """Step 4: the MLflow run (a resumed run's own), its run folder claimed; a new run's params,
+    tags and artifacts logged, or the checkpoint's metrics MLflow lacks written. What MLflow
+    has already: step -> metric names."""
+    spec = placed.plan.spec
+    held.tracker = tracker = Tracker(spec.tracking.uri, spec.tracking.experiment,
+                                     run_id=resumed.driver.mlflow_run_id if resumed is not None else None,
+                                     run_name=run_name or spec.name, parent_run_id=parent_run_id)
+    held.run_root = checkpoint_root(spec) / tracker.run_id
+    held.owner = held.owner or claim(held.run_root)
+    if resumed is not None:
+        logged = _logged_metrics(tracker)
+        _flush(tracker, resumed.driver.unlogged_metrics, logged)
+        return logged
+    _log_start(tracker, placed, ghash, executor)
+    if extra_params:
+        tracker.log_params({k: str(v) for k, v in extra_params.items()})
+    for name, content in (artifacts or {}).items():
+        tracker.log_file(content, name)
+    return {}
+
+
+def _rebuild_loop(held: Held, placed, ex: Executor, resumed: Resumed | None, train_prompts, total: int,
+                  say: Callable[[str], None]) -> tuple[Runner, list[Rollout]]:
+    """Step 5: the runner and the loop's state (``held.state``) as the checkpoint left them
+    (operator states, the rollout actors' weights, the sampler, the carry, the rollouts
+    collected ahead) or fresh; an async run's rollout thread started. The runner and the
+    rollouts collected ahead."""
+    version = _weights_version(resumed)
+    for stage, states in (resumed.op_states if resumed is not None else {}).items():
+        if states:
+            ex.get(ex.call(stage, "load_op_states", states))
+    runner = Runner(placed, ex, None, say=say, rollout_version=version)  # the weights every actor was built from
+    model_paths = resumed.model_paths if resumed is not None else {}
+    if not all(holds_full_weights(Path(p)) for p in model_paths.values()):
+        runner.sync(version)  # rollout actors were built from the spec's weights: the checkpoint's now
+    sampler = train_sampler(placed.plan, train_prompts, ex)
+    held.state = LoopState(policy_version=version)
+    ahead: list[Rollout] = []
+    if resumed is not None:
+        sampler.load(resumed.driver.sampler)
+        held.state = _resumed_state(resumed, version)
+        ahead = _rollouts_ahead(resumed.driver, resumed.ahead)
+    runner.sampler = sampler
+    if placed.plan.spec.run.rollout_mode == "async":  # collects from now on, in a thread of its own
+        held.producer = RolloutProducer(runner, held.state, total, ahead)
+    return runner, ahead
+
+
+def _resumed_state(resumed: Resumed, version: int) -> LoopState:
+    """The loop's state as the checkpoint left it, its carried groups included."""
+    driver, carry = resumed.driver, resumed.carry
+    carry_version = version if driver.carry_version is None else driver.carry_version
+    return LoopState(step=driver.step, policy_version=version,
+                     carry=Kept(carry, groups_of(carry) or (), carry_version) if carry is not None else None,
+                     samples_generated=driver.samples_generated, wall_seconds=driver.wall_seconds,
+                     keep_rate=driver.keep_rate, skipped_in_a_row=driver.skipped_in_a_row)
 
 
 def _mark_ended(tracker: Tracker, status: str, console: Console) -> None:
@@ -469,18 +432,9 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
     collected ahead (from its checkpoint); ``producer``: an async run's rollout thread;
     ``recovery``: the fault this session recovers from, its metrics logged with the step that
     failed (trained now, once)."""
-    run = runner.run
-    overlap = run.rollout_mode == "one_step_off"
-    spec = runner.plan.spec
-    tracker, ctrl_c = record.tracker, record.ctrl_c
     pending: list[tuple[int, dict]] = []
-    first_val = last_val = None
-    if state.step == 0:
-        val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
-        if val:
-            first_val = val["val/acc"]
-            pending.append((0, {**val, **first, **runner.traffic.take()}))
-            record.samples(samples, 0)
+    first_val = _validate_first(record, runner, state, val_prompts, first, pending)
+    last_val = None
     last_metrics: dict = {}
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -489,53 +443,21 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
     )
     try:
         with progress:
-            task = progress.add_task(spec.name, total=total, completed=state.step, info="")
+            task = progress.add_task(runner.plan.spec.name, total=total, completed=state.step, info="")
             while state.step < total:
-                ctrl_c.check()
-                step = state.step + 1
-                ckpt_due = run.checkpoint_every and (step % run.checkpoint_every == 0 or step == total)
-                val_due = (run.val_every and step % run.val_every == 0) or step == total
-                flush_due = ckpt_due or (not run.checkpoint_every and record.flush_due())
-                # the next step's update may be queued during this one where nothing slow comes
-                # between the two: a checkpoint saves the trainer as this step leaves it, and a
-                # validation or MLflow write would run beside the queued update (and its
-                # time/train_phase would hold them)
-                faults = recovery.metrics(step) if recovery is not None else {}  # back where it failed
-                metrics, ahead = _step(runner, state, ahead, producer, collect_next=overlap and step < total,
-                                       queue_next=not (val_due or flush_due))
-                before = recovery.count if recovery is not None else 0  # full recoveries of the run so far
-                metrics.update(healed_in_place(runner.take_healed(), before + runner.healed_count, faults))
-                runner.ex.observe_step(metrics["time/step"])  # the hang bound follows the step times
-                if val_due:
-                    val, samples = runner.validate(val_prompts, spec.tracking.log_samples)
-                    metrics.update(val)
-                    record.samples(samples, step)
-                metrics.update(runner.traffic.take())
-                if hasattr(runner.sampler, "skipped"):  # a streamed source finds its bad rows as it goes
-                    metrics["data/stream_skipped_rows"] = float(runner.sampler.skipped)
-                state.step = step
-                pending.append((step, metrics))
-                last_metrics = metrics
-                last_val = metrics.get("val/acc", last_val)
-                with ctrl_c.held():  # a checkpoint and its metrics are written whole
-                    if ckpt_due:
-                        if producer is None:
-                            record.checkpoint(runner, state, pending, ahead, total=total)
-                        else:
-                            with producer.paused() as collected:  # what it holds, none in flight
-                                record.checkpoint(runner, state, pending, collected, total=total)
-                    if flush_due:
-                        record.flush(pending)
-                progress.update(task, completed=step, info=_progress_info(metrics, last_val))
+                last_metrics, ahead = _train_step(record, runner, state, total, val_prompts, ahead, producer,
+                                                  recovery, pending)
+                last_val = last_metrics.get("val/acc", last_val)
+                progress.update(task, completed=state.step, info=_progress_info(last_metrics, last_val))
     except BaseException:
-        if not run.checkpoint_every:  # no checkpoint holds them: now or never
-            with contextlib.suppress(Exception), ctrl_c.held(then_raise=False):
+        if not runner.run.checkpoint_every:  # no checkpoint holds them: now or never
+            with contextlib.suppress(Exception), record.ctrl_c.held(then_raise=False):
                 record.flush(pending)
         raise
-    with ctrl_c.held(then_raise=False):  # the run is done: a late Ctrl-C changes nothing
+    with record.ctrl_c.held(then_raise=False):  # the run is done: a late Ctrl-C changes nothing
         record.finish(pending)
     summary = {
-        "run_id": tracker.run_id, "tracking_uri": tracker.uri, "steps": state.step,
+        "run_id": record.tracker.run_id, "tracking_uri": record.tracker.uri, "steps": state.step,
         "wall_seconds": state.wall_seconds, "val_acc_start": first_val, "val_acc_end": last_val,
         "samples_generated": state.samples_generated, "graph_hash": record.graph_hash,
         "last_metrics": last_metrics,
@@ -543,6 +465,63 @@ def _loop(record: RunRecord, runner: Runner, state: LoopState, total: int, val_p
     }
     _print_summary(record.console, summary)
     return summary
+
+
+def _validate_first(record: RunRecord, runner: Runner, state: LoopState, val_prompts, first: dict[str, float],
+                    pending: list[tuple[int, dict]]) -> float | None:
+    """A new run's validation before any update, buffered as step 0 with ``first``; its
+    accuracy (None: a resumed run, or no validation)."""
+    if state.step != 0:
+        return None
+    val, samples = runner.validate(val_prompts, runner.plan.spec.tracking.log_samples)
+    if not val:
+        return None
+    pending.append((0, {**val, **first, **runner.traffic.take()}))
+    record.samples(samples, 0)
+    return val["val/acc"]
+
+
+def _train_step(record: RunRecord, runner: Runner, state: LoopState, total: int, val_prompts,
+                ahead: list[Rollout], producer: RolloutProducer | None, recovery: "Recovered | None",
+                pending: list[tuple[int, dict]]) -> tuple[dict, list[Rollout]]:
+    """Step ``state.step + 1`` of the loop, its validation and checkpoint when due; its metrics
+    (buffered in ``pending`` until a flush writes them) and the rollouts now collected ahead."""
+    run, ctrl_c = runner.run, record.ctrl_c
+    ctrl_c.check()
+    step = state.step + 1
+    ckpt_due = run.checkpoint_every and (step % run.checkpoint_every == 0 or step == total)
+    val_due = (run.val_every and step % run.val_every == 0) or step == total
+    flush_due = ckpt_due or (not run.checkpoint_every and record.flush_due())
+    # the next step's update may be queued during this one where nothing slow comes
+    # between the two: a checkpoint saves the trainer as this step leaves it, and a
+    # validation or MLflow write would run beside the queued update (and its
+    # time/train_phase would hold them)
+    faults = recovery.metrics(step) if recovery is not None else {}  # back where it failed
+    metrics, ahead = _step(runner, state, ahead, producer,
+                           collect_next=run.rollout_mode == "one_step_off" and step < total,
+                           queue_next=not (val_due or flush_due))
+    before = recovery.count if recovery is not None else 0  # full recoveries of the run so far
+    metrics.update(healed_in_place(runner.take_healed(), before + runner.healed_count, faults))
+    runner.ex.observe_step(metrics["time/step"])  # the hang bound follows the step times
+    if val_due:
+        val, samples = runner.validate(val_prompts, runner.plan.spec.tracking.log_samples)
+        metrics.update(val)
+        record.samples(samples, step)
+    metrics.update(runner.traffic.take())
+    if hasattr(runner.sampler, "skipped"):  # a streamed source finds its bad rows as it goes
+        metrics["data/stream_skipped_rows"] = float(runner.sampler.skipped)
+    state.step = step
+    pending.append((step, metrics))
+    with ctrl_c.held():  # a checkpoint and its metrics are written whole
+        if ckpt_due:
+            if producer is None:
+                record.checkpoint(runner, state, pending, ahead, total=total)
+            else:
+                with producer.paused() as collected:  # what it holds, none in flight
+                    record.checkpoint(runner, state, pending, collected, total=total)
+        if flush_due:
+            record.flush(pending)
+    return metrics, ahead
 
 
 def _step(runner: Runner, state: LoopState, ahead: list[Rollout], producer: RolloutProducer | None,

@@ -12,9 +12,12 @@ each target imports them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dapo_flow.graph.plan import Stage, Sync
+
+if TYPE_CHECKING:
+    from dapo_flow.runtime.executors import Executor
 
 MB = 1 << 20
 
@@ -25,7 +28,7 @@ class WeightSyncs:
     model's bus (joined once) and manifest."""
 
     placed: Any
-    ex: Any
+    ex: "Executor"
     manifests: dict[str, list] = field(default_factory=dict)  # model -> its weights' manifest (bus joined)
     rosters: dict[str, int] = field(default_factory=dict)  # model -> its targets' roster when the bus formed
 
@@ -33,7 +36,7 @@ class WeightSyncs:
         """Whether ``sync`` goes over a weight bus: its setting says so and the executor has
         actors to form one (local runs transfer in-process)."""
         spec = self.placed.plan.spec.models[sync.model].rollout
-        return spec.weight_sync == "broadcast" and hasattr(self.ex, "call_each")
+        return spec.weight_sync == "broadcast" and self.ex.forms_weight_buses
 
     def start(self, sync: Sync, version: int, *, live: bool = False) -> Any:
         """Queue one transfer sync of the weights of policy ``version`` (each side's call runs

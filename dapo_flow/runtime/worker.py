@@ -20,7 +20,7 @@ from dapo_flow.errors import RunError
 from dapo_flow.runtime import group as group_rows
 from dapo_flow.runtime.metrics import batch_stats, first_row
 from dapo_flow.runtime.tables import ChainInfo, assemble, info_of, merge_inputs
-from dapo_flow.core.contract import Contract, OpContext, contract_of
+from dapo_flow.core.contract import Contract, OpContext, TrainOperator, contract_of
 from dapo_flow.graph.plan import GROUP_STRATEGIES
 from dapo_flow.graph.spec import GraphSpec
 from dapo_flow.models.engines import Backend
@@ -397,7 +397,8 @@ class StageWorker:
         for nid, op in self.ops.items():
             node = next(n for n in self.setup.nodes if n.id == nid)
             if node.model == model and self.contracts[nid].role == "train":
-                return op.trainer.optimizer
+                train_op: TrainOperator = op  # what a train-role instance holds (core.contract)
+                return train_op.trainer.optimizer
         return None
 
     def _load_sharded(self, name: str, path: Path) -> None:
