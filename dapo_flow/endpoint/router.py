@@ -131,20 +131,11 @@ def build_router_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="dapo-flow endpoint router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
-
     answer_errors_as_openai(app)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        async def one(i: int) -> dict[str, Any]:
-            try:
-                root = router.backends[i].base_url.rstrip("/").removesuffix("/v1")
-                reply = await clients[i].get(root + "/health", timeout=5.0)
-                return {"replica": i, **reply.json()}
-            except (httpx.HTTPError, ValueError) as exc:
-                return {"replica": i, "status": "unreachable", "error": type(exc).__name__}
-
-        replicas = await asyncio.gather(*(one(i) for i in range(len(clients))))
+        replicas = await asyncio.gather(*(_replica_health(router, clients, i) for i in range(len(clients))))
         up = sum(r.get("status") == "ok" for r in replicas)
         return {"status": "ok" if up else "down", "model": router.model_name, "replicas_up": up,
                 "replicas": replicas}
@@ -152,41 +143,53 @@ def build_router_app(router: Router) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         authorize(request.headers.get("authorization", ""), router.token)
-        return await _forward(request, None, b"", "GET")
+        return await _forward(router, clients, request, None, b"", "GET")
 
     @app.post("/v1/chat/completions")
     @app.post("/v1/completions")
     async def sample(request: Request) -> Response:
         authorize(request.headers.get("authorization", ""), router.token)
         raw = await request.body()
-        return await _forward(request, _episode_of(request, raw), raw, "POST")
-
-    async def _forward(request: Request, episode: str | None, raw: bytes, method: str) -> Response:
-        path = request.url.path.removeprefix("/v1")
-        headers = {k: v for k, v in request.headers.items() if k in ("content-type", EPISODE_HEADER)}
-        tried: set[int] = set()
-        while (replica := router.routes.pick(episode, tried)) is not None:
-            router.routes.in_flight[replica] += 1
-            try:
-                reply = await clients[replica].request(method, path, content=raw, headers=headers)
-            except httpx.TransportError as exc:
-                router.routes.lost(replica)
-                if episode is not None:
-                    router.routes.forget(episode)
-                    raise ApiError(502, f"replica {replica} ({router.backends[replica].base_url}), which holds episode "
-                                        f"{episode!r}, cannot be reached ({type(exc).__name__}); the episode's tokens "
-                                        "are there: start the episode again", code="replica_unreachable") from None
-                tried.add(replica)
-                continue
-            finally:
-                router.routes.in_flight[replica] -= 1
-            return Response(reply.content, status_code=reply.status_code,
-                            media_type=reply.headers.get("content-type", "application/json"),
-                            headers={REPLICA_HEADER: str(replica)})
-        raise ApiError(503, f"no replica can be reached ({len(router.backends)} behind this address); "
-                            f"each is tried again {RETRY_S:.0f} s after it failed", code="no_replica")
+        return await _forward(router, clients, request, _episode_of(request, raw), raw, "POST")
 
     return app
+
+
+async def _replica_health(router: Router, clients: list[httpx.AsyncClient], i: int) -> dict[str, Any]:
+    try:
+        root = router.backends[i].base_url.rstrip("/").removesuffix("/v1")
+        reply = await clients[i].get(root + "/health", timeout=5.0)
+        return {"replica": i, **reply.json()}
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"replica": i, "status": "unreachable", "error": type(exc).__name__}
+
+
+async def _forward(router: Router, clients: list[httpx.AsyncClient], request: Request, episode: str | None,
+                   raw: bytes, method: str) -> Response:
+    """The request answered by a replica: its episode's, else the least busy one that answers."""
+    path = request.url.path.removeprefix("/v1")
+    headers = {k: v for k, v in request.headers.items() if k in ("content-type", EPISODE_HEADER)}
+    tried: set[int] = set()
+    while (replica := router.routes.pick(episode, tried)) is not None:
+        router.routes.in_flight[replica] += 1
+        try:
+            reply = await clients[replica].request(method, path, content=raw, headers=headers)
+        except httpx.TransportError as exc:
+            router.routes.lost(replica)
+            if episode is not None:
+                router.routes.forget(episode)
+                raise ApiError(502, f"replica {replica} ({router.backends[replica].base_url}), which holds episode "
+                                    f"{episode!r}, cannot be reached ({type(exc).__name__}); the episode's tokens "
+                                    "are there: start the episode again", code="replica_unreachable") from None
+            tried.add(replica)
+            continue
+        finally:
+            router.routes.in_flight[replica] -= 1
+        return Response(reply.content, status_code=reply.status_code,
+                        media_type=reply.headers.get("content-type", "application/json"),
+                        headers={REPLICA_HEADER: str(replica)})
+    raise ApiError(503, f"no replica can be reached ({len(router.backends)} behind this address); "
+                        f"each is tried again {RETRY_S:.0f} s after it failed", code="no_replica")
 
 
 def _episode_of(request: Request, raw: bytes) -> str | None:

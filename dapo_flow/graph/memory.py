@@ -350,10 +350,9 @@ def estimate_training(
     workers (dapo_flow.models.sequence_parallel), so a worker keeps 1/k of the micro-batch's
     activations and logits; the attention mask is still the whole sequence's.
     """
-    if sequence_parallel < 1:
-        raise ValueError("sequence_parallel must be >= 1")
     sharded = _checked_sharding(dtype, optimizer, micro_batch_tokens, response_tokens_per_micro_batch,
-                                logprob_chunk_tokens, workers, strategy, cpu_offload, mixed_precision)
+                                logprob_chunk_tokens, workers, strategy, cpu_offload, mixed_precision,
+                                sequence_parallel)
     # parameters, gradients, AdamW moments (torch keeps them alike): float32 master weights under
     # mixed precision, whatever dtype
     store = FP32 if mixed_precision else DTYPE_BYTES[dtype]
@@ -382,9 +381,11 @@ def estimate_training(
 
 def _checked_sharding(dtype: str, optimizer: str, micro_batch_tokens: int, response_tokens_per_micro_batch: int,
                       logprob_chunk_tokens: int | None, workers: int, strategy: str | None, cpu_offload: bool,
-                      mixed_precision: str | None) -> bool:
+                      mixed_precision: str | None, sequence_parallel: int) -> bool:
     """Whether :func:`estimate_training`'s state is sharded (FSDP2), after refusing what it
     cannot price."""
+    if sequence_parallel < 1:
+        raise ValueError("sequence_parallel must be >= 1")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}: use one of {sorted(DTYPE_BYTES)}")
     if optimizer != "adamw":
