@@ -100,7 +100,7 @@ def test_replaying_other_routes_sends_tokens_there_and_trains_the_router():
     own = torch.stack(seen, dim=1)  # (T, L, k)
     # every token to the two experts it did not choose (4 experts, top-2)
     chosen = torch.zeros(*own.shape[:2], routing.num_experts).scatter_(-1, own, 1.0)
-    others = chosen.argsort(-1, stable=True)[..., :routing.top_k]
+    others = chosen.argsort(dim=-1, stable=True)[..., :routing.top_k]
     with routing_replayed(routing, others) as tally, routing_recorded(routing) as routed:
         logits = model(**inputs).logits
     assert not torch.allclose(logits, plain)
