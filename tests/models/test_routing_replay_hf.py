@@ -51,14 +51,17 @@ def test_the_rollout_records_each_prompt_and_fed_response_tokens_experts(rollout
 
 
 def _perturbed(moe_dir: Path, **kwargs):
-    """The policy with every weight moved by 3% relative noise (seeded): its routing differs."""
+    """The policy with its routers' weights moved by 10% relative noise (seeded), as a router a
+    step ahead of the rollout's: about 1% of the (token, layer, k) choices change, and the gate
+    weights of the others move too (which replay keeps: they come from the current router)."""
     from dapo_flow.models.hf import HFPolicy
 
     policy = HFPolicy(moe_dir, **kwargs)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for param in policy.model.parameters():
-            param.mul_(1 + 0.03 * torch.randn(param.shape, generator=gen))
+        for name, param in policy.model.named_parameters():
+            if ".mlp.gate." in name:
+                param.mul_(1 + 0.1 * torch.randn(param.shape, generator=gen))
     return policy
 
 
@@ -72,8 +75,8 @@ def test_replay_brings_a_perturbed_trainers_logprobs_closer_to_the_rollouts(moe_
     tally = ReplayTally()
     replayed, _, _ = policy.response_logprobs(rows, out.response_ids, routes=out.routes, tally=tally)
     without, with_replay = _mean_mismatch(own, out.logprobs), _mean_mismatch(replayed, out.logprobs)
-    assert 0.5 < tally.agreement < 1.0  # the perturbed router chooses otherwise for some tokens
-    assert with_replay < 0.8 * without, (with_replay, without)
+    assert 0.9 < tally.agreement < 1.0  # the perturbed router chooses otherwise for some tokens
+    assert with_replay < 0.6 * without, (with_replay, without)  # measured: 0.0062 vs 0.0145
 
 
 def test_replaying_on_the_rollouts_own_weights_changes_nothing(moe_dir: Path, rollout):
