@@ -113,5 +113,5 @@ def routes_from_arrow(col: pa.ChunkedArray | pa.Array, layers: int, top_k: int) 
     """The ``routed_experts`` column back as each row's (n_tokens, layers, k) int16 array."""
     flat = _flat(col)
     offsets = flat.offsets.to_numpy()
-    values = flat.values.to_numpy(zero_copy_only=False)
+    values = flat.values.to_numpy(zero_copy_only=False).copy()  # writable: torch takes it without a copy
     return [values[offsets[i]:offsets[i + 1]].reshape(-1, layers, top_k) for i in range(len(flat))]

@@ -13,7 +13,7 @@ in float32) and the pass (a fifth of the main job's step) is saved; with a separ
 
 With routing replay (the model's ``train.routing_replay``, rows carrying ``routed_experts``) an
 actor's recomputation routes every token to the experts the rollout chose (R3), and reports
-``moe/routing_agreement`` (the share of those choices the trainer's router makes itself) and the
+``rollout/routing_agreement`` (the share of those choices the trainer's router makes itself) and the
 logprob mismatch with the rollout, ``rollout/logp_mismatch`` (mean |old_logp - rollout_logp|,
 replayed) and ``rollout/logp_mismatch_unreplayed`` (the same of a second forward that routes on its
 own: what replay removed; `replay_metrics: false` saves that forward). Without replay
@@ -159,7 +159,7 @@ class Logprob:
 
         metrics = {"rollout/logp_mismatch": mean_gap(logp)}
         if routes is not None:
-            metrics["moe/routing_agreement"] = tally.agreement
+            metrics["rollout/routing_agreement"] = tally.agreement
             if self.params.replay_metrics:
                 own = policy.response_logprobs(prompts, responses, temperature=self.params.temperature,
                                                micro_batch_size=self.params.micro_batch_size)[0]

@@ -76,7 +76,7 @@ def test_a_recomputing_logprob_node_replays_and_reports_agreement_and_mismatch(m
     op = Logprob(Params(with_entropy=False), OpContext("old_logp", model=model))
     out = op(rows)
     metrics = op.last_metrics()
-    assert 0.9 < metrics["moe/routing_agreement"] < 1.0
+    assert 0.9 < metrics["rollout/routing_agreement"] < 1.0
     assert metrics["rollout/logp_mismatch"] < metrics["rollout/logp_mismatch_unreplayed"]
     # the replayed old logprobs are the column: their mismatch is the one reported
     old = np.concatenate(out.column(C.OLD_LOGP).to_pylist())
