@@ -167,6 +167,8 @@ def test_routing_replay_needs_experts_and_the_hf_backend(tmp_path):
     with pytest.raises(ValidationError, match=r"train.routing_replay is not supported with the vllm backend: "
                                               r"use backend: hf"):
         ModelSpec(path=str(tmp_path), backend="vllm", train={"routing_replay": True})
+    with pytest.raises(ValidationError, match=r"routing_replay does not work with train.grad_checkpointing"):
+        ModelSpec(path="builtin:tiny-moe", train={"routing_replay": True, "grad_checkpointing": True})
 
 
 def test_routing_replay_on_a_dense_model_is_a_validate_error(tmp_path, capsys):

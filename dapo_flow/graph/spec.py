@@ -281,6 +281,10 @@ class ModelSpec(_Frozen):
         if self.backend != "hf":
             raise ValueError(f"train.routing_replay is not supported with the {self.backend} backend: use "
                              "backend: hf (its rollout records each token's experts), or remove routing_replay")
+        if self.train.grad_checkpointing:
+            raise ValueError("train.routing_replay does not work with train.grad_checkpointing yet: the "
+                             "checkpointed backward recomputes each layer after the replaying forward is "
+                             "over, so it would route on its own; set one of them to false")
         from dapo_flow.models import model_config  # light: json only
 
         config = model_config(self.path)

@@ -168,6 +168,9 @@ class Update:
         self.moe_metrics: dict[str, float] = {}
         # routing replay (R3): the forwards route as the rollout did (train.routing_replay)
         self.replay = bool(self.routing is not None and ctx.model.spec.train.routing_replay)
+        if self.replay and self.policy.grad_checkpointing:  # validate says so first; a direct caller here
+            raise ModelError(f"update '{ctx.node_id}': routing replay with gradient checkpointing: the "
+                             "recomputed layers would route on their own; turn one of them off")
 
     def last_metrics(self) -> dict[str, float]:
         """A mixture-of-experts policy's router metrics of the last step (``RouterTerm.metrics``:
