@@ -676,7 +676,7 @@ class HFPolicy:
         """``replay(rows)``: the context a pass over ``rows`` (a slice of these rows) runs in: the
         rows' recorded routes replayed (:func:`~dapo_flow.models.moe.routing_replayed`), laid out
         as that pass lays out its tokens; nothing without ``routes``."""
-        if routes is None:
+        if routes is None or not prompt_ids:  # nothing to replay (no rows: no forward either)
             return lambda rows: nullcontext()
         from dapo_flow.models.moe import ReplayTally, flat_choices, routing_replayed
 
