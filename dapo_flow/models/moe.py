@@ -153,8 +153,8 @@ def routing_replayed(routing: Routing, choices: torch.Tensor, tally: ReplayTally
     experts (:func:`~dapo_flow.algos.moe.replayed_choices`) with gate weights recomputed from the
     router's current logits (:func:`~dapo_flow.algos.moe.replayed_gate_weights`, so gradients
     reach the router), and tallies the agreement of the router's own choices into the yielded
-    :class:`ReplayTally` (once per layer: a checkpointed backward recomputes the forward, routed
-    alike, not tallied again). Shape: choices (T, L, k) long, -1 where a token keeps its own."""
+    :class:`ReplayTally` (once per layer and block). Not under gradient checkpointing: its
+    backward recomputes the layers after the block is over (validate refuses the two). Shape: choices (T, L, k) long, -1 where a token keeps its own."""
     from dapo_flow.algos.moe import replayed_choices, replayed_gate_weights, routing_agreement_counts
 
     tally = tally if tally is not None else ReplayTally()
@@ -207,7 +207,9 @@ class RouteLog:
     def __init__(self, routing: Routing, n: int, max_tokens: int):
         self.routing, self.n, self.max_tokens = routing, n, max_tokens
         self.seen: list[torch.Tensor] = []
-        self.buf: torch.Tensor | None = None  # (S, P + max_tokens, L, k) long, -1: not recorded
+        # (S, P + max_tokens, L, k) int16, -1: not recorded; int16, not long: a large MoE's
+        # record (48 layers x top-8) is then 768 bytes a token, on the rollout's device
+        self.buf: torch.Tensor | None = None
 
     def write(self, rows: int, start: int) -> None:
         """The forward just run (its routers' choices in :attr:`seen`) fed ``rows`` rows of equal
@@ -222,10 +224,10 @@ class RouteLog:
         block = choices.reshape(rows, -1, layers, self.routing.top_k)  # (rows, fed, L, k)
         if self.buf is None:  # the prompts' prefill: P columns of each prompt's n sample rows
             self.buf = torch.full((rows * self.n, block.shape[1] + self.max_tokens, layers, self.routing.top_k),
-                                  -1, dtype=torch.long, device=choices.device)
+                                  -1, dtype=torch.int16, device=choices.device)
         if rows != self.buf.shape[0]:
             block = block.repeat_interleave(self.buf.shape[0] // rows, 0)
-        self.buf[:, start:start + block.shape[1]] = block
+        self.buf[:, start:start + block.shape[1]] = block.to(torch.int16)
 
     def rows(self, prompts: list[list[int]], lengths: list[int]) -> list:
         """Each sample's choices for its own prompt + response tokens (the prompt's ``n`` samples
@@ -233,5 +235,5 @@ class RouteLog:
         import numpy as np
 
         width = self.buf.shape[1] - self.max_tokens
-        host = self.buf.cpu().numpy().astype(np.int16)
+        host = self.buf.cpu().numpy()
         return [host[s, width - len(prompts[s // self.n]):width + n] for s, n in enumerate(lengths)]
