@@ -100,3 +100,29 @@ def test_packed_passes_replay_as_padded_ones(moe_dir: Path, rollout):
     packed = _perturbed(moe_dir, pack=True).response_logprobs(rows, out.response_ids, routes=out.routes,
                                                               micro_batch_size=5)[0]
     torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+
+
+def test_weights_loaded_mid_rollout_rerecord_the_sequence_so_far(moe_dir: Path):
+    """A partial rollout recomputes its cache with the new weights (hf.py): their routing of the
+    prompt and the tokens so far replaces the old weights', so the record is the new weights'
+    own routing throughout (and every later token's too)."""
+    from dapo_flow.models.hf import HFPolicy
+    from dapo_flow.models.moe import ReplayTally
+    from dapo_flow.models.sampling import SamplingConfig
+    from weight_swaps import swap_after_forward
+
+    policy = HFPolicy(moe_dir)
+    rng = np.random.default_rng(0)
+    new_weights = {k: v + rng.normal(0, 0.1, v.shape).astype(np.float32) for k, v in policy.named_weights().items()}
+    new = HFPolicy(moe_dir)
+    new.load_weights(new_weights, version=1)
+    prompts = policy.tokenizer(PROMPTS)["input_ids"]
+    record = swap_after_forward(policy, 3, new_weights, version=1)  # after the prefill and two decode steps
+    out = policy.generate(prompts, SamplingConfig(n=4, max_tokens=8, seed=3, record_routes=True))
+    record["thread"].join()
+    assert any(len(set(v)) > 1 for v in out.versions), "no sample outlived the swap: the test would not test it"
+    rows = [prompts[i] for i in out.prompt_index]
+    as_new, as_old = ReplayTally(), ReplayTally()
+    new.response_logprobs(rows, out.response_ids, routes=out.routes, tally=as_new)
+    HFPolicy(moe_dir).response_logprobs(rows, out.response_ids, routes=out.routes, tally=as_old)
+    assert as_new.agreement == 1.0 and as_old.agreement < 1.0
