@@ -7,6 +7,7 @@ import pyarrow as pa
 import pytest
 
 from dapo_flow.algos import AlgoError, factorize
+from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import group_codes
 
 
@@ -36,3 +37,15 @@ def test_group_codes_of_other_types_and_edge_cases():
     assert empty.n_groups == 0 and empty.codes.shape == (0,)
     with pytest.raises(AlgoError, match="null"):
         group_codes(pa.array(["a", None]))
+
+
+def test_routes_round_trip_through_their_column_also_from_a_slice():
+    from dapo_flow.data.arrow_utils import routes_from_arrow, routes_to_arrow
+
+    routes = [np.arange(4 * (i + 1), dtype=np.int16).reshape(-1, 2, 2) + 10 * i for i in range(5)]
+    column = routes_to_arrow(routes)
+    assert column.type == C.SCHEMA[C.ROUTED_EXPERTS]
+    assert column.to_pylist()[1] == routes[1].reshape(-1).tolist()  # (token, layer, k) order
+    # a training group's worker gets a slice of the rows: its offsets still find their values
+    back = routes_from_arrow(pa.table({C.ROUTED_EXPERTS: column}).slice(2, 2).column(C.ROUTED_EXPERTS), 2, 2)
+    assert [b.tolist() for b in back] == [r.tolist() for r in routes[2:4]]

@@ -152,3 +152,35 @@ def test_cpu_offload_stays_an_fsdp2_setting():
     with pytest.raises(pydantic.ValidationError, match="cpu_offload is an FSDP2 setting"):
         ModelSpec(path="builtin:tiny-adder", train={"cpu_offload": True, "workers": 2, "strategy": "ddp"})
     assert ModelSpec(path="builtin:tiny-adder", train={"cpu_offload": True, "strategy": "fsdp2"}).train.cpu_offload
+
+
+def test_routing_replay_needs_experts_and_the_hf_backend(tmp_path):
+    from pydantic import ValidationError
+
+    from dapo_flow.graph.spec import ModelSpec
+
+    assert ModelSpec(path="builtin:tiny-moe", train={"routing_replay": True}).train.routing_replay
+    with pytest.raises(ValidationError, match=r"train.routing_replay needs a mixture-of-experts model, but "
+                                              r"builtin:tiny-adder \(llama\) has no experts"):
+        ModelSpec(path="builtin:tiny-adder", train={"routing_replay": True})
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 4, "num_experts": 8}')
+    with pytest.raises(ValidationError, match=r"train.routing_replay is not supported with the vllm backend: "
+                                              r"use backend: hf"):
+        ModelSpec(path=str(tmp_path), backend="vllm", train={"routing_replay": True})
+    with pytest.raises(ValidationError, match=r"routing_replay does not work with train.grad_checkpointing"):
+        ModelSpec(path="builtin:tiny-moe", train={"routing_replay": True, "grad_checkpointing": True})
+    with pytest.raises(ValidationError, match=r"routing_replay does not work with train.sequence_parallel"):
+        ModelSpec(path="builtin:tiny-moe", train={"routing_replay": True, "sequence_parallel": 2, "workers": 2})
+
+
+def test_routing_replay_on_a_dense_model_is_a_validate_error(tmp_path, capsys):
+    from dapo_flow import cli
+
+    graph = (ROOT / "graphs" / "dapo.yaml").read_text()
+    block = "train: {workers: auto, strategy: ddp}"
+    assert block in graph and "builtin:tiny-adder" in graph
+    path = tmp_path / "g.yaml"
+    path.write_text(graph.replace(block, "train: {workers: auto, strategy: ddp, routing_replay: true}"))
+    assert cli.main(["validate", str(path)]) != 0
+    out = capsys.readouterr()
+    assert "routing_replay needs a mixture-of-experts model" in out.err + out.out

@@ -61,3 +61,47 @@ def load_fractions(counts: Tensor) -> Tensor:
     Shape: (..., E) summed over the leading dims -> (E,)."""
     per_expert = counts.reshape(-1, counts.shape[-1]).sum(0)
     return per_expert / per_expert.sum().clamp(min=1.0)
+
+
+# --- routing replay (R3) ------------------------------------------------------------------------
+# The rollout records each token's top-k experts per layer; the training forward routes every
+# token to the recorded experts instead of its own top-k, so a token meets the experts that
+# produced its sampled logprob. -1 in a recorded choice means "not recorded" (a padding position,
+# the last sampled token, which no forward of the rollout ever fed): that token keeps its own.
+
+
+def replayed_choices(own: Tensor, recorded: Tensor) -> Tensor:
+    """The experts each token is sent to: the recorded ones where a token has a record (its row
+    holds no -1), its own top-k elsewhere. Shape: own (T, k) long, recorded (T, k) long -> (T, k)."""
+    has_record = (recorded >= 0).all(-1, keepdim=True)  # (T, 1): a record is all k experts or none
+    return torch.where(has_record, recorded, own)
+
+
+def replayed_gate_weights(router_logits: Tensor, choices: Tensor, norm_topk_prob: bool) -> Tensor:
+    """The gate weights of ``choices`` as the model's router computes its own top-k's: softmax of
+    the logits (float32), the chosen experts' probabilities, renormalised to sum to 1 when the
+    config says so (``norm_topk_prob``), in the logits' dtype. A differentiable function of the
+    logits, so the policy loss still trains the router through the weights. Replaying a token's
+    own top-k gives its own weights bit for bit (the same ops on the same values, in top-k order).
+    Shape: router_logits (T, E), choices (T, k) long -> (T, k)."""
+    probs = torch.softmax(router_logits, dtype=torch.float, dim=-1)
+    weights = probs.gather(-1, choices)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype)
+
+
+def routing_agreement_counts(own: Tensor, recorded: Tensor) -> tuple[Tensor, Tensor]:
+    """How many of the recorded (token, k) choices the router's own top-k also makes (as sets per
+    token: the order within the top-k changes no output), and how many recorded choices there
+    are; tokens without a record count in neither. Shape: own (T, k), recorded (T, k) -> (), ()."""
+    has_record = (recorded >= 0).all(-1)  # (T,)
+    rec, mine = recorded[has_record], own[has_record]  # (N, k)
+    matched = (rec[:, :, None] == mine[:, None, :]).any(-1)  # (N, k): recorded expert among own top-k
+    return matched.sum(), torch.tensor(rec.numel(), device=own.device)
+
+
+def logprob_mismatch_sum(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
+    """Sum of |a - b| over the masked tokens (divide by ``mask.sum()`` for the mean): how far the
+    trainer's logprobs of the sampled tokens are from the rollout's. Shape: (b, R) x3 -> ()."""
+    return ((a.float() - b.float()).abs() * mask).sum()

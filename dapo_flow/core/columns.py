@@ -32,6 +32,11 @@ TRUNCATED = "truncated"  # hit max_tokens without EOS
 ROLLOUT_LOGP = "rollout_logp"  # sampled-token logprobs from the rollout engine
 ROLLOUT_VERSION = "rollout_version"  # per response token: the policy version (RL steps trained into
 # the weights) that sampled it; under run.partial_rollouts one response can span several
+ROUTED_EXPERTS = "routed_experts"  # a mixture-of-experts rollout's expert choices (routing replay,
+# train.routing_replay): for each prompt + response token, each MoE layer's top-k expert indices,
+# flat in (token, layer, k) order (the model's layers and k give the shape); -1 where a token's
+# choice was not recorded (the last response token, which the rollout never fed to the model)
+ROUTED = pa.list_(pa.int16())  # expert indices: int16 holds the 128-256 experts of large MoEs
 
 # --- rewards --------------------------------------------------------------------
 SCORE = "score"  # verifier score before shaping
@@ -76,6 +81,7 @@ SCHEMA: dict[str, pa.DataType] = {
     TRUNCATED: pa.bool_(),
     ROLLOUT_LOGP: TOKEN_FLOATS,
     ROLLOUT_VERSION: TOKENS,
+    ROUTED_EXPERTS: ROUTED,
     SCORE: pa.float32(),
     ACC: pa.float32(),
     OVERLONG_PENALTY: pa.float32(),

@@ -99,3 +99,19 @@ def group_codes(col: pa.ChunkedArray | pa.Array) -> algos.Groups:
         return algos.Groups(np.zeros(0, np.int64), 0)
     codes = np.concatenate([c.indices.to_numpy() for c in chunks]).astype(np.int64, copy=False)
     return algos.Groups(codes, len(chunks[-1].dictionary))
+
+
+def routes_to_arrow(routes: Sequence[np.ndarray]) -> pa.ListArray:
+    """Each row's expert choices, (n_tokens, layers, k) each, as the ``routed_experts`` column:
+    one flat list per row in (token, layer, k) order."""
+    offsets = np.concatenate([[0], np.cumsum([r.size for r in routes])]).astype(np.int32)
+    values = np.concatenate([r.reshape(-1) for r in routes]) if routes else np.zeros(0)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values.astype(np.int16), pa.int16()))
+
+
+def routes_from_arrow(col: pa.ChunkedArray | pa.Array, layers: int, top_k: int) -> list[np.ndarray]:
+    """The ``routed_experts`` column back as each row's (n_tokens, layers, k) int16 array."""
+    flat = _flat(col)
+    offsets = flat.offsets.to_numpy()
+    values = flat.values.to_numpy(zero_copy_only=False).copy()  # writable: torch takes it without a copy
+    return [values[offsets[i]:offsets[i + 1]].reshape(-1, layers, top_k) for i in range(len(flat))]

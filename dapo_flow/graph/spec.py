@@ -111,6 +111,16 @@ class TrainSpec(_Frozen):
         "a time, recomputing each chunk's logits in the backward pass: logits memory is bounded by the chunk "
         "instead of the response length x vocabulary; the same values and gradients. null: all at once."
     )
+    routing_replay: bool = Field(
+        False, description="Rollout routing replay (R3) for a mixture-of-experts model: its hf rollout "
+        "records each token's top-k experts per MoE layer (the `routed_experts` column, prompt and "
+        "response tokens), and the update's forwards and a `logprob` node's recomputation send every "
+        "token to those experts instead of the router's own choice, with gate weights recomputed from "
+        "the current router (so it still trains); the trainer then computes the function the rollout "
+        "sampled from. Reported: moe/routing_agreement (the share of the rollout's choices the "
+        "trainer's router would make itself) and, at a recomputing logprob node, the logprob mismatch "
+        "with and without replay. Needs a model with experts and backend hf."
+    )
 
     sequence_parallel: int = Field(
         1, ge=1, le=MAX_WORKERS, description="Ulysses sequence parallelism (verl's "
@@ -269,12 +279,37 @@ class ModelSpec(_Frozen):
             why = " (it generates with the torch policy)" if backend.generates_with_trainer else ""
             raise ValueError(f"rollout.{unused[0]} is a setting of the rollout engine, which backend "
                              f"'{self.backend}' does not take{why}: use backend: vllm, or remove it")
+        self._routing_replay_is_possible()
         heads = _attention_heads(self.path)
         tp = self.rollout.tensor_parallel
         if heads is not None and heads % tp:
             raise ValueError(f"rollout.tensor_parallel {tp} does not divide the model's {heads} attention "
                              f"heads: use one of {[d for d in range(1, heads + 1) if heads % d == 0]}")
         return self
+
+
+    def _routing_replay_is_possible(self) -> None:
+        """train.routing_replay needs a rollout that records experts (the hf backend's) and a
+        model that has some (config.json read without loading anything, when it can be)."""
+        if not self.train.routing_replay:
+            return
+        if self.backend != "hf":
+            raise ValueError(f"train.routing_replay is not supported with the {self.backend} backend: use "
+                             "backend: hf (its rollout records each token's experts), or remove routing_replay")
+        if self.train.grad_checkpointing:
+            raise ValueError("train.routing_replay does not work with train.grad_checkpointing yet: the "
+                             "checkpointed backward recomputes each layer after the replaying forward is "
+                             "over, so it would route on its own; set one of them to false")
+        if self.train.sequence_parallel > 1:
+            raise ValueError("train.routing_replay does not work with train.sequence_parallel yet: a split "
+                             "forward replays no routes; set routing_replay: false or sequence_parallel: 1")
+        from dapo_flow.models import model_config  # light: json only
+
+        config = model_config(self.path)
+        if config is not None and not (config.get("num_experts") or config.get("num_local_experts")):
+            raise ValueError(f"train.routing_replay needs a mixture-of-experts model, but {self.path} "
+                             f"({config.get('model_type', 'unknown type')}) has no experts: there is no "
+                             "routing to replay; remove routing_replay, or train an MoE (e.g. builtin:tiny-moe)")
 
 
 def _backends(info: ValidationInfo) -> Mapping[str, Any]:

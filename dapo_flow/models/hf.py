@@ -490,18 +490,33 @@ class HFPolicy:
         logprobs: list[list[float]] = []
         truncated: list[bool] = []
         versions: list[list[int]] = []
+        routes: list[np.ndarray] | None = [] if self._records_routes(cfg) else None
         with self.gathered():
             at = 0
             for chunk in self._prompt_chunks(prompt_ids, cfg.n):
                 keys = sample_keys(seeds[at:at + len(chunk)], cfg.n)
                 at += len(chunk)
-                r, lp, tr, v = self._generate_batch(chunk, cfg, keys)
+                r, lp, tr, v, rt = self._generate_batch(chunk, cfg, keys)
                 responses += r
+                routes = routes + rt if routes is not None else None
                 logprobs += lp
                 truncated += tr
                 versions += v
         return Rollouts.contiguous(len(prompt_ids), cfg.n, responses, logprobs, truncated,
-                                   time.perf_counter() - start, versions=versions)
+                                   time.perf_counter() - start, versions=versions, routes=routes)
+
+    def _records_routes(self, cfg: SamplingConfig) -> bool:
+        """Whether this rollout records its tokens' expert choices: asked for, and the model has routers."""
+        return cfg.record_routes and self.routing is not None
+
+    @property
+    def routing(self):
+        """The model's routers (:func:`~dapo_flow.models.moe.routing_of`); None for a dense model."""
+        if not hasattr(self, "_routing"):
+            from dapo_flow.models.moe import routing_of
+
+            self._routing = routing_of(self.model)
+        return self._routing
 
     def _check_prompts(self, prompt_ids: list[list[int]]) -> None:
         """ModelError for a prompt the model cannot take: an empty one, or one holding a token id
@@ -525,12 +540,19 @@ class HFPolicy:
     @torch.inference_mode()
     def _generate_batch(
         self, prompts: list[list[int]], cfg: SamplingConfig, keys: np.ndarray
-    ) -> tuple[list[list[int]], list[list[float]], list[bool], list[list[int]]]:
+    ) -> tuple[list[list[int]], list[list[float]], list[bool], list[list[int]], list[np.ndarray]]:
         """Sampled in the precision of the update's forwards (:meth:`compute_precision`): under
         bf16 autocast the sampled tokens' logprobs (``source: rollout`` old logprobs) are the
-        trainer's up to bf16 rounding of the KV-cached decoding (docs/semantics.md)."""
-        with self.compute_precision():
-            return self._generate_batch_in(prompts, cfg, keys)
+        trainer's up to bf16 rounding of the KV-cached decoding (docs/semantics.md). With
+        ``cfg.record_routes`` (a model with routers) also each sample's expert choices
+        (:class:`~dapo_flow.models.moe.RouteLog`), else an empty list."""
+        from dapo_flow.models.moe import RouteLog, routing_recorded
+
+        log = RouteLog(self.routing, cfg.n, cfg.max_tokens) if self._records_routes(cfg) else None
+        with self.compute_precision(), routing_recorded(self.routing, log.seen) if log else nullcontext():
+            responses, lps, truncated, versions = self._generate_batch_in(prompts, cfg, keys, log)
+        routes = log.rows(prompts, [len(r) for r in responses]) if log else []
+        return responses, lps, truncated, versions, routes
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor):
         """The KV cache of left-padded ``ids`` and the logits of each row's next token."""
@@ -540,13 +562,15 @@ class HFPolicy:
         return out.past_key_values, out.logits[:, -1].float()
 
     def _generate_batch_in(
-        self, prompts: list[list[int]], cfg: SamplingConfig, keys: np.ndarray
+        self, prompts: list[list[int]], cfg: SamplingConfig, keys: np.ndarray, log=None
     ) -> tuple[list[list[int]], list[list[float]], list[bool], list[list[int]]]:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         with self.gate.step() as version:
             # Prefill each prompt once, then fan its KV cache out to its n samples.
             cache, logits = self._prefill(prompt_ids, prompt_mask)
+            if log is not None:  # each prompt token's experts, for its n samples
+                log.write(len(prompts), 0)
             logits = logits.repeat_interleave(cfg.n, 0)  # (S, V)
             if cfg.n > 1:
                 cache.batch_repeat_interleave(cfg.n)
@@ -575,6 +599,8 @@ class HFPolicy:
                     mask = torch.cat([row_mask, torch.ones_like(tokens[:, :t])], dim=1)
                     cache, logits = self._prefill(
                         torch.cat([prompt_ids.repeat_interleave(cfg.n, 0), tokens[:, :t]], dim=1), mask)
+                    if log is not None:  # the new weights' choices replace the old ones'
+                        log.write(num, 0)
                     weights = version
                 tok, lp, ok = self._sample(logits, cfg, block[t % every])
                 step_versions.append(weights)
@@ -593,6 +619,8 @@ class HFPolicy:
                     past_key_values=cache, use_cache=True,
                 )
                 logits = out.logits[:, -1].float()
+                if log is not None:  # response token t was fed at column P + t
+                    log.write(num, prompt_ids.shape[1] + t)
                 next_pos = next_pos + 1
         if not bool(finite):
             raise ModelError(NONFINITE_LOGITS)
@@ -660,8 +688,16 @@ class HFPolicy:
         micro_batch_size: int = 64,
         with_entropy: bool = False,
         grad: bool = False,
+        routes: list | None = None,
+        tally: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Per-token log p(response | prompt) under ``softmax(logits / temperature)``.
+
+        ``routes``: each row's recorded expert choices (a rollout's, :attr:`Rollouts.routes`), replayed
+        in every pass (R3, :func:`~dapo_flow.models.moe.routing_replayed`): each token goes to
+        the experts the rollout sent it to, weighted by the current router; ``tally``
+        (:class:`~dapo_flow.models.moe.ReplayTally`) adds up how often the router would have
+        chosen them itself.
 
         ``grad=True``: one autograd pass over all rows (the caller micro-batches the update),
         the results on this policy's device (bring the loss's other inputs with
@@ -671,26 +707,55 @@ class HFPolicy:
         """
         temp = temperature or 1.0  # greedy rollouts are scored at temperature 1
         if grad and self.sequence_group is not None:
+            if routes is not None:  # validate refuses the pair; a direct caller gets told too
+                raise ModelError(f"{self.path}: routing replay with sequence parallelism is not built: "
+                                 "set train.routing_replay: false or train.sequence_parallel: 1")
             return self._split_logprobs(prompt_ids, response_ids, temp, with_entropy)
+        replay = self._replay(prompt_ids, response_ids, routes, tally)
         if self.packed:
-            return self._packed_logprobs(prompt_ids, response_ids, temp, micro_batch_size, with_entropy, grad)
+            return self._packed_logprobs(prompt_ids, response_ids, temp, micro_batch_size, with_entropy, grad,
+                                         replay)
+
+        def one_pass(rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+            with replay(rows):
+                return self._logprobs_pass(batch, rows, temp, with_entropy)
+
         batch = {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
         if grad:
             with self._grad_mode():
-                logp, ent = self._logprobs_pass(batch, slice(None), temp, with_entropy)
+                logp, ent = one_pass(slice(None))
         else:
             with self.gathered(), torch.inference_mode():
-                parts = [
-                    self._logprobs_pass(batch, slice(i, i + micro_batch_size), temp, with_entropy)
-                    for i in range(0, len(prompt_ids), micro_batch_size)
-                ]
+                parts = [one_pass(slice(i, i + micro_batch_size)) for i in range(0, len(prompt_ids), micro_batch_size)]
             logp = torch.cat([p[0] for p in parts]) if parts else batch["response_mask"].float()
             ent = torch.cat([p[1] for p in parts]) if with_entropy and parts else None
             return to_host((logp, ent, batch["response_mask"]))
         return logp, ent, batch["response_mask"]
 
+    def _replay(self, prompt_ids: list[list[int]], response_ids: list[list[int]], routes: list | None, tally: Any):
+        """``replay(rows)``: the context a pass over ``rows`` (a slice of these rows) runs in: the
+        rows' recorded routes replayed (:func:`~dapo_flow.models.moe.routing_replayed`), laid out
+        as that pass lays out its tokens; nothing without ``routes``."""
+        if routes is None or not prompt_ids:  # nothing to replay (no rows: no forward either)
+            return lambda rows: nullcontext()
+        from dapo_flow.models.moe import ReplayTally, flat_choices, routing_replayed
+
+        if self.routing is None:
+            raise ModelError(f"{self.path}: routing replay asked for, but the model has no experts (no routers)")
+        if len(routes) != len(prompt_ids):
+            raise ValueError(f"{len(routes)} rows of routes for {len(prompt_ids)} rows")
+        routes = [torch.as_tensor(r) for r in routes]
+        tally = tally if tally is not None else ReplayTally()
+        if self.packed:  # each pass packs its own rows: lay its routes out the same way
+            return lambda rows: routing_replayed(self.routing, flat_choices(
+                routes[rows], prompt_ids[rows], response_ids[rows], packed=True), tally)
+        # one padded layout for all rows (pack()'s widths), sliced per pass as the batch is
+        flat = flat_choices(routes, prompt_ids, response_ids, packed=False)  # (B x W, L, k)
+        flat = flat.reshape(len(prompt_ids), -1, *flat.shape[1:])  # (B, W, L, k)
+        return lambda rows: routing_replayed(self.routing, flat[rows].reshape(-1, *flat.shape[2:]), tally)
+
     def _packed_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float,
-                         micro_batch_size: int, with_entropy: bool, grad: bool
+                         micro_batch_size: int, with_entropy: bool, grad: bool, replay=None
                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """:meth:`response_logprobs` with each pass's rows packed into bins (``train.pack``)."""
         from dapo_flow.models.packing import pack_rows
@@ -700,7 +765,7 @@ class HFPolicy:
 
         def one_pass(rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
             packed = pack_rows(prompt_ids[rows], response_ids[rows], width)
-            with self.compute_precision():
+            with self.compute_precision(), replay(rows) if replay else nullcontext():
                 return packed_logprobs_of(self.model, packed, self.device, temperature=temperature,
                                           with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens)
 

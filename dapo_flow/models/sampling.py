@@ -37,6 +37,9 @@ class SamplingConfig:
     # one seed per prompt, in prompt order: a prompt's samples then depend on its seed only, not on
     # which other prompts share its batch, engine or replica (None: drawn from ``seed`` by position)
     prompt_seeds: tuple[int, ...] | None = None
+    # record each token's top-k experts per MoE layer (routing replay; the hf backend, a model
+    # with routers): Rollouts.routes
+    record_routes: bool = False
 
     def seeds_for(self, num_prompts: int) -> list[int]:
         """Each prompt's seed: ``prompt_seeds``, or drawn from ``seed`` by position."""
@@ -109,6 +112,10 @@ class Rollouts:
     # each token's policy version: of the weights that sampled it (an engine that takes new
     # weights mid-generation switches from one token to the next); None: the engine's version
     versions: list[list[int]] | None = None
+    # per sample, its prompt + response tokens' expert choices (SamplingConfig.record_routes), -1
+    # where none was recorded (the last response token, never fed to the model); None: not recorded
+    # Shape: each (len(prompt) + len(response), layers, top_k) int16
+    routes: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -142,7 +149,8 @@ class Rollouts:
     @classmethod
     def contiguous(cls, num_prompts: int, n: int, response_ids: list[list[int]],
                    logprobs: list[list[float]], truncated: list[bool], seconds: float,
-                   versions: list[list[int]] | None = None) -> "Rollouts":
+                   versions: list[list[int]] | None = None, routes: list[np.ndarray] | None = None
+                   ) -> "Rollouts":
         """Rollouts whose samples come ``n`` per prompt, in prompt order (what backends emit)."""
         prompt_index, sample_idx = cls.layout(num_prompts, n)
         return cls(
@@ -154,6 +162,7 @@ class Rollouts:
             tokens_generated=sum(map(len, response_ids)),
             seconds=seconds,
             versions=versions,
+            routes=routes,
         )
 
     def token_versions(self, version: int) -> list[list[int]]:

@@ -4,6 +4,10 @@ One output row per sample; samples of a prompt are contiguous and share its
 ``prompt_id`` (the group id). Rollout logprobs are log-softmax(logits / temperature)
 of the sampled tokens, as verl records them; each token's ``rollout_version`` is the policy
 version of the weights that sampled it.
+
+A mixture-of-experts model trained with ``train.routing_replay`` also gets each sample's expert
+choices (``routed_experts``: every prompt and response token's top-k experts per MoE layer, which
+the update replays); that column comes only then, so it is not among the declared outputs.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import pyarrow as pa
 from pydantic import BaseModel, Field
 
 from dapo_flow.core import columns as C
-from dapo_flow.data.arrow_utils import token_lists, with_columns
+from dapo_flow.data.arrow_utils import routes_to_arrow, token_lists, with_columns
 from dapo_flow.core.contract import OpContext, PARAMS_CONFIG, Sampling
 from dapo_flow.reductions import Rate, Seconds, Total
 
@@ -76,6 +80,7 @@ class Generate:
             max_tokens=p.max_tokens,
             seed=self.ctx.seed * 1_000_003 + self.seeds.calls,
             prompt_seeds=self.seeds.take(batch),
+            record_routes=self._records_routes(),
         )
         model = self.ctx.model
         out = model.generator.generate(token_lists(batch.column(C.PROMPT_IDS)), cfg)
@@ -89,9 +94,11 @@ class Generate:
             "gen/seconds": Seconds(out.seconds),
             "gen/tokens_per_s": Rate(out.tokens_generated / max(out.seconds, 1e-9)),
         }
+        routes = {C.ROUTED_EXPERTS: routes_to_arrow(out.routes)} if out.routes is not None else {}
         return with_columns(
             rows,
             {
+                **routes,
                 C.SAMPLE_IDX: out.sample_idx.astype(np.int32),
                 C.RESPONSE_IDS: tokens,
                 C.RESPONSE_TEXT: texts,
@@ -104,6 +111,12 @@ class Generate:
 
     def last_metrics(self) -> dict[str, float]:
         return dict(self._metrics)
+
+    def _records_routes(self) -> bool:
+        """Whether the rollout records its tokens' experts: its model trains with routing replay
+        (an engine without routers records none, so no column comes)."""
+        spec = getattr(self.ctx.model, "spec", None)
+        return bool(spec is not None and spec.train.routing_replay)
 
 
 class CallSeeds:

@@ -10,6 +10,14 @@ When the generator is the trained policy itself (backend hf) those were computed
 weights at the same temperature, so they equal the recomputation up to float rounding (1e-6
 in float32) and the pass (a fifth of the main job's step) is saved; with a separate engine
 (vLLM) the update's importance ratio then also corrects the engine/trainer mismatch.
+
+With routing replay (the model's ``train.routing_replay``, rows carrying ``routed_experts``) an
+actor's recomputation routes every token to the experts the rollout chose (R3), and reports
+``rollout/routing_agreement`` (the share of those choices the trainer's router makes itself) and the
+logprob mismatch with the rollout, ``rollout/logp_mismatch`` (mean |old_logp - rollout_logp|,
+replayed) and ``rollout/logp_mismatch_unreplayed`` (the same of a second forward that routes on its
+own: what replay removed; `replay_metrics: false` saves that forward). Without replay
+``rollout/logp_mismatch`` is reported whenever the rows carry ``rollout_logp``.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ import pyarrow as pa
 from pydantic import BaseModel, Field, model_validator
 
 from dapo_flow.core import columns as C
-from dapo_flow.data.arrow_utils import padded_to_ragged, response_mask, token_lists, with_columns
+from dapo_flow.data.arrow_utils import (padded_to_ragged, ragged_to_padded, response_mask, routes_from_arrow,
+                                        token_lists, with_columns)
 from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
 
 
@@ -43,6 +52,9 @@ class Params(BaseModel):
     """Actor only. `recompute`: a forward pass of the trainer (verl's default). `rollout`: the
     generator's sampled-token logprobs are the old logprobs, no forward pass (exact up to float
     rounding when the generator is the trained policy, backend hf; see the module docstring)."""
+    replay_metrics: bool = True
+    """Actor recomputation under routing replay: also run the forward without replay, to report
+    the logprob mismatch replay removes (``rollout/logp_mismatch_unreplayed``; one more forward)."""
 
     @model_validator(mode="after")
     def _rollout_source_is_the_actors(self) -> "Params":
@@ -102,24 +114,61 @@ class Logprob:
         p = self.params
         if p.source == "rollout":  # the generator's logprobs, computed with these weights
             return with_columns(batch, {C.OLD_LOGP: batch.column(C.ROLLOUT_LOGP)})
+        from dapo_flow.models.moe import ReplayTally
+
         entropy_wanted = p.role == "actor" and p.with_entropy
         policy = self.ctx.model.policy
+        prompts, responses = token_lists(batch.column(C.PROMPT_IDS)), token_lists(batch.column(C.RESPONSE_IDS))
+        routes, tally = self._routes(batch, policy), ReplayTally()
         # a reference on a LoRA-trained model reads its base: the adapters off, no second copy
         with policy.base_weights() if p.role == "ref" else nullcontext():
             logp, entropy, mask = policy.response_logprobs(
-                token_lists(batch.column(C.PROMPT_IDS)),
-                token_lists(batch.column(C.RESPONSE_IDS)),
-                temperature=p.temperature,
-                micro_batch_size=p.micro_batch_size,
-                with_entropy=entropy_wanted,
-            )
+                prompts, responses, temperature=p.temperature, micro_batch_size=p.micro_batch_size,
+                with_entropy=entropy_wanted, routes=routes, tally=tally)
         lengths = mask.sum(dim=1).numpy()
         out = {_OUTPUT[p.role]: _ragged(logp, lengths)}
+        self._metrics = {}
         if entropy_wanted:
             out[C.ENTROPY] = _ragged(entropy, lengths)
             valid = mask.numpy() & response_mask(batch, lengths, mask.shape[1])  # the model's tokens, not a tool's
             self._metrics = {"actor/entropy": float(entropy.numpy()[valid].mean()) if valid.any() else 0.0}
+        if p.role == "actor" and C.ROLLOUT_LOGP in batch.column_names:
+            self._metrics.update(self._mismatch(batch, logp, mask, routes, tally, prompts, responses, policy))
         return with_columns(batch, out)
+
+    def _routes(self, batch: pa.Table, policy) -> list | None:
+        """The rollout's expert choices to replay: an actor's recomputation on a model trained
+        with routing replay, whose rows carry them; else None."""
+        spec = getattr(self.ctx.model, "spec", None)
+        if (self.params.role != "actor" or spec is None or not spec.train.routing_replay
+                or C.ROUTED_EXPERTS not in batch.column_names or policy.routing is None):
+            return None
+        routing = policy.routing
+        return routes_from_arrow(batch.column(C.ROUTED_EXPERTS), len(routing.routers), routing.top_k)
+
+    def _mismatch(self, batch: pa.Table, logp, mask, routes, tally, prompts, responses, policy) -> dict[str, float]:
+        """Mean |old_logp - rollout_logp| over the response tokens; under replay also the routers'
+        agreement with the rollout and (``replay_metrics``) the mismatch of an unreplayed forward."""
+        import torch
+
+        from dapo_flow.algos.moe import logprob_mismatch_sum
+
+        rollout = torch.from_numpy(ragged_to_padded(batch.column(C.ROLLOUT_LOGP), dtype=np.float32)[0])
+        width = min(rollout.shape[1], logp.shape[1])
+        m = mask[:, :width]
+        count = max(float(m.sum()), 1.0)
+
+        def mean_gap(values) -> float:
+            return float(logprob_mismatch_sum(values[:, :width], rollout[:, :width], m)) / count
+
+        metrics = {"rollout/logp_mismatch": mean_gap(logp)}
+        if routes is not None:
+            metrics["rollout/routing_agreement"] = tally.agreement
+            if self.params.replay_metrics:
+                own = policy.response_logprobs(prompts, responses, temperature=self.params.temperature,
+                                               micro_batch_size=self.params.micro_batch_size)[0]
+                metrics["rollout/logp_mismatch_unreplayed"] = mean_gap(own)
+        return metrics
 
     def last_metrics(self) -> dict[str, float]:
         return dict(self._metrics)

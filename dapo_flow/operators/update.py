@@ -24,7 +24,7 @@ import torch
 from pydantic import Field, model_validator
 
 from dapo_flow import algos
-from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, token_lists
+from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, routes_from_arrow, token_lists
 from dapo_flow.core import columns as C
 from dapo_flow.core.contract import OpContext, TrainSizing
 from dapo_flow.errors import ModelError
@@ -170,6 +170,11 @@ class Update:
             raise ModelError(f"update '{ctx.node_id}': router_aux_loss_coef is {params.router_aux_loss_coef} but "
                              f"the model has no experts (no router to balance): remove router_aux_loss_coef")
         self.moe_metrics: dict[str, float] = {}
+        # routing replay (R3): the forwards route as the rollout did (train.routing_replay)
+        self.replay = bool(self.routing is not None and ctx.model.spec.train.routing_replay)
+        if self.replay and self.policy.grad_checkpointing:  # validate says so first; a direct caller here
+            raise ModelError(f"update '{ctx.node_id}': routing replay with gradient checkpointing: the "
+                             "recomputed layers would route on their own; turn one of them off")
 
     def last_metrics(self) -> dict[str, float]:
         """A mixture-of-experts policy's router metrics of the last step (``RouterTerm.metrics``:
@@ -195,12 +200,22 @@ class Update:
             return metrics_row(METRICS, {"actor/lr": self.trainer.lr,
                                          "actor/skipped_steps_total": float(self.trainer.skipped_total)})
         data = self._arrays(batch)
+        data["routes"] = self._routes(batch)
         router = RouterTerm(self.routing, self.params.router_aux_loss_coef) if self.routing else None
         loss = PolicyLoss(self.policy, self.params, data, router)
         out = self.trainer.step(step_rows(batch, data), loss)
         if router is not None:  # a collective: every worker of a group gets here
             self.moe_metrics = router.metrics(self.trainer.parallel)
         return metrics_row(METRICS, out)
+
+    def _routes(self, batch: pa.Table) -> list | None:
+        """Each row's recorded expert choices to replay (None: replay off)."""
+        if not self.replay:
+            return None
+        if C.ROUTED_EXPERTS not in batch.column_names:
+            raise ModelError(f"update '{self.ctx.node_id}': train.routing_replay is on but the rows carry no "
+                             f"{C.ROUTED_EXPERTS} column: they must come from this model's own hf `generate`")
+        return routes_from_arrow(batch.column(C.ROUTED_EXPERTS), len(self.routing.routers), self.routing.top_k)
 
     def _arrays(self, batch: pa.Table) -> dict:
         p = self.params
@@ -239,9 +254,11 @@ class PolicyLoss:
         p, data = self.params, self.data
         adv, ref_logp = data["adv"], data["ref_logp"]
         prompts, responses = [data["prompts"][i] for i in rows], [data["responses"][i] for i in rows]
+        routes = [data["routes"][i] for i in rows] if data.get("routes") is not None else None
         with self.router.recording() if self.router else nullcontext():
             logp, entropy, resp_mask = self.policy.response_logprobs(
-                prompts, responses, temperature=p.temperature, with_entropy=True, grad=True)
+                prompts, responses, temperature=p.temperature, with_entropy=True, grad=True,
+                routes=routes, tally=self.router.replay if self.router and routes is not None else None)
         width = logp.shape[1]
         dev = self.policy.to_device({  # the batch's arrays where the model's outputs are
             "mask": data["mask"][rows, :width],

@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from dapo_flow.algos.moe import load_fractions, router_entropy_sum, routing_counts, sequence_balance_loss
-from dapo_flow.models.moe import Routing, router_logits_recorded, token_rows
+from dapo_flow.models.moe import ReplayTally, Routing, router_logits_recorded, token_rows
 from dapo_flow.training.parallel import Parallelism
 
 
@@ -40,6 +40,7 @@ class RouterTerm:
         self.routed = 0.0  # routed (token, layer) pairs
         self.aux = 0.0  # the sequences' balance losses, summed over every pass
         self.sequences = 0  # sequence passes (a row trained in two epochs counts twice)
+        self.replay = ReplayTally()  # routing replay: the routers' agreement with the rollout's choices
 
     @contextmanager
     def recording(self) -> Iterator[None]:
@@ -69,12 +70,19 @@ class RouterTerm:
         """The step's router metrics over the whole group: ``moe/aux_loss`` (the balance loss,
         mean over sequences; reported also when it is not trained on), ``moe/router_entropy``
         (nats, mean over routed tokens and layers), ``moe/load_expert_e`` (expert e's share of
-        the top-k assignments) and ``moe/load_max`` (the largest share times E: 1 = balanced)."""
-        totals = parallel.sum([*self.counts.tolist(), self.entropy, self.routed, self.aux, self.sequences])
+        the top-k assignments) and ``moe/load_max`` (the largest share times E: 1 = balanced); under
+        routing replay also ``moe/routing_agreement``, the share of the rollout's (token, layer, k)
+        choices the routers would make themselves (over every pass of the step). The balance loss
+        counts the routers' own top-k, not the replayed one: it balances the router, which replay
+        does not change."""
+        totals = parallel.sum([*self.counts.tolist(), self.entropy, self.routed, self.aux, self.sequences,
+                               self.replay.agreed, self.replay.recorded])
         num_experts = self.routing.num_experts
         loads = load_fractions(torch.tensor(totals[:num_experts]))
-        entropy, routed, aux, sequences = totals[num_experts:]
+        entropy, routed, aux, sequences, agreed, recorded = totals[num_experts:]
         out = {"moe/aux_loss": aux / max(sequences, 1.0), "moe/router_entropy": entropy / max(routed, 1.0),
                "moe/load_max": float(loads.max()) * num_experts}
         out.update({f"moe/load_expert_{e}": float(share) for e, share in enumerate(loads)})
+        if recorded:  # routing replay: of the rollout's (token, layer, k) choices, the share the routers make too
+            out["moe/routing_agreement"] = agreed / recorded
         return out
