@@ -94,21 +94,9 @@ def load_prompts(
     """
     if on_bad_row not in ("error", "skip"):
         raise DataError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
-    if reasoning_gym.is_gym(source):
-        records, default_source = _gym_records(source, seed, size, config or {}, options or {}, avoid, report), source
-        prompt_key, answer_key = "prompt", "ground_truth"
-    elif verifiers_env.is_verifiers(source):
-        records = [_Record(i, f"task {i}", fields)
-                   for i, fields in verifiers_env.records(source, config or {}, options or {}, size)]
-        default_source, prompt_key, answer_key = source, "prompt", "ground_truth"
-    elif source.startswith("builtin:"):
-        records, default_source = _builtin_records(source, split, seed, options or {}), source[len("builtin:"):]
-        prompt_key, answer_key = "prompt", "ground_truth"
-    else:
-        if options or config:
-            raise DataError(f"{source}: `options` and `config` only apply to builtin, reasoning_gym and verifiers "
-                            f"sources, got {sorted({**(options or {}), **(config or {})})}")
-        records, default_source = _file_records(Path(source), read_parquet), Path(source).stem
+    records, default_source, keys = _source_records(source, split, size, seed, config or {}, options or {},
+                                                    avoid, report, read_parquet)
+    prompt_key, answer_key = keys or (prompt_key, answer_key)
     records = records[:size] if size is not None else records
     table, skipped, _ = prompt_table(records, source=source, default_source=default_source,
                                   tokenizer=tokenizer, split=split, prompt_key=prompt_key,
@@ -120,6 +108,26 @@ def load_prompts(
         report(f"{source} [{split}]: dropped {sum(skipped.values())} of {len(records)} rows "
                f"({', '.join(f'{n} {why}' for why, n in skipped.most_common())})")
     return table, sum(skipped.values())
+
+
+def _source_records(source: str, split: str, size: int | None, seed: int, config: dict[str, Any],
+                    options: dict[str, Any], avoid: set[str], report: Callable[[str], None] | None,
+                    read_parquet: "ParquetReader | None") -> tuple[list["_Record"], str, tuple[str, str] | None]:
+    """The source's records, the data source they are labelled with, and the (prompt, answer)
+    keys of a library or builtin source's records (None: a file's, the caller's keys)."""
+    if reasoning_gym.is_gym(source):
+        return _gym_records(source, seed, size, config, options, avoid, report), source, ("prompt", "ground_truth")
+    if verifiers_env.is_verifiers(source):
+        records = [_Record(i, f"task {i}", fields)
+                   for i, fields in verifiers_env.records(source, config, options, size)]
+        return records, source, ("prompt", "ground_truth")
+    if source.startswith("builtin:"):
+        return (_builtin_records(source, split, seed, options), source[len("builtin:"):],
+                ("prompt", "ground_truth"))
+    if options or config:
+        raise DataError(f"{source}: `options` and `config` only apply to builtin, reasoning_gym and verifiers "
+                        f"sources, got {sorted({**options, **config})}")
+    return _file_records(Path(source), read_parquet), Path(source).stem, None
 
 
 def prompt_table(records: list["_Record"], *, source: str, default_source: str, tokenizer: Any,

