@@ -566,15 +566,8 @@ class HFPolicy:
     ) -> tuple[list[list[int]], list[list[float]], list[bool], list[list[int]]]:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
-        with self.gate.step() as version:
-            # Prefill each prompt once, then fan its KV cache out to its n samples.
-            cache, logits = self._prefill(prompt_ids, prompt_mask)
-            if log is not None:  # each prompt token's experts, for its n samples
-                log.write(len(prompts), 0)
-            logits = logits.repeat_interleave(cfg.n, 0)  # (S, V)
-            if cfg.n > 1:
-                cache.batch_repeat_interleave(cfg.n)
-        weights = version  # the version of the weights behind the cache and logits
+        # the version of the weights behind the cache and logits
+        cache, logits, weights = self._prefill_samples(prompt_ids, prompt_mask, cfg.n, log)
         row_mask = prompt_mask.repeat_interleave(cfg.n, 0)  # (S, P): each sample row's prompt
         mask = row_mask
         next_pos = mask.sum(-1, keepdim=True)  # (S, 1): position of the first response token
@@ -629,6 +622,19 @@ class HFPolicy:
         responses = [row[:n] for row, n in zip(tok_rows, lens)]
         return (responses, [row[:n] for row, n in zip(lp_rows, lens)], (~done).tolist(),
                 [step_versions[:n] for n in lens])
+
+    def _prefill_samples(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, log=None
+                         ) -> tuple[Any, torch.Tensor, int]:
+        """Each prompt prefilled once, its KV cache fanned out to its ``n`` samples: (cache,
+        last logits (P*n, V), the weights' version). Shape: prompt_ids, prompt_mask (P, L)."""
+        with self.gate.step() as version:
+            cache, logits = self._prefill(prompt_ids, prompt_mask)
+            if log is not None:  # each prompt token's experts, for its n samples
+                log.write(prompt_ids.shape[0], 0)
+            logits = logits.repeat_interleave(n, 0)  # (S, V)
+            if n > 1:
+                cache.batch_repeat_interleave(n)
+        return cache, logits, version
 
     @staticmethod
     def _sample(logits: torch.Tensor, cfg: SamplingConfig, u: torch.Tensor
