@@ -1,21 +1,26 @@
-"""``builtin:tiny-gym``: a ~0.14M-parameter character-level Llama warm-started on one
-reasoning-gym task (``spell_backward`` on words of 3 to 5 letters: ``Spell this word backward
-(example: sun -> nus): bird``, the source ``graphs/gym.yaml`` trains on). Reversing a word is
-learned as a rule: greedy accuracy on held-out words (~0.35) is as high as on train words and
-well above sampled accuracy at temperature 1 (~0.10), the regime in which RL at temperature 1
-gains; docs/results.md has what RL made of it (and of ``basic_arithmetic``, the task before,
-whose sums the warm start memorized rather than learned).
+"""``builtin:tiny-gym``: a ~0.14M-parameter character-level Llama warm-started on two
+reasoning-gym tasks: ``spell_backward`` on words of 3 to 5 letters (``Spell this word backward
+(example: sun -> nus): bird``, the source ``graphs/gym.yaml`` trains on) and ``caesar_cipher`` on
+one word shifted by 3 (``Decrypt this Caesar cipher text: KHOOR. ...``), which
+``graphs/ablations/gym-mixture.yaml`` mixes in 3:1. Both are learned as rules on characters:
+greedy accuracy on held-out words is well above sampled accuracy at temperature 1, yet far from
+1 (figures: docs/results.md), the regime in which RL at temperature 1 gains; docs/results.md has
+what RL made of it (and of ``basic_arithmetic``, the task before, whose sums the warm start
+memorized rather than learned, and of ``lcm``, the second task before, never warm-started on).
 
 It is prompted as the graph prompts it: reasoning-gym's ``direct`` system prompt (answer between
 ``<answer>`` tags, nothing else), a newline, the question (the tokenizer has no chat template,
 so ``data.prompts`` joins the messages' contents by lines), and answers
-``<answer>WORD</answer>`` then EOS. The warm start sees the train split the graph trains on
-(seed 0, :data:`TRAIN_SIZE` items); the build's accuracy is measured on the validation split's
-first ``eval_items`` items (seed ``VAL_SEED_OFFSET``) less those a train item equals, as the
-graph's validation reads them. The question is a fixed sentence and the word, so "a train item
-equals it" is "its word is a train word": every validation word is unseen. As with tiny-adder,
-a fixed step count, fixed seeds, one thread and deterministic kernels make a build reproducible
-on one machine type. reasoning-gym (the ``gym`` extra) is needed to build it.
+``<answer>WORD</answer>`` then EOS. The warm start sees the train splits the graphs train on
+(seed 0: :data:`TRAIN_SIZE` spell_backward items, :data:`SECOND_TRAIN_SIZE` caesar_cipher ones,
+:data:`TASKS`); each step's batch is one task's, the task drawn in proportion to its rows, so
+that the prompts of a batch share their task's opening (:func:`shared_prefix_fit`). The build's
+accuracy is measured per task on the validation split's first ``eval_items`` items (seed
+``VAL_SEED_OFFSET``) less those a train item equals, as the graphs' validation reads them. Each
+question is a fixed sentence and the word, so "a train item equals it" is "its word is a train
+word": every validation word is unseen. As with tiny-adder, a fixed step count, fixed seeds, one
+thread and deterministic kernels make a build reproducible on one machine type. reasoning-gym
+(the ``gym`` extra) is needed to build it.
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ CONFIG = {"min_word_len": 3, "max_word_len": 5}  # ~16,800 words of the library'
 SYSTEM_PROMPT = "direct"
 TRAIN_SIZE = 8000  # graphs/gym.yaml's data.train.size: 6,357 distinct words
 # the second task the warm start covers (graphs/ablations/gym-mixture.yaml mixes it in 3:1):
-# `How many times does the letter "e" appear in the text: "of the year"?`, spans of a book's words
-SECOND_TASK = "letter_counting"
-SECOND_CONFIG = {"min_words": 3, "max_words": 5}
-SECOND_TRAIN_SIZE = 2667  # gym-mixture.yaml's size for it: a third of spell_backward's rows
+# `Decrypt this Caesar cipher text: KHOOR. Provide only the decrypted text as your final answer.`:
+# one word of a book, every letter shifted by 3
+SECOND_TASK = "caesar_cipher"
+SECOND_CONFIG = {"delimiter": " ", "min_words": 1, "max_words": 1, "min_rotation": 3, "max_rotation": 3}
+SECOND_TRAIN_SIZE = 2667  # gym-mixture.yaml's size for it, a third of spell_backward's rows: 749 distinct words
 TASKS = ((TASK, CONFIG, TRAIN_SIZE), (SECOND_TASK, SECOND_CONFIG, SECOND_TRAIN_SIZE))
 # printable ASCII but the rarer whitespace: every character reasoning-gym's prompts use here
 CHARS = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")
@@ -52,8 +58,8 @@ class Recipe:
     num_heads: int = 2  # head_dim 32 (vLLM's CPU attention takes it)
     num_layers: int = 2
     intermediate_size: int = 256
-    max_position_embeddings: int = 256  # a <= 196-character prompt and a <= 23-token reply (EOS included)
-    steps: int = 600
+    max_position_embeddings: int = 320  # a <= 247-character prompt (caesar_cipher's) and a <= 23-token reply
+    steps: int = 1000  # ~750 on spell_backward's batches, ~250 on caesar_cipher's (in proportion to their rows)
     batch_size: int = 64
     lr: float = 1e-3
     warmup_steps: int = 50
@@ -193,4 +199,4 @@ def sampled_accuracy(model_dir: Path, recipe: Recipe = RECIPE, task: str = TASK)
         model_dir, task_items("val", recipe.eval_items, task),
         lambda tok, prompts: tok(prompts, add_special_tokens=False)["input_ids"],
         lambda text, truth: float(gym.library_score(text, truth) >= 1.0),
-        samples_per_prompt=recipe.eval_samples_per_prompt, max_tokens=24, seed=recipe.eval_seed)
+        samples_per_prompt=recipe.eval_samples_per_prompt, max_tokens=48, seed=recipe.eval_seed)
