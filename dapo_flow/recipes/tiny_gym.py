@@ -42,11 +42,11 @@ CONFIG = {"min_word_len": 3, "max_word_len": 5}  # ~16,800 words of the library'
 SYSTEM_PROMPT = "direct"
 TRAIN_SIZE = 8000  # graphs/gym.yaml's data.train.size: 6,357 distinct words
 # the second task the warm start covers (graphs/ablations/gym-mixture.yaml mixes it in 3:1):
-# `Decrypt this Caesar cipher text: KHOOR. Provide only the decrypted text as your final answer.`:
-# one word of a book, every letter shifted by 3
-SECOND_TASK = "caesar_cipher"
-SECOND_CONFIG = {"delimiter": " ", "min_words": 1, "max_words": 1, "min_rotation": 3, "max_rotation": 3}
-SECOND_TRAIN_SIZE = 2667  # gym-mixture.yaml's size for it, a third of spell_backward's rows: 749 distinct words
+# `How many times does the letter "b" appear in the text: "phrase Project Gutenberg associated"?`:
+# a span of 3 to 5 words of a book, a letter it holds
+SECOND_TASK = "letter_counting"
+SECOND_CONFIG = {"min_words": 3, "max_words": 5}
+SECOND_TRAIN_SIZE = 2667  # gym-mixture.yaml's size for it: a third of spell_backward's rows
 TASKS = ((TASK, CONFIG, TRAIN_SIZE), (SECOND_TASK, SECOND_CONFIG, SECOND_TRAIN_SIZE))
 # printable ASCII but the rarer whitespace: every character reasoning-gym's prompts use here
 CHARS = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")
@@ -58,8 +58,8 @@ class Recipe:
     num_heads: int = 2  # head_dim 32 (vLLM's CPU attention takes it)
     num_layers: int = 2
     intermediate_size: int = 256
-    max_position_embeddings: int = 320  # a <= 247-character prompt (caesar_cipher's) and a <= 23-token reply
-    steps: int = 1000  # ~750 on spell_backward's batches, ~250 on caesar_cipher's (in proportion to their rows)
+    max_position_embeddings: int = 320  # a <= 250-character prompt (letter_counting's) and a <= 23-token reply
+    steps: int = 800  # ~600 on spell_backward's batches, ~200 on letter_counting's (in proportion to their rows)
     batch_size: int = 64
     lr: float = 1e-3
     warmup_steps: int = 50
@@ -199,4 +199,4 @@ def sampled_accuracy(model_dir: Path, recipe: Recipe = RECIPE, task: str = TASK)
         model_dir, task_items("val", recipe.eval_items, task),
         lambda tok, prompts: tok(prompts, add_special_tokens=False)["input_ids"],
         lambda text, truth: float(gym.library_score(text, truth) >= 1.0),
-        samples_per_prompt=recipe.eval_samples_per_prompt, max_tokens=48, seed=recipe.eval_seed)
+        samples_per_prompt=recipe.eval_samples_per_prompt, max_tokens=24, seed=recipe.eval_seed)
