@@ -1,26 +1,30 @@
 """``builtin:tiny-gym``: a ~0.14M-parameter character-level Llama warm-started on two
 reasoning-gym tasks: ``spell_backward`` on words of 3 to 5 letters (``Spell this word backward
-(example: sun -> nus): bird``, the source ``graphs/gym.yaml`` trains on) and ``caesar_cipher`` on
-one word shifted by 3 (``Decrypt this Caesar cipher text: KHOOR. ...``), which
-``graphs/ablations/gym-mixture.yaml`` mixes in 3:1. Both are learned as rules on characters:
-greedy accuracy on held-out words is well above sampled accuracy at temperature 1, yet far from
-1 (figures: docs/results.md), the regime in which RL at temperature 1 gains; docs/results.md has
-what RL made of it (and of ``basic_arithmetic``, the task before, whose sums the warm start
-memorized rather than learned, and of ``lcm``, the second task before, never warm-started on).
+(example: sun -> nus): bird``, the source ``graphs/gym.yaml`` trains on) and ``letter_counting``
+on spans of 3 to 5 words (``How many times does the letter "b" appear in the text: "phrase
+Project Gutenberg associated"?``), which ``graphs/ablations/gym-mixture.yaml`` mixes in 3:1.
+Reversing a word is learned as a rule: greedy accuracy on held-out words (~0.26) is about that on
+train words and well above sampled accuracy at temperature 1 (~0.07), the regime in which RL at
+temperature 1 gains. Counting is not learned: greedy answers the commonest count (1, ~0.57 of
+the items, held out or not), samples at temperature 1 are right ~0.38 of the time, so RL can gain
+there by moving samples onto it. docs/results.md has what RL made of both (and of
+``basic_arithmetic``, the task before, whose sums the warm start memorized rather than learned,
+and of the second tasks tried before letter_counting).
 
 It is prompted as the graph prompts it: reasoning-gym's ``direct`` system prompt (answer between
 ``<answer>`` tags, nothing else), a newline, the question (the tokenizer has no chat template,
 so ``data.prompts`` joins the messages' contents by lines), and answers
-``<answer>WORD</answer>`` then EOS. The warm start sees the train splits the graphs train on
-(seed 0: :data:`TRAIN_SIZE` spell_backward items, :data:`SECOND_TRAIN_SIZE` caesar_cipher ones,
+``<answer>ANSWER</answer>`` then EOS. The warm start sees the train splits the graphs train on
+(seed 0: :data:`TRAIN_SIZE` spell_backward items, :data:`SECOND_TRAIN_SIZE` letter_counting ones,
 :data:`TASKS`); each step's batch is one task's, the task drawn in proportion to its rows, so
 that the prompts of a batch share their task's opening (:func:`shared_prefix_fit`). The build's
 accuracy is measured per task on the validation split's first ``eval_items`` items (seed
-``VAL_SEED_OFFSET``) less those a train item equals, as the graphs' validation reads them. Each
-question is a fixed sentence and the word, so "a train item equals it" is "its word is a train
-word": every validation word is unseen. As with tiny-adder, a fixed step count, fixed seeds, one
-thread and deterministic kernels make a build reproducible on one machine type. reasoning-gym
-(the ``gym`` extra) is needed to build it.
+``VAL_SEED_OFFSET``) less those a train item equals, as the graphs' validation reads them. A
+spell_backward question is a fixed sentence and the word, so "a train item equals it" is "its
+word is a train word": every validation word is unseen (letter_counting's validation keeps 497
+of its first 500 items). As with tiny-adder, a fixed step count, fixed seeds, one thread and
+deterministic kernels make a build reproducible on one machine type. reasoning-gym (the ``gym``
+extra) is needed to build it.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ class Recipe:
     # reply, and samples at temperature 1 would almost never write `<answer>...</answer>` whole
     # (on basic_arithmetic 0.2 gave 0.2% sampled accuracy at 42% greedy); what stays uncertain is the word
     label_smoothing: float = 0.0
-    eval_items: int = 500  # the val items' first (310 once train words are dropped): graphs/gym.yaml's val
+    eval_items: int = 500  # each task's first val items (310 and 497 once train repeats are dropped): the graphs' val
     eval_samples_per_prompt: int = 4
     eval_seed: int = 1234
 
