@@ -5,6 +5,6 @@ it locally (``dapo_flow.models.BUILTINS`` names the builder; ``build_builtin`` c
   addition task and the critic, reward model and judge built on it;
 - tiny_chat: a Qwen2 chat model with a byte-level BPE tokenizer (chat_tokenizer) on the chain task;
 - tiny_agent: a model that calls the calculator tool on tool-arith;
-- tiny_gym: a character-level Llama on a reasoning-gym task (reasoning_gym:spell_backward);
+- tiny_gym: a character-level Llama on two reasoning-gym tasks (spell_backward, letter_counting);
 - warm_start: what they share: the supervised warm start, deterministic torch, the build record.
 """

@@ -44,7 +44,9 @@ def test_validation_items_never_repeat_train_items():
 
 
 @pytest.mark.parametrize("name,config", [("chain_sum", SUM), ("leg_counting", {}), ("number_sorting", {}),
-                                         ("letter_counting", {})])
+                                         ("letter_counting", {}), ("spell_backward", {"min_word_len": 3}),
+                                         ("caesar_cipher", {"delimiter": " ", "min_words": 1, "max_words": 1,
+                                                            "min_rotation": 3, "max_rotation": 3})])
 def test_the_reward_is_the_librarys_score_answer(name, config):
     dataset = rg.create_dataset(name, **config, seed=3, size=4)
     verify = resolve_reward(RewardSpec(gym.REWARD, correct=1.0, wrong=0.0))
