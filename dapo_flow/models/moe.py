@@ -46,13 +46,16 @@ def router_logits_recorded(routing: Routing) -> Iterator[list[torch.Tensor]]:
     """Inside the block, every router's logits are appended to the yielded list as its forward
     runs (with their autograd graph: a loss on them trains the routers). Shape: each (T, E),
     T = the forward's flat token positions (batch x length)."""
-    seen: list[torch.Tensor] = []
+    # HF 5.x routers return (logits, top-k weights, top-k indices); older ones a Linear's logits
+    with _router_outputs(routing, lambda out: out[0] if isinstance(out, tuple) else out, []) as seen:
+        yield seen
 
-    def record(_module, _inputs, output) -> None:
-        # HF 5.x routers return (logits, top-k weights, top-k indices); older ones a Linear's logits
-        seen.append(output[0] if isinstance(output, tuple) else output)
 
-    handles = [router.register_forward_hook(record) for router in routing.routers]
+@contextmanager
+def _router_outputs(routing: Routing, pick, seen: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Inside the block, ``pick(output)`` of every router's forward appended to ``seen``."""
+    handles = [router.register_forward_hook(lambda _module, _inputs, output: seen.append(pick(output)))
+               for router in routing.routers]
     try:
         yield seen
     finally:
@@ -120,17 +123,9 @@ def flat_choices(routes: list[torch.Tensor], prompt_ids: list[list[int]], respon
 def routing_recorded(routing: Routing, into: list[torch.Tensor] | None = None) -> Iterator[list[torch.Tensor]]:
     """Inside the block, every router's top-k expert indices are appended to the yielded list
     (``into``, or a new one) as its forward runs (layer order within a forward). Shape: each (T, k) long."""
-    seen: list[torch.Tensor] = into if into is not None else []
-
-    def record(_module, _inputs, output) -> None:
-        seen.append(_router_output(output)[2].detach())
-
-    handles = [router.register_forward_hook(record) for router in routing.routers]
-    try:
+    with _router_outputs(routing, lambda out: _router_output(out)[2].detach(),
+                         into if into is not None else []) as seen:
         yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @dataclass
