@@ -69,7 +69,9 @@ class TrainablePolicy(Protocol):
 
     def response_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], *,
                           temperature: float = 1.0, micro_batch_size: int = 64,
-                          with_entropy: bool = False, grad: bool = False) -> tuple[Any, Any, Any]: ...
+                          with_entropy: bool = False, grad: bool = False) -> tuple[Any, Any, Any]:
+        """(logp, entropy, mask) of the responses. An MoE policy that replays recorded routing
+        (train.routing_replay) also takes ``routes=`` and ``tally=``; they are passed only then."""
 
     def to_device(self, value: Any) -> Any:
         """Host arrays and tensors (nested in dicts, lists, tuples) on the model's device."""

@@ -124,7 +124,7 @@ class Logprob:
         with policy.base_weights() if p.role == "ref" else nullcontext():
             logp, entropy, mask = policy.response_logprobs(
                 prompts, responses, temperature=p.temperature, micro_batch_size=p.micro_batch_size,
-                with_entropy=entropy_wanted, routes=routes, tally=tally)
+                with_entropy=entropy_wanted, **({"routes": routes, "tally": tally} if routes is not None else {}))
         lengths = mask.sum(dim=1).numpy()
         out = {_OUTPUT[p.role]: _ragged(logp, lengths)}
         self._metrics = {}

@@ -255,10 +255,11 @@ class PolicyLoss:
         adv, ref_logp = data["adv"], data["ref_logp"]
         prompts, responses = [data["prompts"][i] for i in rows], [data["responses"][i] for i in rows]
         routes = [data["routes"][i] for i in rows] if data.get("routes") is not None else None
+        # replay's arguments only with routes to replay: a policy without experts need not take them
+        replay = {"routes": routes, "tally": self.router.replay if self.router else None} if routes is not None else {}
         with self.router.recording() if self.router else nullcontext():
             logp, entropy, resp_mask = self.policy.response_logprobs(
-                prompts, responses, temperature=p.temperature, with_entropy=True, grad=True,
-                routes=routes, tally=self.router.replay if self.router and routes is not None else None)
+                prompts, responses, temperature=p.temperature, with_entropy=True, grad=True, **replay)
         width = logp.shape[1]
         dev = self.policy.to_device({  # the batch's arrays where the model's outputs are
             "mask": data["mask"][rows, :width],
