@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.models("tiny-moe")
+# slow: the fast tier stays within its 4 minutes without building tiny-moe (algos/ tests its math there)
+pytestmark = [pytest.mark.slow, pytest.mark.models("tiny-moe")]
 
 PROMPTS = ["12+34=", "7+5=", "40+41=", "3+99="]
 

@@ -14,7 +14,8 @@ from dapo_flow.recipes.warm_start import BUILD_INFO
 
 BAND = (0.20, 0.50)  # sampled (temperature 1) val accuracy: RL needs right and wrong samples, as tiny-adder's
 
-pytestmark = pytest.mark.models("tiny-moe")
+# slow: the fast tier stays within its 4 minutes without building tiny-moe (algos/ tests its math there)
+pytestmark = [pytest.mark.slow, pytest.mark.models("tiny-moe")]
 
 
 @pytest.fixture(scope="module")

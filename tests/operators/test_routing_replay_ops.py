@@ -17,7 +17,8 @@ from dapo_flow.core import columns as C
 from dapo_flow.core.contract import OpContext
 from dapo_flow.graph.spec import ModelSpec
 
-pytestmark = pytest.mark.models("tiny-moe")
+# slow: the fast tier stays within its 4 minutes without building tiny-moe (algos/ tests its math there)
+pytestmark = [pytest.mark.slow, pytest.mark.models("tiny-moe")]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ from dapo_flow.errors import ModelError
 from dapo_flow.graph.spec import ModelSpec
 from dapo_flow.operators.update import Params, Update
 
-pytestmark = pytest.mark.models("tiny-moe")
+# slow: the fast tier stays within its 4 minutes without building tiny-moe (algos/ tests its math there)
+pytestmark = [pytest.mark.slow, pytest.mark.models("tiny-moe")]
 
 
 @pytest.fixture(scope="module")
