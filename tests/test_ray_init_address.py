@@ -1,7 +1,7 @@
 """Every ``ray.init`` in the project, its tests and its benchmarks names its address. Left out,
 Ray joins the cluster recorded in /tmp/ray/ray_current_cluster when its GCS is alive: a test
 running ``ray start --head`` on one xdist worker made another worker's ``ray.init(num_cpus=4)``
-try to join it and fail ("num_cpus ... must not be provided", CI of stop 60)."""
+try to join it and fail ("num_cpus ... must not be provided")."""
 
 from __future__ import annotations
 

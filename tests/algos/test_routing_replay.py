@@ -76,14 +76,21 @@ def _inputs():
     return dict(input_ids=torch.cat([p_ids, r_ids], 1), attention_mask=mask, position_ids=positions(mask))
 
 
-def test_replaying_a_models_own_routing_gives_bit_identical_logits():
-    from dapo_flow.models.moe import routing_of, routing_recorded, routing_replayed
+def _own_routing():
+    """A tiny Qwen3-MoE, its inputs, its routing, its logits and its own choices (T, L, k)."""
+    from dapo_flow.models.moe import routing_of, routing_recorded
 
     model, inputs = _tiny_qwen3_moe(), _inputs()
     routing = routing_of(model)
     with torch.no_grad(), routing_recorded(routing) as seen:
         plain = model(**inputs).logits
-    choices = torch.stack(seen, dim=1)  # (T, L, k)
+    return model, inputs, routing, plain, torch.stack(seen, dim=1)
+
+
+def test_replaying_a_models_own_routing_gives_bit_identical_logits():
+    from dapo_flow.models.moe import routing_replayed
+
+    model, inputs, routing, plain, choices = _own_routing()
     with torch.no_grad(), routing_replayed(routing, choices) as tally:
         replayed = model(**inputs).logits
     assert torch.equal(replayed, plain)
@@ -91,13 +98,9 @@ def test_replaying_a_models_own_routing_gives_bit_identical_logits():
 
 
 def test_replaying_other_routes_sends_tokens_there_and_trains_the_router():
-    from dapo_flow.models.moe import routing_of, routing_recorded, routing_replayed
+    from dapo_flow.models.moe import routing_recorded, routing_replayed
 
-    model, inputs = _tiny_qwen3_moe(), _inputs()
-    routing = routing_of(model)
-    with torch.no_grad(), routing_recorded(routing) as seen:
-        plain = model(**inputs).logits
-    own = torch.stack(seen, dim=1)  # (T, L, k)
+    model, inputs, routing, plain, own = _own_routing()
     # every token to the two experts it did not choose (4 experts, top-2)
     chosen = torch.zeros(*own.shape[:2], routing.num_experts).scatter_(-1, own, 1.0)
     others = chosen.argsort(dim=-1, stable=True)[..., :routing.top_k]
