@@ -24,7 +24,7 @@ from dapo_flow.errors import ActorFault, ReplicaLost, RunError
 from dapo_flow.runtime import group
 from dapo_flow.core.ports import free_port
 from dapo_flow.runtime.node import node_address
-from dapo_flow.runtime.replicas import ReplicaHealer, RowCall
+from dapo_flow.runtime.replicas import HEALS_IN_PLACE, ReplicaHealer, RowCall
 from dapo_flow.runtime.tables import TableParts, assemble
 from dapo_flow.runtime.watchdog import StepWatchdog, call_timeout
 from dapo_flow.core.contract import contract_of
@@ -460,9 +460,9 @@ class RayExecutor:
         sinks = {n.id for n in setup.nodes if contract_of(resolve_op(n)).cardinality == "sink"}
         if setup.grouped:
             return WorkerGroup(stage, members, sinks, "worker")
-        # see dapo_flow.runtime.replicas for why only sync runs heal in place
+        # see dapo_flow.runtime.replicas for why async runs do not heal in place
         healer = ReplicaHealer(ray, stage, members, list(range(setup.workers)), start) if (
-            graph.run.rollout_mode == "sync") else None
+            graph.run.rollout_mode in HEALS_IN_PLACE) else None
         return WorkerGroup(stage, members, sinks, "replica", healer)
 
     def call(self, stage: str, method: str, *args: Any) -> Any:

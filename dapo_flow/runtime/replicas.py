@@ -17,11 +17,13 @@ finish_calls`). The re-issue:
   brings it the current weights before any generation is queued on it. One that cannot start is
   dropped with a warning, and training goes on with the others.
 
-Only ``run.rollout_mode: sync`` heals in place: under one_step_off and async the next batch
-generates beside the update and its sync is queued from another thread, so there is no point at
-which a replacement can take a survivor's operator states with no generation queued; a lost
-replica there (and every replica lost, or a replica lost outside a generation call: in a weight
-sync, a checkpoint) is a fault the whole run recovers from (:mod:`dapo_flow.runtime.recovery`).
+``run.rollout_mode: sync`` and ``one_step_off`` heal in place: their weight sync is queued once
+the batch being collected is complete (one_step_off's from the rollout thread, as it finishes),
+so no generation call is queued on the replicas when a replacement is admitted, and only one
+thread at a time calls the healer. Under ``async`` the producer thread keeps generation calls
+queued across the driver's weight syncs, so there is no such point: a lost replica there (as
+every replica lost, or a replica lost outside a generation call: in a weight sync, a
+checkpoint) is a fault the whole run recovers from (:mod:`dapo_flow.runtime.recovery`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from typing import Any, Callable
 
 from dapo_flow.errors import ActorFault
 from dapo_flow.runtime.worker import Share
+
+#: the rollout modes whose replicas heal in place (see the module docstring)
+HEALS_IN_PLACE = ("sync", "one_step_off")
 
 #: how long a replacement may take to start (load its model, wait for resources) before the run
 #: gives up on it and goes on without it
@@ -129,8 +134,8 @@ class ReplicaHealer:
     def admit(self, survivor_states: Callable[[Any], dict]) -> list[str]:
         """Replacements that are up join the group (the last members), each with a survivor's
         operator states (``survivor_states(actor)``); one that failed to start or took too long
-        is dropped. Call it only where no call is queued on the replicas (before a weight sync
-        in sync mode). Returns what happened, one line each (a warning starts with 'warning:')."""
+        is dropped. Call it only where no call is queued on the replicas (before a weight sync,
+        the batch being collected complete). Returns what happened, one line each (a warning starts with 'warning:')."""
         said, waiting = [], []
         for rep in self.replacements:
             error = None if rep.ready is not None else "it could not be created"
