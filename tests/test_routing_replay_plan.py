@@ -100,3 +100,13 @@ def test_a_rollout_that_records_no_routes_refuses_replay(tmp_path, graph):
     assert (f"op '{op}' records no expert routes (column 'routed_experts'), but its model 'policy' trains "
             "with train.routing_replay") in str(err.value)
     assert "fix: set models.policy.train.routing_replay: false, or roll out with op 'generate'" in str(err.value)
+
+
+def test_a_column_declared_under_a_setting_no_model_has_is_a_contract_problem(tmp_path):
+    (tmp_path / "typo.py").write_text(NEEDS_ROUTES.replace("TYPE", "pa.list_(pa.int16())").replace(
+        '    PRODUCES = {}\n', '    PRODUCES = {}\n    PRODUCES_WITH_TRAIN = {"routing_replays": {"x": pa.int32()}}\n'))
+    path = _moe_graph(tmp_path, replay=True)
+    path.write_text(path.read_text() + '\n  - {id: probe, op: custom, impl: "typo.py:NeedsRoutes", inputs: [adv]}\n')
+    with pytest.raises(GraphError, match=r"`PRODUCES_WITH_TRAIN` names train.routing_replays, which is not a model "
+                                         r"setting \(did you mean 'routing_replay'\?\)"):
+        validate(load(path))

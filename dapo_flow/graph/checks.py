@@ -28,7 +28,7 @@ from dapo_flow.graph.loader import GraphDoc, PathKey
 from dapo_flow.graph.plan import ValidGraph
 from dapo_flow.graph.problems import COLUMN_TYPE, MISSING_COLUMN, Found, did_you_mean, pydantic_problems, type_name
 from dapo_flow.graph.registry import CUSTOM_OP, Registries
-from dapo_flow.graph.spec import BACKENDS_CONTEXT, PROMPTS_SOURCE, GraphSpec, NodeSpec
+from dapo_flow.graph.spec import BACKENDS_CONTEXT, PROMPTS_SOURCE, GraphSpec, NodeSpec, TrainSpec
 
 
 # --- validate -------------------------------------------------------------------------
@@ -161,6 +161,10 @@ def _check_op(found: Found, node: _Node, operators: Mapping[str, type]) -> None:
                       "check the class name; relative .py paths resolve against the graph's folder")
             return
         bad = contract_problems(cls) if isinstance(cls, type) else ["is not a class"]
+        if not bad:  # a column declared under a setting no model has would never come
+            bad = [f"`PRODUCES_WITH_TRAIN` names train.{name}, which is not a model setting "
+                   f"({did_you_mean(name, TrainSpec.model_fields)})"
+                   for name in contract_of(cls).produces_with_train if name not in TrainSpec.model_fields]
         if bad:
             err = OperatorContractError(f"{s.impl} is not an operator: " + "; ".join(bad))
             found.add(node.path + ("impl",), f"{type(err).__name__}: {err}",
