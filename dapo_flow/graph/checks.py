@@ -365,7 +365,7 @@ class _Rows:
 
 
 def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...], operators: Mapping[str, type],
-               trains: Mapping[str, BaseModel], graph: nx.DiGraph) -> dict[str, _Rows]:
+               trains: Mapping[str, TrainSpec], graph: nx.DiGraph) -> dict[str, _Rows]:
     """Arrow schemas along every edge, from `prompts` in topological order. ``trains``: each
     model's ``train`` section, whose settings add columns to the nodes that run on it
     (``PRODUCES_WITH_TRAIN``: a generate node's ``routed_experts`` under routing replay)."""
@@ -482,7 +482,7 @@ def _propagate_join(found: Found, node: _Node, rows: dict[str, _Rows], operators
 
 
 def _setting_hints(node: _Node, needed: Mapping[str, pa.DataType], cols: Mapping[str, pa.DataType],
-                   by_id: Mapping[str, _Node], graph: nx.DiGraph, trains: Mapping[str, BaseModel]) -> dict[str, str]:
+                   by_id: Mapping[str, _Node], graph: nx.DiGraph, trains: Mapping[str, TrainSpec]) -> dict[str, str]:
     """For each column ``node`` needs and does not get that an upstream node would add with a
     setting of its model on (``PRODUCES_WITH_TRAIN``), the fix naming that setting."""
     missing = [name for name in needed if name not in cols]
@@ -501,7 +501,7 @@ def _setting_hints(node: _Node, needed: Mapping[str, pa.DataType], cols: Mapping
     return hints
 
 
-def _check_rollout_records(found: Found, nodes: list[_Node], trains: Mapping[str, BaseModel],
+def _check_rollout_records(found: Found, nodes: list[_Node], trains: Mapping[str, TrainSpec],
                            operators: Mapping[str, type]) -> None:
     """A model trained with routing replay replays the experts its rollout chose, so each node
     generating with it must record them (declare ``routed_experts`` under ``routing_replay`` in
@@ -511,7 +511,7 @@ def _check_rollout_records(found: Found, nodes: list[_Node], trains: Mapping[str
     for node in nodes:
         train = trains.get(node.model)
         if (node.cls is None or node.params is None or role(node.cls) != "generate" or train is None
-                or not getattr(train, "routing_replay", False)):
+                or not train.routing_replay):
             continue
         if C.ROUTED_EXPERTS in produces(node.cls, node.params, train):
             continue
