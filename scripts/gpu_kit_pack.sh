@@ -49,7 +49,7 @@ PACKAGES=(
   cryptography cffi pycparser
   peft accelerate psutil
 )
-MODELS=(tiny-adder tiny-adder-critic tiny-adder-rm tiny-adder-judge tiny-agent)
+MODELS=(tiny-adder tiny-adder-critic tiny-adder-rm tiny-adder-judge tiny-agent tiny-moe)
 
 if [[ -e "$KIT" ]] && [[ -n "$(ls -A "$KIT")" ]]; then
   echo "error: $KIT exists and is not empty: remove it first (rm -r $KIT)" >&2

@@ -27,3 +27,5 @@ def test_the_catalog_prints_columns_params_and_docs():
     assert "loss_agg_mode: 'token-mean' | 'token-sum'" in update
     assert "clip_c: float | None = 10.0  [> 1.0]" in update
     assert text.rstrip().endswith("(see dapo_flow/core/contract.py)")
+    generate = ("\n" + text).split("\ngenerate ", 1)[1].split("\n\n", 1)[0]  # the first op listed
+    assert "out routed_experts: list<int16>  (when its model has train.routing_replay)" in generate

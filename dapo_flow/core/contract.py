@@ -6,6 +6,13 @@ An operator is a plain class (no base class to inherit from):
 - ``REQUIRES`` / ``PRODUCES``: ``{column: arrow type}`` (see ``dapo_flow.core.columns``). An
   operator whose columns depend on its params defines ``requires(params)`` /
   ``produces(params)`` classmethods instead; :func:`requires` / :func:`produces` read either.
+- optionally ``PRODUCES_WITH_TRAIN``: ``{train setting: {column: arrow type}}``, the columns the
+  node adds besides those when its model's ``train.<setting>`` is on, settings of the model rather
+  than of the node (``generate``: ``routed_experts`` under ``routing_replay``, the rollout's expert
+  choices). :func:`produces` adds them given the model's ``train`` section, so validate's column
+  checks and ``explain`` see them; a ``generate``-role op whose model has ``routing_replay`` on
+  and that declares no ``routed_experts`` for it is refused at validate (the update would find
+  no routes to replay).
 - ``CARDINALITY``: ``map`` (one row out per row in), ``filter`` (drops whole rows; with
   ``group`` semantics it drops whole prompt groups), ``expand`` (several rows per row in,
   e.g. n samples per prompt), or ``sink`` (consumes the batch, returns a one-row metrics table).
@@ -134,6 +141,8 @@ class Contract:
     train_sizing: Callable[[BaseModel], "TrainSizing"] | None = None  # a train op's update, as memory is sized
     forward_rows: Callable[[BaseModel], int | None] | None = None  # rows per forward of a model it only reads
     group_settings: Callable[[BaseModel], "GroupSettings"] | None = None  # a group filter's, for dynamic sampling
+    # train setting -> columns added when the node's model has it on (PRODUCES_WITH_TRAIN)
+    produces_with_train: Mapping[str, Mapping[str, pa.DataType]] = field(default_factory=dict)
 
 
 def contract_of(op_cls: type) -> Contract:
@@ -165,6 +174,7 @@ def contract_of(op_cls: type) -> Contract:
         train_sizing=hook("train_sizing"),
         forward_rows=hook("forward_rows"),
         group_settings=hook("group_settings"),
+        produces_with_train={k: dict(v) for k, v in dict(getattr(op_cls, "PRODUCES_WITH_TRAIN", None) or {}).items()},
     )
 
 
@@ -344,10 +354,16 @@ def requires(op_cls: type, params: BaseModel) -> dict[str, pa.DataType]:
     return dict(c.requires_fn(params)) if c.requires_fn else dict(c.requires_static)
 
 
-def produces(op_cls: type, params: BaseModel) -> dict[str, pa.DataType]:
-    """Output columns ``op_cls`` adds (map/expand) or emits (sink) with ``params``."""
+def produces(op_cls: type, params: BaseModel, train: Any = None) -> dict[str, pa.DataType]:
+    """Output columns ``op_cls`` adds (map/expand) or emits (sink) with ``params``; with ``train``
+    (the ``train`` section of the node's model, a ``graph.spec.TrainSpec``) also those its
+    ``PRODUCES_WITH_TRAIN`` declares for the settings that are on there."""
     c = contract_of(op_cls)
-    return dict(c.produces_fn(params)) if c.produces_fn else dict(c.produces_static)
+    made = dict(c.produces_fn(params)) if c.produces_fn else dict(c.produces_static)
+    for setting, columns in c.produces_with_train.items():
+        if train is not None and getattr(train, setting, False):  # a model setting, not a node param
+            made.update(columns)
+    return made
 
 
 def contract_problems(op_cls: Any) -> list[str]:
@@ -373,6 +389,12 @@ def contract_problems(op_cls: Any) -> list[str]:
             isinstance(k, str) and isinstance(v, pa.DataType) for k, v in dict(value).items()
         ):
             problems.append(f"`{name}` must map column names to pyarrow DataTypes")
+    with_train = getattr(op_cls, "PRODUCES_WITH_TRAIN", None)
+    if with_train is not None and not (isinstance(with_train, Mapping) and all(
+            isinstance(setting, str) and isinstance(cols, Mapping)
+            and all(isinstance(k, str) and isinstance(v, pa.DataType) for k, v in cols.items())
+            for setting, cols in with_train.items())):
+        problems.append("`PRODUCES_WITH_TRAIN` must map train settings to {column: pyarrow DataType}")
     if not isinstance(getattr(op_cls, "NEEDS_MODEL", None), bool):
         problems.append("needs `NEEDS_MODEL = True/False`")
     declared_role = getattr(op_cls, "ROLE", DEFAULT_ROLE)

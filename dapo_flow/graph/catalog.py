@@ -44,6 +44,9 @@ def _print_op(name: str, cls: type, out: Console) -> None:
         text = ", ".join(f"{c}: {type_name(t)}" for c, t in cols.items()) or "-"
         out.print(f"  [bold]{label}[/] {text}", markup=True)
     contract = contract_of(cls)
+    for setting, cols in contract.produces_with_train.items():  # a setting of the node's model adds them
+        text = ", ".join(f"{c}: {type_name(t)}" for c, t in cols.items())
+        out.print(f"  [bold]out[/] {text}  [dim](when its model has train.{setting})[/]", markup=True)
     dynamic = [w for w, fn in (("requires", contract.requires_fn), ("produces", contract.produces_fn)) if fn]
     if dynamic:
         out.print(f"  [dim](columns shown for default params; {' and '.join(dynamic)} depend on params)[/]")

@@ -28,7 +28,7 @@ from dapo_flow.graph.loader import GraphDoc, PathKey
 from dapo_flow.graph.plan import ValidGraph
 from dapo_flow.graph.problems import COLUMN_TYPE, MISSING_COLUMN, Found, did_you_mean, pydantic_problems, type_name
 from dapo_flow.graph.registry import CUSTOM_OP, Registries
-from dapo_flow.graph.spec import BACKENDS_CONTEXT, PROMPTS_SOURCE, GraphSpec, NodeSpec
+from dapo_flow.graph.spec import BACKENDS_CONTEXT, PROMPTS_SOURCE, GraphSpec, NodeSpec, TrainSpec
 
 
 # --- validate -------------------------------------------------------------------------
@@ -101,7 +101,9 @@ def validate(doc: GraphDoc, registries: Registries | None = None) -> ValidGraph:
         lora = {name for name, m in spec.models.items() if m.train.lora is not None} if spec is not None else set()
         _check_lora_heads(found, lora, heads)
         _check_training(found, nodes, {m for m, h in heads.items() if h == "value"}, lora)
-        schemas = _propagate(found, nodes, order, operators)
+        trains = {name: m.train for name, m in spec.models.items()} if spec is not None else {}
+        schemas = _propagate(found, nodes, order, operators, trains, graph)
+        _check_rollout_records(found, nodes, trains, operators)
         _check_group_filter(found, nodes, graph, schemas)
         _check_greedy_groups(found, nodes, graph)
         _check_consistency(found, nodes, graph, order)
@@ -159,6 +161,10 @@ def _check_op(found: Found, node: _Node, operators: Mapping[str, type]) -> None:
                       "check the class name; relative .py paths resolve against the graph's folder")
             return
         bad = contract_problems(cls) if isinstance(cls, type) else ["is not a class"]
+        if not bad:  # a column declared under a setting no model has would never come
+            bad = [f"`PRODUCES_WITH_TRAIN` names train.{name}, which is not a model setting "
+                   f"({did_you_mean(name, TrainSpec.model_fields)})"
+                   for name in contract_of(cls).produces_with_train if name not in TrainSpec.model_fields]
         if bad:
             err = OperatorContractError(f"{s.impl} is not an operator: " + "; ".join(bad))
             found.add(node.path + ("impl",), f"{type(err).__name__}: {err}",
@@ -358,9 +364,11 @@ class _Rows:
     input_rows_from: str
 
 
-def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...],
-               operators: Mapping[str, type]) -> dict[str, _Rows]:
-    """Arrow schemas along every edge, from `prompts` in topological order."""
+def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...], operators: Mapping[str, type],
+               trains: Mapping[str, TrainSpec], graph: nx.DiGraph) -> dict[str, _Rows]:
+    """Arrow schemas along every edge, from `prompts` in topological order. ``trains``: each
+    model's ``train`` section, whose settings add columns to the nodes that run on it
+    (``PRODUCES_WITH_TRAIN``: a generate node's ``routed_experts`` under routing replay)."""
     prompt = C.prompt_schema()
     src = {name: PROMPTS_SOURCE for name in prompt.names}
     rows: dict[str, _Rows] = {PROMPTS_SOURCE: _Rows(prompt, prompt, src, PROMPTS_SOURCE, "")}
@@ -384,12 +392,14 @@ def _propagate(found: Found, nodes: list[_Node], order: tuple[str, ...],
         cols, source = _merged_inputs(found, node, rows)
         try:
             node.params = resolve(node.cls, node.params, cols)
-            needed, made = requires(node.cls, node.params), produces(node.cls, node.params)
+            needed = requires(node.cls, node.params)
+            made = produces(node.cls, node.params, trains.get(node.model))
         except Exception as exc:  # user code in a custom op's resolve()/requires()/produces()
             found.add(node.path + ("impl",), f"resolve()/requires()/produces() raised {exc!r}",
                       "make resolve return params and the others {column: pyarrow type}", kind=SchemaError)
             continue
-        _check_required(found, node, needed, cols, source, operators)
+        _check_required(found, node, needed, cols, source, operators,
+                        _setting_hints(node, needed, cols, by_id, graph, trains))
         if node.cardinality == "sink":
             out, out_src = dict(made), {name: nid for name in made}
         else:
@@ -426,12 +436,15 @@ def _merged_inputs(found: Found, node: _Node,
 
 
 def _check_required(found: Found, node: _Node, needed: Mapping[str, pa.DataType], cols: Mapping[str, pa.DataType],
-                    source: Mapping[str, str], operators: Mapping[str, type]) -> None:
-    """Report each column the node requires that its inputs lack or bring as another type."""
+                    source: Mapping[str, str], operators: Mapping[str, type],
+                    setting_hints: Mapping[str, str] | None = None) -> None:
+    """Report each column the node requires that its inputs lack or bring as another type
+    (``setting_hints``: for a missing column, the model setting that would make an upstream node add it)."""
     for name, typ in needed.items():
         if name not in cols:
+            hint = (setting_hints or {}).get(name) or _producer_hint(name, operators)
             found.add(node.path + ("inputs",), f"requires column '{name}' ({type_name(typ)}) "
-                      "but no upstream node produces it", _producer_hint(name, operators), kind=SchemaError,
+                      "but no upstream node produces it", hint, kind=SchemaError,
                       code=MISSING_COLUMN, column=name)
         elif cols[name] != typ:
             found.add(node.path + ("inputs",), f"requires column '{name}' as {type_name(typ)}, "
@@ -468,6 +481,47 @@ def _propagate_join(found: Found, node: _Node, rows: dict[str, _Rows], operators
                           first.rows_from)
 
 
+def _setting_hints(node: _Node, needed: Mapping[str, pa.DataType], cols: Mapping[str, pa.DataType],
+                   by_id: Mapping[str, _Node], graph: nx.DiGraph, trains: Mapping[str, TrainSpec]) -> dict[str, str]:
+    """For each column ``node`` needs and does not get that an upstream node would add with a
+    setting of its model on (``PRODUCES_WITH_TRAIN``), the fix naming that setting."""
+    missing = [name for name in needed if name not in cols]
+    if not missing:
+        return {}
+    hints: dict[str, str] = {}
+    ancestors = sorted((by_id[a] for a in nx.ancestors(graph, node.id) if a in by_id), key=lambda n: n.index)
+    for up in ancestors:
+        if up.cls is None or up.params is None or up.model not in trains:
+            continue
+        for setting, columns in contract_of(up.cls).produces_with_train.items():
+            for name in missing:
+                if name in columns and name not in hints:
+                    hints[name] = (f"turn on `train.{setting}` of model '{up.model}' (models.{up.model}.train."
+                                   f"{setting}: true): node '{up.id}' then adds '{name}'")
+    return hints
+
+
+def _check_rollout_records(found: Found, nodes: list[_Node], trains: Mapping[str, TrainSpec],
+                           operators: Mapping[str, type]) -> None:
+    """A model trained with routing replay replays the experts its rollout chose, so each node
+    generating with it must record them (declare ``routed_experts`` under ``routing_replay`` in
+    ``PRODUCES_WITH_TRAIN``, as `generate` does); a multi-turn or harness rollout records none."""
+    recorders = [op for op, cls in operators.items()
+                 if C.ROUTED_EXPERTS in contract_of(cls).produces_with_train.get("routing_replay", {})]
+    for node in nodes:
+        train = trains.get(node.model)
+        if (node.cls is None or node.params is None or role(node.cls) != "generate" or train is None
+                or not train.routing_replay):
+            continue
+        if C.ROUTED_EXPERTS in produces(node.cls, node.params, train):
+            continue
+        ops = " or ".join(f"op '{op}'" for op in recorders) or "an op that records them"
+        found.add(node.path + ("op",), f"op '{node.spec.op}' records no expert routes (column "
+                  f"'{C.ROUTED_EXPERTS}'), but its model '{node.model}' trains with train.routing_replay, "
+                  "which replays the experts the rollout chose for each token",
+                  f"set models.{node.model}.train.routing_replay: false, or roll out with {ops}")
+
+
 def _producer_hint(column: str, operators: Mapping[str, type]) -> str:
     """Which registered op (and which params) produces ``column``."""
     hints = []
@@ -476,6 +530,9 @@ def _producer_hint(column: str, operators: Mapping[str, type]) -> str:
             if column in produces(cls, params):
                 hints.append(f"op '{op}'" + (f" with {label}" if label else ""))
                 break
+        else:
+            hints += [f"op '{op}' on a model with train.{setting}: true"
+                      for setting, columns in contract_of(cls).produces_with_train.items() if column in columns]
     if not hints:
         return "no registered op produces it: add a custom op that does"
     return f"add an upstream node that produces it: {' or '.join(hints)}"

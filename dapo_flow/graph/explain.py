@@ -149,7 +149,9 @@ def _explain_step(placed: PlacedPlan) -> list[str]:
             for nid in call.nodes:
                 if nid == p.group_filter:
                     out.append("    == group barrier: wait for whole prompt groups ==")
-                out += _explain_node(p.node(nid), call.stage)
+                node = p.node(nid)
+                model = p.spec.models.get(node.model) if node.model is not None else None
+                out += _explain_node(node, call.stage, model.train if model is not None else None)
                 out += _explain_syncs(placed, nid)
     return out
 
@@ -303,7 +305,9 @@ def _param_text(value) -> str:
     return str(value)
 
 
-def _explain_node(node: PlanNode, stage: str) -> list[str]:
+def _explain_node(node: PlanNode, stage: str, train: BaseModel | None = None) -> list[str]:
+    """The node's lines; ``train``: its model's train section (a setting there may add a column:
+    generate's ``routed_experts`` under routing replay)."""
     given = " ".join(f"{k}={_param_text(getattr(node.params, k))}" for k in type(node.params).model_fields
                      if k in node.params.model_fields_set)
     kind = node.op if node.op == node.cardinality else f"{node.op}, {node.cardinality}"
@@ -311,7 +315,7 @@ def _explain_node(node: PlanNode, stage: str) -> list[str]:
     if given:
         lines.append(f"      params   {given}")
     lines.append(f"      needs    {_columns(requires(node.op_cls, node.params))}")
-    made = produces(node.op_cls, node.params)
+    made = produces(node.op_cls, node.params, train)
     lines.append(f"      {'emits' if node.cardinality == 'sink' else 'adds':<8} {_columns(made)}")
     notes = contract_of(node.op_cls).explain_notes
     lines += [f"      {note}" for note in (notes(node.params) if notes else [])]

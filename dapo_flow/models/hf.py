@@ -752,11 +752,12 @@ class HFPolicy:
             raise ValueError(f"{len(routes)} rows of routes for {len(prompt_ids)} rows")
         routes = [torch.as_tensor(r) for r in routes]
         tally = tally if tally is not None else ReplayTally()
+        # the layouts move to the model's device here, once per pass, as the batch does (not per layer)
         if self.packed:  # each pass packs its own rows: lay its routes out the same way
             return lambda rows: routing_replayed(self.routing, flat_choices(
-                routes[rows], prompt_ids[rows], response_ids[rows], packed=True), tally)
+                routes[rows], prompt_ids[rows], response_ids[rows], packed=True).to(self.device), tally)
         # one padded layout for all rows (pack()'s widths), sliced per pass as the batch is
-        flat = flat_choices(routes, prompt_ids, response_ids, packed=False)  # (B x W, L, k)
+        flat = flat_choices(routes, prompt_ids, response_ids, packed=False).to(self.device)  # (B x W, L, k)
         flat = flat.reshape(len(prompt_ids), -1, *flat.shape[1:])  # (B, W, L, k)
         return lambda rows: routing_replayed(self.routing, flat[rows].reshape(-1, *flat.shape[2:]), tally)
 

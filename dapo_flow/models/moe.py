@@ -158,7 +158,7 @@ def routing_replayed(routing: Routing, choices: torch.Tensor, tally: ReplayTally
     def hook_of(layer: int, norm: bool):
         def replay(_module, _inputs, output):
             logits, _, own = _router_output(output)
-            recorded = choices[:, layer].to(own.device)
+            recorded = choices[:, layer].to(own.device)  # a no-op from the engine (hf moved them once)
             if recorded.shape != own.shape:
                 raise ModelError(f"routing replay: the forward routes {tuple(own.shape)} (tokens, k) at layer "
                                  f"{layer} but {tuple(recorded.shape)} were recorded for it")

@@ -7,7 +7,8 @@ version of the weights that sampled it.
 
 A mixture-of-experts model trained with ``train.routing_replay`` also gets each sample's expert
 choices (``routed_experts``: every prompt and response token's top-k experts per MoE layer, which
-the update replays); that column comes only then, so it is not among the declared outputs.
+the update replays); that column comes only then: it is declared under the model's setting
+(``PRODUCES_WITH_TRAIN``), which validate and ``explain`` read with the model's ``train`` section.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class Generate:
         C.SAMPLE_IDX, C.RESPONSE_IDS, C.RESPONSE_TEXT, C.RESPONSE_LEN, C.TRUNCATED, C.ROLLOUT_LOGP,
         C.ROLLOUT_VERSION,
     )
+    # added when the model trains with routing replay (a model setting, not a param of the node)
+    PRODUCES_WITH_TRAIN = {"routing_replay": C.typed(C.ROUTED_EXPERTS)}
     CARDINALITY = "expand"
     NEEDS_MODEL = True
     ROLE = "generate"
