@@ -138,8 +138,8 @@ def test_the_compiler_reads_a_roles_settings_through_its_declared_hook():
                                          sampling_of, train_sizing_of)
 
     names = ({n for _, fields in ROLE_SETTINGS.values() for n in fields} | set(GroupSettings.__dataclass_fields__)
-             | {LOGPROB_ROLE_PARAM})
-    probes = [f"{f.relative_to(ROOT)}:{node.lineno}" for d in ("graph",)
+             | {LOGPROB_ROLE_PARAM, "format"})
+    probes = [f"{f.relative_to(ROOT)}:{node.lineno}" for d in ("graph", "runtime")
               for f in sorted((ROOT / "dapo_flow" / d).rglob("*.py")) for node in ast.walk(ast.parse(f.read_text()))
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
               and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names]
@@ -148,6 +148,8 @@ def test_the_compiler_reads_a_roles_settings_through_its_declared_hook():
     generate, update = OPERATORS["generate"], OPERATORS["update"]
     assert sampling_of(generate, generate.Params(n=4, max_tokens=12)) == Sampling(n=4, max_tokens=12)
     assert sampling_of(generate, generate.Params(n=4, temperature=0.0)).greedy
+    agent = OPERATORS["agent-generate"]
+    assert sampling_of(agent, agent.Params(format="compact")).call_format == "compact"
     logprob, values = OPERATORS["logprob"], OPERATORS["values"]
     assert logprob_role_of(logprob, logprob.Params(role="teacher")) == "teacher"
     assert logprob_role_of(values, values.Params()) == "actor"  # no hook, no `role` param: the default

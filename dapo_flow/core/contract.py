@@ -65,7 +65,8 @@ An operator is a plain class (no base class to inherit from):
   -> GroupSettings`` is what dynamic sampling reads (:func:`group_settings_of`). A ``logprob`` op's
   ``logprob_role(params) -> str`` says whose logprobs it reads (:data:`LOGPROB_ROLES`: a frozen
   reference's or teacher's must not be trained), else its ``role`` param, else ``actor``
-  (:func:`logprob_role_of`).
+  (:func:`logprob_role_of`). A generate op's :class:`Sampling` also names the tool-call format
+  its model writes (``call_format``, what `serve` parses), else its ``format`` param, else ``hermes``.
 - ``__init__(params, ctx)``, ``__call__(batch: pa.Table) -> pa.Table``, and optionally
   ``last_metrics() -> dict[str, float]`` for what the last call measured (a plain float is
   averaged over a step's calls; a count, a time, a throughput or an extreme says so by its
@@ -181,6 +182,7 @@ class Sampling:
     n: int = 1
     max_tokens: int | None = None
     greedy: bool = False  # temperature 0 or top_k 1: the n samples of a prompt are one response
+    call_format: str = "hermes"  # how its model writes tool calls (tools.calls.CALL_FORMATS): what `serve` parses
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,8 @@ def sampling_of(op_cls: type, params: BaseModel) -> Sampling:
     if fn is not None:
         return fn(params)
     return Sampling(n=getattr(params, "n", 1), max_tokens=getattr(params, "max_tokens", None),
-                    greedy=getattr(params, "temperature", None) == 0 or getattr(params, "top_k", None) == 1)
+                    greedy=getattr(params, "temperature", None) == 0 or getattr(params, "top_k", None) == 1,
+                    call_format=getattr(params, "format", "hermes"))
 
 
 @dataclass(frozen=True)
