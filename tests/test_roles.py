@@ -82,7 +82,7 @@ def test_an_unknown_or_modelless_role_is_a_contract_problem():
 #: what an operator class declares (contract.py's docstring): read through contract_of only
 DECLARED = {"ROLE", "CARDINALITY", "NEEDS_MODEL", "REQUIRES", "PRODUCES", "MODEL_HEAD", "MODEL_PARAM", "INPUTS"}
 HOOKS = {"upstream_problems", "uses_model", "model_head", "combine", "input_requires", "last_metrics",
-         "sampling_settings", "train_sizing", "forward_rows", "group_settings"}
+         "sampling_settings", "train_sizing", "forward_rows", "group_settings", "logprob_role"}
 
 
 def _contract_probes(path: Path) -> list[str]:
@@ -134,18 +134,25 @@ def test_the_compiler_reads_a_roles_settings_through_its_declared_hook():
     built-in names is a contract problem instead of a node sized by defaults without a word."""
     from pydantic import BaseModel, ConfigDict
 
-    from dapo_flow.core.contract import GroupSettings, ROLE_SETTINGS, Sampling, sampling_of, train_sizing_of
+    from dapo_flow.core.contract import (GroupSettings, LOGPROB_ROLE_PARAM, ROLE_SETTINGS, Sampling, logprob_role_of,
+                                         sampling_of, train_sizing_of)
 
-    names = {n for _, fields in ROLE_SETTINGS.values() for n in fields} | set(GroupSettings.__dataclass_fields__)
-    probes = [f"{f.relative_to(ROOT)}:{node.lineno}" for f in sorted((ROOT / "dapo_flow" / "graph").rglob("*.py"))
-              for node in ast.walk(ast.parse(f.read_text()))
+    names = ({n for _, fields in ROLE_SETTINGS.values() for n in fields} | set(GroupSettings.__dataclass_fields__)
+             | {LOGPROB_ROLE_PARAM, "format"})
+    probes = [f"{f.relative_to(ROOT)}:{node.lineno}" for d in ("graph", "runtime")
+              for f in sorted((ROOT / "dapo_flow" / d).rglob("*.py")) for node in ast.walk(ast.parse(f.read_text()))
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
               and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names]
-    assert not probes, "read node.sampling() / node.train_sizing() instead:\n" + "\n".join(probes)
+    assert not probes, "read node.sampling() / node.train_sizing() / node.logprob_role() instead:\n" + "\n".join(probes)
 
     generate, update = OPERATORS["generate"], OPERATORS["update"]
     assert sampling_of(generate, generate.Params(n=4, max_tokens=12)) == Sampling(n=4, max_tokens=12)
     assert sampling_of(generate, generate.Params(n=4, temperature=0.0)).greedy
+    agent = OPERATORS["agent-generate"]
+    assert sampling_of(agent, agent.Params(format="compact")).call_format == "compact"
+    logprob, values = OPERATORS["logprob"], OPERATORS["values"]
+    assert logprob_role_of(logprob, logprob.Params(role="teacher")) == "teacher"
+    assert logprob_role_of(values, values.Params()) == "actor"  # no hook, no `role` param: the default
     sizing = train_sizing_of(update, update.Params(mini_batches=2, entropy_coef=0.01))
     assert (sizing.mini_batches, sizing.entropy_in_loss) == (2, True)
 

@@ -69,7 +69,11 @@ An operator is a plain class (no base class to inherit from):
   ``max_tokens``; ``mini_batches``, ``micro_batch_size``, ``entropy_coef``; ``micro_batch_size``,
   a reward model's under ``reward``), those it lacks taking the defaults: :func:`sampling_of`,
   :func:`train_sizing_of`, :func:`forward_rows_of`. A ``group-filter`` op's ``group_settings(params)
-  -> GroupSettings`` is what dynamic sampling reads (:func:`group_settings_of`).
+  -> GroupSettings`` is what dynamic sampling reads (:func:`group_settings_of`). A ``logprob`` op's
+  ``logprob_role(params) -> str`` says whose logprobs it reads (:data:`LOGPROB_ROLES`: a frozen
+  reference's or teacher's must not be trained), else its ``role`` param, else ``actor``
+  (:func:`logprob_role_of`). A generate op's :class:`Sampling` also names the tool-call format
+  its model writes (``call_format``, what `serve` parses), else its ``format`` param, else ``hermes``.
 - ``__init__(params, ctx)``, ``__call__(batch: pa.Table) -> pa.Table``, and optionally
   ``last_metrics() -> dict[str, float]`` for what the last call measured (a plain float is
   averaged over a step's calls; a count, a time, a throughput or an extreme says so by its
@@ -143,6 +147,7 @@ class Contract:
     group_settings: Callable[[BaseModel], "GroupSettings"] | None = None  # a group filter's, for dynamic sampling
     # train setting -> columns added when the node's model has it on (PRODUCES_WITH_TRAIN)
     produces_with_train: Mapping[str, Mapping[str, pa.DataType]] = field(default_factory=dict)
+    logprob_role: Callable[[BaseModel], str] | None = None  # a logprob op's: whose logprobs (LOGPROB_ROLES)
 
 
 def contract_of(op_cls: type) -> Contract:
@@ -175,6 +180,7 @@ def contract_of(op_cls: type) -> Contract:
         forward_rows=hook("forward_rows"),
         group_settings=hook("group_settings"),
         produces_with_train={k: dict(v) for k, v in dict(getattr(op_cls, "PRODUCES_WITH_TRAIN", None) or {}).items()},
+        logprob_role=hook("logprob_role"),
     )
 
 
@@ -186,6 +192,7 @@ class Sampling:
     n: int = 1
     max_tokens: int | None = None
     greedy: bool = False  # temperature 0 or top_k 1: the n samples of a prompt are one response
+    call_format: str = "hermes"  # how its model writes tool calls (tools.calls.CALL_FORMATS): what `serve` parses
 
 
 @dataclass(frozen=True)
@@ -207,7 +214,8 @@ def sampling_of(op_cls: type, params: BaseModel) -> Sampling:
     if fn is not None:
         return fn(params)
     return Sampling(n=getattr(params, "n", 1), max_tokens=getattr(params, "max_tokens", None),
-                    greedy=getattr(params, "temperature", None) == 0 or getattr(params, "top_k", None) == 1)
+                    greedy=getattr(params, "temperature", None) == 0 or getattr(params, "top_k", None) == 1,
+                    call_format=getattr(params, "format", "hermes"))
 
 
 @dataclass(frozen=True)
@@ -243,6 +251,22 @@ def forward_rows_of(op_cls: type, params: BaseModel) -> int | None:
         if isinstance(rows, int):
             return rows
     return None
+
+
+#: whose logprobs a ``logprob``-role node reads: the trained policy's (``actor``: the old logprobs),
+#: a frozen reference model's (``ref``: the KL term's) or a frozen teacher's (``teacher``: distillation's)
+LOGPROB_ROLES: tuple[str, ...] = ("actor", "ref", "teacher")
+LOGPROB_ROLE_PARAM = "role"  # the built-in logprob's param that says it, read when an op declares no hook
+
+
+def logprob_role_of(op_cls: type, params: BaseModel) -> str:
+    """Whose logprobs a logprob node reads (:data:`LOGPROB_ROLES`): its op's ``logprob_role(params)``,
+    else the built-in logprob's ``role`` param by name, else ``actor`` (a custom op written before the
+    hook, or one such as ``values`` that reads a model it trains)."""
+    fn = contract_of(op_cls).logprob_role
+    if fn is not None:
+        return fn(params)
+    return getattr(params, LOGPROB_ROLE_PARAM, "actor")
 
 
 def train_sizing_of(op_cls: type, params: BaseModel) -> TrainSizing:

@@ -19,8 +19,8 @@ import pyarrow as pa
 from pydantic import BaseModel, ValidationError
 
 from dapo_flow.core import columns as C
-from dapo_flow.core.contract import (contract_of, contract_problems, node_model, produces, requires, resolve, role,
-                                     model_head, sampling_of, upstream_problems, uses_model)
+from dapo_flow.core.contract import (contract_of, contract_problems, logprob_role_of, node_model, produces, requires,
+                                     resolve, role, model_head, sampling_of, upstream_problems, uses_model)
 from dapo_flow.errors import DapoFlowError, OperatorContractError, SchemaError, UnknownOperatorError
 from dapo_flow.core.imports import load_object
 from dapo_flow.graph.data_checks import gym_problems, verifiers_problems
@@ -337,20 +337,19 @@ def _check_training(found: Found, nodes: list[_Node], value_models: set[str], lo
                       "uses it, so the new weights never reach a rollout",
                       f"generate with `model: {model}`, or update the model you generate with")
     for node in nodes:
-        if role(node.cls) == "logprob" and getattr(node.params, "role", None) == "teacher":
-            model = node.spec.model
-            if model in updates:  # its logprobs are the target the student moves towards
-                found.add(node.path + ("model",), f"a teacher must stay frozen, but '{model}' is updated "
-                          f"by node '{updates[model].id}'",
-                          "declare the teacher as a model of its own under `models:` (no update node trains "
-                          "it) and name it here")
-        if role(node.cls) == "logprob" and getattr(node.params, "role", None) == "ref":
-            model = node.spec.model
-            if model in updates and model not in lora:  # under LoRA the reference is the base: adapters off
-                found.add(node.path + ("model",), f"a reference model must stay frozen, but "
-                          f"'{model}' is updated by node '{updates[model].id}'",
-                          "declare a separate model (same path) for the reference and use it here, or "
-                          f"train '{model}' with train.lora (the reference is then its base, adapters off)")
+        if role(node.cls) != "logprob" or node.params is None:
+            continue
+        whose, model = logprob_role_of(node.cls, node.params), node.spec.model
+        if whose == "teacher" and model in updates:  # its logprobs are the target the student moves towards
+            found.add(node.path + ("model",), f"a teacher must stay frozen, but '{model}' is updated "
+                      f"by node '{updates[model].id}'",
+                      "declare the teacher as a model of its own under `models:` (no update node trains "
+                      "it) and name it here")
+        elif whose == "ref" and model in updates and model not in lora:  # under LoRA the reference is the base
+            found.add(node.path + ("model",), f"a reference model must stay frozen, but "
+                      f"'{model}' is updated by node '{updates[model].id}'",
+                      "declare a separate model (same path) for the reference and use it here, or "
+                      f"train '{model}' with train.lora (the reference is then its base, adapters off)")
 
 
 @dataclass(frozen=True)

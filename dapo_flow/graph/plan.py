@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Mapping
 import pyarrow as pa
 from pydantic import BaseModel
 
-from dapo_flow.core.contract import (Sampling, TrainSizing, forward_rows_of, group_settings_of, sampling_of,
-                                     train_sizing_of)
+from dapo_flow.core.contract import (Sampling, TrainSizing, forward_rows_of, group_settings_of, logprob_role_of,
+                                     sampling_of, train_sizing_of)
 from dapo_flow.data.prompt_budget import PromptBudget
 from dapo_flow.graph.prompt_room import declared_for_all, rooms, source_budget, tightest
 from dapo_flow.graph.spec import GraphSpec
@@ -97,6 +97,10 @@ class PlanNode:
     def train_sizing(self) -> TrainSizing:
         """A train node's update sizes, as its op declares them."""
         return train_sizing_of(self.op_cls, self.params)
+
+    def logprob_role(self) -> str:
+        """Whose logprobs a logprob node reads (contract.LOGPROB_ROLES), as its op declares it."""
+        return logprob_role_of(self.op_cls, self.params)
 
 
 @dataclass(frozen=True)

@@ -564,6 +564,8 @@ class HFPolicy:
     def _generate_batch_in(
         self, prompts: list[list[int]], cfg: SamplingConfig, keys: np.ndarray, log=None
     ) -> tuple[list[list[int]], list[list[float]], list[bool], list[list[int]]]:
+        """The decode loop: ``cfg.n`` samples of each prompt, up to ``cfg.max_tokens`` tokens each;
+        (responses, their tokens' logprobs, truncated, each token's weights version), a list per sample."""
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         # the version of the weights behind the cache and logits
@@ -573,11 +575,7 @@ class HFPolicy:
         next_pos = mask.sum(-1, keepdim=True)  # (S, 1): position of the first response token
         num = logits.shape[0]
         eos = torch.tensor(self.eos_ids, device=self.device)
-        tokens = torch.full((num, cfg.max_tokens), self.pad_id, dtype=torch.long, device=self.device)
-        lps = torch.zeros((num, cfg.max_tokens), dtype=torch.float32, device=self.device)
-        lengths = torch.zeros(num, dtype=torch.long, device=self.device)
-        done = torch.zeros(num, dtype=torch.bool, device=self.device)
-        finite = torch.ones((), dtype=torch.bool, device=self.device)
+        tokens, lps, lengths, done, finite = self._decode_buffers(num, cfg.max_tokens)
         step_versions: list[int] = []  # the weights' version at each step (all rows alike)
         # The host looks at the device every `every` tokens only (a CUDA sync each time): the
         # uniforms of the next `every` steps go over in one copy, and a batch whose samples all
@@ -589,11 +587,7 @@ class HFPolicy:
                 block = torch.from_numpy(np.stack([uniforms(keys, s) for s in steps])).to(self.device)
             with self.gate.step() as version:
                 if version != weights:  # new weights came: recompute the cache with them (partial rollout)
-                    mask = torch.cat([row_mask, torch.ones_like(tokens[:, :t])], dim=1)
-                    cache, logits = self._prefill(
-                        torch.cat([prompt_ids.repeat_interleave(cfg.n, 0), tokens[:, :t]], dim=1), mask)
-                    if log is not None:  # the new weights' choices replace the old ones'
-                        log.write(num, 0)
+                    cache, logits, mask = self._refill(prompt_ids, row_mask, tokens[:, :t], cfg.n, log)
                     weights = version
                 tok, lp, ok = self._sample(logits, cfg, block[t % every])
                 step_versions.append(weights)
@@ -615,6 +609,37 @@ class HFPolicy:
                 if log is not None:  # response token t was fed at column P + t
                     log.write(num, prompt_ids.shape[1] + t)
                 next_pos = next_pos + 1
+        return self._decoded(tokens, lps, lengths, done, finite, step_versions)
+
+    def _decode_buffers(self, num: int, max_tokens: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the decode loop writes, on this policy's device: tokens (S, T) pad-filled, their
+        logprobs (S, T), each row's length (S,), whether it ended (S,), and whether every step's
+        distribution was finite ()."""
+        tokens = torch.full((num, max_tokens), self.pad_id, dtype=torch.long, device=self.device)
+        lps = torch.zeros((num, max_tokens), dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(num, dtype=torch.long, device=self.device)
+        done = torch.zeros(num, dtype=torch.bool, device=self.device)
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
+        return tokens, lps, lengths, done, finite
+
+    def _refill(self, prompt_ids: torch.Tensor, row_mask: torch.Tensor, sampled: torch.Tensor, n: int, log=None
+                ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """The KV cache of each sample's prompt and its ``sampled`` tokens so far, recomputed by new
+        weights (a partial rollout): (cache, next-token logits (S, V), attention mask (S, P+t)).
+        Shape: prompt_ids (P', P), row_mask (S, P), sampled (S, t); S = P' * n."""
+        mask = torch.cat([row_mask, torch.ones_like(sampled)], dim=1)
+        cache, logits = self._prefill(torch.cat([prompt_ids.repeat_interleave(n, 0), sampled], dim=1), mask)
+        if log is not None:  # the new weights' choices replace the old ones'
+            log.write(sampled.shape[0], 0)
+        return cache, logits, mask
+
+    @staticmethod
+    def _decoded(tokens: torch.Tensor, lps: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor,
+                 finite: torch.Tensor, step_versions: list[int]
+                 ) -> tuple[list[list[int]], list[list[float]], list[bool], list[list[int]]]:
+        """The decode loop's buffers as host lists, each row cut to its length: (responses,
+        logprobs, truncated, versions); ModelError if a step's distribution was not finite."""
         if not bool(finite):
             raise ModelError(NONFINITE_LOGITS)
         lens = lengths.tolist()

@@ -98,7 +98,8 @@ class AgentGenerate:
 
     @classmethod
     def sampling_settings(cls, params: Params) -> Sampling:
-        return Sampling(n=params.n, max_tokens=params.max_tokens, greedy=params.temperature == 0 or params.top_k == 1)
+        return Sampling(n=params.n, max_tokens=params.max_tokens, greedy=params.temperature == 0 or params.top_k == 1,
+                        call_format=params.format)
 
     @classmethod
     def produces(cls, params: Params) -> dict[str, pa.DataType]:

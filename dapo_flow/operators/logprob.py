@@ -80,6 +80,10 @@ class Logprob:
         return params.micro_batch_size
 
     @classmethod
+    def logprob_role(cls, params: Params) -> str:
+        return params.role
+
+    @classmethod
     def uses_model(cls, params: Params) -> bool:
         """`source: rollout` copies the generator's column: no model, so the node runs in the
         driver (no round trip of the batch to the model's workers and back)."""

@@ -1,7 +1,8 @@
 """`dapo-flow serve GRAPH`: the endpoint alone on a graph's model (or a checkpoint of it), for
 trying a harness before training it. The model is the one the graph's first generating node
 samples with (or ``model``), loaded as the graph declares it (dtype, device); the call format is
-that node's ``format`` when it has one (`harness-generate`, `agent-generate`), else ``hermes``.
+the one that node's op declares (``Sampling.call_format``: `harness-generate`'s and `agent-generate`'s
+``format``), else ``hermes``.
 Requests sample with their own settings and record nothing. ``replicas`` > 1 loads the model that
 many times, each copy behind an endpoint of its own on a free loopback port (on its own GPU where
 the process sees enough), and serves them all at one address through a router
@@ -53,7 +54,7 @@ def serve(plan: Any, *, model: str | None = None, checkpoint: str | None = None,
     if checkpoint and not (path / "config.json").is_file():
         raise DapoFlowError(f"--checkpoint {checkpoint}: not a Hugging Face model directory (no config.json)\n"
                             "    fix: a step_* checkpoint's model folder, or `dapo-flow export` a checkpoint first")
-    call_format = getattr(gen.params, "format", "hermes") if gen is not None and gen.model == name else "hermes"
+    call_format = gen.sampling().call_format if gen is not None and gen.model == name else "hermes"
     if replicas == 1:
         policy = HFPolicy(path, dtype=spec.dtype, device=model_device(spec))
         return ServedModel([Endpoint(policy, model_name=name, call_format=call_format, host=host, port=port).start()], None)

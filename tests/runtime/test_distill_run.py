@@ -38,6 +38,7 @@ def test_the_teacher_is_never_trained_nor_synced():
     placed = _edited().compile(Cluster(cpus=2))
     assert placed.plan.syncs == (("train", "policy"),)
     assert placed.node_stage["teacher_logp"] == "model:teacher"
+    assert {n.id: n.logprob_role() for n in placed.plan.with_role("logprob")}["teacher_logp"] == "teacher"
 
 
 @pytest.mark.models("tiny-adder-teacher")
