@@ -3,8 +3,6 @@ real two-variant sweep read back by compare and diff (slow)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -145,21 +143,23 @@ def test_bad_variant_names_the_patch_line(tmp_path, text, where):
     assert where in str(info.value).replace(str(tmp_path) + "/", ""), str(info.value)
 
 
-def test_cli_dry_run_ladder():
-    import os
-
-    r = subprocess.run([sys.executable, "-m", "dapo_flow.cli", "sweep", str(LADDER), "--dry-run", "--seeds", "0,1"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
-    assert r.returncode == 0, r.stderr
+def test_cli_dry_run_ladder(monkeypatch, capsys):
+    # in this process (a terminal of 80 columns: rich reads COLUMNS as the command starts); the
+    # module's entry point as a process: tests/test_edits.py
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("COLUMNS", "80")
+    code = cli.main(["sweep", str(LADDER), "--dry-run", "--seeds", "0,1"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
     for name in [*RUNGS, "dr-grpo", "rloo", "dapo-verl"]:
-        assert name in r.stdout
-    assert "every variant compiles (18 run(s)); nothing trained" in r.stdout
+        assert name in out.out
+    assert "every variant compiles (18 run(s)); nothing trained" in out.out
     # at 80 columns every flag is whole on a line of its own (it used to fold mid-token)
-    lines = {line.strip() for line in r.stdout.splitlines()}
+    lines = {line.strip() for line in out.out.splitlines()}
     for flag in ("--set train.clip_high=0.28", "--insert dynamic_sampling:group-filter:after=overlong",
                  "--set dynamic_sampling.on_cap=train-on-what-we-have",
                  "--set train.loss_agg_mode=seq-mean-token-sum-norm", "--set run.gen_prompts_per_batch=48"):
-        assert flag in lines, r.stdout
+        assert flag in lines, out.out
 
 
 def test_dry_run_report_lists_every_flag_whole_at_80_columns():

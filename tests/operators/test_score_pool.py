@@ -92,7 +92,7 @@ def _write_rewards(tmp_path) -> str:
 
 
 @pytest.mark.parametrize("reward, rows, extra", [
-    ("builtin:math", _math_rows(300), ()),
+    ("builtin:math", _math_rows(60), ()),  # math_verify: ~20 ms a row, twice
     ("builtin:addition", _addition_rows(300), ()),
     ("graded", _addition_rows(200), ("length",)),  # a user function's dict, with an extra column
 ])

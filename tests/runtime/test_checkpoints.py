@@ -22,8 +22,11 @@ from dapo_flow.runtime.resume import checkpoint_root
 from dapo_flow.tracking import default_tracking_uri, read_run
 
 CLUSTER = Cluster(cpus=2)
-STEPS = 6
-DIE_AFTER = 4  # the damaged-checkpoint runs die here, with steps 1-4 in MLflow
+# a checkpoint every step: the newest (2) damaged falls back to the one before it (1), the fewest
+# steps that show a fallback and an exact replay of a step logged once
+STEPS = 3
+CKPT = 1
+DIE_AFTER = 2  # the damaged-checkpoint runs die here, with steps 1-2 in MLflow
 
 
 class _Crash(BaseException):
@@ -56,12 +59,12 @@ def _run_and_die(placed, after: int) -> None:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, small_graph, tiny_adder_path) -> dict:
-    """Deterministic metric histories of the 6-step graph run straight through."""
+    """Deterministic metric histories of the STEPS-step graph run straight through."""
     where = tmp_path_factory.mktemp("straight")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(where)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-        summary = execute(compile_graph(small_graph(where, steps=STEPS, ckpt=2), CLUSTER),
+        summary = execute(compile_graph(small_graph(where, steps=STEPS, ckpt=CKPT), CLUSTER),
                           executor="local", console=_quiet())
         return _deterministic(read_run(summary["tracking_uri"], summary["run_id"])["history"])
 
@@ -76,7 +79,7 @@ def _truncate(path) -> None:
                                      pytest.param("ops.pt", marks=pytest.mark.slow), "driver.json"])
 def test_a_damaged_newest_checkpoint_falls_back_and_logs_each_step_once(
         workdir, small_graph, straight, damaged):
-    path = small_graph(workdir, steps=STEPS, ckpt=2)
+    path = small_graph(workdir, steps=STEPS, ckpt=CKPT)
     placed = compile_graph(path, CLUSTER)
     _run_and_die(placed, DIE_AFTER)
     [run_folder] = checkpoint_root(placed.plan.spec).iterdir()
@@ -88,13 +91,13 @@ def test_a_damaged_newest_checkpoint_falls_back_and_logs_each_step_once(
     summary = execute(placed, executor="local", resume=True, console=console)
     out = console.file.getvalue()
     assert f"checkpoint {newest} is damaged ({damaged} is" in out and "falling back" in out
-    assert "resuming from" in out and "step_000002" in out and "Traceback" not in out
+    assert "resuming from" in out and "step_000001" in out and "Traceback" not in out  # the one before
     assert summary["run_id"] == run_folder.name
     run = read_run(summary["tracking_uri"], summary["run_id"])
     assert run["status"] == "FINISHED"
-    for key in ("batch/reward_mean", "actor/pg_loss"):  # steps 3-4 ran twice, logged once
+    for key in ("batch/reward_mean", "actor/pg_loss"):  # step 2 ran twice, logged once
         assert [s for s, _ in run["history"][key]] == list(range(1, STEPS + 1)), key
-    assert [s for s, _ in run["history"]["val/acc"]] == [0, 2, 4, 6]
+    assert [s for s, _ in run["history"]["val/acc"]] == [0, 2, 3]  # val_every 2, and the last step
     assert _deterministic(run["history"]) == straight  # the replay is exact
     assert (run_folder / f"{checkpoint.DAMAGED_PREFIX}{newest.name}" / damaged).is_file()  # kept aside
     assert checkpoint.verify(newest) is None  # written again, whole

@@ -48,22 +48,22 @@ def test_validation_with_several_samples_logs_pass_at_k(workdir, small_graph):
     assert any(p4 > acc for (_, acc), (_, p4) in zip(history["val/acc"], history["val/pass_at_4"]))
 
 
-def test_same_seed_same_metrics(workdir, small_graph):
+def test_same_seed_same_metrics_and_colocated_hf_rollout_skips_the_weight_sync_call(workdir, small_graph,
+                                                                                      monkeypatch):
+    """Two runs of one seed log the same numbers. And HF rollout samples from the trained policy
+    itself: no sync call per step (a Ray round trip for nothing); a separate engine (vLLM,
+    tests/runtime/test_vllm_run.py) still syncs."""
+    from dapo_flow.runtime.worker import StageWorker
+
+    calls = []
+    monkeypatch.setattr(StageWorker, "sync_generators", lambda self: calls.append(1) or 0.0)
     a = _run(small_graph(workdir, name="a", steps=2, ckpt=0))
     b = _run(small_graph(workdir, name="b", steps=2, ckpt=0))
+    assert a["steps"] == b["steps"] == 2 and calls == []
     ha = read_run(a["tracking_uri"], a["run_id"])["history"]
     hb = read_run(b["tracking_uri"], b["run_id"])["history"]
     for key in ("batch/reward_mean", "actor/pg_loss", "actor/grad_norm", "val/acc"):
         assert ha[key] == hb[key], key
-
-
-def test_resume_continues_the_same_run(workdir, small_graph):
-    path = small_graph(workdir, steps=4, ckpt=2)
-    first = _run(path, steps=2)
-    resumed = _run(path, resume=first["run_id"], steps=4)  # a FINISHED run, trained further by id
-    assert resumed["run_id"] == first["run_id"]
-    history = read_run(resumed["tracking_uri"], resumed["run_id"])["history"]
-    assert [s for s, _ in history["batch/reward_mean"]] == [1, 2, 3, 4]
 
 
 def test_keep_checkpoints_prunes_the_oldest_and_resume_still_works(workdir, small_graph):
@@ -91,7 +91,9 @@ def test_resume_without_checkpoint_is_a_clear_error(workdir, small_graph):
         _run(small_graph(workdir), resume=True)
 
 
-def test_resume_of_a_changed_graph_says_what_changed(workdir, small_graph):
+def test_resume_of_a_changed_graph_says_what_changed_and_undone_continues_the_same_run(workdir, small_graph):
+    """A changed graph's resume names the change; undone, the FINISHED run, named by id, is
+    trained further in the same run, each step logged once."""
     path = small_graph(workdir, steps=2, ckpt=2)
     first = _run(path)
     path.write_text(path.read_text().replace("lr: 1.0e-4", "lr: 5.0e-5").replace("steps: 2", "steps: 4"))
@@ -102,7 +104,10 @@ def test_resume_of_a_changed_graph_says_what_changed(workdir, small_graph):
     assert "train.lr: 0.0001 -> 5e-05" in text and "run.steps" not in text  # steps may change
     assert "undo these changes" in text
     path.write_text(path.read_text().replace("lr: 5.0e-5", "lr: 1.0e-4"))
-    assert _run(path, resume=first["run_id"])["steps"] == 4  # undone: the checkpoint is found again
+    resumed = _run(path, resume=first["run_id"])  # undone: the checkpoint is found again
+    assert resumed["steps"] == 4 and resumed["run_id"] == first["run_id"]
+    history = read_run(resumed["tracking_uri"], resumed["run_id"])["history"]
+    assert [s for s, _ in history["batch/reward_mean"]] == [1, 2, 3, 4]
 
 
 def _constant_metric_graph(small_graph, workdir, on_cap):
@@ -149,11 +154,12 @@ def test_reference_model_kl_in_reward_and_overlong_filter(workdir, small_graph):
 
 def test_auto_generation_batches_resume_exactly(workdir, small_graph):
     """gen_prompts_per_batch: auto sizes batches from the keep rate, which is checkpointed:
-    2 steps + resume to 4 log the same numbers as 4 steps straight."""
+    2 steps + resume to 3 log the same numbers as 3 steps straight (the resumed step sized from
+    the checkpointed rate)."""
     from dapo_flow.graph.edits import edit_file, parse_cli_edits
 
     def placed(name):
-        path = small_graph(workdir, name=name, steps=4, ckpt=2)
+        path = small_graph(workdir, name=name, steps=3, ckpt=2)
         return edit_file(path, parse_cli_edits([("set", "run.gen_prompts_per_batch=auto")])).compile(CLUSTER)
 
     straight = execute(placed("straight"), executor="local")
@@ -164,7 +170,7 @@ def test_auto_generation_batches_resume_exactly(workdir, small_graph):
     b = read_run(resumed["tracking_uri"], resumed["run_id"])["history"]
     for key in ("sampling/keep_rate", "sampling/samples_generated", "batch/reward_mean", "actor/pg_loss"):
         assert a[key] == b[key], key
-    assert [s for s, _ in a["sampling/keep_rate"]] == [1, 2, 3, 4]
+    assert [s for s, _ in a["sampling/keep_rate"]] == [1, 2, 3]
     assert all(0 < v <= 1 for _, v in a["sampling/keep_rate"])
 
 
@@ -324,17 +330,6 @@ def test_a_checkpoint_the_disk_refuses_is_gone_past_the_final_one_stops_resumabl
     assert summary["steps"] == 4
     history = read_run(summary["tracking_uri"], summary["run_id"])["history"]
     assert [s for s, _ in history["batch/reward_mean"]] == [1, 2, 3, 4]
-
-
-def test_colocated_hf_rollout_skips_the_weight_sync_call(workdir, small_graph, monkeypatch):
-    """HF rollout samples from the trained policy itself: no sync call per step (a Ray round
-    trip for nothing); a separate engine (vLLM, tests/runtime/test_vllm_run.py) still syncs."""
-    from dapo_flow.runtime.worker import StageWorker
-
-    calls = []
-    monkeypatch.setattr(StageWorker, "sync_generators", lambda self: calls.append(1) or 0.0)
-    summary = _run(small_graph(workdir, steps=2, ckpt=0))
-    assert summary["steps"] == 2 and calls == []
 
 
 def test_resume_finds_the_same_graph_under_another_hash(workdir, small_graph):

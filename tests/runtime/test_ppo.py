@@ -9,8 +9,6 @@ import io
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -132,7 +130,7 @@ def _errors(path: Path) -> str:
     return str(err.value)
 
 
-def test_bad_critic_combinations_are_validate_time_errors(workdir):
+def test_bad_critic_combinations_are_validate_time_errors(workdir, capsys):
     text = _errors(ppo_graph(workdir, critic_model="policy"))
     assert "op 'critic-update' needs a value model (a critic: one value per token), but model 'policy' is a " \
            "causal LM" in text and "head: value" in text
@@ -145,10 +143,13 @@ def test_bad_critic_combinations_are_validate_time_errors(workdir):
     bad.write_text(bad.read_text().replace("op: generate, model: policy", "op: generate, model: critic"))
     assert "op 'generate' needs a causal LM (it generates and gives token logprobs), but model 'critic' is a " \
            "value model" in _errors(bad)
-    # and from the CLI: exit 2, the file and line
-    r = subprocess.run([sys.executable, "-m", "dapo_flow.cli", "validate", str(ppo_graph(workdir, critic_model="policy"))],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "ppo-small.yaml" in r.stdout + r.stderr and "Traceback" not in r.stderr
+    # and from the CLI (in this process: the module's entry point is tests/test_edits.py's): exit 2,
+    # the file and line
+    from dapo_flow import cli
+
+    code = cli.main(["validate", str(ppo_graph(workdir, critic_model="policy"))])
+    out = capsys.readouterr()
+    assert code == 2 and "ppo-small.yaml" in out.out + out.err and "Traceback" not in out.out + out.err
 
 
 def test_a_causal_lm_path_with_head_value_is_a_critic(workdir, tiny_adder_path):
