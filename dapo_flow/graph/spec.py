@@ -100,6 +100,12 @@ class TrainSpec(_Frozen):
         "(positions restart per row, attention stays inside each row), so almost no compute goes to "
         "padding; the same values and gradients. With max_tokens_per_micro_batch the budget then "
         "bounds a pass's real tokens.")
+    share_prompts: bool = Field(
+        False, description="Each update pass runs every distinct prompt once and its rows' responses "
+        "on that prompt's keys and values (a KV cache indexed per row): a group's n samples share one "
+        "prompt, so its tokens cost ~1/n as much (~20% less update time on the tiny model at 16 "
+        "samples); the same values and gradients to float rounding. Not with pack, "
+        "logprob_chunk_tokens, grad_checkpointing, routing_replay or sequence_parallel.")
     lora: LoraSpec | None = Field(
         None, description="Train LoRA adapters instead of every weight (`{rank: 32, alpha: 16}`; "
         "peft): gradients and AdamW state are the adapters' only, weight syncs send the merged "
