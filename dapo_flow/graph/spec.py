@@ -157,6 +157,13 @@ class TrainSpec(_Frozen):
         if self.sequence_parallel > 1 and self.strategy in ("ddp", "none"):
             raise ValueError(f"sequence_parallel {self.sequence_parallel} splits sequences inside an FSDP2 group, "
                              f"but strategy is {self.strategy}: set strategy: fsdp2 (or null), or sequence_parallel: 1")
+        clash = next((name for name, on in (("pack", self.pack), ("logprob_chunk_tokens", self.logprob_chunk_tokens),
+                                            ("grad_checkpointing", self.grad_checkpointing),
+                                            ("routing_replay", self.routing_replay),
+                                            ("sequence_parallel", self.sequence_parallel > 1)) if on), None)
+        if self.share_prompts and clash:
+            raise ValueError(f"share_prompts runs each prompt once and its rows' responses on its KV cache, which "
+                             f"{clash} does not take yet: turn one of the two off")
         if self.sequence_parallel > 1 and not self.auto and self.workers % self.sequence_parallel:
             raise ValueError(f"sequence_parallel {self.sequence_parallel} must divide workers ({self.workers}): "
                              f"each sequence is split over that many workers of the group; set workers to a "

@@ -73,3 +73,15 @@ def test_an_update_trains_the_same_weights_with_shared_prompts(tiny_adder_path):
     worst = {name: float((b[name] - a[name]).abs().max()) for name in a}
     assert max(worst.values()) <= 2.5e-4, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
     assert sum(worst.values()) / len(worst) <= 2e-5
+
+
+@pytest.mark.parametrize("other", [{"pack": True}, {"logprob_chunk_tokens": 4}, {"grad_checkpointing": True},
+                                   {"sequence_parallel": 2, "strategy": "fsdp2", "workers": 2}])
+def test_validate_refuses_share_prompts_with_a_setting_it_cannot_run_with(other):
+    from pydantic import ValidationError
+
+    from dapo_flow.graph.spec import TrainSpec
+
+    with pytest.raises(ValidationError, match=f"share_prompts .* {next(iter(other))} does not take yet"):
+        TrainSpec(share_prompts=True, **other)
+    TrainSpec(share_prompts=True)  # alone it is fine
