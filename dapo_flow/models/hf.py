@@ -129,6 +129,41 @@ def response_logprobs_of(
                         setting="train.logprob_chunk_tokens: null")
 
 
+def shared_prompt_logprobs_of(model: torch.nn.Module, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                               pad_id: int, device: torch.device, *, temperature: float = 1.0,
+                               with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`response_logprobs_of` with each distinct prompt run once (``train.share_prompts``):
+    the rows of a group share their prompt, and a prompt's positions attend only to the prompt
+    (causal), so one forward over the distinct prompts gives every row's prompt keys and values.
+    They are indexed out per row as a KV cache (differentiable: the prompt's gradient is the sum
+    of its rows'), then one forward over the responses less their last token (it predicts
+    nothing). The prompt's last position gives the logits of the first response token. The same
+    values and gradients to float rounding (the prompt's gradient sums over rows in another
+    order); with ``n`` samples per prompt the prompt tokens cost ~1/n of the padded pass's.
+    Shape: -> logp (B, R) float32 (0 at padding), entropy (B, R) or None, response_mask (B, R) bool."""
+    distinct: dict[tuple[int, ...], int] = {}
+    row_prompt = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
+    p_ids, p_mask = left_pad([list(p) for p in distinct], pad_id)
+    r_ids, r_mask = right_pad(response_ids, pad_id, max(1, max(map(len, response_ids), default=1)))
+    index = torch.tensor(row_prompt, device=device)
+    p_ids, p_mask, r_ids, r_mask = (t.to(device) for t in (p_ids, p_mask, r_ids, r_mask))
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=positions(p_mask), use_cache=True,
+                logits_to_keep=1)
+    logits = out.logits[index]  # (B, 1, V): the first response token's
+    if r_ids.shape[1] > 1:
+        cache = out.past_key_values
+        cache.reorder_cache(index)  # (distinct, ...) -> (B, ...) by index_select: gradients add up per prompt
+        mask = torch.cat([p_mask[index], r_mask[:, :-1]], dim=1)
+        rest = model(input_ids=r_ids[:, :-1], attention_mask=mask, position_ids=positions(mask)[:, p_ids.shape[1]:],
+                     past_key_values=cache, use_cache=True)
+        logits = torch.cat([logits, rest.logits], dim=1)  # (B, R, V)
+    logits = logits.float() / temperature
+    response_mask = r_mask.bool()
+    logp = logprobs_from_logits(logits, r_ids).masked_fill(~response_mask, 0.0)
+    ent = entropy_from_logits(logits).masked_fill(~response_mask, 0.0) if with_entropy else None
+    return logp, ent, response_mask
+
+
 def packed_logprobs_of(model: torch.nn.Module, packed, device: torch.device, *, temperature: float = 1.0,
                        with_entropy: bool = False, chunk_tokens: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -289,6 +324,7 @@ class HFPolicy:
         lora: Any = None,
         adapters: Path | None = None,
         pack: bool = False,
+        share_prompts: bool = False,
     ) -> None:
         from dapo_flow.models.heads import load_torch_model, skip_unneeded_transformers_imports
 
@@ -316,6 +352,12 @@ class HFPolicy:
         self.grad_checkpointing = grad_checkpointing
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.packed = pack
+        self.share_prompts = share_prompts
+        if share_prompts and (pack or logprob_chunk_tokens is not None or grad_checkpointing):
+            clash = ("train.pack" if pack else "train.logprob_chunk_tokens" if logprob_chunk_tokens is not None
+                     else "train.grad_checkpointing")
+            raise ModelError(f"{self.path}: train.share_prompts runs each prompt once with a KV cache, which "
+                             f"{clash} does not take: turn one of them off")
         capped = getattr(self.model.config, "final_logit_softcapping", None)
         if capped and (logprob_chunk_tokens is not None or pack):
             setting = "train.logprob_chunk_tokens: null" if logprob_chunk_tokens is not None else "train.pack: false"
@@ -737,6 +779,17 @@ class HFPolicy:
         Shape: -> logp (B, R) float32 (0 at padding), entropy (B, R) or None, response_mask (B, R) bool.
         """
         temp = temperature or 1.0  # greedy rollouts are scored at temperature 1
+        if grad and self.share_prompts:
+            if routes is not None or self.sequence_group is not None:
+                what = "routing replay" if routes is not None else "sequence parallelism"
+                raise ModelError(f"{self.path}: {what} with train.share_prompts is not built: "
+                                 "set train.share_prompts: false")
+            if len(prompt_ids) != len(response_ids):
+                raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+            self._check_prompts(prompt_ids)
+            with self._grad_mode(), self.compute_precision():
+                return shared_prompt_logprobs_of(self.model, prompt_ids, response_ids, self.pad_id, self.device,
+                                                 temperature=temp, with_entropy=with_entropy)
         if grad and self.sequence_group is not None:
             if routes is not None:  # validate refuses the pair; a direct caller gets told too
                 raise ModelError(f"{self.path}: routing replay with sequence parallelism is not built: "

@@ -159,7 +159,8 @@ def _torch_policy(spec: ModelSpec, model_path: Path, *, device: str, seed: int, 
                       logprob_chunk_tokens=spec.train.logprob_chunk_tokens,
                       mixed_precision=None if strategy == "fsdp2" else spec.train.mixed_precision,
                       head=spec.resolved_head, lora=spec.train.lora if trainable else None,
-                      adapters=adapters if trainable else None, pack=spec.train.pack)
+                      adapters=adapters if trainable else None, pack=spec.train.pack,
+                      share_prompts=trainable and spec.train.share_prompts)
     if strategy == "fsdp2":
         policy.shard(mixed_precision=spec.train.mixed_precision, cpu_offload=spec.train.cpu_offload)
         if trainable and spec.train.sequence_parallel > 1:
