@@ -17,9 +17,9 @@ harness clients that share the process (OpenMP's workers spin at each op's barri
 fewer cores than runnable threads a barrier waits on a descheduled worker). With ``all_waiting``
 (the episodes' book), a call during which no client can run, every open episode waiting on the
 engine, takes every thread: the spare one would idle. The count is set per call in the batcher's
-thread (OpenMP's count is per thread; setting it costs under a microsecond). Sampling is the same
-on any count (the same tokens); the logprobs may differ in the last bits (torch's CPU attention
-splits its work by thread count).
+thread (OpenMP's count is per thread; a switch costs ~2 us). The tokens sampled were the same on
+1 and 2 threads where checked; the logprobs' last bits are not (~1e-6: torch's CPU attention
+rounds differently on another count), so they depend on which calls found every client waiting.
 """
 
 from __future__ import annotations
