@@ -11,7 +11,8 @@ What it times, in one process and one run, interleaved (endpoint first, then in-
   endpoint is set up as `harness-generate` sets it (``spare_threads=1``): the engine leaves one
   torch thread to the clients that share its process, except in a call that every open episode
   waits on (here each round's one call, all 64 requests in it), which takes them all;
-  ``--always-spare``: the spare thread left on every call (the endpoint before that rule).
+  ``--always-spare``: the spare thread left on every call (harness-generate's
+  ``engine_threads: fixed``).
 - in-process: ``policy.generate`` on the same prompt ids with the same per-prompt seeds (so both
   sample the same tokens), one call.
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--model", choices=("tiny-agent", "qwen"), default="tiny-agent")
     ap.add_argument("--always-spare", action="store_true",
-                    help="the engine leaves its spare thread on every call (the rule off: the endpoint before it)")
+                    help="the engine leaves its spare thread on every call (engine_threads: fixed)")
     args = ap.parse_args(argv)
     reps = 2 if args.quick else args.reps
     console = make_console()
@@ -79,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         await client.completions.create(model=MODEL, prompt=task["prompt"], max_tokens=max_tokens)
 
     endpoint = Endpoint(policy, model_name=MODEL, call_format="compact", require_episode=True, spare_threads=1,
-                        sampling=(1.0, 1.0, -1)).start()
-    if args.always_spare:
-        endpoint.batcher.all_waiting = None
+                        sampling=(1.0, 1.0, -1), all_threads_when_waited=not args.always_spare).start()
     rounds = 0
 
     def through_endpoint() -> tuple[float, int, float, int]:
