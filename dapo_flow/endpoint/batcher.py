@@ -11,6 +11,15 @@ group samples up to its largest ``max_tokens`` and each request keeps its own fi
 ``max_tokens`` tokens: a sample's tokens come from its own seeded stream
 (:func:`dapo_flow.models.sampling.sample_keys`), so they are what a call with that
 ``max_tokens`` alone would sample.
+
+Threads: the engine computes on the process's torch threads less ``spare_threads``, left to the
+harness clients that share the process (OpenMP's workers spin at each op's barrier, and with
+fewer cores than runnable threads a barrier waits on a descheduled worker). With ``all_waiting``
+(the episodes' book), a call during which no client can run, every open episode waiting on the
+engine, takes every thread: the spare one would idle. The count is set per call in the batcher's
+thread (OpenMP's count is per thread; a switch costs ~2 us). The tokens sampled were the same on
+1 and 2 threads where checked; the logprobs' last bits are not (~1e-6: torch's CPU attention
+rounds differently on another count), so they depend on which calls found every client waiting.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ class BatchStats:
     requests: int = 0
     tokens: int = 0
     seconds: float = 0.0  # inside generate
+    all_threads: int = 0  # calls run on every thread, none spared (every client waiting on them)
     batch_sizes: list[int] = field(default_factory=list)
 
 
@@ -65,7 +75,7 @@ class Batcher:
 
     def __init__(self, engine: Any, *, window_s: float = 0.005, max_batch: int = 512, max_queue: int = 4096,
                  expected: Callable[[], int] | None = None, expect_window_s: float = 0.05,
-                 spare_threads: int = 0):
+                 spare_threads: int = 0, all_waiting: Callable[[int], bool] | None = None):
         self.engine = engine
         self.window_s, self.max_batch, self.max_queue = window_s, max_batch, max_queue
         # how many more requests may come soon (episodes between two requests): while some may,
@@ -75,12 +85,14 @@ class Batcher:
         self._last_call_s = 0.0
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         # torch threads for the engine: the process's, less ``spare_threads`` (at least one) left to
-        # the threads that share this process and run Python the whole time (harness clients, the
-        # HTTP server): OpenMP's workers spin at each op's barrier, and with a thread fewer cores
-        # than runnable threads a barrier waits on a descheduled worker (tiny-agent's 256-episode
-        # round: 0.7 s of engine time on 1 thread of 2 cores, 11-17 s on 2)
-        process = _torch_threads()
-        self._threads = max(1, process - spare_threads) if process else 0
+        # the threads that share this process and run Python (harness clients, the HTTP server):
+        # OpenMP's workers spin at each op's barrier, and with a thread fewer cores than runnable
+        # threads a barrier waits on a descheduled worker (tiny-agent's 256-episode round: 0.7 s
+        # of engine time on 1 thread of 2 cores, 11-17 s on 2). ``all_waiting(held)``: whether no
+        # client can run during a call (the batcher holding ``held`` requests); then it takes all
+        self._process = _torch_threads()
+        self._threads = max(1, self._process - spare_threads) if self._process else 0
+        self.all_waiting = all_waiting
         self._thread = threading.Thread(target=self._loop, name="endpoint-batcher", daemon=True)
         self._thread.start()
 
@@ -97,10 +109,6 @@ class Batcher:
         self._thread.join(timeout=30)
 
     def _loop(self) -> None:
-        if self._threads:  # OpenMP's thread count is per thread: a new one starts at the library default
-            from dapo_flow.threads import set_torch_threads
-
-            set_torch_threads(self._threads)
         while (job := self._queue.get()) is not None:
             jobs = [job]
             stop = False
@@ -120,12 +128,26 @@ class Batcher:
             groups: dict[SamplingKey, list[_Job]] = defaultdict(list)
             for j in jobs:
                 groups[j.key].append(j)
+            held = len(jobs)
             for key, group in groups.items():
-                self._run(key, group)
+                self._run(key, group, held + self._queue.qsize())
+                held -= len(group)
             if stop:
                 return
 
-    def _run(self, key: SamplingKey, jobs: list[_Job]) -> None:
+    def threads_for_call(self, held: int) -> int:
+        """Torch threads for the next engine call, the batcher holding ``held`` requests (0: leave
+        the count as it is, torch absent)."""
+        if self.all_waiting is not None and self.all_waiting(held):
+            return self._process  # the spare threads' clients all wait on this call: they would idle
+        return self._threads
+
+    def _run(self, key: SamplingKey, jobs: list[_Job], held: int) -> None:
+        threads = self.threads_for_call(held)
+        if threads:  # OpenMP's count is per thread (this one started at the library default)
+            from dapo_flow.threads import set_torch_threads
+
+            set_torch_threads(threads)
         cfg = SamplingConfig(n=key.n, temperature=key.temperature, top_p=key.top_p, top_k=key.top_k,
                              max_tokens=max(j.max_tokens for j in jobs), prompt_seeds=tuple(j.seed for j in jobs))
         start = time.perf_counter()
@@ -139,6 +161,7 @@ class Batcher:
         s = self.stats
         self._last_call_s = time.perf_counter() - start
         s.calls += 1
+        s.all_threads += int(threads == self._process > self._threads)
         s.requests += len(jobs)
         s.tokens += int(rolled.tokens_generated)
         s.seconds += time.perf_counter() - start

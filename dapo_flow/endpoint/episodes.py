@@ -244,6 +244,15 @@ class EpisodeBook:
         with self._lock:
             return sum(not e.in_flight for e in self._episodes.values())
 
+    def all_waiting(self, held: int) -> bool:
+        """Whether every open episode waits on the engine: each has a request in flight, and
+        ``held`` (the requests the batcher holds: the batch it is about to run and its queue)
+        covers them all, so no harness is between two requests (thinking, running a tool) and no
+        request is between its admission and the batcher. False with no open episode."""
+        with self._lock:
+            in_flight = sum(e.in_flight for e in self._episodes.values())
+            return 0 < in_flight == len(self._episodes) and held >= in_flight
+
     def fail(self, episode_id: str, spent: bool = False) -> None:
         """The admitted request was not sampled; ``spent``: it would not fit the model's context."""
         with self._lock:

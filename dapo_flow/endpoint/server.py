@@ -50,18 +50,21 @@ class Endpoint:
     clients send as ``model``. ``require_episode``: refuse requests outside a registered episode
     (a training run: the engine is used only while the harness node runs); ``sampling``: the
     (temperature, top_p, top_k) every request samples with, whatever it asks (a training run's);
-    ``spare_threads``: torch threads the engine leaves to clients running in this process."""
+    ``spare_threads``: torch threads the engine leaves to clients running in this process; with
+    ``require_episode`` and ``all_threads_when_waited``, not in a call every open episode waits on
+    (no client runs then)."""
 
     def __init__(self, engine: Any, *, model_name: str, call_format: str = "hermes", host: str = LOOPBACK,
                  port: int = 0, token: str | None = None, require_episode: bool = False,
                  sampling: tuple[float, float, int] | None = None, window_s: float = 0.005,
-                 spare_threads: int = 0):
+                 spare_threads: int = 0, all_threads_when_waited: bool = True):
         warn_unless_loopback(host, port)
         self.host, self.port = host, port
         self.token = token or secrets.token_urlsafe(24)
         self.book = EpisodeBook()
+        waited = self.book.all_waiting if require_episode and all_threads_when_waited else None
         self.batcher = Batcher(engine, window_s=window_s, expected=self.book.expected if require_episode else None,
-                               spare_threads=spare_threads)
+                               spare_threads=spare_threads, all_waiting=waited)
         self.served = Served(engine.tokenizer, self.batcher, self.book, model_name, self.token, call_format,
                              context_length(engine), eos_ids(engine), require_episode, sampling)
         self._thread: ServerThread | None = None

@@ -62,6 +62,12 @@ class Params(GenerateParams):
     """Where the endpoint binds; another host than loopback warns (the token still guards it)."""
     port: int = Field(0, ge=0, le=65535)
     """The endpoint's port; 0: a free one."""
+    engine_threads: Literal["adaptive", "fixed"] = "adaptive"
+    """The engine shares its process with the harness's clients: `adaptive` computes a call that
+    every open sample waits on with every torch thread, others with one left to the clients
+    (fastest; the rollout logprobs' last bits, ~1e-6, then depend on timing: torch's CPU attention
+    rounds differently on another thread count); `fixed` always leaves one (logprobs reproducible
+    to the bit, as a sync run's)."""
 
     @field_validator("harness")
     @classmethod
@@ -140,8 +146,8 @@ class HarnessGenerate:
             p = self.params
             name = next((n for n, m in self.ctx.models.items() if m is self.ctx.model), self.ctx.node_id)
             _ENDPOINTS[key] = Endpoint(generator, model_name=name, call_format=p.format, host=p.host,
-                                       port=p.port, require_episode=True,
-                                       spare_threads=1).start()  # a core for the harness's clients
+                                       port=p.port, require_episode=True, spare_threads=1,  # for the clients
+                                       all_threads_when_waited=p.engine_threads == "adaptive").start()
             print(f"harness-generate '{self.ctx.node_id}': OpenAI-compatible endpoint {_ENDPOINTS[key].base_url} "
                   f"(model '{name}')", flush=True)
             self._key = key  # this instance started it: its close() stops it

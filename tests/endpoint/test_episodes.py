@@ -97,3 +97,20 @@ def test_a_second_request_in_flight_is_refused():
     with pytest.raises(EpisodeError) as busy:
         ep.admit([1], {EOS}, decode, seed_of)
     assert busy.value.status == 409
+
+
+def test_all_waiting_only_when_every_open_episode_has_its_request_held():
+    """The batcher's thread rule: a call takes every thread only when no harness can run during it."""
+    book = EpisodeBook()
+    assert not book.all_waiting(held=4)  # no episode open: nothing to say the clients wait
+    for e in ("a", "b"):
+        book.register(e, seed=0, max_requests=4, budget=20)
+    book.admit("a", [1], {EOS}, decode, seed_of)
+    assert not book.all_waiting(held=1)  # 'b' has not sent its request: its harness may be running
+    book.admit("b", [1], {EOS}, decode, seed_of)
+    assert book.all_waiting(held=2)
+    assert not book.all_waiting(held=1)  # one request admitted but not yet with the batcher
+    book.record("a", [1], [sampled([10, EOS])])
+    assert not book.all_waiting(held=2)  # 'a' got its completion: its harness runs again
+    book.finish("a")
+    assert book.all_waiting(held=1)  # an ended episode waits on nothing

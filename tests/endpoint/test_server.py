@@ -206,3 +206,17 @@ def test_another_host_than_loopback_warns(served):
     default = Endpoint(engine, model_name="policy")
     default.close()
     assert default.host == "127.0.0.1"
+
+
+def test_a_training_endpoint_takes_every_thread_for_waited_calls_unless_fixed(served):
+    """harness-generate's `engine_threads`: adaptive (the default) gives the batcher the episode
+    book's all_waiting; fixed keeps the spare thread on every call (bit-reproducible logprobs)."""
+    from dapo_flow.operators.harness_generate import Params
+
+    _, engine = served
+    assert Params().engine_threads == "adaptive"
+    for fixed, rule in ((False, True), (True, False)):
+        endpoint = Endpoint(engine, model_name="policy", require_episode=True, spare_threads=1,
+                            all_threads_when_waited=not fixed)  # not started: nothing listens
+        endpoint.close()
+        assert (endpoint.batcher.all_waiting is not None) is rule
