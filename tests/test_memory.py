@@ -461,7 +461,9 @@ CASES = {
     # 2 rows of 1024 positions, one shorter: the float attention masks SDPA saves are 8 MiB a layer
     "5m-long-padded": _case(LLAMA_5M, rows=2, prompt=256, response=768, pad=True),
     "5m-long-padded-ckpt": _case(LLAMA_5M, rows=2, prompt=256, response=768, pad=True, checkpointing=True),
-    "1m-entropy": _case(LLAMA_1M, entropy_coef=0.01),
+    # measured 1.023-1.025 alone, 1.041 once beside another xdist worker (the baseline taken at
+    # the reset holds allocator pages the passes reuse): a 1.3 MiB swing on an 84 MiB peak
+    "1m-entropy": _case(LLAMA_1M, entropy_coef=0.01, within=0.05),
     "5m-padded-entropy": _case(LLAMA_5M, pad=True, entropy_coef=0.01),
     "1m-bf16": _case(LLAMA_1M, dtype="bfloat16"),
     # LoRA (rank 16 on every linear): the base frozen, gradients and AdamW state the adapters'.
