@@ -560,6 +560,12 @@ class HFPolicy:
             self._routing = routing_of(self.model)
         return self._routing
 
+    def _check_rows(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> None:
+        """A response for each prompt, and prompts :meth:`_check_prompts` accepts."""
+        if len(prompt_ids) != len(response_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+        self._check_prompts(prompt_ids)
+
     def _check_prompts(self, prompt_ids: list[list[int]]) -> None:
         """ModelError for a prompt the model cannot take: an empty one, or one holding a token id
         past its vocabulary (the embedding lookup would fail with a bare IndexError)."""
@@ -737,9 +743,7 @@ class HFPolicy:
         response_mask (B, R); response_start () = P, so the logits predicting the response are
         ``logits[:, P-1 : P+R-1]``.
         """
-        if len(prompt_ids) != len(response_ids):
-            raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
-        self._check_prompts(prompt_ids)
+        self._check_rows(prompt_ids, response_ids)
         p_ids, p_mask = left_pad(prompt_ids, self.pad_id)
         r_ids, r_mask = right_pad(response_ids, self.pad_id, max(1, max(map(len, response_ids), default=1)))
         mask = torch.cat([p_mask, r_mask], dim=1)
@@ -784,9 +788,7 @@ class HFPolicy:
                 what = "routing replay" if routes is not None else "sequence parallelism"
                 raise ModelError(f"{self.path}: {what} with train.share_prompts is not built: "
                                  "set train.share_prompts: false")
-            if len(prompt_ids) != len(response_ids):
-                raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
-            self._check_prompts(prompt_ids)
+            self._check_rows(prompt_ids, response_ids)
             with self._grad_mode(), self.compute_precision():
                 return shared_prompt_logprobs_of(self.model, prompt_ids, response_ids, self.pad_id, self.device,
                                                  temperature=temp, with_entropy=with_entropy)
