@@ -56,7 +56,7 @@ def topk_forward_kl(student_logp: Tensor, teacher_logp: Tensor, mask: Tensor) ->
         raise AlgoError(f"mask {tuple(mask.shape)} must be (batch, resp_len) = {tuple(student_logp.shape[:2])}")
     valid = _as_bool(mask)
     teacher = teacher_logp.detach().float()
-    if not torch.isfinite(teacher[valid]).all():
+    if not (torch.isfinite(teacher) | ~valid[..., None]).all():  # no boolean indexing: no device sync for a shape
         raise AlgoError("teacher_logp contains NaN or inf at valid tokens")
     # padding may hold anything: zero it before exp and the products, so no NaN reaches the gradient
     teacher = torch.where(valid[..., None], teacher, teacher.new_zeros(()))

@@ -174,6 +174,8 @@ class Update:
         return C.typed(*cols)
 
     def __init__(self, params: Params, ctx: OpContext):
+        if params.distill_topk_coef > 0:  # before anything is built
+            _check_topk_paths(ctx.node_id, ctx.model.spec.train)
         self.params = params
         self.ctx = ctx
         self.policy = ctx.model.policy  # stays in eval mode: no dropout in RL (HFPolicy)
@@ -188,8 +190,6 @@ class Update:
             raise ModelError(f"update '{ctx.node_id}': router_aux_loss_coef is {params.router_aux_loss_coef} but "
                              f"the model has no experts (no router to balance): remove router_aux_loss_coef")
         self.moe_metrics: dict[str, float] = {}
-        if params.distill_topk_coef > 0:
-            _check_topk_paths(ctx.node_id, ctx.model.spec.train)
         # routing replay (R3): the forwards route as the rollout did (train.routing_replay)
         self.replay = bool(self.routing is not None and ctx.model.spec.train.routing_replay)
         if self.replay and self.policy.grad_checkpointing:  # validate says so first; a direct caller here

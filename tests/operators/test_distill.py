@@ -171,3 +171,16 @@ def test_top_k_logprobs_agree_on_the_padded_packed_and_shared_prompt_paths(tiny_
     chunked = HFPolicy(tiny_adder_path, trainable=True, logprob_chunk_tokens=4)
     with pytest.raises(ModelError, match="logprob_chunk_tokens: null"):
         chunked.response_logprobs(prompts, responses, grad=True, at_ids=ids)
+
+
+def test_an_update_with_top_k_distillation_refuses_the_logprob_paths_that_keep_no_logits():
+    from types import SimpleNamespace
+
+    from dapo_flow.errors import ModelError
+    from dapo_flow.graph.spec import ModelSpec
+
+    for train, named in (({"logprob_chunk_tokens": 64}, "train.logprob_chunk_tokens: null"),
+                         ({"strategy": "fsdp2", "workers": 2, "sequence_parallel": 2}, "train.sequence_parallel: 1")):
+        model = SimpleNamespace(policy=None, spec=ModelSpec(path="x", train=train))
+        with pytest.raises(ModelError, match=f"update 'train': distill_topk_coef .* set {named}"):
+            update.Update(update.Params(distill_topk_coef=1.0), OpContext(node_id="train", seed=0, model=model))
