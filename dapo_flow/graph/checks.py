@@ -554,7 +554,10 @@ def _param_variants(cls: type) -> Iterable[tuple[str, BaseModel]]:
             except ValidationError:
                 continue
     for example in getattr(cls, "PARAM_EXAMPLES", ()):
-        yield ", ".join(f"{k}: {v}" for k, v in example.items()), cls.Params.model_validate(example)
+        try:
+            yield ", ".join(f"{k}: {v}" for k, v in example.items()), cls.Params.model_validate(example)
+        except ValidationError:
+            continue
 
 
 def _check_group_filter(found: Found, nodes: list[_Node], graph: nx.DiGraph,

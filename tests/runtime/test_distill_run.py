@@ -56,6 +56,14 @@ def test_a_short_distillation_run_trains_on_the_teachers_signal(workdir):
     assert any(k.startswith("time/") and "teacher" in k for k in run["metrics"]), sorted(run["metrics"])
 
 
+def test_top_k_distillation_without_the_teachers_top_k_fails_validate_naming_the_fix():
+    with pytest.raises(GraphError) as err:
+        _edited("train.distill_topk_coef=1.0").compile(Cluster(cpus=2))
+    text = str(err.value)
+    assert "node 'train' inputs: requires column 'teacher_topk_ids' (list<list<int32>>)" in text
+    assert "add an upstream node that produces it: op 'logprob' with role: teacher, top_k: 8" in text
+
+
 @pytest.mark.models("tiny-adder-teacher")
 def test_top_k_distillation_trains_on_the_forward_kl_to_the_teachers_top_k(workdir):
     placed = _edited("teacher_logp.top_k=4", "train.distill_topk_coef=0.5", "run.steps=1",
