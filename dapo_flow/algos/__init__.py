@@ -10,7 +10,7 @@
   (vanilla, gspo, cispo, gpg);
 - :mod:`~dapo_flow.algos.value`: GAE, the clipped value loss, ReMax advantages;
 - :mod:`~dapo_flow.algos.distill`: on-policy distillation's per-token advantage (the negative
-  reverse KL to a teacher on the student's samples);
+  reverse KL to a teacher on the student's samples) and the forward KL on the teacher's top-K;
 - :mod:`~dapo_flow.algos.kl`: KL estimators, KL in the reward, the adaptive coefficient;
 - :mod:`~dapo_flow.algos.rollout_correction`: importance-sampling weights (TIS, IcePop) and
   rejection masks (k1/k2/k3, per token or sequence) for the rollout/trainer mismatch;
@@ -45,11 +45,11 @@ from dapo_flow.algos.advantages import (
     reinforce_pp_advantages,
     sequence_advantages,
 )
-from dapo_flow.algos.distill import distill_advantages, reverse_kl_per_token
+from dapo_flow.algos.distill import distill_advantages, reverse_kl_per_token, topk_forward_kl
 from dapo_flow.algos.errors import AlgoError
 from dapo_flow.algos.groups import GroupIds, Groups, Segments, factorize, fill_from_group, keep_groups
 from dapo_flow.algos.kl import KL_BASE_KINDS, KL_KINDS, adaptive_kl_coef, kl_in_reward, kl_penalty
-from dapo_flow.algos.logprobs import entropy_from_logits, logprobs_from_logits, lowest_token_probability
+from dapo_flow.algos.logprobs import entropy_from_logits, logprobs_from_logits, lowest_token_probability, vocab_logprobs
 from dapo_flow.algos.losses import LOSS_AGG_MODES, agg_loss, policy_loss
 from dapo_flow.algos.masked import masked_mean, masked_whiten
 from dapo_flow.algos.metrics import pass_at_k
@@ -69,5 +69,6 @@ __all__ = [
     "distill_advantages", "entropy_from_logits", "factorize", "fill_from_group", "gae", "keep_groups", "kl_in_reward", "kl_penalty", "logprobs_from_logits",
     "lowest_token_probability", "masked_mean", "masked_whiten", "outcome_advantages", "overlong_penalty", "pass_at_k",
     "policy_loss", "ROLLOUT_IS_LEVELS", "ROLLOUT_RS_OPTIONS", "rollout_correction_weights", "rollout_rejection_mask",
-    "reinforce_pp_advantages", "remax_advantages", "reverse_kl_per_token", "sequence_advantages", "value_loss",
+    "reinforce_pp_advantages", "remax_advantages", "reverse_kl_per_token", "sequence_advantages", "topk_forward_kl",
+    "value_loss", "vocab_logprobs",
 ]

@@ -43,12 +43,41 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     flat = logits.reshape(-1, vocab)
     acc = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
     picked = flat.gather(-1, labels.reshape(-1, 1).long()).squeeze(-1).to(acc)
-    rows = max(1, _LOGSUMEXP_CHUNK // max(vocab, 1))
+    return (picked - _logsumexp(flat, acc)).reshape(labels.shape)
+
+
+def _logsumexp(flat: Tensor, acc: torch.dtype) -> Tensor:
+    """logsumexp over the last dim in row chunks (the exp temporary <= 64 MiB), in ``acc``.
+    Shape: (N, vocab) -> (N,)."""
+    rows = max(1, _LOGSUMEXP_CHUNK // max(flat.shape[-1], 1))
     if flat.shape[0] <= rows:
-        lse = torch.logsumexp(flat.to(acc), dim=-1)
+        return torch.logsumexp(flat.to(acc), dim=-1)
+    return torch.cat([torch.logsumexp(c.to(acc), dim=-1) for c in flat.split(rows)])
+
+
+def vocab_logprobs(logits: Tensor, *, top_k: int = 0, ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """log softmax(logits) at K tokens per position: the ``top_k`` most likely (a teacher's
+    top-K for distillation), or the given ``ids`` (a student's logprobs at its teacher's top-K,
+    differentiable). Gathers K columns and subtracts one logsumexp per position, so no second
+    (..., vocab) tensor is made. Exactly one of ``top_k`` > 0 and ``ids`` is given.
+    Shape: logits (..., vocab); ids (..., K) int -> ids (..., K) int64, logp (..., K) float32
+    (float64 for float64 logits), top-K in decreasing order."""
+    if (top_k > 0) == (ids is not None):
+        raise AlgoError("vocab_logprobs takes exactly one of top_k > 0 and ids")
+    vocab = logits.shape[-1]
+    acc = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
+    if ids is None:
+        if top_k > vocab:
+            raise AlgoError(f"top_k {top_k} exceeds the vocabulary ({vocab} tokens)")
+        picked, ids = logits.topk(top_k, dim=-1)
     else:
-        lse = torch.cat([torch.logsumexp(c.to(acc), dim=-1) for c in flat.split(rows)])
-    return (picked - lse).reshape(labels.shape)
+        if ids.shape[:-1] != logits.shape[:-1]:
+            raise AlgoError(f"ids shape {tuple(ids.shape)} does not match logits shape {tuple(logits.shape)} "
+                            "but for the last dim")
+        ids = ids.long()
+        picked = logits.gather(-1, ids)
+    lse = _logsumexp(logits.reshape(-1, vocab), acc).reshape(logits.shape[:-1] + (1,))
+    return ids, picked.to(acc) - lse
 
 
 def chunked_linear_logprobs(

@@ -15,6 +15,8 @@ import pyarrow as pa
 TOKENS = pa.list_(pa.int32())
 TOKEN_FLOATS = pa.list_(pa.float32())
 TOKEN_FLAGS = pa.list_(pa.int8())  # a 0/1 flag per token (loss_mask)
+TOKEN_TOPK_IDS = pa.list_(pa.list_(pa.int32()))  # K ids per response token
+TOKEN_TOPK_FLOATS = pa.list_(pa.list_(pa.float32()))  # K values per response token
 
 # --- prompt rows (the graph's `prompts` source) -------------------------------
 PROMPT_ID = "prompt_id"  # group id: all samples of one prompt share it (by value)
@@ -49,6 +51,8 @@ KL = "kl"  # per sequence: KL(policy || ref) summed over valid tokens (the `kl` 
 OLD_LOGP = "old_logp"  # recomputed by the trainer before the update
 REF_LOGP = "ref_logp"
 TEACHER_LOGP = "teacher_logp"  # a frozen teacher's logprobs of the student's sampled tokens (distillation)
+TEACHER_TOPK_IDS = "teacher_topk_ids"  # per response position, the teacher's K most likely token ids
+TEACHER_TOPK_LOGP = "teacher_topk_logp"  # ... and their logprobs (top-K distillation: update's distill_topk_coef)
 ENTROPY = "entropy"
 ADVANTAGE = "advantage"  # per sequence; broadcast over response tokens by `update`
 TOKEN_ADVANTAGE = "token_advantage"  # per response token (token-level estimators: REINFORCE++)
@@ -90,6 +94,8 @@ SCHEMA: dict[str, pa.DataType] = {
     OLD_LOGP: TOKEN_FLOATS,
     REF_LOGP: TOKEN_FLOATS,
     TEACHER_LOGP: TOKEN_FLOATS,
+    TEACHER_TOPK_IDS: TOKEN_TOPK_IDS,
+    TEACHER_TOPK_LOGP: TOKEN_TOPK_FLOATS,
     ENTROPY: TOKEN_FLOATS,
     ADVANTAGE: pa.float32(),
     LOSS_MASK: TOKEN_FLAGS,

@@ -48,6 +48,40 @@ def padded_to_ragged(values: np.ndarray, lengths: np.ndarray, type_: pa.DataType
     )
 
 
+def topk_to_ragged(values: np.ndarray, lengths: np.ndarray, type_: pa.DataType) -> pa.ListArray:
+    """K values per token of each row's first ``lengths[i]`` tokens as a list<list<...>> column
+    (a teacher's top-K ids or logprobs). Shape: values (rows, width, K), lengths (rows,) ->
+    (rows,) lists of lengths[i] lists of K."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    k = values.shape[2] if values.ndim == 3 else 0
+    flat = values[np.arange(values.shape[1])[None, :] < lengths[:, None]] if values.ndim == 3 else values
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(len(flat) + 1, dtype=np.int32) * k, pa.int32()),
+                                     pa.array(flat.reshape(-1), type=type_.value_type.value_type))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), inner)
+
+
+def topk_to_padded(col: pa.ChunkedArray | pa.Array, *, dtype) -> np.ndarray:
+    """Inverse of :func:`topk_to_ragged`, right-padded with 0. Every token must hold the same
+    number K of values (K = 1 when there are no tokens).
+    Shape: (rows,) list<list<...>> column -> (rows, max_len, K)."""
+    arr = _flat(col)
+    offsets = arr.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    lengths = np.diff(offsets)
+    inner = arr.flatten()  # (tokens,) lists of K
+    sizes = np.diff(inner.offsets.to_numpy(zero_copy_only=False).astype(np.int64))
+    k = int(sizes[0]) if len(sizes) else 1
+    if (sizes != k).any():
+        raise ValueError(f"top-K column holds lists of {sorted(set(sizes.tolist()))} values per token, expected {k}")
+    values = inner.flatten().to_numpy(zero_copy_only=False).reshape(-1, k)
+    width = int(lengths.max()) if len(lengths) else 0
+    out = np.zeros((len(lengths), width, k), dtype=dtype)
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    pos = np.arange(len(values)) - np.repeat(offsets[:-1] - offsets[0], lengths)
+    out[rows, pos] = values
+    return out
+
+
 def response_mask(batch: pa.Table, lengths: np.ndarray, width: int) -> np.ndarray:
     """The response tokens that count: position < the row's length, and the row's ``loss_mask``
     where the batch has one (0 on tool / observation tokens of a multi-turn response, and on a

@@ -538,7 +538,8 @@ def _producer_hint(column: str, operators: Mapping[str, type]) -> str:
 
 
 def _param_variants(cls: type) -> Iterable[tuple[str, BaseModel]]:
-    """Default params, then each Literal/bool field flipped to its other values."""
+    """Default params, then each Literal/bool field flipped to its other values, then the
+    op's ``PARAM_EXAMPLES`` (settings of several fields at once that turn a column on)."""
     try:
         yield "", cls.Params()
     except ValidationError:
@@ -552,6 +553,11 @@ def _param_variants(cls: type) -> Iterable[tuple[str, BaseModel]]:
                 yield f"{name}: {value}", cls.Params.model_validate({name: value})
             except ValidationError:
                 continue
+    for example in getattr(cls, "PARAM_EXAMPLES", ()):
+        try:
+            yield ", ".join(f"{k}: {v}" for k, v in example.items()), cls.Params.model_validate(example)
+        except ValidationError:
+            continue
 
 
 def _check_group_filter(found: Found, nodes: list[_Node], graph: nx.DiGraph,

@@ -71,7 +71,9 @@ class TrainablePolicy(Protocol):
                           temperature: float = 1.0, micro_batch_size: int = 64,
                           with_entropy: bool = False, grad: bool = False) -> tuple[Any, Any, Any]:
         """(logp, entropy, mask) of the responses. An MoE policy that replays recorded routing
-        (train.routing_replay) also takes ``routes=`` and ``tally=``; they are passed only then."""
+        (train.routing_replay) also takes ``routes=`` and ``tally=``; they are passed only then.
+        Top-K distillation passes ``top_k=`` (a teacher) or ``at_ids=`` (the student) only when
+        on, and reads a fourth result, (ids, logp) at K tokens per position (HFPolicy's)."""
 
     def to_device(self, value: Any) -> Any:
         """Host arrays and tensors (nested in dicts, lists, tuples) on the model's device."""

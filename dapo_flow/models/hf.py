@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from dapo_flow.algos.logprobs import chunked_linear_logprobs, entropy_from_logits, logprobs_from_logits
+from dapo_flow.algos.logprobs import chunked_linear_logprobs, entropy_from_logits, logprobs_from_logits, vocab_logprobs
 from dapo_flow.errors import ModelError
 from dapo_flow.models.devices import prepare_device, to_device, to_host
 from dapo_flow.models.sampling import Rollouts, SamplingConfig, sample_keys, uniforms
@@ -100,9 +100,13 @@ def response_logprobs_of(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    top_k: int = 0,
+    at_ids: torch.Tensor | None = None,
+) -> tuple:
     """One forward of a causal LM over prompt+response rows (:meth:`HFPolicy.pack`'s layout) and
     the per-token log p of each response under ``softmax(logits / temperature)``, and its entropy.
+    With ``top_k`` or ``at_ids`` a third result, :func:`_vocab_pick`'s (ids, logp) at K tokens of
+    every response position (not with ``chunk_tokens``).
 
     ``chunk_tokens`` None: float32 logits of every response position at once, (b, R, vocab).
     Else the output head runs on the real (unpadded) response positions ``chunk_tokens`` at a
@@ -120,18 +124,33 @@ def response_logprobs_of(
         logits = out.logits[:, :-1].float() / temperature  # (b, R, V)
         logp = logprobs_from_logits(logits, response_ids).masked_fill(~response_mask, 0.0)
         ent = entropy_from_logits(logits).masked_fill(~response_mask, 0.0) if with_entropy else None
-        return logp, ent
+        pick = _vocab_pick(logits, response_mask, top_k, at_ids)
+        return (logp, ent) if pick is None else (logp, ent, pick)
 
     return _logprobs_at(model, dict(inputs, logits_to_keep=keep),
                         lambda hidden: hidden[:, :-1][response_mask],  # padding gets no logits at all
                         response_ids[response_mask], response_mask, temperature=temperature,
                         with_entropy=with_entropy, chunk_tokens=chunk_tokens,
-                        setting="train.logprob_chunk_tokens: null")
+                        setting="train.logprob_chunk_tokens: null", top_k=top_k, at_ids=at_ids)
+
+
+def _vocab_pick(logits: torch.Tensor, mask: torch.Tensor, top_k: int, at_ids: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """log p at K tokens of each position (:func:`~dapo_flow.algos.logprobs.vocab_logprobs`): the
+    ``top_k`` most likely (a teacher's, for top-K distillation) or ``at_ids`` (a student's at its
+    teacher's top-K); None when neither is asked. Padding gets id 0 and logp 0.
+    Shape: logits (b, R, V), mask (b, R), at_ids (b, R, K) -> ids (b, R, K) int64, logp (b, R, K)."""
+    if not top_k and at_ids is None:
+        return None
+    ids, logp = vocab_logprobs(logits, top_k=top_k, ids=None if at_ids is None else at_ids.to(logits.device))
+    pad = ~mask[..., None]
+    return ids.masked_fill(pad, 0), logp.masked_fill(pad, 0.0)
 
 
 def shared_prompt_logprobs_of(model: torch.nn.Module, prompt_ids: list[list[int]], response_ids: list[list[int]],
                                pad_id: int, device: torch.device, *, temperature: float = 1.0,
-                               with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                               with_entropy: bool = False, top_k: int = 0, at_ids: torch.Tensor | None = None
+                               ) -> tuple:
     """:func:`response_logprobs_of` with each distinct prompt run once (``train.share_prompts``):
     the rows of a group share their prompt, and a prompt's positions attend only to the prompt
     (causal), so one forward over the distinct prompts gives every row's prompt keys and values.
@@ -140,6 +159,7 @@ def shared_prompt_logprobs_of(model: torch.nn.Module, prompt_ids: list[list[int]
     nothing). The prompt's last position gives the logits of the first response token. The same
     values and gradients to float rounding (the prompt's gradient sums over rows in another
     order); with ``n`` samples per prompt the prompt tokens cost ~1/n of the padded pass's.
+    With ``top_k`` or ``at_ids`` a fourth result, :func:`_vocab_pick`'s.
     Shape: -> logp (B, R) float32 (0 at padding), entropy (B, R) or None, response_mask (B, R) bool."""
     distinct: dict[tuple[int, ...], int] = {}
     row_prompt = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
@@ -161,36 +181,46 @@ def shared_prompt_logprobs_of(model: torch.nn.Module, prompt_ids: list[list[int]
     response_mask = r_mask.bool()
     logp = logprobs_from_logits(logits, r_ids).masked_fill(~response_mask, 0.0)
     ent = entropy_from_logits(logits).masked_fill(~response_mask, 0.0) if with_entropy else None
-    return logp, ent, response_mask
+    pick = _vocab_pick(logits, response_mask, top_k, at_ids)
+    return (logp, ent, response_mask) if pick is None else (logp, ent, response_mask, pick)
 
 
 def packed_logprobs_of(model: torch.nn.Module, packed, device: torch.device, *, temperature: float = 1.0,
-                       with_entropy: bool = False, chunk_tokens: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       with_entropy: bool = False, chunk_tokens: int | None = None, top_k: int = 0,
+                       at_ids: torch.Tensor | None = None) -> tuple:
     """:func:`response_logprobs_of` on rows packed into bins
     (:class:`~dapo_flow.models.packing.Packed`): one forward without padding or attention mask
     (position ids restart per row, so attention stays in each row), the output head run only on
     the positions that predict a response token (all at once, or ``chunk_tokens`` at a time),
-    inside the model's forward as there. Shape: -> logp (b, R) float32 (0 at padding), entropy
-    (b, R) or None, in ``packed.response_mask``'s layout."""
+    inside the model's forward as there; ``top_k`` / ``at_ids`` as there. Shape: -> logp (b, R)
+    float32 (0 at padding), entropy (b, R) or None, in ``packed.response_mask``'s layout."""
     predict = packed.predict.to(device)
     inputs = {"input_ids": packed.input_ids.to(device), "position_ids": packed.position_ids.to(device)}
     return _logprobs_at(model, inputs, lambda hidden: hidden.reshape(-1, hidden.shape[-1])[predict],
                         packed.targets.to(device), packed.response_mask.to(device), temperature=temperature,
-                        with_entropy=with_entropy, chunk_tokens=chunk_tokens, setting="train.pack: false")
+                        with_entropy=with_entropy, chunk_tokens=chunk_tokens, setting="train.pack: false",
+                        top_k=top_k, at_ids=at_ids)
 
 
 def _logprobs_at(model: torch.nn.Module, inputs: dict, select, targets: torch.Tensor, mask: torch.Tensor, *,
-                 temperature: float, with_entropy: bool, chunk_tokens: int | None, setting: str
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 temperature: float, with_entropy: bool, chunk_tokens: int | None, setting: str,
+                 top_k: int = 0, at_ids: torch.Tensor | None = None) -> tuple:
     """One forward of ``model`` on ``inputs`` whose output head runs only on the hidden states
     ``select`` picks, (N, h), the positions predicting ``targets`` (N,): their float32 logits all
     at once, or ``chunk_tokens`` at a time (:func:`~dapo_flow.algos.logprobs.chunked_linear_logprobs`).
     The head runs inside the model's own forward (:func:`_forward_replaced`), so a model sharded
     by FSDP2 has its weight gathered there. ``setting``: what turns this path off (the fix when
-    the model's head is not a linear layer). Shape: -> logp (b, R) float32 (0 where ``mask``,
-    (b, R), is False), entropy (b, R) or None."""
+    the model's head is not a linear layer). ``top_k`` / ``at_ids`` (b, R, K): a third result,
+    :func:`_vocab_pick`'s, from the same logits (not with ``chunk_tokens``, whose chunks keep no
+    logits). Shape: -> logp (b, R) float32 (0 where ``mask``, (b, R), is False), entropy (b, R)
+    or None."""
     import torch.nn.functional as F
+
+    picking = bool(top_k) or at_ids is not None
+    if picking and chunk_tokens is not None:
+        raise ModelError("top-K logprobs (distillation's teacher_topk) are not built for chunked logprobs: "
+                         "set train.logprob_chunk_tokens: null on this model")
+    picked_ids = at_ids.to(mask.device)[mask] if at_ids is not None else None  # (N, K), the order of select
 
     lm_head = model.get_output_embeddings()
     if not isinstance(lm_head, torch.nn.Linear):
@@ -202,19 +232,25 @@ def _logprobs_at(model: torch.nn.Module, inputs: dict, select, targets: torch.Te
         not one stacked, so an entropy that is only logged gets no (zero) gradient; and a model
         that post-processes its logits (scales, soft-caps) fails on the tuple, loudly."""
         real = select(hidden)  # (N, h)
+        ids = k_logp = None
         if chunk_tokens is None:
             logits = F.linear(real, lm_head.weight, lm_head.bias).float() / temperature  # (N, V)
             logp = logprobs_from_logits(logits, targets)
             ent = entropy_from_logits(logits) if with_entropy else None
+            if picking:  # (N, K) each
+                ids, k_logp = vocab_logprobs(logits, top_k=top_k, ids=picked_ids)
         else:
             logp, ent = chunked_linear_logprobs(real, lm_head.weight, targets, bias=lm_head.bias,
                                                 chunk_tokens=chunk_tokens, temperature=temperature,
                                                 with_entropy=with_entropy)
-        return tuple(_unpack(v, mask) for v in (logp, ent) if v is not None)
+        return tuple(_unpack(v, mask) for v in (logp, ent, ids, k_logp) if v is not None)
 
     with _forward_replaced(lm_head, head):
         out = model(**inputs, use_cache=False).logits  # head's tuple
-    return out[0], out[1] if with_entropy else None
+    ent = out[1] if with_entropy else None
+    if not picking:
+        return out[0], ent
+    return out[0], ent, (out[-2], out[-1])
 
 
 def split_logprobs_of(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -244,10 +280,31 @@ def split_logprobs_of(model: torch.nn.Module, input_ids: torch.Tensor, position_
 
 
 def _unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``values`` of the True positions of ``mask`` in place, 0 elsewhere. Shape: (N,), (b, R) -> (b, R)."""
-    out = values.new_zeros(mask.shape)
+    """``values`` of the True positions of ``mask`` in place, 0 elsewhere.
+    Shape: (N, ...), (b, R) -> (b, R, ...)."""
+    out = values.new_zeros(mask.shape + values.shape[1:])
     out[mask] = values
     return out
+
+
+def _rows_of(pick: dict, rows: slice) -> dict:
+    """:meth:`HFPolicy.response_logprobs`' top-K request for a pass over ``rows``: ``at_ids`` sliced."""
+    return {**pick, "at_ids": pick["at_ids"][rows]} if pick.get("at_ids") is not None else pick
+
+
+def _joined(parts: list[tuple], mask: torch.Tensor, with_entropy: bool, pick: dict) -> tuple:
+    """Micro-batch passes' results, (logp, entropy[, (ids, logp_k)]) each, joined along the rows
+    as :meth:`HFPolicy.response_logprobs` returns them (zeros for no rows).
+    Shape: -> logp (B, R), entropy (B, R) or None, mask (B, R)[, ((B, R, K), (B, R, K))]."""
+    logp = torch.cat([p[0] for p in parts]) if parts else mask.float()
+    ent = torch.cat([p[1] for p in parts]) if with_entropy and parts else None
+    if not pick:
+        return logp, ent, mask
+    if parts:
+        return logp, ent, mask, (torch.cat([p[2][0] for p in parts]), torch.cat([p[2][1] for p in parts]))
+    k = pick["top_k"] or pick["at_ids"].shape[-1]
+    return logp, ent, mask, (mask.new_zeros(mask.shape + (k,), dtype=torch.long),
+                             mask.new_zeros(mask.shape + (k,), dtype=torch.float32))
 
 
 @contextmanager
@@ -767,8 +824,16 @@ class HFPolicy:
         grad: bool = False,
         routes: list | None = None,
         tally: Any = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        top_k: int = 0,
+        at_ids: torch.Tensor | None = None,
+    ) -> tuple:
         """Per-token log p(response | prompt) under ``softmax(logits / temperature)``.
+
+        ``top_k`` > 0 (a teacher's, for top-K distillation) or ``at_ids`` (B, R, K) (a student's,
+        at its teacher's top-K): a fourth result ``(ids, logp)``, each (B, R, K), log p at the K
+        most likely tokens of each response position (decreasing) or at ``at_ids``, from the same
+        logits (gathered, no second vocabulary-wide tensor); id 0 and logp 0 at padding. Not
+        with chunked logprobs (``train.logprob_chunk_tokens``) nor sequence parallelism.
 
         ``routes``: each row's recorded expert choices (a rollout's, :attr:`Rollouts.routes`), replayed
         in every pass (R3, :func:`~dapo_flow.models.moe.routing_replayed`): each token goes to
@@ -783,6 +848,9 @@ class HFPolicy:
         Shape: -> logp (B, R) float32 (0 at padding), entropy (B, R) or None, response_mask (B, R) bool.
         """
         temp = temperature or 1.0  # greedy rollouts are scored at temperature 1
+        pick = {"top_k": top_k, "at_ids": at_ids} if top_k or at_ids is not None else {}
+        if pick and (top_k and at_ids is not None):
+            raise ValueError("response_logprobs takes top_k or at_ids, not both")
         if grad and self.share_prompts:
             if routes is not None or self.sequence_group is not None:
                 what = "routing replay" if routes is not None else "sequence parallelism"
@@ -791,8 +859,11 @@ class HFPolicy:
             self._check_rows(prompt_ids, response_ids)
             with self._grad_mode(), self.compute_precision():
                 return shared_prompt_logprobs_of(self.model, prompt_ids, response_ids, self.pad_id, self.device,
-                                                 temperature=temp, with_entropy=with_entropy)
+                                                 temperature=temp, with_entropy=with_entropy, **pick)
         if grad and self.sequence_group is not None:
+            if pick:  # validate refuses the pair (update's distill_topk_coef); a direct caller gets told too
+                raise ModelError(f"{self.path}: top-K logprobs (distill_topk_coef) with sequence parallelism are "
+                                 "not built: set train.sequence_parallel: 1")
             if routes is not None:  # validate refuses the pair; a direct caller gets told too
                 raise ModelError(f"{self.path}: routing replay with sequence parallelism is not built: "
                                  "set train.routing_replay: false or train.sequence_parallel: 1")
@@ -800,23 +871,20 @@ class HFPolicy:
         replay = self._replay(prompt_ids, response_ids, routes, tally)
         if self.packed:
             return self._packed_logprobs(prompt_ids, response_ids, temp, micro_batch_size, with_entropy, grad,
-                                         replay)
+                                         replay, **pick)
 
-        def one_pass(rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def one_pass(rows: slice) -> tuple:
             with replay(rows):
-                return self._logprobs_pass(batch, rows, temp, with_entropy)
+                return self._logprobs_pass(batch, rows, temp, with_entropy, **_rows_of(pick, rows))
 
         batch = {k: v.to(self.device) for k, v in self.pack(prompt_ids, response_ids).items()}
         if grad:
             with self._grad_mode():
-                logp, ent = one_pass(slice(None))
-        else:
-            with self.gathered(), torch.inference_mode():
-                parts = [one_pass(slice(i, i + micro_batch_size)) for i in range(0, len(prompt_ids), micro_batch_size)]
-            logp = torch.cat([p[0] for p in parts]) if parts else batch["response_mask"].float()
-            ent = torch.cat([p[1] for p in parts]) if with_entropy and parts else None
-            return to_host((logp, ent, batch["response_mask"]))
-        return logp, ent, batch["response_mask"]
+                out = one_pass(slice(None))
+            return (out[0], out[1], batch["response_mask"], *out[2:])
+        with self.gathered(), torch.inference_mode():
+            parts = [one_pass(slice(i, i + micro_batch_size)) for i in range(0, len(prompt_ids), micro_batch_size)]
+        return to_host(_joined(parts, batch["response_mask"], with_entropy, pick))
 
     def _replay(self, prompt_ids: list[list[int]], response_ids: list[list[int]], routes: list | None, tally: Any):
         """``replay(rows)``: the context a pass over ``rows`` (a slice of these rows) runs in: the
@@ -842,30 +910,31 @@ class HFPolicy:
         return lambda rows: routing_replayed(self.routing, flat[rows].reshape(-1, *flat.shape[2:]), tally)
 
     def _packed_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float,
-                         micro_batch_size: int, with_entropy: bool, grad: bool, replay=None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                         micro_batch_size: int, with_entropy: bool, grad: bool, replay=None, **pick
+                         ) -> tuple:
         """:meth:`response_logprobs` with each pass's rows packed into bins (``train.pack``)."""
         from dapo_flow.models.packing import pack_rows
 
         self._check_prompts(prompt_ids)
         width = max(1, max(map(len, response_ids), default=1))  # as pack(): one column at least
 
-        def one_pass(rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def one_pass(rows: slice) -> tuple:
             packed = pack_rows(prompt_ids[rows], response_ids[rows], width)
             with self.compute_precision(), replay(rows) if replay else nullcontext():
                 return packed_logprobs_of(self.model, packed, self.device, temperature=temperature,
-                                          with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens)
+                                          with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens,
+                                          **_rows_of(pick, rows))
 
         mask = right_pad(response_ids, self.pad_id, width)[1].bool()  # (B, R), as pack() makes it
         if grad:
+            if not prompt_ids:
+                return _joined([], mask.to(self.device), False, pick)
             with self._grad_mode():
-                logp, ent = one_pass(slice(None)) if prompt_ids else (mask.float().to(self.device), None)
-            return logp, ent, mask.to(self.device)
+                out = one_pass(slice(None))
+            return (out[0], out[1], mask.to(self.device), *out[2:])
         with self.gathered(), torch.inference_mode():
             parts = [one_pass(slice(i, i + micro_batch_size)) for i in range(0, len(prompt_ids), micro_batch_size)]
-        logp = torch.cat([p[0] for p in parts]) if parts else mask.float()
-        ent = torch.cat([p[1] for p in parts]) if with_entropy and parts else None
-        return to_host((logp, ent, mask))
+        return to_host(_joined(parts, mask, with_entropy, pick))
 
     def _split_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float,
                         with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -1010,13 +1079,13 @@ class HFPolicy:
             yield
 
     def _logprobs_pass(
-        self, batch: dict[str, torch.Tensor], rows: slice, temperature: float, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, batch: dict[str, torch.Tensor], rows: slice, temperature: float, with_entropy: bool, **pick
+    ) -> tuple:
         inputs = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "position_ids")}
         with self.compute_precision():  # the same precision with and without gradients: ratios start at 1
             return response_logprobs_of(self.model, inputs, batch["response_ids"][rows],
                                         batch["response_mask"][rows], temperature=temperature,
-                                        with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens)
+                                        with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens, **pick)
 
     # --- weights ----------------------------------------------------------------------------------
 

@@ -18,6 +18,11 @@ logprob mismatch with the rollout, ``rollout/logp_mismatch`` (mean |old_logp - r
 replayed) and ``rollout/logp_mismatch_unreplayed`` (the same of a second forward that routes on its
 own: what replay removed; `replay_metrics: false` saves that forward). Without replay
 ``rollout/logp_mismatch`` is reported whenever the rows carry ``rollout_logp``.
+
+A teacher's node with ``top_k: K`` also writes, per response position, the teacher's K most
+likely token ids and their logprobs (``teacher_topk_ids``, ``teacher_topk_logp``): what the
+`update` node's ``distill_topk_coef`` trains the student towards (the forward KL on the
+teacher's top-K, GKD; algos/distill.py), from the same forward pass.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import (padded_to_ragged, ragged_to_padded, response_mask, routes_from_arrow,
-                                        token_lists, with_columns)
+                                        token_lists, topk_to_ragged, with_columns)
 from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
 
 
@@ -55,12 +60,19 @@ class Params(BaseModel):
     replay_metrics: bool = True
     """Actor recomputation under routing replay: also run the forward without replay, to report
     the logprob mismatch replay removes (``rollout/logp_mismatch_unreplayed``; one more forward)."""
+    top_k: int = Field(0, ge=0, le=4096)
+    """Teacher only: also write the teacher's top_k most likely token ids and their logprobs at
+    every response position (teacher_topk_ids, teacher_topk_logp), for the `update` node's
+    distill_topk_coef (forward KL on the teacher's top-K). 0: off."""
 
     @model_validator(mode="after")
     def _rollout_source_is_the_actors(self) -> "Params":
         if self.source == "rollout" and self.role != "actor":
             raise ValueError("source rollout takes the generator's logprobs, which are the actor's, "
                              f"not a {self.role} model's: use source: recompute for role {self.role}")
+        if self.top_k and self.role != "teacher":
+            raise ValueError(f"top_k writes a teacher's top-K logprobs (distillation), but role is {self.role}: "
+                             "set role: teacher on the teacher's node, or remove top_k")
         return self
 
 
@@ -74,6 +86,7 @@ class Logprob:
     CARDINALITY = "map"
     NEEDS_MODEL = True
     ROLE = "logprob"
+    PARAM_EXAMPLES = ({"role": "teacher", "top_k": 8},)  # validate's hint for the top-K columns
 
     @classmethod
     def forward_rows(cls, params: Params) -> int:
@@ -104,7 +117,8 @@ class Logprob:
     @classmethod
     def produces(cls, params: Params) -> dict[str, pa.DataType]:
         if params.role != "actor":
-            return C.typed(_OUTPUT[params.role])
+            topk = (C.TEACHER_TOPK_IDS, C.TEACHER_TOPK_LOGP) if params.top_k else ()
+            return C.typed(_OUTPUT[params.role], *topk)
         if params.with_entropy and params.source == "recompute":
             return C.typed(C.OLD_LOGP, C.ENTROPY)
         return C.typed(C.OLD_LOGP)
@@ -126,11 +140,16 @@ class Logprob:
         routes, tally = self._routes(batch, policy), ReplayTally()
         # a reference on a LoRA-trained model reads its base: the adapters off, no second copy
         with policy.base_weights() if p.role == "ref" else nullcontext():
-            logp, entropy, mask = policy.response_logprobs(
+            logp, entropy, mask, *topk = policy.response_logprobs(
                 prompts, responses, temperature=p.temperature, micro_batch_size=p.micro_batch_size,
-                with_entropy=entropy_wanted, **({"routes": routes, "tally": tally} if routes is not None else {}))
+                with_entropy=entropy_wanted, **({"routes": routes, "tally": tally} if routes is not None else {}),
+                **({"top_k": p.top_k} if p.top_k else {}))
         lengths = mask.sum(dim=1).numpy()
         out = {_OUTPUT[p.role]: _ragged(logp, lengths)}
+        if topk:  # (B, R, K) each: the teacher's top-K of every response position
+            ids, top_logp = topk[0]
+            out[C.TEACHER_TOPK_IDS] = topk_to_ragged(ids.int().numpy(), lengths, C.TOKEN_TOPK_IDS)
+            out[C.TEACHER_TOPK_LOGP] = topk_to_ragged(top_logp.float().numpy(), lengths, C.TOKEN_TOPK_FLOATS)
         self._metrics = {}
         if entropy_wanted:
             out[C.ENTROPY] = _ragged(entropy, lengths)

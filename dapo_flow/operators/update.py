@@ -4,7 +4,9 @@ ppo_epochs passes over `mini_batches` mini-batches; each mini-batch is one optim
 step, accumulated over micro-batches whose losses are partial sums of the mini-batch
 loss (verl's token-count semantics: token-mean divides by the mini-batch token count).
 AdamW with linear warm-up, weight decay and grad-norm clipping; optional KL loss against
-ref logprobs, entropy bonus, and overlong filtering (mask truncated responses).
+ref logprobs, entropy bonus, and overlong filtering (mask truncated responses); optional
+top-K distillation: the forward KL from a teacher's top-K logprobs (a teacher `logprob` node's
+``top_k``) to the student's at the same tokens, GKD's on-policy forward KL (algos/distill.py).
 Returns a one-row table of metrics.
 
 An optimizer step whose gradient norm is nan or inf is skipped (counted in
@@ -24,7 +26,7 @@ import torch
 from pydantic import Field, model_validator
 
 from dapo_flow import algos
-from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, routes_from_arrow, token_lists
+from dapo_flow.data.arrow_utils import ragged_to_padded, response_mask, routes_from_arrow, token_lists, topk_to_padded
 from dapo_flow.core import columns as C
 from dapo_flow.core.contract import OpContext, TrainSizing
 from dapo_flow.errors import ModelError
@@ -57,6 +59,12 @@ class Params(OptimizerParams):
     """KL estimator for the loss term."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus coefficient."""
+    distill_topk_coef: float = Field(0.0, ge=0.0, le=100.0)
+    """Weight of the top-K distillation loss: per response token, the forward KL from a frozen
+    teacher restricted to its top-K tokens, sum_k p_T(k) (log p_T(k) - log p_S(k)) (GKD's forward
+    KL on the student's samples, not renormalised: algos.topk_forward_kl), aggregated with
+    loss_agg_mode and logged as actor/distill_fkl. Reads teacher_topk_ids / teacher_topk_logp,
+    from a teacher `logprob` node with top_k. 0: off."""
     mask_truncated: bool = False
     """Overlong filtering: truncated responses get no loss (DAPO paper, TRL's mask_truncated_completions)."""
     advantage_column: Literal["auto", "advantage", "token_advantage"] = "auto"
@@ -102,6 +110,11 @@ METRICS = (
 # the group's token count): the group's value is their sum
 GROUP_SUMMED = ("actor/pg_loss", "actor/entropy", "actor/clipfrac", "actor/clipfrac_lower",
                 "actor/ppo_kl", "actor/kl_loss")
+DISTILL_FKL = "actor/distill_fkl"  # reported (and emitted) only with distill_topk_coef > 0
+
+
+def _metrics(params: Params) -> tuple[str, ...]:
+    return METRICS + ((DISTILL_FKL,) if params.distill_topk_coef > 0 else ())
 
 
 class Update:
@@ -117,7 +130,10 @@ class Update:
     @classmethod
     def train_sizing(cls, params: Params) -> TrainSizing:
         return TrainSizing(params.mini_batches, params.micro_batch_size, entropy_in_loss=params.entropy_coef > 0)
-    PRODUCES = {name: pa.float32() for name in METRICS}
+
+    @classmethod
+    def produces(cls, params: Params) -> dict[str, pa.DataType]:
+        return {name: pa.float32() for name in _metrics(params)}
 
     @classmethod
     def upstream_problems(cls, params: Params, generator_id: str, generator_params) -> list:
@@ -154,14 +170,18 @@ class Update:
         cols += [C.LOSS_MASK] if params.loss_mask == "use" else []
         cols += [C.REF_LOGP] if params.kl_coef > 0 else []
         cols += [C.ROLLOUT_IS_WEIGHT] if params.rollout_is_weights == "use" else []
+        cols += [C.TEACHER_TOPK_IDS, C.TEACHER_TOPK_LOGP] if params.distill_topk_coef > 0 else []
         return C.typed(*cols)
 
     def __init__(self, params: Params, ctx: OpContext):
+        if params.distill_topk_coef > 0:  # before anything is built
+            _check_topk_paths(ctx.node_id, ctx.model.spec.train)
         self.params = params
         self.ctx = ctx
         self.policy = ctx.model.policy  # stays in eval mode: no dropout in RL (HFPolicy)
         self.trainer = make_trainer(self.policy, params, label=f"update '{ctx.node_id}'", prefix="actor",
-                                    metrics=METRICS, group_summed=GROUP_SUMMED, seed=ctx.seed,
+                                    metrics=_metrics(params), group_summed=GROUP_SUMMED + (
+                                        (DISTILL_FKL,) if params.distill_topk_coef > 0 else ()), seed=ctx.seed,
                                     world_size=ctx.world_size,
                                     max_tokens_per_micro_batch=ctx.model.spec.train.max_tokens_per_micro_batch)
         self.rl_steps = 0  # calls, warm-up ones included (critic_warmup counts them)
@@ -197,7 +217,7 @@ class Update:
 
     def _train(self, batch: pa.Table) -> pa.Table:
         if self.rl_steps <= self.params.critic_warmup:  # the critic learns first; nothing moves
-            return metrics_row(METRICS, {"actor/lr": self.trainer.lr,
+            return metrics_row(_metrics(self.params), {"actor/lr": self.trainer.lr,
                                          "actor/skipped_steps_total": float(self.trainer.skipped_total)})
         data = self._arrays(batch)
         data["routes"] = self._routes(batch)
@@ -206,7 +226,7 @@ class Update:
         out = self.trainer.step(step_rows(batch, data), loss)
         if router is not None:  # a collective: every worker of a group gets here
             self.moe_metrics = router.metrics(self.trainer.parallel)
-        return metrics_row(METRICS, out)
+        return metrics_row(_metrics(self.params), out)
 
     def _routes(self, batch: pa.Table) -> list | None:
         """Each row's recorded expert choices to replay (None: replay off)."""
@@ -239,13 +259,18 @@ class Update:
             "adv": adv,
             "is_weights": (ragged_to_padded(batch.column(C.ROLLOUT_IS_WEIGHT), dtype=np.float32)[0]
                            if p.rollout_is_weights == "use" else None),
+            # (batch, width, K) each: the teacher's top-K ids and logprobs per response token
+            "teacher_topk": ((topk_to_padded(batch.column(C.TEACHER_TOPK_IDS), dtype=np.int64),
+                              topk_to_padded(batch.column(C.TEACHER_TOPK_LOGP), dtype=np.float32))
+                             if p.distill_topk_coef > 0 else None),
         }
 
 
 class PolicyLoss:
     """The policy-gradient loss of micro-batches of one step's rows (a
-    :class:`dapo_flow.training.MicroLoss`): the chosen surrogate, entropy bonus and KL loss,
-    aggregated with ``loss_agg_mode`` over the mini-batch's token and sequence counts."""
+    :class:`dapo_flow.training.MicroLoss`): the chosen surrogate, entropy bonus, KL loss and
+    top-K distillation loss, aggregated with ``loss_agg_mode`` over the mini-batch's token and
+    sequence counts."""
 
     def __init__(self, policy, params: Params, data: dict, router: RouterTerm | None = None):
         self.policy, self.params, self.data, self.router = policy, params, data, router
@@ -257,9 +282,12 @@ class PolicyLoss:
         routes = [data["routes"][i] for i in rows] if data.get("routes") is not None else None
         # replay's arguments only with routes to replay: a policy without experts need not take them
         replay = {"routes": routes, "tally": self.router.replay if self.router else None} if routes is not None else {}
+        topk = _topk_rows(data.get("teacher_topk"), rows, responses)  # (b, R, K) each, or None
+        # the student's logprobs at the teacher's top-K ids come from the same forward (gathered)
+        at_ids = {"at_ids": self.policy.to_device(torch.from_numpy(topk[0]))} if topk is not None else {}
         with self.router.recording() if self.router else nullcontext():
-            logp, entropy, resp_mask = self.policy.response_logprobs(
-                prompts, responses, temperature=p.temperature, with_entropy=True, grad=True, **replay)
+            logp, entropy, resp_mask, *student_topk = self.policy.response_logprobs(
+                prompts, responses, temperature=p.temperature, with_entropy=True, grad=True, **replay, **at_ids)
         width = logp.shape[1]
         dev = self.policy.to_device({  # the batch's arrays where the model's outputs are
             "mask": data["mask"][rows, :width],
@@ -267,6 +295,7 @@ class PolicyLoss:
             "adv": adv[rows, :width] if adv.ndim == 2 else adv[rows],
             "ref": ref_logp[rows, :width] if p.kl_coef > 0 else None,
             "is_weights": data["is_weights"][rows, :width] if data["is_weights"] is not None else None,
+            "teacher_topk_logp": topk[1] if topk is not None else None,
         })
         m = dev["mask"] & resp_mask
         a = dev["adv"] if adv.ndim == 2 else dev["adv"][:, None].expand(-1, width)
@@ -285,6 +314,11 @@ class PolicyLoss:
             kl_loss = algos.agg_loss(kl, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
             loss = loss + p.kl_coef * kl_loss
             stats["actor/kl_loss"] = kl_loss
+        if p.distill_topk_coef > 0:
+            fkl = algos.topk_forward_kl(student_topk[0][1], dev["teacher_topk_logp"], m)
+            fkl_loss = algos.agg_loss(fkl, m, p.loss_agg_mode, norm_len=p.norm_len, **agg)
+            loss = loss + p.distill_topk_coef * fkl_loss
+            stats[DISTILL_FKL] = fkl_loss
         balance = self.router.loss(prompts, responses, packed=self.policy.packed, n_seqs=n_seqs) if self.router else None
         if balance is not None:  # the router's load-balancing term (MoE, router_aux_loss_coef > 0)
             loss = loss + balance
@@ -299,6 +333,36 @@ class PolicyLoss:
         logp, _, _ = self.policy.response_logprobs([[eos]], [[eos]], temperature=self.params.temperature,
                                                    grad=True)
         (logp.sum() * 0.0).backward()
+
+
+def _check_topk_paths(node_id: str, train) -> None:
+    """Top-K distillation gathers the student's logprobs at the teacher's ids from the logits
+    of its forward: the logprob paths that never hold a position's logits (chunked logprobs,
+    the sequence-parallel split) cannot give them."""
+    off = [(f"train.{name}", fix) for name, on, fix in (
+        ("logprob_chunk_tokens", train.logprob_chunk_tokens is not None, "null"),
+        ("sequence_parallel", train.sequence_parallel > 1, "1")) if on]
+    if off:
+        raise ModelError(f"update '{node_id}': distill_topk_coef needs the student's logits at every response "
+                         f"position, which {', '.join(name for name, _ in off)} does not keep: set "
+                         + ", ".join(f"{name}: {fix}" for name, fix in off) + ", or distill_topk_coef: 0")
+
+
+def _topk_rows(topk: tuple[np.ndarray, np.ndarray] | None, rows: np.ndarray, responses: list[list[int]]
+               ) -> tuple[np.ndarray, np.ndarray] | None:
+    """The teacher's top-K ids and logprobs of ``rows``, as wide as the policy's pass over them
+    lays their responses out (the longest, at least 1; zero-padded).
+    Shape: (batch, width, K) each -> (len(rows), R, K) each."""
+    if topk is None:
+        return None
+    width = max(1, max(map(len, responses), default=1))
+    out = []
+    for values in topk:
+        part = values[rows, :width]
+        if part.shape[1] < width:
+            part = np.concatenate([part, np.zeros((len(rows), width - part.shape[1], part.shape[2]), part.dtype)], 1)
+        out.append(np.ascontiguousarray(part))
+    return out[0], out[1]
 
 
 def step_rows(batch: pa.Table, data: dict) -> StepRows:

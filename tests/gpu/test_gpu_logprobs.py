@@ -116,3 +116,24 @@ def test_hf_policy_chunked_equals_unchunked_on_the_gpu(builtin, device):
     torch.testing.assert_close(c_scored[0], scored[0], atol=1e-5, rtol=0)
     for name, want in grads.items():
         assert _error(c_grads[name].double(), want.double()) < 1e-4, name
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_top_k_distillation_logprobs_on_the_gpu_equal_the_cpus(builtin, device, pack):
+    """A teacher's top-K (host results) and a student's gradient pass at those ids (results on
+    the GPU, the ids moved there by the policy's to_device) give the CPU's values."""
+    from dapo_flow.algos import topk_forward_kl
+    from dapo_flow.models.hf import HFPolicy
+
+    prompts, responses = [[1, 5, 6, 7], [1, 8], [1, 9, 9, 9]], [[5, 6, 7, 8], [8, 9], [4]]
+    _, _, mask, (ids, top) = HFPolicy(builtin("tiny-adder")).response_logprobs(prompts, responses, top_k=4)
+    teacher = HFPolicy(builtin("tiny-adder"), device=str(device), pack=pack)
+    got = teacher.response_logprobs(prompts, responses, top_k=4, micro_batch_size=2)[3]
+    assert all(t.device.type == "cpu" for t in got)
+    torch.testing.assert_close(got[1], top, atol=1e-5, rtol=0)
+    student = HFPolicy(builtin("tiny-adder"), device=str(device), trainable=True, pack=pack)
+    _, _, s_mask, (_, at) = student.response_logprobs(prompts, responses, grad=True, at_ids=student.to_device(ids))
+    assert at.device.type == device.type and at.requires_grad
+    torch.testing.assert_close(at.detach().cpu(), top, atol=1e-5, rtol=0)
+    topk_forward_kl(at, student.to_device(top) - 0.1, s_mask).sum().backward()
+    assert all(p.grad is not None for p in student.model.parameters() if p.requires_grad)

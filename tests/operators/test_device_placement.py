@@ -47,12 +47,16 @@ class FakeAcceleratorPolicy:
         return len(responses), max(map(len, responses))
 
     def response_logprobs(self, prompts, responses, *, temperature=1.0, with_entropy=False, grad=False,
-                          micro_batch_size=64):
+                          micro_batch_size=64, at_ids=None):
         assert grad, "the training operators' passes are gradient passes"
         shape = self._shape(responses)
         logp = torch.zeros(shape, device=META, requires_grad=True)
         entropy = torch.zeros(shape, device=META, requires_grad=True)
-        return logp, entropy, torch.ones(shape, dtype=torch.bool, device=META)
+        if at_ids is None:
+            return logp, entropy, torch.ones(shape, dtype=torch.bool, device=META)
+        assert at_ids.device == META and tuple(at_ids.shape[:2]) == shape  # the teacher's ids, moved by to_device
+        at = torch.zeros(at_ids.shape, device=META, requires_grad=True)
+        return logp, entropy, torch.ones(shape, dtype=torch.bool, device=META), (at_ids, at)
 
     def response_values(self, prompts, responses, *, grad=False, micro_batch_size=64):
         assert grad
@@ -71,6 +75,7 @@ def host_reads_of_meta_read_zeros(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", fake(torch.Tensor.tolist, lambda t: np.zeros(t.shape).tolist()))
     monkeypatch.setattr(torch.Tensor, "item", fake(torch.Tensor.item, lambda t: 0.0))
     monkeypatch.setattr(torch.Tensor, "__float__", fake(torch.Tensor.__float__, lambda t: 0.0))
+    monkeypatch.setattr(torch.Tensor, "__bool__", fake(torch.Tensor.__bool__, lambda t: True))
 
 
 def _batch(rows: int = 4) -> pa.Table:
@@ -86,6 +91,8 @@ def _batch(rows: int = 4) -> pa.Table:
         C.TRUNCATED: pa.array([False, True] * (rows // 2)),
         C.VALUES: pa.array([[0.1] * n for n in lengths], C.TOKEN_FLOATS),
         C.RETURNS: pa.array([[0.3] * n for n in lengths], C.TOKEN_FLOATS),
+        C.TEACHER_TOPK_IDS: pa.array([[[5, 6]] * n for n in lengths], C.TOKEN_TOPK_IDS),
+        C.TEACHER_TOPK_LOGP: pa.array([[[-0.2, -1.8]] * n for n in lengths], C.TOKEN_TOPK_FLOATS),
     })
 
 
@@ -106,7 +113,8 @@ def test_meta_outputs_refuse_host_tensors_as_cuda_outputs_do():
     dict(kl_coef=0.1, entropy_coef=0.01, mask_truncated=True),
     dict(advantage_column="token_advantage", policy_loss="gspo", clip_low=3e-4, clip_high=4e-4),
     dict(policy_loss="cispo", loss_agg_mode="seq-mean-token-mean"),
-], ids=["dapo", "kl-entropy-masked", "token-adv-gspo", "cispo-seq-mean"])
+    dict(distill_topk_coef=0.5),
+], ids=["dapo", "kl-entropy-masked", "token-adv-gspo", "cispo-seq-mean", "distill-topk"])
 def test_update_loss_stays_on_the_models_device(host_reads_of_meta_read_zeros, params):
     advantage = params.pop("advantage_column", "advantage")
     op = _op(Update, Update.resolve(Params(advantage_column=advantage, loss_mask="ignore", **params), {}))

@@ -1,5 +1,7 @@
 """On-policy distillation: the per-token advantage against a direct computation, the `advantage`
-node's distill estimator and distill_coef, and the logprob node's teacher role."""
+node's distill estimator and distill_coef, and the logprob node's teacher role; top-K
+distillation (the forward KL on a teacher's top-K, update's distill_topk_coef) against a direct
+computation and on the policy's logprob paths."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pydantic import ValidationError
 from dapo_flow import algos
 from dapo_flow.core import columns as C
 from dapo_flow.core.contract import OpContext, produces, requires
-from dapo_flow.operators import advantage, logprob
+from dapo_flow.operators import advantage, logprob, update
 
 STUDENT = [[-0.5, -1.25, -2.0], [-0.75], [-0.1, -3.0]]
 TEACHER = [[-0.25, -2.0, -0.5], [-0.75], [-1.1, -0.5]]
@@ -97,3 +99,88 @@ def test_the_teacher_role_writes_teacher_logp_and_never_takes_the_rollouts():
     assert set(produces(logprob.Logprob, logprob.Params(role="teacher"))) == {C.TEACHER_LOGP}
     with pytest.raises(ValidationError, match="use source: recompute for role teacher"):
         logprob.Params(role="teacher", source="rollout")
+
+
+# --- top-K distillation: the forward KL on the teacher's top-K (update's distill_topk_coef) --------
+
+def test_topk_forward_kl_is_the_full_forward_kl_at_k_vocab_and_its_top_k_terms_below():
+    gen = torch.Generator().manual_seed(0)
+    t_logits, s_logits = torch.randn(2, 3, 6, generator=gen) * 2, torch.randn(2, 3, 6, generator=gen)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    p_t, log_t, log_s = t_logits.softmax(-1), t_logits.log_softmax(-1), s_logits.log_softmax(-1)
+    full = (p_t * (log_t - log_s)).sum(-1) * mask  # KL(teacher || student) per token, over the vocabulary
+    ids, teacher = algos.vocab_logprobs(t_logits, top_k=6)
+    student = algos.vocab_logprobs(s_logits.requires_grad_(), ids=ids)[1]
+    torch.testing.assert_close(algos.topk_forward_kl(student, teacher, mask).detach(), full, atol=1e-6, rtol=0)
+    # K = 2: only the teacher's two likeliest tokens, their probabilities not renormalised
+    ids2, teacher2 = algos.vocab_logprobs(t_logits, top_k=2)
+    assert torch.equal(ids2, ids[..., :2])
+    partial = (p_t.gather(-1, ids2) * (log_t.gather(-1, ids2) - log_s.gather(-1, ids2))).sum(-1) * mask
+    fkl = algos.topk_forward_kl(algos.vocab_logprobs(s_logits, ids=ids2)[1], teacher2, mask)
+    torch.testing.assert_close(fkl.detach(), partial, atol=1e-6, rtol=0)
+    # its gradient in the student's logits: the teacher-weighted cross-entropy's, 0 on masked tokens
+    fkl.sum().backward()
+    top = torch.zeros_like(s_logits).scatter(-1, ids2, p_t.gather(-1, ids2))
+    expected = (top.sum(-1, keepdim=True) * s_logits.detach().softmax(-1) - top) * mask[..., None]
+    torch.testing.assert_close(s_logits.grad, expected, atol=1e-6, rtol=0)
+    with pytest.raises(algos.AlgoError, match="NaN or inf"):
+        algos.topk_forward_kl(student, torch.full_like(teacher, float("nan")), mask)
+    with pytest.raises(algos.AlgoError, match="exactly one"):
+        algos.vocab_logprobs(t_logits)
+
+
+def test_the_teacher_top_k_columns_are_declared_only_with_the_options():
+    teacher = logprob.Params(role="teacher", top_k=4)
+    assert set(produces(logprob.Logprob, teacher)) == {C.TEACHER_LOGP, C.TEACHER_TOPK_IDS, C.TEACHER_TOPK_LOGP}
+    assert produces(logprob.Logprob, teacher)[C.TEACHER_TOPK_IDS] == pa.list_(pa.list_(pa.int32()))
+    with pytest.raises(ValidationError, match="set role: teacher"):
+        logprob.Params(role="ref", top_k=4)
+    needs = requires(update.Update, update.Params(distill_topk_coef=0.5))
+    assert {C.TEACHER_TOPK_IDS, C.TEACHER_TOPK_LOGP} <= set(needs)
+    assert "actor/distill_fkl" in produces(update.Update, update.Params(distill_topk_coef=0.5))
+    assert C.TEACHER_TOPK_IDS not in requires(update.Update, update.Params())
+    assert "actor/distill_fkl" not in produces(update.Update, update.Params())
+
+
+def test_top_k_logprobs_agree_on_the_padded_packed_and_shared_prompt_paths(tiny_adder_path):
+    """The teacher's top-K (no gradient, micro-batched) and a student's logprobs at those ids
+    (gradient pass) are log_softmax's values at them on every logprob path that keeps logits."""
+    from dapo_flow.errors import ModelError
+    from dapo_flow.models.hf import HFPolicy
+
+    prompts, responses = [[1, 5, 6, 7], [1, 5, 6, 7], [1, 8, 9]], [[3, 4, 2], [5], [6, 7]]
+    teacher = HFPolicy(tiny_adder_path)
+    logp, _, mask, (ids, top) = teacher.response_logprobs(prompts, responses, top_k=5, micro_batch_size=2)
+    assert ids.shape == top.shape == (3, 3, 5) and bool((top[mask][:, :-1] >= top[mask][:, 1:]).all())
+    assert bool((ids[~mask] == 0).all() and (top[~mask] == 0).all())
+    vocab = teacher.model.get_output_embeddings().weight.shape[0]
+    every = teacher.response_logprobs(prompts, responses, top_k=vocab)[3]
+    torch.testing.assert_close(torch.logsumexp(every[1], -1)[mask], torch.zeros(int(mask.sum())), atol=1e-5, rtol=0)
+    tokens = torch.tensor([r + [-1] * (3 - len(r)) for r in responses])  # (3, 3): each sampled token's id
+    at_sampled = (every[1] * (every[0] == tokens[..., None])).sum(-1)  # its logprob among all vocab ids
+    torch.testing.assert_close(at_sampled[mask], logp[mask], atol=1e-5, rtol=0)
+    for kw in ({}, {"pack": True}, {"share_prompts": True}):
+        student = HFPolicy(tiny_adder_path, trainable=True, **kw)
+        s_logp, _, s_mask, (s_ids, at) = student.response_logprobs(prompts, responses, grad=True, at_ids=ids)
+        assert torch.equal(s_ids, ids) and torch.equal(s_mask, mask), kw
+        # the same weights as the teacher: its values at its own top-K
+        torch.testing.assert_close(at.detach(), top, atol=1e-5, rtol=0, msg=str(kw))
+        torch.testing.assert_close(s_logp.detach(), logp, atol=1e-5, rtol=0, msg=str(kw))
+        algos.topk_forward_kl(at, top - 0.1, mask).sum().backward()  # reaches the weights
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.model.parameters()), kw
+    chunked = HFPolicy(tiny_adder_path, trainable=True, logprob_chunk_tokens=4)
+    with pytest.raises(ModelError, match="logprob_chunk_tokens: null"):
+        chunked.response_logprobs(prompts, responses, grad=True, at_ids=ids)
+
+
+def test_an_update_with_top_k_distillation_refuses_the_logprob_paths_that_keep_no_logits():
+    from types import SimpleNamespace
+
+    from dapo_flow.errors import ModelError
+    from dapo_flow.graph.spec import ModelSpec
+
+    for train, named in (({"logprob_chunk_tokens": 64}, "train.logprob_chunk_tokens: null"),
+                         ({"strategy": "fsdp2", "workers": 2, "sequence_parallel": 2}, "train.sequence_parallel: 1")):
+        model = SimpleNamespace(policy=None, spec=ModelSpec(path="x", train=train))
+        with pytest.raises(ModelError, match=f"update 'train': distill_topk_coef .* set {named}"):
+            update.Update(update.Params(distill_topk_coef=1.0), OpContext(node_id="train", seed=0, model=model))
