@@ -90,14 +90,14 @@ class Request:
         self.status = Status.RUNNING
 
     def turn(self, tokens: list[int], logprobs: list[float], finished: bool, calls: ParsedCalls,
-             versions: list[int] | None = None, routes: np.ndarray | None = None) -> None:
+             versions: list[int] | None = None, routes: np.ndarray | None = None, routes_version: int = 0) -> None:
         """The model's turn: ``tokens`` as the engine produced them (EOS included when it ended
         the turn: ``finished``), and the tool calls parsed from their text; ``versions``: each
         token's policy version (None: the version of the response so far, 0 at first);
-        ``routes``: the engine call's expert choices for :attr:`context` and ``tokens``
-        (:meth:`_stitch_routes`). Shape: routes (len(context) + len(tokens), layers, top_k)."""
+        ``routes``: the engine call's expert choices for :attr:`context` and ``tokens``, by the
+        weights of version ``routes_version`` (:meth:`_stitch_routes`).
+        Shape: routes (len(context) + len(tokens), layers, top_k)."""
         self._expect(Status.RUNNING, "a model turn")
-        engine_version = versions[-1] if versions else (self.versions[-1] if self.versions else 0)
         finished = finished and len(tokens) <= self.remaining  # a turn past the budget is cut: a length stop
         if versions is None:
             versions = [self.versions[-1] if self.versions else 0] * len(tokens)
@@ -110,7 +110,7 @@ class Request:
         self.turns += 1
         self.turn_tokens.append(len(tokens))
         if routes is not None:
-            self._stitch_routes(routes, engine_version)
+            self._stitch_routes(routes, routes_version)
         if not finished:
             self._complete("length", truncated=True)
         elif not calls.asked_for_tools:
@@ -153,10 +153,9 @@ class Request:
         prefill's rounding may flip a near-tie. No single record then matches every turn's
         forward (a later turn's tokens saw the re-prefill's); the first is kept: the one its own
         turn's tokens were sampled with, and the one a prefix-caching engine (which never
-        re-prefills) would keep. A turn run by other weights (``version``: a sync between or
-        inside turns; the engine records the whole row with the weights of its last step,
-        recomputing its cache as they come) replaces the record, as a recomputed cache does
-        within one engine call (:class:`~dapo_flow.models.moe.RouteLog`).
+        re-prefills) would keep. A turn routed by other weights (``version``: a sync between or
+        inside turns) replaces the whole record, as a recomputed cache does within one engine
+        call (:class:`~dapo_flow.models.moe.RouteLog`).
         Shape: routes (len(context) + len(turn tokens, uncut), layers, top_k)."""
         fresh = np.array(routes[: len(self.prompt_ids) + len(self.response_ids)])  # the turn's cut tokens dropped
         if self.routes is not None and version == self.routes_version:

@@ -132,11 +132,14 @@ def _model_turns(engine: Any, tokenizer: Any, fmt: Any, schemas: Mapping[str, An
     none = ParsedCalls((), ())
     versions = rolled.token_versions(engine.weights_version)
     routes = rolled.routes if rolled.routes is not None else [None] * len(running)  # the context's and the turn's
+    # the weights that routed them: the call's last (new weights recompute every row's cache, and
+    # its record, also the rows that had ended: RouteLog)
+    routed_by = max((v for vs in versions for v in vs), default=engine.weights_version)
     for r, ids, logps, truncated, text, vs, rt in zip(running, rolled.response_ids, rolled.logprobs,
                                                       rolled.truncated, texts, versions, routes):
         finished = not bool(truncated)
         calls = parse_calls(text, fmt, schemas, limits.max_tool_calls_per_turn) if finished else none
-        r.turn(list(ids), list(logps), finished, calls, versions=list(vs), routes=rt)
+        r.turn(list(ids), list(logps), finished, calls, versions=list(vs), routes=rt, routes_version=routed_by)
 
 
 def _user_call(tool: str, method: str, fn: Any, *args: Any, **kwargs: Any) -> Any:

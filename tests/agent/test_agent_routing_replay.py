@@ -39,18 +39,20 @@ def test_a_request_keeps_each_tokens_first_record_unless_new_weights_routed_it()
     r = Request(row=0, sample_idx=0, prompt_ids=[5, 6], seed=0, budget=9, max_turns=3)
     r.start()
     # turn 1: the prompt's prefill and the decode steps; its last token (8) was never fed
-    r.turn([7, 8], [0.0, 0.0], True, call, versions=[0, 0], routes=np.concatenate([_route(0, 0, 0), unfed]))
+    r.turn([7, 8], [0.0, 0.0], True, call, versions=[0, 0], routes=np.concatenate([_route(0, 0, 0), unfed]),
+           routes_version=0)
     r.observe([10, 11], calls_run=1, errors=0)
     assert r.routes.shape == (4, LAYERS, TOP_K) and (r.routes[3] == -1).all()
     # turn 2 re-prefills the context: the tokens routed otherwise there (bf16 rounding, here
     # every one) keep their first record; the one never fed (8), the tool's (10, 11) and the new
     # turn's (12) take this call's
-    r.turn([12, 13], [0.0, 0.0], True, call, versions=[0, 0], routes=np.concatenate([_route(*[2] * 7), unfed]))
+    r.turn([12, 13], [0.0, 0.0], True, call, versions=[0, 0], routes=np.concatenate([_route(*[2] * 7), unfed]),
+           routes_version=0)
     assert r.routes[:, 0, 0].tolist() == [0, 0, 0, 2, 2, 2, 2, -1]
     # turn 3 runs on newer weights (a sync between turns): their routing replaces the record; the
     # tokens past the budget are cut from the turn and from the record
     r.observe([14], calls_run=1, errors=0)
-    r.turn([15, 16, 17], [0.0] * 3, False, answer, versions=[1, 1, 1], routes=_route(*[1] * 12))
+    r.turn([15, 16, 17], [0.0] * 3, False, answer, versions=[1, 1, 1], routes=_route(*[1] * 12), routes_version=1)
     assert r.response_ids == [7, 8, 10, 11, 12, 13, 14, 15, 16] and r.stop == "length"
     assert r.routes[:, 0, 0].tolist() == [1] * 11 and r.routes_version == 1
 
@@ -89,21 +91,21 @@ def moe_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _model(path: Path, replay: bool) -> SimpleNamespace:
+def _model(path: Path, replay: bool, **kwargs) -> SimpleNamespace:
     from dapo_flow.graph.spec import ModelSpec
     from dapo_flow.models.hf import HFPolicy
 
-    policy = HFPolicy(path)
+    policy = HFPolicy(path, **kwargs)
     return SimpleNamespace(policy=policy, generator=policy, tokenizer=policy.tokenizer, weights_version=0,
                            spec=ModelSpec(path=str(path), train={"routing_replay": replay}))
 
 
-def _rollout(path: Path, replay: bool) -> pa.Table:
+def _rollout(path: Path, replay: bool, model: SimpleNamespace | None = None) -> pa.Table:
     from dapo_flow.core.contract import OpContext
     from dapo_flow.data.tool_arith import ToolArithTask
     from dapo_flow.operators.agent_generate import AgentGenerate, Params
 
-    model = _model(path, replay)
+    model = model or _model(path, replay)
     problems = ToolArithTask().problems("val")[:8]
     batch = pa.table({C.PROMPT_ID: [f"p{i}" for i in range(len(problems))],
                       C.PROMPT_IDS: pa.array([model.tokenizer.encode(p.prompt) for p in problems], C.TOKENS),
@@ -164,3 +166,74 @@ def test_replaying_the_stitched_routes_reproduces_the_multi_turn_rollouts_logpro
     assert 0.8 < moved.agreement < 1.0 and with_replay < 0.85 * without, (moved.agreement, with_replay, without)
     # measured: agreement 0.87, mean |delta logp| 0.0021 replayed vs 0.0030 (the gate weights,
     # recomputed from the moved routers, keep the rest of the gap)
+
+
+def _update(path: Path, rows: pa.Table, replay: bool) -> tuple[dict, dict]:
+    from dapo_flow.core.contract import OpContext
+    from dapo_flow.operators.update import Params, Update
+
+    model = _model(path, replay, trainable=True)
+    batch = rows.append_column(C.OLD_LOGP, rows.column(C.ROLLOUT_LOGP)).append_column(
+        C.ADVANTAGE, pa.array(np.linspace(-1, 1, rows.num_rows, dtype=np.float32)))
+    op = Update(Params(lr=1e-2, micro_batch_size=8, grad_clip=1e9), OpContext("train", model=model))
+    op(batch)
+    return op.last_metrics(), {k: v.detach().clone() for k, v in model.policy.model.state_dict().items()}
+
+
+def test_update_replays_the_multi_turn_rows_routes(moe_dir: Path, rows: pa.Table):
+    """On the rollout's own weights replay routes every token as the router would: the same step."""
+    replayed, after_replay = _update(moe_dir, rows, replay=True)
+    plain, after_plain = _update(moe_dir, rows, replay=False)
+    assert replayed["moe/routing_agreement"] == 1.0 and "moe/routing_agreement" not in plain
+    for name, weight in after_plain.items():
+        torch.testing.assert_close(after_replay[name], weight, rtol=0, atol=0, msg=name)
+
+
+class _SyncAfterFirstTurn:
+    """The policy as the agent's engine, with new weights (version 1: the routers re-drawn)
+    loaded right after its first call returns: a weight sync between an episode's turns."""
+
+    def __init__(self, policy, weights: dict):
+        self.policy, self.weights, self.calls = policy, weights, 0
+
+    @property
+    def weights_version(self) -> int:
+        return self.policy.weights_version
+
+    def generate(self, prompts, cfg):
+        out = self.policy.generate(prompts, cfg)
+        self.calls += 1
+        if self.calls == 1:
+            self.policy.load_weights(self.weights, version=1)
+        return out
+
+
+def test_a_turn_on_synced_weights_rerecords_the_episode_with_their_routing(moe_dir: Path):
+    """The later turn re-prefills the episode with the new weights, which route its earlier
+    tokens otherwise: their record replaces the old weights' (the update trains the new weights),
+    so it replays on them with every choice their own."""
+    from dapo_flow.data.arrow_utils import routes_from_arrow
+    from dapo_flow.models.hf import HFPolicy
+    from dapo_flow.models.moe import ReplayTally
+
+    model = _model(moe_dir, replay=True)
+    gen = torch.Generator().manual_seed(1)
+    weights = {name: (torch.randn(w.shape, generator=gen).numpy() if ".mlp.gate." in name else w)
+               for name, w in model.policy.named_weights().items()}
+    model.generator = _SyncAfterFirstTurn(model.policy, weights)
+    rows = _rollout(moe_dir, replay=True, model=model)
+    versions, turns = rows.column(C.ROLLOUT_VERSION).to_pylist(), rows.column(C.NUM_TURNS).to_numpy()
+    later = np.flatnonzero(turns > 1)
+    assert len(later) >= 2 and all(versions[i][0] == 0 and versions[i][-1] == 1 for i in later), (turns, versions)
+    old, new = HFPolicy(moe_dir), HFPolicy(moe_dir)
+    new.load_weights(weights, version=1)
+    prompts, responses = rows.column(C.PROMPT_IDS).to_pylist(), rows.column(C.RESPONSE_IDS).to_pylist()
+    routes = routes_from_arrow(rows.column(C.ROUTED_EXPERTS), LAYERS, TOP_K)
+    for group, own, other in ((later, new, old), (np.flatnonzero(turns == 1), old, new)):
+        tallies = ReplayTally(), ReplayTally()
+        for policy, tally in zip((own, other), tallies):
+            policy.response_logprobs([prompts[i] for i in group], [responses[i] for i in group],
+                                     routes=[routes[i] for i in group], tally=tally)
+        # measured: 1.0 on its own weights, 0.55 on the others (7 multi-turn rows, 25 one-turn);
+        # keeping the old weights' record of the earlier turns would give 0.73 on the new ones
+        assert tallies[0].agreement == 1.0 and tallies[1].agreement < 0.9, [t.agreement for t in tallies]
