@@ -1,7 +1,8 @@
 """Routing replay across the turns of an agent rollout: each request's expert record is stitched
 from its turns' engine calls (every token's experts from the forward that first processed it),
 laid out as `generate`'s `routed_experts`; replayed in a float32 training forward over the whole
-multi-turn sequence, it reproduces the rollout's logprobs.
+multi-turn sequence, it reproduces the rollout's logprobs, and `update` replays it; a weight sync
+between turns re-records the episode with the new weights' routing.
 
 The MoE is tiny-agent upcycled in the test (each MLP copied into 4 experts moved by 5% noise,
 random routers, as a Mixtral): it calls the calculator as tiny-agent does, and its routing
