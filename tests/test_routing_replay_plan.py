@@ -85,21 +85,36 @@ def test_a_node_needing_routes_without_replay_is_told_the_setting(tmp_path):
         validate(load(_moe_graph(tmp_path, replay=True, probe_type="pa.list_(pa.int32())")))
 
 
-@pytest.mark.parametrize("graph", ["agent.yaml", "harness.yaml"])
-def test_a_rollout_that_records_no_routes_refuses_replay(tmp_path, graph):
-    """agent-generate and harness-generate record no experts: replay would find nothing to replay."""
+def _on_tiny_moe(tmp_path: Path, graph: str) -> Path:
+    """graphs/GRAPH with its policy builtin:tiny-moe under routing replay."""
     text = (ROOT / "graphs" / graph).read_text()
     policy = '    path: "builtin:tiny-agent"\n    dtype: float32\n    backend: hf\n'
     assert policy in text
     moe = policy.replace("builtin:tiny-agent", "builtin:tiny-moe") + "    train: {routing_replay: true}\n"
     path = tmp_path / graph
     path.write_text(text.replace(policy, moe))
+    return path
+
+
+def test_a_multi_turn_rollout_records_routes_for_replay(tmp_path):
+    """agent-generate stitches each episode's routes across its turns (tests/agent/test_agent_routing_replay.py)."""
+    path = _on_tiny_moe(tmp_path, "agent.yaml")
+    budget = "      max_tokens: 64 "
+    assert budget in path.read_text()
+    path.write_text(path.read_text().replace(budget, "      max_tokens: 32 "))  # tiny-moe's context is 64
+    valid = validate(load(path))
+    assert valid.out_schema["rollout"].field(C.ROUTED_EXPERTS).type == C.ROUTED
+    assert C.ROUTED_EXPERTS in valid.in_schema["train"].names
+
+
+def test_a_harness_rollout_records_no_routes_and_refuses_replay(tmp_path):
+    """harness-generate's agents call an endpoint whose answers carry no experts: nothing to replay."""
     with pytest.raises(GraphError) as err:
-        validate(load(path))
-    op = graph.removesuffix(".yaml") + "-generate"
-    assert (f"op '{op}' records no expert routes (column 'routed_experts'), but its model 'policy' trains "
-            "with train.routing_replay") in str(err.value)
-    assert "fix: set models.policy.train.routing_replay: false, or roll out with op 'generate'" in str(err.value)
+        validate(load(_on_tiny_moe(tmp_path, "harness.yaml")))
+    assert ("op 'harness-generate' records no expert routes (column 'routed_experts'), but its model 'policy' "
+            "trains with train.routing_replay") in str(err.value)
+    assert ("fix: set models.policy.train.routing_replay: false, or roll out with op 'generate' or op "
+            "'agent-generate'") in str(err.value)
 
 
 def test_a_column_declared_under_a_setting_no_model_has_is_a_contract_problem(tmp_path):

@@ -59,7 +59,8 @@ def run_agent(engine: Any, tokenizer: Any, tools: Mapping[str, Tool], timeouts: 
               prompt_ids: list[list[int]], create_kwargs: list[dict], prompt_seeds: list[int],
               cfg: SamplingConfig, limits: AgentLimits) -> AgentRollout:
     """``cfg.n`` requests per prompt run to completion (``cfg.max_tokens`` is ignored: the
-    budget is ``limits.budget``)."""
+    budget is ``limits.budget``); with ``cfg.record_routes`` each request's tokens' experts
+    (:attr:`Request.routes`) where the engine records them."""
     fmt = CALL_FORMATS[limits.call_format]
     observations = Observations(fmt, tokenizer, limits.chat_template)
     schemas = {name: tool.schema for name, tool in tools.items()}
@@ -121,7 +122,8 @@ def _model_turns(engine: Any, tokenizer: Any, fmt: Any, schemas: Mapping[str, An
     budget; a request's turn past its own budget is cut by :meth:`Request.turn`)."""
     turn_cfg = SamplingConfig(n=1, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_tokens=max(r.remaining for r in running),
-                              prompt_seeds=tuple(request_seed(r.seed, 0, r.turns) for r in running))
+                              prompt_seeds=tuple(request_seed(r.seed, 0, r.turns) for r in running),
+                              record_routes=cfg.record_routes)
     rolled = engine.generate([r.context for r in running], turn_cfg)
     out.engine_batches.append(len(running))
     out.tokens_generated += int(rolled.tokens_generated)
@@ -129,11 +131,15 @@ def _model_turns(engine: Any, tokenizer: Any, fmt: Any, schemas: Mapping[str, An
     texts = tokenizer.batch_decode(rolled.response_ids, skip_special_tokens=True)
     none = ParsedCalls((), ())
     versions = rolled.token_versions(engine.weights_version)
-    for r, ids, logps, truncated, text, vs in zip(running, rolled.response_ids, rolled.logprobs, rolled.truncated,
-                                                  texts, versions):
+    routes = rolled.routes if rolled.routes is not None else [None] * len(running)  # the context's and the turn's
+    # the weights that routed them: the call's last (new weights recompute every row's cache, and
+    # its record, also the rows that had ended: RouteLog)
+    routed_by = max((v for vs in versions for v in vs), default=engine.weights_version)
+    for r, ids, logps, truncated, text, vs, rt in zip(running, rolled.response_ids, rolled.logprobs,
+                                                      rolled.truncated, texts, versions, routes):
         finished = not bool(truncated)
         calls = parse_calls(text, fmt, schemas, limits.max_tool_calls_per_turn) if finished else none
-        r.turn(list(ids), list(logps), finished, calls, versions=list(vs))
+        r.turn(list(ids), list(logps), finished, calls, versions=list(vs), routes=rt, routes_version=routed_by)
 
 
 def _user_call(tool: str, method: str, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -504,7 +504,8 @@ def _check_rollout_records(found: Found, nodes: list[_Node], trains: Mapping[str
                            operators: Mapping[str, type]) -> None:
     """A model trained with routing replay replays the experts its rollout chose, so each node
     generating with it must record them (declare ``routed_experts`` under ``routing_replay`` in
-    ``PRODUCES_WITH_TRAIN``, as `generate` does); a multi-turn or harness rollout records none."""
+    ``PRODUCES_WITH_TRAIN``, as `generate` and `agent-generate` do); a harness rollout records
+    none (its endpoint's clients never see the experts)."""
     recorders = [op for op, cls in operators.items()
                  if C.ROUTED_EXPERTS in contract_of(cls).produces_with_train.get("routing_replay", {})]
     for node in nodes:

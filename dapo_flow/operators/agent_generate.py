@@ -9,6 +9,9 @@ output columns as ``generate`` (the response holds every turn and observation) p
 ``loss_mask`` (1 on the model's tokens, 0 on the tools'; `update`, `advantage`, `kl` honour
 it), ``num_turns``, ``num_tool_calls``, ``tool_errors``, ``tool_reward`` and per tool
 ``tool_reward_<name>``, and ``conversation`` (the turns as text, for the logged samples). A
+mixture-of-experts model trained with ``train.routing_replay`` also gets ``routed_experts``, as
+from ``generate``: every prompt, model and tool token's experts, each from the forward that first
+processed it (stitched across the turns: :meth:`dapo_flow.agent.requests.Request.turn`). A
 malformed call, an unknown tool, bad arguments, a tool that raises or times out: the model
 sees ``error: ...`` and the call counts in ``tool_errors``; the rollout goes on. Machinery: :mod:`dapo_flow.agent`; tools: :mod:`dapo_flow.tools`.
 """
@@ -24,12 +27,12 @@ import pyarrow as pa
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from dapo_flow.agent.rollout import AgentLimits, rollout_metrics, run_agent
-from dapo_flow.data.arrow_utils import token_lists, with_columns
+from dapo_flow.data.arrow_utils import routes_to_arrow, token_lists, with_columns
 from dapo_flow.core import columns as C
 from dapo_flow.core.contract import OpContext, Sampling
 from dapo_flow.models.sampling import SamplingConfig
 from dapo_flow.tools.base import ToolSpec
-from dapo_flow.operators.generate import CallSeeds, Params as GenerateParams
+from dapo_flow.operators.generate import CallSeeds, Params as GenerateParams, records_routes
 from dapo_flow.reductions import Rate, Seconds, Total
 
 
@@ -92,6 +95,8 @@ class AgentGenerate:
 
     Params = Params
     REQUIRES = C.typed(C.PROMPT_ID, C.PROMPT_IDS)
+    # added when the model trains with routing replay (a model setting, not a param of the node)
+    PRODUCES_WITH_TRAIN = {"routing_replay": C.typed(C.ROUTED_EXPERTS)}
     CARDINALITY = "expand"
     NEEDS_MODEL = True
     ROLE = "generate"
@@ -134,9 +139,10 @@ class AgentGenerate:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         p = self.params
-        cfg = SamplingConfig(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens)
-        seeds = self.seeds.take(batch)
         model = self.ctx.model
+        cfg = SamplingConfig(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
+                             record_routes=records_routes(model))
+        seeds = self.seeds.take(batch)
         rows = batch.select([c for c in (C.GROUND_TRUTH, C.DATA_SOURCE, C.PROMPT_ID) if c in batch.column_names])
         kwargs = rows.to_pylist()  # each tool's create(instance, ground_truth=..., data_source=..., prompt_id=...)
         out = run_agent(model.generator, model.tokenizer, self._loaded_tools(), {t.name: t.timeout_s for t in p.tools},
@@ -151,7 +157,11 @@ class AgentGenerate:
             **rollout_metrics(out, p.max_turns),
         }
         total = sum(out.tool_rewards.values()) if out.tool_rewards else np.zeros(len(reqs))
+        # as generate: the column comes where the engine recorded routes (one without routers records none)
+        recorded = cfg.record_routes and all(r.routes is not None for r in reqs)
+        routes = {C.ROUTED_EXPERTS: routes_to_arrow([r.routes for r in reqs])} if recorded else {}
         return with_columns(batch.take(pa.array([r.row for r in reqs], pa.int32())), {
+            **routes,
             C.SAMPLE_IDX: np.array([r.sample_idx for r in reqs], dtype=np.int32),
             C.RESPONSE_IDS: pa.array(responses, C.TOKENS),
             C.RESPONSE_TEXT: model.tokenizer.batch_decode(responses, skip_special_tokens=True),

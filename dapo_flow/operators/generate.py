@@ -116,10 +116,14 @@ class Generate:
         return dict(self._metrics)
 
     def _records_routes(self) -> bool:
-        """Whether the rollout records its tokens' experts: its model trains with routing replay
-        (an engine without routers records none, so no column comes)."""
-        spec = getattr(self.ctx.model, "spec", None)
-        return bool(spec is not None and spec.train.routing_replay)
+        return records_routes(self.ctx.model)
+
+
+def records_routes(model) -> bool:
+    """Whether a rollout with ``model`` records its tokens' experts: the model trains with routing
+    replay (an engine without routers records none, so no column comes)."""
+    spec = getattr(model, "spec", None)
+    return bool(spec is not None and spec.train.routing_replay)
 
 
 class CallSeeds:

@@ -234,7 +234,8 @@ class Update:
             return None
         if C.ROUTED_EXPERTS not in batch.column_names:
             raise ModelError(f"update '{self.ctx.node_id}': train.routing_replay is on but the rows carry no "
-                             f"{C.ROUTED_EXPERTS} column: they must come from this model's own hf `generate`")
+                             f"{C.ROUTED_EXPERTS} column: they must come from this model's own hf `generate` "
+                             "or `agent-generate`")
         return routes_from_arrow(batch.column(C.ROUTED_EXPERTS), len(self.routing.routers), self.routing.top_k)
 
     def _arrays(self, batch: pa.Table) -> dict:
