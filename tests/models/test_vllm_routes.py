@@ -9,8 +9,6 @@ import importlib.metadata
 import importlib.util
 from pathlib import Path
 
-import pytest
-
 from dapo_flow.models.vllm_engine import routes_unrecorded
 
 
