@@ -164,9 +164,13 @@ def test_routing_replay_needs_experts_and_the_hf_backend(tmp_path):
                                               r"builtin:tiny-adder \(llama\) has no experts"):
         ModelSpec(path="builtin:tiny-adder", train={"routing_replay": True})
     (tmp_path / "config.json").write_text('{"num_attention_heads": 4, "num_experts": 8}')
-    with pytest.raises(ValidationError, match=r"train.routing_replay is not supported with the vllm backend: "
-                                              r"use backend: hf"):
+    # the refusal says what this installation lacks (tests/models/test_vllm_routes.py: each case)
+    with pytest.raises(ValidationError) as refused:
         ModelSpec(path=str(tmp_path), backend="vllm", train={"routing_replay": True})
+    from dapo_flow.models.vllm_engine import routes_unrecorded
+
+    assert (f"train.routing_replay is not supported with the vllm backend ({routes_unrecorded()}): "
+            "use backend: hf") in str(refused.value)
     with pytest.raises(ValidationError, match=r"routing_replay does not work with train.grad_checkpointing"):
         ModelSpec(path="builtin:tiny-moe", train={"routing_replay": True, "grad_checkpointing": True})
     with pytest.raises(ValidationError, match=r"routing_replay does not work with train.sequence_parallel"):

@@ -307,7 +307,12 @@ class ModelSpec(_Frozen):
         if not self.train.routing_replay:
             return
         if self.backend != "hf":
-            raise ValueError(f"train.routing_replay is not supported with the {self.backend} backend: use "
+            why = ""
+            if self.backend == "vllm":  # exactly what this installation lacks
+                from dapo_flow.models.vllm_engine import routes_unrecorded  # no vLLM import: metadata
+
+                why = f" ({routes_unrecorded()})"
+            raise ValueError(f"train.routing_replay is not supported with the {self.backend} backend{why}: use "
                              "backend: hf (its rollout records each token's experts), or remove routing_replay")
         if self.train.grad_checkpointing:
             raise ValueError("train.routing_replay does not work with train.grad_checkpointing yet: the "

