@@ -209,6 +209,7 @@ class VLLMGenerator:
         save_file({k: v.contiguous() for k, v in stream}, str(staging))
         os.replace(staging, sync_dir / WEIGHTS_FILE)  # the loader globs *.safetensors: never see a partial file
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(sync_dir)})
+        self.llm.collective_rpc(_repack_in)  # each worker process: its shard of the experts
 
     def sleep(self) -> None:
         """Free the engine's device memory until the next call: level 1, the weights to CPU
@@ -259,6 +260,11 @@ def _reload_from(worker, weights: Iterable[tuple[str, Any]]) -> None:
     MoE's stacked experts)."""
     worker.model_runner.reload_weights(weights_iterator=weights)
     _repack_cpu_experts(worker.model_runner.get_model())
+
+
+def _repack_in(worker) -> int:
+    """Run by each worker of a tensor-parallel engine after its reload (``collective_rpc``)."""
+    return _repack_cpu_experts(worker.model_runner.get_model())
 
 
 def _repack_cpu_experts(model: Any) -> int:

