@@ -8,7 +8,7 @@ import pydantic
 import pytest
 
 from dapo_flow.graph.loader import load
-from dapo_flow.graph.spec import GraphSpec, ModelSpec, NodeSpec, RunSpec
+from dapo_flow.graph.spec import GraphSpec, ModelSpec, NodeSpec, RunSpec, TrainSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,3 +188,10 @@ def test_routing_replay_on_a_dense_model_is_a_validate_error(tmp_path, capsys):
     assert cli.main(["validate", str(path)]) != 0
     out = capsys.readouterr()
     assert "routing_replay needs a mixture-of-experts model" in out.err + out.out
+
+
+def test_expert_parallelism_is_refused_saying_what_runs_instead():
+    with pytest.raises(pydantic.ValidationError, match=r"expert parallelism is not built; every worker runs every expert "
+                                              r"on its own rows, and strategy fsdp2 .* remove expert_parallel"):
+        TrainSpec(workers=2, expert_parallel=2)
+    assert TrainSpec(workers=2, expert_parallel=1).expert_parallel == 1

@@ -135,6 +135,12 @@ class TrainSpec(_Frozen):
         "worker holds 1/k of a micro-batch's activations. The group is then workers / k data-parallel "
         "replicas of k workers each, FSDP2 sharding over all of them; k must divide train.workers and "
         "the model's query and key/value heads. 1: every worker holds whole sequences.")
+    expert_parallel: int = Field(
+        1, ge=1, le=MAX_WORKERS, description="Expert parallelism (a mixture-of-experts model's experts "
+        "split across the group's workers, tokens sent to their experts by all-to-all) is not built: "
+        "only 1 is accepted. What runs instead: every worker runs every expert on its own rows, and "
+        "strategy fsdp2 shards the experts' weights, gradients and optimizer state like any other "
+        "layer's.")
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -154,6 +160,11 @@ class TrainSpec(_Frozen):
         if self.cpu_offload and self.strategy != "fsdp2" and (self.auto or self.resolved_strategy != "fsdp2"):
             raise ValueError("cpu_offload is an FSDP2 setting: set strategy: fsdp2 (it runs at "
                              "workers: 1 too), or remove it")
+        if self.expert_parallel > 1:
+            raise ValueError(f"expert_parallel {self.expert_parallel}: expert parallelism is not built; every worker "
+                             "runs every expert on its own rows, and strategy fsdp2 (the default for workers > 1) "
+                             "shards the experts' weights, gradients and optimizer state across the group: "
+                             "remove expert_parallel (or set it to 1)")
         if self.sequence_parallel > 1 and self.strategy in ("ddp", "none"):
             raise ValueError(f"sequence_parallel {self.sequence_parallel} splits sequences inside an FSDP2 group, "
                              f"but strategy is {self.strategy}: set strategy: fsdp2 (or null), or sequence_parallel: 1")
