@@ -85,7 +85,9 @@ def _explain_models(placed: PlacedPlan) -> list[str]:
           + (", gradient checkpointing" if m.train.grad_checkpointing else "")
           + (", packed micro-batches" if m.train.pack else "")
           + (f", logprobs in chunks of {m.train.logprob_chunk_tokens} tokens" if m.train.logprob_chunk_tokens else "")
-          + _group_settings(p, name) + _lora_settings(m) + _expert_settings(m) + ")"
+          + _group_settings(p, name) + _lora_settings(m) + _expert_settings(m)
+          + (f", scored by its {m.backend} engine alone (prompt logprobs, no torch copy)"
+             if name in p.engine_scored else "") + ")"
           + _rollout_settings(p, name)
           for name, m in spec.models.items()),
     ]

@@ -78,8 +78,12 @@ def stage_budget(plan: Plan, stage: Stage, cluster: Cluster) -> Budget | None:
         if shape is None:
             return None
         trains = [n for n in nodes if n.role == "train" and n.model == model]
-        own = (_training(plan, stage, model, shape, trains[0], on_gpu) if trains
-               else [_weights(plan, stage, model, shape), *_frozen_forward(plan, stage, model, shape, nodes)])
+        if model in plan.engine_scored:  # its engine alone scores it: the engine's memory, no torch copy
+            own = _rollout(plan, stage, model, shape, cluster, on_gpu, trained=False)
+        elif trains:
+            own = _training(plan, stage, model, shape, trains[0], on_gpu)
+        else:
+            own = [_weights(plan, stage, model, shape), *_frozen_forward(plan, stage, model, shape, nodes)]
         if any(n.role == "generate" and n.model == model for n in nodes):
             own += _rollout(plan, stage, model, shape, cluster, on_gpu, trained=bool(trains))
         named = len(stage.models) > 1  # say whose term it is when the actor loads several models

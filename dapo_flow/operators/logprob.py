@@ -38,6 +38,7 @@ from dapo_flow.core import columns as C
 from dapo_flow.data.arrow_utils import (padded_to_ragged, ragged_to_padded, response_mask, routes_from_arrow,
                                         token_lists, topk_to_ragged, with_columns)
 from dapo_flow.core.contract import OpContext, PARAMS_CONFIG
+from dapo_flow.errors import ModelError
 
 
 class Params(BaseModel):
@@ -127,6 +128,12 @@ class Logprob:
         self.params = params
         self.ctx = ctx
         self._metrics: dict[str, float] = {}
+        model = ctx.model
+        if model is not None and model.policy is None and params.source == "recompute" and params.temperature != 1.0:
+            # served by its engine alone (Plan.engine_scored): told before the first step, not at it
+            raise ModelError(f"logprob '{ctx.node_id}': model '{model.name}' is scored by its {model.spec.backend} "
+                             f"engine, whose prompt logprobs are at temperature 1, not {params.temperature:g}: set "
+                             f"temperature: 1.0 on this node, or backend: hf on model '{model.name}'")
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         p = self.params
@@ -137,6 +144,10 @@ class Logprob:
         entropy_wanted = p.role == "actor" and p.with_entropy
         policy = self.ctx.model.policy
         prompts, responses = token_lists(batch.column(C.PROMPT_IDS)), token_lists(batch.column(C.RESPONSE_IDS))
+        if policy is None:  # a frozen model served by its engine alone (Plan.engine_scored): no torch copy
+            logp, entropy, mask, *topk = self.ctx.model.generator.score(prompts, responses, temperature=p.temperature,
+                                                                        top_k=p.top_k)
+            return with_columns(batch, self._columns(logp, mask, topk))
         routes, tally = self._routes(batch, policy), ReplayTally()
         # a reference on a LoRA-trained model reads its base: the adapters off, no second copy
         with policy.base_weights() if p.role == "ref" else nullcontext():
@@ -144,12 +155,8 @@ class Logprob:
                 prompts, responses, temperature=p.temperature, micro_batch_size=p.micro_batch_size,
                 with_entropy=entropy_wanted, **({"routes": routes, "tally": tally} if routes is not None else {}),
                 **({"top_k": p.top_k} if p.top_k else {}))
+        out = self._columns(logp, mask, topk)
         lengths = mask.sum(dim=1).numpy()
-        out = {_OUTPUT[p.role]: _ragged(logp, lengths)}
-        if topk:  # (B, R, K) each: the teacher's top-K of every response position
-            ids, top_logp = topk[0]
-            out[C.TEACHER_TOPK_IDS] = topk_to_ragged(ids.int().numpy(), lengths, C.TOKEN_TOPK_IDS)
-            out[C.TEACHER_TOPK_LOGP] = topk_to_ragged(top_logp.float().numpy(), lengths, C.TOKEN_TOPK_FLOATS)
         self._metrics = {}
         if entropy_wanted:
             out[C.ENTROPY] = _ragged(entropy, lengths)
@@ -158,6 +165,17 @@ class Logprob:
         if p.role == "actor" and C.ROLLOUT_LOGP in batch.column_names:
             self._metrics.update(self._mismatch(batch, logp, mask, routes, tally, prompts, responses, policy))
         return with_columns(batch, out)
+
+    def _columns(self, logp, mask, topk: list) -> dict:
+        """The role's logprob column, and the teacher's top-K ones when asked (``topk``: [(ids,
+        logp)] of (B, R, K) each, or []). Shape: logp, mask (B, R)."""
+        lengths = mask.sum(dim=1).numpy()
+        out = {_OUTPUT[self.params.role]: _ragged(logp, lengths)}
+        if topk:  # (B, R, K) each: the teacher's top-K of every response position
+            ids, top_logp = topk[0]
+            out[C.TEACHER_TOPK_IDS] = topk_to_ragged(ids.int().numpy(), lengths, C.TOKEN_TOPK_IDS)
+            out[C.TEACHER_TOPK_LOGP] = topk_to_ragged(top_logp.float().numpy(), lengths, C.TOKEN_TOPK_FLOATS)
+        return out
 
     def _routes(self, batch: pa.Table, policy) -> list | None:
         """The rollout's expert choices to replay: an actor's recomputation on a model trained

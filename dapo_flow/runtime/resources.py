@@ -90,7 +90,7 @@ def trained_dtype(spec: ModelSpec) -> str:
 def load_resource(
     name: str, spec: ModelSpec, *, path: Path | None, trainable: bool, generates: bool,
     scores: bool, seed: int, max_model_len: int | None = None, strategy: str = "none",
-    backend: Backend | None = None,
+    backend: Backend | None = None, engine_scored: bool = False,
 ) -> ModelResource:
     """Load what this actor needs of model ``name``.
 
@@ -98,7 +98,9 @@ def load_resource(
     runs logprob/update nodes for the model, so it needs the torch policy; ``generates`` that it
     rolls out with it, through the engine of ``backend`` (the one the graph was compiled with;
     default: the spec's in :data:`BACKENDS`), set up with the model's `rollout:` settings
-    (``max_model_len``: the default the plan derived).
+    (``max_model_len``: the default the plan derived). ``engine_scored``: a frozen model its
+    `logprob` nodes score through that engine (graph.plan.Plan.engine_scored): the engine alone,
+    no torch copy.
     ``strategy``: how the model's training group holds it on this worker: `fsdp2` (a shard),
     `ddp` (a full replica, gradients averaged across the group), `none` (no group). The copy an
     update trains here (``trainable``) loads :func:`trained_dtype`, float32 master weights under
@@ -124,7 +126,8 @@ def load_resource(
     device = model_device(spec)
     backend = backend or BACKENDS[spec.backend]
     policy = None
-    if scores or trainable or (generates and backend.generates_with_trainer):
+    generates = generates or engine_scored
+    if (scores and not engine_scored) or trainable or (generates and backend.generates_with_trainer):
         policy = _torch_policy(spec, model_path, device=device, seed=seed, trainable=trainable, strategy=strategy,
                                adapters=adapters)
     generator = None

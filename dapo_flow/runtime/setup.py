@@ -70,6 +70,7 @@ def stage_setups(placed, model_paths: dict[str, str] | None = None, weights_vers
                 n.model == m and n.role == "generate" for n in members)),
             scores=tuple(m for m in stage.models if any(
                 n.model == m and n.role != "generate" for n in members)),
+            engine_scored=tuple(m for m in stage.models if m in plan.engine_scored),
             model_paths=dict(model_paths or {}),
             weights_version=weights_version,
             max_model_len=plan.engine_context(),

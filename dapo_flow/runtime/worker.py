@@ -58,6 +58,7 @@ class StageSetup:
     trainable: tuple[str, ...] = ()  # models some node of this stage updates
     generates: tuple[str, ...] = ()  # models some node of this stage generates with
     scores: tuple[str, ...] = ()  # models used by logprob/update nodes here
+    engine_scored: tuple[str, ...] = ()  # of those, frozen ones scored by their engine (Plan.engine_scored)
     model_paths: Mapping[str, str] = field(default_factory=dict)  # overrides (resume)
     weights_version: int = 0  # the policy version of the model_paths' weights (resume: the checkpoint's)
     max_model_len: Mapping[str, int] = field(default_factory=dict)  # engines' default context (setup)
@@ -167,7 +168,8 @@ class StageWorker:
             name: load_resource(
                 name, graph.models[name], path=setup.model_paths.get(name),
                 trainable=name in setup.trainable, generates=name in setup.generates,
-                scores=name in setup.scores, seed=seed, max_model_len=setup.max_model_len.get(name),
+                scores=name in setup.scores, engine_scored=name in setup.engine_scored, seed=seed,
+                max_model_len=setup.max_model_len.get(name),
                 strategy=setup.strategy if group is not None else "none", backend=setup.backends.get(name),
             )
             for name in setup.models

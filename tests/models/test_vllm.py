@@ -56,6 +56,27 @@ def test_generate_and_logprobs_match_hf(generator, policy, prompts, temperature)
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_scoring_given_tokens_matches_hf_with_the_top_k(generator, policy, prompts):
+    """What a frozen teacher or reference served by vLLM gives its `logprob` node
+    (VLLMGenerator.score, vLLM's prompt logprobs): each response token's logprob and the top-K of
+    each position, as HF's forward gives them."""
+    import torch
+
+    out = generator.generate(prompts[:16], SamplingConfig(n=2, temperature=1.0, max_tokens=8, seed=5))
+    rows = [prompts[i] for i in out.prompt_index]
+    logp, entropy, mask, (ids, top) = generator.score(rows, out.response_ids, top_k=4)
+    ref, _, ref_mask, (ref_ids, ref_top) = policy.response_logprobs(rows, out.response_ids, top_k=4)
+    assert entropy is None and torch.equal(mask, ref_mask)
+    np.testing.assert_allclose(logp[mask].numpy(), ref[ref_mask].numpy(), atol=1e-4)
+    np.testing.assert_allclose(top[mask].numpy(), ref_top[mask].numpy(), atol=1e-4)  # ranked alike
+    agree = (ids[mask] == ref_ids[mask]).float().mean().item()
+    assert agree > 0.99, agree  # the same tokens, but where two of them tie to float rounding
+    with pytest.raises(ModelError, match="temperature 1"):
+        generator.score(rows, out.response_ids, temperature=0.7)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_a_prompts_samples_do_not_depend_on_its_batch(generator, prompts):
     """Per-prompt seeds: what rollout replicas rely on to sample what one engine samples."""
     seeds = tuple(range(1000, 1000 + 16))

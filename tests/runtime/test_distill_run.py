@@ -73,3 +73,47 @@ def test_top_k_distillation_trains_on_the_forward_kl_to_the_teachers_top_k(workd
     # the student's top-4 mass differs from the sharp teacher's: a nonzero term, logged per step
     assert [s for s, _ in history["actor/distill_fkl"]] == [1] and history["actor/distill_fkl"][0][1] != 0
     assert history["actor/grad_norm"][0][1] > 0
+
+
+def test_a_frozen_model_read_only_by_teacher_or_ref_nodes_is_scored_by_a_vllm_engine_alone():
+    """`backend: vllm` on the teacher: no torch copy of it, its engine's prompt logprobs instead
+    (Plan.engine_scored); explain says so and prices the engine. A model anything generates
+    with or trains, or an hf one, keeps its torch copy."""
+    from dapo_flow.graph.explain import explain
+
+    placed = _edited("models.teacher.backend=vllm").compile(Cluster(cpus=2))
+    assert placed.plan.engine_scored == ("teacher",)
+    text = explain(placed)
+    assert "scored by its vllm engine alone (prompt logprobs, no torch copy)" in text
+    assert "vLLM KV cache (kv_cache_gib)" in text.split("model:teacher: peak")[1].split("\n\n")[0]
+    assert _edited().compile(Cluster(cpus=2)).plan.engine_scored == ()  # hf: its torch copy scores
+    assert _edited("models.policy.backend=vllm").compile(Cluster(cpus=2)).plan.engine_scored == ()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.models("tiny-adder-teacher")
+def test_a_vllm_served_teacher_gives_the_hf_teachers_signal(workdir, tmp_path):
+    """Three steps of top-K distillation with the teacher on vLLM (a run of its own process: one
+    vLLM engine per process) log the reverse KL and forward KL of the hf teacher's run."""
+    import os
+    import subprocess
+    import sys
+
+    sets = ["run.steps=3", "run.prompts_per_step=8", "run.val_every=0", "run.checkpoint_every=0",
+            "teacher_logp.top_k=4", "train.distill_topk_coef=1.0"]
+    summary = execute(_edited(*sets).compile(Cluster(cpus=2)), executor="local")
+    want = read_run(summary["tracking_uri"], summary["run_id"])["history"]
+    cli = [sys.executable, "-m", "dapo_flow.cli", "run", DISTILL, "--executor", "local",
+           *[a for s in sets + ["models.teacher.backend=vllm"] for a in ("--set", s)]]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'vllm.db'}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(DISTILL).parents[1]), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cli, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    from dapo_flow.tracking import latest_run
+
+    uri = env["MLFLOW_TRACKING_URI"]
+    got = read_run(uri, latest_run(uri, "dapo-flow")["run_id"])["history"]  # the graph's tracking.experiment
+    for key in ("distill/reverse_kl", "actor/distill_fkl", "actor/pg_loss"):
+        assert [s for s, _ in got[key]] == [1, 2, 3], key
+        assert [v for _, v in got[key]] == pytest.approx([v for _, v in want[key]], rel=1e-3, abs=1e-4), key
