@@ -167,7 +167,7 @@ def test_routing_replay_needs_experts_and_the_hf_backend(tmp_path):
     # the refusal says what this installation lacks (tests/models/test_vllm_routes.py: each case)
     with pytest.raises(ValidationError) as refused:
         ModelSpec(path=str(tmp_path), backend="vllm", train={"routing_replay": True})
-    from dapo_flow.models.vllm_engine import routes_unrecorded
+    from dapo_flow.models.vllm_routes import routes_unrecorded
 
     assert (f"train.routing_replay is not supported with the vllm backend ({routes_unrecorded()}): "
             "use backend: hf") in str(refused.value)

@@ -320,7 +320,7 @@ class ModelSpec(_Frozen):
         if self.backend != "hf":
             why = ""
             if self.backend == "vllm":  # exactly what this installation lacks
-                from dapo_flow.models.vllm_engine import routes_unrecorded  # no vLLM import: metadata
+                from dapo_flow.models.vllm_routes import routes_unrecorded  # no vLLM import: metadata
 
                 why = f" ({routes_unrecorded()})"
             raise ValueError(f"train.routing_replay is not supported with the {self.backend} backend{why}: use "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_flow.models.vllm_engine import routes_unrecorded
+from dapo_flow.models.vllm_routes import routes_unrecorded
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.models("tiny-moe")]
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import importlib.metadata
 import importlib.util
 from pathlib import Path
 
-from dapo_flow.models.vllm_engine import routes_unrecorded
+from dapo_flow.models.vllm_routes import routes_unrecorded
 
 
 def _install(monkeypatch, root: Path, *, vllm: str | None, option: bool = True, triton: str | None = None,
