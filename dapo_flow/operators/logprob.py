@@ -144,24 +144,29 @@ class Logprob:
         entropy_wanted = p.role == "actor" and p.with_entropy
         policy = self.ctx.model.policy
         prompts, responses = token_lists(batch.column(C.PROMPT_IDS)), token_lists(batch.column(C.RESPONSE_IDS))
+        # a teacher's top-1 always (distill/teacher_agreement), its top-K columns when asked
+        top_k = max(p.top_k, 1) if p.role == "teacher" else p.top_k
         if policy is None:  # a frozen model served by its engine alone (Plan.engine_scored): no torch copy
             logp, entropy, mask, *topk = self.ctx.model.generator.score(prompts, responses, temperature=p.temperature,
-                                                                        top_k=p.top_k)
-            return with_columns(batch, self._columns(logp, mask, topk))
-        routes, tally = self._routes(batch, policy), ReplayTally()
-        # a reference on a LoRA-trained model reads its base: the adapters off, no second copy
-        with policy.base_weights() if p.role == "ref" else nullcontext():
-            logp, entropy, mask, *topk = policy.response_logprobs(
-                prompts, responses, temperature=p.temperature, micro_batch_size=p.micro_batch_size,
-                with_entropy=entropy_wanted, **({"routes": routes, "tally": tally} if routes is not None else {}),
-                **({"top_k": p.top_k} if p.top_k else {}))
-        out = self._columns(logp, mask, topk)
+                                                                        top_k=top_k)
+            routes = tally = None
+        else:
+            routes, tally = self._routes(batch, policy), ReplayTally()
+            # a reference on a LoRA-trained model reads its base: the adapters off, no second copy
+            with policy.base_weights() if p.role == "ref" else nullcontext():
+                logp, entropy, mask, *topk = policy.response_logprobs(
+                    prompts, responses, temperature=p.temperature, micro_batch_size=p.micro_batch_size,
+                    with_entropy=entropy_wanted, **({"routes": routes, "tally": tally} if routes is not None else {}),
+                    **({"top_k": top_k} if top_k else {}))
+        out = self._columns(logp, mask, topk if p.top_k else [])
         lengths = mask.sum(dim=1).numpy()
+        valid = mask.numpy() & response_mask(batch, lengths, mask.shape[1])  # the model's tokens, not a tool's
         self._metrics = {}
         if entropy_wanted:
             out[C.ENTROPY] = _ragged(entropy, lengths)
-            valid = mask.numpy() & response_mask(batch, lengths, mask.shape[1])  # the model's tokens, not a tool's
             self._metrics = {"actor/entropy": float(entropy.numpy()[valid].mean()) if valid.any() else 0.0}
+        if p.role == "teacher":
+            self._metrics = {"distill/teacher_agreement": _top1_agreement(topk[0][0], responses, valid)}
         if p.role == "actor" and C.ROLLOUT_LOGP in batch.column_names:
             self._metrics.update(self._mismatch(batch, logp, mask, routes, tally, prompts, responses, policy))
         return with_columns(batch, out)
@@ -217,3 +222,13 @@ class Logprob:
 
 def _ragged(values, lengths: np.ndarray) -> pa.ListArray:
     return padded_to_ragged(values.float().numpy(), lengths, C.TOKEN_FLOATS)
+
+
+def _top1_agreement(top_ids, responses: list[list[int]], valid: np.ndarray) -> float:
+    """The share of the sampled tokens (the student's, at ``valid`` positions) that are the
+    teacher's most likely token there (0 without any). Shape: top_ids (B, R, K), valid (B, R)."""
+    top1 = top_ids[..., 0].numpy()
+    sampled = np.zeros_like(top1)
+    for i, r in enumerate(responses):
+        sampled[i, :len(r)] = r
+    return float((top1 == sampled)[valid].mean()) if valid.any() else 0.0

@@ -184,3 +184,13 @@ def test_an_update_with_top_k_distillation_refuses_the_logprob_paths_that_keep_n
         model = SimpleNamespace(policy=None, spec=ModelSpec(path="x", train=train))
         with pytest.raises(ModelError, match=f"update 'train': distill_topk_coef .* set {named}"):
             update.Update(update.Params(distill_topk_coef=1.0), OpContext(node_id="train", seed=0, model=model))
+
+
+def test_teacher_agreement_counts_the_sampled_tokens_that_are_the_teachers_top_1():
+    from dapo_flow.operators.logprob import _top1_agreement
+
+    top = torch.tensor([[[3, 1], [2, 0], [0, 0]], [[5, 4], [7, 1], [9, 2]]])  # (B=2, R=3, K=2)
+    responses = [[3, 1], [5, 7, 8]]  # row 0: 2 tokens (the third position is padding)
+    valid = np.array([[True, True, False], [True, False, True]])  # row 1's second token a tool's
+    assert _top1_agreement(top, responses, valid) == pytest.approx(2 / 4)  # 3 and 5 agree; 1 and 8 do not
+    assert _top1_agreement(top, responses, np.zeros((2, 3), bool)) == 0.0

@@ -54,6 +54,9 @@ def test_a_short_distillation_run_trains_on_the_teachers_signal(workdir):
     assert all(kl > 0 for _, kl in history["distill/reverse_kl"])
     assert "actor/pg_loss" in run["metrics"] and "val/acc" in run["metrics"]
     assert any(k.startswith("time/") and "teacher" in k for k in run["metrics"]), sorted(run["metrics"])
+    # the share of the student's sampled tokens that are the teacher's top-1 choice
+    assert [s for s, _ in history["distill/teacher_agreement"]] == [1, 2]
+    assert all(0.3 < a < 1.0 for _, a in history["distill/teacher_agreement"]), history["distill/teacher_agreement"]
 
 
 def test_top_k_distillation_without_the_teachers_top_k_fails_validate_naming_the_fix():
