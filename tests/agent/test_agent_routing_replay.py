@@ -23,6 +23,7 @@ import torch
 from dapo_flow.agent.requests import Request
 from dapo_flow.core import columns as C
 from dapo_flow.tools.calls import ParsedCall, ParsedCalls
+from replay_steps import update_step
 
 pytestmark = pytest.mark.models("tiny-agent")
 
@@ -169,16 +170,8 @@ def test_replaying_the_stitched_routes_reproduces_the_multi_turn_rollouts_logpro
     # recomputed from the moved routers, keep the rest of the gap)
 
 
-def _update(path: Path, rows: pa.Table, replay: bool) -> tuple[dict, dict]:
-    from dapo_flow.core.contract import OpContext
-    from dapo_flow.operators.update import Params, Update
-
-    model = _model(path, replay, trainable=True)
-    batch = rows.append_column(C.OLD_LOGP, rows.column(C.ROLLOUT_LOGP)).append_column(
-        C.ADVANTAGE, pa.array(np.linspace(-1, 1, rows.num_rows, dtype=np.float32)))
-    op = Update(Params(lr=1e-2, micro_batch_size=8, grad_clip=1e9), OpContext("train", model=model))
-    op(batch)
-    return op.last_metrics(), {k: v.detach().clone() for k, v in model.policy.model.state_dict().items()}
+def _update(path, rows: pa.Table, replay: bool) -> tuple[dict, dict]:
+    return update_step(_model(path, replay, trainable=True), rows, micro_batch_size=8)
 
 
 def test_update_replays_the_multi_turn_rows_routes(moe_dir: Path, rows: pa.Table):

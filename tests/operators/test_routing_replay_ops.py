@@ -16,6 +16,7 @@ import torch
 from dapo_flow.core import columns as C
 from dapo_flow.core.contract import OpContext
 from dapo_flow.graph.spec import ModelSpec
+from replay_steps import update_step
 
 # slow: the fast tier stays within its 4 minutes without building tiny-moe (algos/ tests its math there)
 pytestmark = [pytest.mark.slow, pytest.mark.models("tiny-moe")]
@@ -86,14 +87,7 @@ def test_a_recomputing_logprob_node_replays_and_reports_agreement_and_mismatch(m
 
 
 def _update(path, rows: pa.Table, replay: bool) -> tuple[dict, dict]:
-    from dapo_flow.operators.update import Params, Update
-
-    model = _model(path, replay, trainable=True)
-    batch = rows.append_column(C.OLD_LOGP, rows.column(C.ROLLOUT_LOGP)).append_column(
-        C.ADVANTAGE, pa.array(np.linspace(-1, 1, rows.num_rows, dtype=np.float32)))
-    op = Update(Params(lr=1e-2, micro_batch_size=4, grad_clip=1e9), OpContext("train", model=model))
-    op(batch)
-    return op.last_metrics(), {k: v.detach().clone() for k, v in model.policy.model.state_dict().items()}
+    return update_step(_model(path, replay, trainable=True), rows, micro_batch_size=4)
 
 
 def test_update_replays_the_rollouts_routes(moe_dir, rows):
