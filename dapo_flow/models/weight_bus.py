@@ -41,6 +41,11 @@ class BusAborted(RuntimeError):
     """The bus was given up (:func:`abort_bus`) during a transfer: a member died."""
 
 
+#: the groups of buses given up, kept: one may still run a gloo op (until the group's timeout),
+#: and destroying it would wait for that
+_GIVEN_UP: list = []
+
+
 def abort_bus(addr: str, port: int, timeout_s: float = 30.0) -> None:
     """Give up the bus whose store is at ``addr``:``port`` (its rank 0's): every member's
     transfer, in flight or to come, raises :class:`BusAborted` (within :data:`WAIT_SLICE_S`)."""
@@ -151,6 +156,7 @@ class WeightBus:
 
     def _check_aborted(self) -> None:
         if self.store.check([ABORT_KEY]):
+            _GIVEN_UP.append(self.group)
             raise BusAborted(f"weight bus rank {self.rank}: the bus was given up (a member died)")
 
     def _broadcast(self, buffer) -> None:
@@ -181,6 +187,7 @@ class WeightBus:
         deadline = time.monotonic() + ABORT_GRACE_S
         while time.monotonic() < deadline:
             if self.store.check([ABORT_KEY]):
+                _GIVEN_UP.append(self.group)
                 raise BusAborted(f"weight bus rank {self.rank}: the bus was given up (a member died)") from failure
             time.sleep(WAIT_SLICE_S)
         raise failure

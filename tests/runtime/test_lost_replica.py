@@ -111,6 +111,21 @@ def test_a_replacement_that_cannot_start_is_given_up_with_a_warning_and_training
     assert len(healer.members) == 1 and healer.replacements == [] and healer.roster == roster + 1
 
 
+def test_a_replica_lost_in_a_weight_sync_leaves_the_group_once_and_a_replacement_starts():
+    ray = _Ray(ready=False)
+    healer = _healer(ray)
+    r0, r1, r2 = healer.members
+    roster = healer.snapshot()[0]
+    [said] = healer.drop([r1], [1])
+    assert "replica 1 of stage 'rollout:policy' died during a weight sync" in said and "with 2 replica(s)" in said
+    assert healer.snapshot() == (roster + 1, [r0, r2]) and ray.killed == [r1] and len(healer.replacements) == 1
+    assert healer.drop([r1], [1]) == [] and not healer.due()  # seen again (its generation calls): one fault
+    ray.ready = True
+    assert healer.due()
+    with pytest.raises(ActorFault, match="every rollout replica"):
+        healer.drop([r0, r2], [0, 1])
+
+
 def test_every_replica_of_a_call_lost_is_a_fault_the_whole_run_recovers_from():
     healer = _healer(_Ray(), replicas=2)
     call = healer.next_call(["rollout"], "prompts")
@@ -250,3 +265,62 @@ def test_a_one_step_off_run_heals_in_place_too(workdir, small_graph, at_step, ex
     [(_, count)] = history["faults/count"]
     assert count == 1.0 and [v for _, v in history["faults/steps_redone"]] == [0.0]
     _same_metrics(history, _history(_run(workdir, path, "run.rollout_mode=one_step_off", log="straight.log")))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_async_run_heals_in_place_when_the_replica_dies_in_a_weight_sync(
+        workdir, small_graph, at_step, executors_started, monkeypatch):
+    """async keeps generation calls queued across the driver's weight syncs: replica 1 killed
+    right after step 3's sync is queued dies with that sync's transfer (and generation calls)
+    queued on it. The sync gives up its weight bus (the trainer and the other replica wait in it
+    for the dead one), forms it again with the survivor and sends the weights again; the
+    generation calls the dead one held are re-issued to the survivor; the replacement joins at a
+    later sync, the producer paused, and generates. async runs are not reproducible to the bit,
+    so: no restart, one fault, every step trained once, finite metrics."""
+    from dapo_flow.runtime.executors import RayExecutor
+    from dapo_flow.runtime.loop import Runner
+    from dapo_flow.runtime.weight_sync import WeightSyncs
+
+    steps = STEPS + 2
+    path = small_graph(workdir, name="replica-lost-async", steps=steps, ckpt=2)
+    pids, aborted, at_end = {}, [], {}
+    at_step(1, lambda ex: pids.update(start=[_pid(a) for a in ex.groups[STAGE].members]))
+    submit, abort, shutdown = Runner.submit_sync, WeightSyncs.abort, RayExecutor.shutdown
+
+    def killing(self, version, *args, **kwargs):
+        queued = submit(self, version, *args, **kwargs)
+        if version == 3:  # step 3's weights: its transfer queued on the replica as it dies
+            os.kill(pids["start"][1], signal.SIGKILL)
+        return queued
+
+    def noting_shutdown(self):  # each replica's process, and how many generation calls it ran
+        if STAGE in self.groups:
+            import ray
+
+            at_end.update({_pid(a): ray.get(a.__ray_call__.remote(lambda w: len(w.worker.states_before)))
+                           for a in self.groups[STAGE].members})
+        shutdown(self)
+
+    monkeypatch.setattr(Runner, "submit_sync", killing)
+    monkeypatch.setattr(WeightSyncs, "abort", lambda self, sync: (aborted.append(sync.model), abort(self, sync)))
+    monkeypatch.setattr(RayExecutor, "shutdown", noting_shutdown)
+    at_step(4, lambda ex: _wait_ready(ex.groups[STAGE].healer))  # it joins at step 4's sync
+    healed = _run(workdir, path, "run.rollout_mode=async")
+    log = (workdir / "ray.log").read_text()
+
+    assert len(executors_started) == 1 and "resuming from" not in log
+    assert log.count("rollout replica 1 of stage 'rollout:policy' died during a") == 1, log
+    assert aborted == ["policy"]  # the sync's bus given up once, the weights sent again
+    assert "a replacement rollout replica of stage 'rollout:policy' joined" in log
+    assert len(at_end) == 2 and pids["start"][1] not in at_end and pids["start"][0] in at_end
+    [replacement] = set(at_end) - set(pids["start"])
+    assert at_end[replacement] > 0  # it generated after it joined
+    history = _history(healed)
+    for key in ("batch/reward_mean", "actor/pg_loss"):  # every step exactly once: none twice, none skipped
+        assert [s for s, _ in history[key]] == list(range(1, steps + 1)), key
+    assert sum(v for _, v in history["faults/count"]) == 1.0
+    assert [v for _, v in history["faults/steps_redone"]] == [0.0]
+    for key in ("batch/reward_mean", "actor/pg_loss", "actor/entropy"):
+        if key in history:
+            assert np.isfinite(history[key][-1][1]), key
