@@ -22,6 +22,10 @@ A replica that dies in a weight sync (its transfer queued or running) is seen th
 abort_bus`: the trainer and the other replicas wait in it for the dead one), the dead replica
 leaves the group (:meth:`ReplicaHealer.drop`, a replacement starting), and the weights go again to
 the others on a bus formed with them; its generation calls fail and are re-issued as above.
+The weights sent again are the trainer's when they go: in an ``async`` run whose next update
+was queued behind the sync (``RolloutProducer.step``'s ``queue_next``), that update's, one
+version newer than the sync's number (which their tokens then record); generation calls
+queued behind the sync given up run on the weights before it.
 
 Every rollout mode heals in place. A replacement is admitted only where no generation call is
 queued on the replicas: under ``sync`` and ``one_step_off`` every weight sync is such a point
