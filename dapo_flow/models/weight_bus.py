@@ -12,17 +12,48 @@ through the driver, disk or object store, with about one bucket of extra memory 
 
 The group is standalone (its own TCPStore and ``ProcessGroupGloo`` / ``ProcessGroupNCCL``),
 so it lives beside a training group's default process group. Pure torch: no Ray here.
+
+A gloo bus can be given up (:func:`abort_bus`, from any process: a key in its store) when one of
+its members died: the others' transfer raises :class:`BusAborted` within a wait slice
+(:data:`WAIT_SLICE_S`), whether they wait in the rendezvous or in a broadcast. A member killed in
+a gloo broadcast leaves the others either failing at once ("Connection closed by peer") or, about
+half the time, waiting until the group's timeout; so they wait in slices, looking for the key in
+between. A bus given up is left (its group's thread ends at that timeout); the members form a
+new one. NCCL's waits are not sliced: a member lost in an NCCL transfer is not given up here.
 """
 
 from __future__ import annotations
 
 import datetime
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 DEFAULT_BUCKET_MB = 256  # verl's default update_weights_bucket_megabytes is 512; engines here are smaller
 JOIN_TIMEOUT_S = 300  # every member joins at once: a member that never comes is a RunError, not a hang
+WAIT_SLICE_S = 0.5  # a gloo member's waits are cut in slices this long, to see an abort in between
+ABORT_KEY = "abort"
+ABORT_GRACE_S = 60.0  # a member whose broadcast failed waits this long for the bus to be given up
+
+
+class BusAborted(RuntimeError):
+    """The bus was given up (:func:`abort_bus`) during a transfer: a member died."""
+
+
+#: the groups of buses given up, kept: one may still run a gloo op (until the group's timeout),
+#: and destroying it would wait for that
+_GIVEN_UP: list = []
+
+
+def abort_bus(addr: str, port: int, timeout_s: float = 30.0) -> None:
+    """Give up the bus whose store is at ``addr``:``port`` (its rank 0's): every member's
+    transfer, in flight or to come, raises :class:`BusAborted` (within :data:`WAIT_SLICE_S`)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    store.set(ABORT_KEY, b"")
 
 
 @dataclass(frozen=True)
@@ -115,19 +146,51 @@ class WeightBus:
             for r in range(self.world_size):
                 self.store.delete_key(f"transfer/{self.transfers - 1}/{r}")
         self.store.set(here[self.rank], b"")
+        wait = datetime.timedelta(seconds=WAIT_SLICE_S) if self.backend == "gloo" else self.timeout
         while True:
             try:
-                self.store.wait(here, self.timeout)
+                self.store.wait(here, wait)
                 return
             except dist.DistStoreError:  # a timeout: the peer is still behind its own work
-                continue
+                self._check_aborted()
+
+    def _check_aborted(self) -> None:
+        if self.store.check([ABORT_KEY]):
+            _GIVEN_UP.append(self.group)
+            raise BusAborted(f"weight bus rank {self.rank}: the bus was given up (a member died)")
 
     def _broadcast(self, buffer) -> None:
         import torch.distributed as dist
 
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self.group.broadcast([buffer], options).wait()
+        work = self.group.broadcast([buffer], options)
+        if self.backend != "gloo":
+            work.wait()
+            return
+        start, wait = time.monotonic(), datetime.timedelta(seconds=WAIT_SLICE_S)
+        while True:  # sliced (see the module docstring); a timed-out wait leaves the op running
+            try:
+                work.wait(wait)
+                return
+            except RuntimeError as exc:
+                if time.monotonic() - start > self.timeout.total_seconds():
+                    raise
+                if "timed out" not in str(exc).lower():
+                    self._await_abort(exc)
+                self._check_aborted()
+
+    def _await_abort(self, failure: RuntimeError) -> None:
+        """A gloo broadcast failed (a peer's socket closed: it died): raise BusAborted once the
+        bus is given up, so that each member says the same, or ``failure`` if it is not within
+        :data:`ABORT_GRACE_S` (no one saw a death)."""
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while time.monotonic() < deadline:
+            if self.store.check([ABORT_KEY]):
+                _GIVEN_UP.append(self.group)
+                raise BusAborted(f"weight bus rank {self.rank}: the bus was given up (a member died)") from failure
+            time.sleep(WAIT_SLICE_S)
+        raise failure
 
     def _buffer(self, entries: list[WeightEntry]):
         import torch

@@ -102,7 +102,7 @@ class RolloutProducer:
         rollout = update.rollout
         trained = rollout.batch is not None
         early = trained and runner.ex.queues_calls and not runner.run.partial_rollouts
-        sync = runner.submit_sync(update.version + 1) if early else None
+        sync = self._submit_sync(update.version + 1) if early else None
         if early:
             with self.cond:
                 self.steps_done += 1
@@ -113,12 +113,20 @@ class RolloutProducer:
         metrics = dict(rollout.metrics)
         metrics.update(runner.finish_update(state, update))
         if trained:
-            metrics.update(runner.finish_sync(sync or runner.submit_sync(state.policy_version)))
+            metrics.update(runner.finish_sync(sync or self._submit_sync(state.policy_version)))
         if not early:
             with self.cond:
                 self.steps_done += 1
                 self.cond.notify_all()
         return metrics
+
+    def _submit_sync(self, version: int):
+        """Queue the weight sync; where a replacement of a lost rollout replica is up, with the
+        producer paused (no generation call queued on the replicas) while it joins."""
+        if not self.runner.replacements_due():
+            return self.runner.submit_sync(version, admit=False)
+        with self.paused():
+            return self.runner.submit_sync(version)
 
     def _queue_behind(self) -> None:
         """(``cond`` held) Where the driver asked for it (``behind``: the version the next

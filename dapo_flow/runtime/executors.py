@@ -94,6 +94,9 @@ class Executor(Protocol):
         """A number that changes whenever the actors serving ``stage`` change (rollout replicas
         healed in place: :mod:`dapo_flow.runtime.replicas`)."""
 
+    def replacements_due(self, stage: str) -> bool:
+        """Whether replacements of lost replicas of ``stage`` are up (or given up): an admission is due."""
+
     def admit_replacements(self, stage: str) -> list[str]:
         """Let replacement replicas of ``stage`` that are up join it; what happened, a line each."""
 
@@ -164,6 +167,9 @@ class LocalExecutor:
 
     def roster(self, stage: str) -> int:
         return 0  # in-process workers are never lost and replaced
+
+    def replacements_due(self, stage: str) -> bool:
+        return False
 
     def admit_replacements(self, stage: str) -> list[str]:
         return []
@@ -460,7 +466,6 @@ class RayExecutor:
         sinks = {n.id for n in setup.nodes if contract_of(resolve_op(n)).cardinality == "sink"}
         if setup.grouped:
             return WorkerGroup(stage, members, sinks, "worker")
-        # see dapo_flow.runtime.replicas for why async runs do not heal in place
         healer = ReplicaHealer(ray, stage, members, list(range(setup.workers)), start) if (
             graph.run.rollout_mode in HEALS_IN_PLACE) else None
         return WorkerGroup(stage, members, sinks, "replica", healer)
@@ -481,16 +486,17 @@ class RayExecutor:
         group = self.groups.get(stage)
         return len(group.members) if group is not None else 1
 
-    def call_each(self, stage: str, method: str, per_member: list[tuple]) -> GroupCall:
-        """``method`` on each actor of ``stage`` with its own arguments (rank order); the
-        handle's result is the list of theirs."""
+    def call_each(self, stage: str, method: str, per_member: list[tuple], members: list | None = None) -> GroupCall:
+        """``method`` on each actor of ``stage`` (or each of ``members``, some of them) with its
+        own arguments (rank order); the handle's result is the list of theirs."""
         group = self.groups.get(stage)
-        actors = group.members if group is not None else [self.actors[stage]]
+        actors = members if members is not None else group.members if group is not None else [self.actors[stage]]
         if len(per_member) != len(actors):
             raise ValueError(f"{len(per_member)} argument lists for the {len(actors)} actor(s) of {stage}")
         refs = [getattr(a, method).remote(*args) for a, args in zip(actors, per_member)]
         if group is not None:
-            return GroupCall(stage, refs, member=group.member, kind=group.kind, join=list)
+            return GroupCall(stage, refs, member=group.member, kind=group.kind, join=list,
+                             actors=list(actors) if group.healer is not None else None)
         return GroupCall(stage, refs, member="actor", kind="stage", join=list)
 
     def rows(self, stage: str, method: str, *args: Any) -> "Rows":
@@ -580,6 +586,11 @@ class RayExecutor:
                     if getattr(call, "row_call", None) is not None and _died(ray, failure):
                         lost.append(rank)  # the others' shares are still awaited: they may be lost too
                         continue
+                    if getattr(call, "actors", None) is not None and _died(ray, failure):
+                        # a replica that heals in place died in a weight sync: its peers wait for
+                        # it in the bus until the caller gives the bus up (Runner.finish_sync)
+                        raise ReplicaLost(f"{self._member(call, rank)} died during a weight sync",
+                                          call=call, ranks=[rank]) from failure
                     if not isinstance(failure.__cause__, ray.exceptions.RayTaskError):
                         raise  # the actor died (named), or did not answer
                     dead = self._dead_peer(pending, owner)
@@ -624,6 +635,51 @@ class RayExecutor:
         replaced): a weight bus formed with them before is stale."""
         group = self.groups.get(stage)
         return group.healer.roster if group is not None and group.healer is not None else 0
+
+    def group_actors(self, stage: str) -> tuple[int, list]:
+        """The roster of ``stage``'s actors and the actors, as they are now (a weight bus forms
+        with them: another thread may change the group's list)."""
+        group = self.groups.get(stage)
+        if group is None:
+            return 0, [self.actors[stage]]
+        return group.healer.snapshot() if group.healer is not None else (0, list(group.members))
+
+    def call_on(self, stage: str, members: list, method: str, *args: Any) -> Any:
+        """:meth:`call` on ``members`` of ``stage``'s group alone (a weight bus's receivers)."""
+        group = self.groups.get(stage)
+        if group is None:
+            return self.call(stage, method, *args)
+        return group.call(method, *args, members=members)
+
+    def settle(self, handle: tuple) -> list[tuple[Any, int]]:
+        """Wait for every call of a weight sync given up (:func:`~dapo_flow.models.weight_bus.
+        abort_bus`) to end: they fail with BusAborted, or end as they would have. Returns the
+        (actor, rank) of every rollout replica that died in it; any other failure (the trainer's
+        death) is raised."""
+        from dapo_flow.models.weight_bus import BusAborted
+
+        dead = []
+        for call in handle:
+            for rank, ref in (enumerate(call.refs) if isinstance(call, GroupCall) else [(None, call)]):
+                who = self._member(call, rank) if isinstance(call, GroupCall) else self._who(call)
+                try:
+                    self._get(ref, self.watchdog.bound(), who=who)
+                except BusAborted:
+                    pass
+                except RunError as failure:
+                    if getattr(call, "actors", None) is None or not _died(self._ray, failure):
+                        raise
+                    dead.append((call.actors[rank], rank))
+        return dead
+
+    def lose_replicas(self, stage: str, lost: list[tuple[Any, int]]) -> list[str]:
+        """Replicas of ``stage`` that died in a weight sync (actor, rank on the bus) out of the
+        group, a replacement starting for each; a line for each newly lost."""
+        return self.groups[stage].healer.drop([a for a, _ in lost], [r for _, r in lost])
+
+    def replacements_due(self, stage: str) -> bool:
+        group = self.groups.get(stage)
+        return group is not None and group.healer is not None and group.healer.due()
 
     def admit_replacements(self, stage: str) -> list[str]:
         """Replacement replicas of ``stage`` that are up join it now (before a weight sync, with
@@ -732,6 +788,9 @@ class GroupCall:
     #: a generation call on rollout replicas that heal in place: how it was made (a lost
     #: member's share is run again from it: :meth:`RayExecutor.reissue`)
     row_call: "RowCall | None" = None
+    #: the actors of a call on rollout replicas that heal in place, rank order (a weight sync's:
+    #: a member that died in it is dropped: Runner.finish_sync)
+    actors: list | None = None
 
 
 @dataclass
@@ -751,11 +810,13 @@ class WorkerGroup:
     def kind(self) -> str:
         return "training group" if self.member == "worker" else "rollout replicas"
 
-    def call(self, method: str, *args: Any) -> GroupCall:
-        """A call every member makes alike (weight syncs, checkpoints: collectives), answered
-        with rank 0's result."""
-        refs = [getattr(m, method).remote(*args) for m in self.members]
-        return GroupCall(self.stage, refs, member=self.member, kind=self.kind, join=lambda out: out[0])
+    def call(self, method: str, *args: Any, members: list | None = None) -> GroupCall:
+        """A call every member (or every one of ``members``) makes alike (weight syncs,
+        checkpoints: collectives), answered with rank 0's result."""
+        members = list(self.members if members is None else members)
+        refs = [getattr(m, method).remote(*args) for m in members]
+        return GroupCall(self.stage, refs, member=self.member, kind=self.kind, join=lambda out: out[0],
+                         actors=members if self.healer is not None else None)
 
     def rows(self, method: str, head: Any, inputs: Any, *rest: Any) -> "Rows":
         """A row call: every member gets the whole input by reference and takes its own share
@@ -765,15 +826,18 @@ class WorkerGroup:
         reference, in rank order (a sink's: rank 0's one row of metrics, which the workers
         reduced together)."""
         sink = method == "run_chain" and head[-1] in self.sinks
-        n = len(self.members)
-        shares = [Share(rank, n, for_update=sink and self.member == "worker") for rank in range(n)]
+        record = (self.healer.next_call(head, inputs)
+                  if self.healer is not None and method == "run_chain" and not sink else None)
+        # the members as the healer recorded them, or a copy: an async run's producer thread
+        # may change the list (a replica lost) while the driver calls
+        members, number = (list(self.members), ()) if record is None else (record.actors, (record.number,))
+        shares = [Share(rank, len(members), for_update=sink and self.member == "worker")
+                  for rank in range(len(members))]
         if method == "run_variant":
-            refs = [m.run_variant.remote(head, inputs, *rest, share) for m, share in zip(self.members, shares)]
+            refs = [m.run_variant.remote(head, inputs, *rest, share) for m, share in zip(members, shares)]
             return Rows(TableParts(tuple(refs)), None)
-        record = self.healer.next_call(head, inputs) if self.healer is not None and not sink else None
-        number = () if record is None else (record.number,)
         pairs = [m.run_chain.options(num_returns=2).remote(head, inputs, share, *number)
-                 for m, share in zip(self.members, shares)]
+                 for m, share in zip(members, shares)]
         tables, infos = [t for t, _ in pairs], [i for _, i in pairs]
         table = tables[0] if sink else TableParts(tuple(tables))
         return Rows(table, self.infos(infos, sink, record))

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 import pyarrow as pa
 
 from dapo_flow.errors import ReplicaLost, RunError
-from dapo_flow.graph.plan import IN_ACTOR, Call, DynamicSampling
+from dapo_flow.graph.plan import IN_ACTOR, Call, DynamicSampling, Sync
 from dapo_flow.reductions import Max, Min, Seconds
 from dapo_flow.runtime.weight_sync import WeightSyncs
 from dapo_flow.runtime.metrics import TOKENS_AT_VERSION, MetricAccumulator
@@ -508,8 +508,15 @@ class Runner:
         tokens, and the batch's tokens record which weights sampled them."""
         return self.finish_sync(self.submit_sync(version))
 
-    def submit_sync(self, version: int) -> QueuedSync:
-        """Queue :meth:`sync`'s calls (after the generation batch being queued, if any)."""
+    def replacements_due(self) -> bool:
+        """Whether a replacement of a lost rollout replica is up: the next weight sync admits it
+        (an async run pauses its producer for that sync: :meth:`submit_sync`)."""
+        return any(self.ex.replacements_due(s.target) for s in self.placed.syncs if s.kind != IN_ACTOR)
+
+    def submit_sync(self, version: int, admit: bool = True) -> QueuedSync:
+        """Queue :meth:`sync`'s calls (after the generation batch being queued, if any). With
+        ``admit``, replacements of lost rollout replicas that are up join first: only where no
+        generation call is queued on the replicas (an async run's producer paused)."""
         asked = time.perf_counter()
         live = self.run.partial_rollouts
         handles = []
@@ -517,7 +524,7 @@ class Runner:
             waited = time.perf_counter() - asked  # for a batch's generate calls to be queued (overlapped modes)
             for sync in self.placed.syncs:
                 self.call_log.append(("sync", sync.source, (sync.target, sync.kind)))
-                if sync.kind != IN_ACTOR:  # replacements of lost replicas that are up take these weights
+                if sync.kind != IN_ACTOR and admit:  # replacements of lost replicas that are up take these weights
                     for line in self.ex.admit_replacements(sync.target):
                         self.say(line)
                 handles.append(self.ex.call(sync.source, "sync_generators") if sync.kind == IN_ACTOR
@@ -527,14 +534,41 @@ class Runner:
         return QueuedSync(handles, version, live, waited)
 
     def finish_sync(self, queued: QueuedSync) -> dict[str, float]:
-        """:meth:`sync`'s metrics, once its transfers are done."""
-        seconds = sum(self.syncs.seconds(h) for h in queued.handles)
+        """:meth:`sync`'s metrics, once its transfers are done (:meth:`_finish_transfer`)."""
+        seconds = sum(self._finish_transfer(sync, h, queued) for sync, h in zip(self.placed.syncs, queued.handles))
         self.trainer_free_at = time.perf_counter()
         if queued.live:
             # set once every target holds the weights, so a batch queued after reads a version
             # its tokens are at least at (one queued before keeps the older, a lower bound)
             self.rollout_version = queued.version
         return {"time/weight_sync": seconds, "time/sync_wait": queued.waited}
+
+    def _finish_transfer(self, sync: Sync, handle: Any, queued: QueuedSync) -> float:
+        """One transfer's seconds. Where a rollout replica that heals in place died in it
+        (ReplicaLost, of the transfer's receivers), its bus is given up (the others' calls end:
+        models.weight_bus), the replicas dead in it leave the group (a replacement starts for
+        each; the generation calls they held fail and are re-issued, :meth:`_finish_healing`),
+        and the weights go again to the others on a bus formed with them."""
+        seen = None
+        while True:
+            try:
+                seconds = self.syncs.seconds(handle)
+            except ReplicaLost as lost:
+                if not isinstance(handle, tuple) or lost.call is not handle[-1] or not self.syncs.can_give_up(sync):
+                    raise
+                seen = seen or time.monotonic()
+                self.syncs.abort(sync)
+                dead = [(lost.call.actors[r], r) for r in lost.ranks]
+                dead += [d for d in self.ex.settle(handle) if d[0] not in [a for a, _ in dead]]
+                said = self.ex.lose_replicas(sync.target, dead)
+                for line in said:
+                    self.say(line)
+                self.healed_count += len(said)
+                handle = self.syncs.start(sync, queued.version, live=queued.live)
+                continue
+            if seen is not None:
+                self.healed.append(time.monotonic() - seen)
+            return seconds
 
     # --- phase 4: validation ------------------------------------------------------
     def validate(self, val_prompts: pa.Table | None, log_samples: int, *, n: int | None = None,

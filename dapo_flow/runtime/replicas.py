@@ -17,17 +17,31 @@ finish_calls`). The re-issue:
   brings it the current weights before any generation is queued on it. One that cannot start is
   dropped with a warning, and training goes on with the others.
 
-``run.rollout_mode: sync`` and ``one_step_off`` heal in place: their weight sync is queued once
-the batch being collected is complete (one_step_off's from the rollout thread, as it finishes),
-so no generation call is queued on the replicas when a replacement is admitted, and only one
-thread at a time calls the healer. Under ``async`` the producer thread keeps generation calls
-queued across the driver's weight syncs, so there is no such point: a lost replica there (as
-every replica lost, or a replica lost outside a generation call: in a weight sync, a
-checkpoint) is a fault the whole run recovers from (:mod:`dapo_flow.runtime.recovery`).
+A replica that dies in a weight sync (its transfer queued or running) is seen there
+(``Runner.finish_sync``): the sync gives up its weight bus (:func:`~dapo_flow.models.weight_bus.
+abort_bus`: the trainer and the other replicas wait in it for the dead one), the dead replica
+leaves the group (:meth:`ReplicaHealer.drop`, a replacement starting), and the weights go again to
+the others on a bus formed with them; its generation calls fail and are re-issued as above.
+The weights sent again are the trainer's when they go: in an ``async`` run whose next update
+was queued behind the sync (``RolloutProducer.step``'s ``queue_next``), that update's, one
+version newer than the sync's number (which their tokens then record); generation calls
+queued behind the sync given up run on the weights before it.
+
+Every rollout mode heals in place. A replacement is admitted only where no generation call is
+queued on the replicas: under ``sync`` and ``one_step_off`` every weight sync is such a point
+(it is queued once the batch being collected is complete, one_step_off's from the rollout
+thread); under ``async`` the producer thread keeps generation queued across the driver's syncs,
+so the driver pauses it (``RolloutProducer.paused``) for the sync a replacement joins at. Under
+``async`` the producer (generation calls, their re-issue) and the driver (weight syncs,
+admissions) both call the healer: it holds a lock, and each call goes to the members it
+recorded. Every replica lost, or a replica lost in a checkpoint, validation, as its bus forms,
+or in an NCCL transfer (whose waits cannot be given up), is a fault the whole run recovers from
+(:mod:`dapo_flow.runtime.recovery`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -36,7 +50,7 @@ from dapo_flow.errors import ActorFault
 from dapo_flow.runtime.worker import Share
 
 #: the rollout modes whose replicas heal in place (see the module docstring)
-HEALS_IN_PLACE = ("sync", "one_step_off")
+HEALS_IN_PLACE = ("sync", "one_step_off", "async")
 
 #: how long a replacement may take to start (load its model, wait for resources) before the run
 #: gives up on it and goes on without it
@@ -80,11 +94,41 @@ class ReplicaHealer:
     calls: int = 0  # row calls made so far: the next one's number
     roster: int = 0  # changes whenever ``members`` does (a weight bus formed before is stale)
     replacements: list[Replacement] = field(default_factory=list)
+    # an async run's producer thread (generation calls, their re-issue) and its driver (weight
+    # syncs, admissions) both call in
+    lock: Any = field(default_factory=threading.RLock)
 
     def next_call(self, head: list[str], inputs: Any) -> RowCall:
-        """The record of the generation call about to be made on every member."""
-        self.calls += 1
-        return RowCall(list(head), inputs, list(self.members), self.calls - 1)
+        """The record of the generation call about to be made on every member (``actors``: the
+        members it goes to, as they are now)."""
+        with self.lock:
+            self.calls += 1
+            return RowCall(list(head), inputs, list(self.members), self.calls - 1)
+
+    def snapshot(self) -> tuple[int, list]:
+        """The roster and the members, as they are now (a weight bus forms with these)."""
+        with self.lock:
+            return self.roster, list(self.members)
+
+    def drop(self, actors: list, ranks: list[int]) -> list[str]:
+        """Members ``actors`` (at ``ranks`` of the weight bus) died in a weight sync: out of the
+        group, a replacement starting for each; what happened, a line for each newly lost. Their
+        generation calls fail and are re-issued as any (:meth:`reissue`). ActorFault when no
+        member is left."""
+        with self.lock:
+            said = [f"rollout replica {rank} of stage '{self.stage}' died during a weight sync: the weights go "
+                    "again to the replicas left, its generation calls are re-issued to them (the same seeds: the "
+                    "same samples) and a replacement is starting (it joins at a weight sync); training goes on "
+                    f"with {len(self.members)} replica(s)"
+                    for actor, rank in zip(actors, ranks) if self._lose(actor)]
+            if not self.members:
+                raise ActorFault(f"every rollout replica of stage '{self.stage}' was lost")
+            return said
+
+    def due(self) -> bool:
+        """Whether a replacement is up (or given up): the next admission has something to do."""
+        with self.lock:
+            return any(rep.ready is None or self.ray.wait([rep.ready], timeout=0)[0] for rep in self.replacements)
 
     def reissue(self, call: RowCall, ranks: list[int]
                 ) -> tuple[RowCall, dict[int, tuple[Any, Any]], list[str]]:
@@ -94,6 +138,11 @@ class ReplicaHealer:
         per rank the (table, info) references of its share, and what happened (a line for each
         replica newly lost: its later calls are lost too, and re-issued alike). ActorFault when
         no member of the call is left to take them."""
+        with self.lock:
+            return self._reissue(call, ranks)
+
+    def _reissue(self, call: RowCall, ranks: list[int]
+                 ) -> tuple[RowCall, dict[int, tuple[Any, Any]], list[str]]:
         said = []
         for rank in ranks:
             if self._lose(call.actors[rank]):
@@ -136,6 +185,10 @@ class ReplicaHealer:
         operator states (``survivor_states(actor)``); one that failed to start or took too long
         is dropped. Call it only where no call is queued on the replicas (before a weight sync,
         the batch being collected complete). Returns what happened, one line each (a warning starts with 'warning:')."""
+        with self.lock:
+            return self._admit(survivor_states)
+
+    def _admit(self, survivor_states: Callable[[Any], dict]) -> list[str]:
         said, waiting = [], []
         for rep in self.replacements:
             error = None if rep.ready is not None else "it could not be created"

@@ -31,6 +31,9 @@ class WeightSyncs:
     ex: "Executor"
     manifests: dict[str, list] = field(default_factory=dict)  # model -> its weights' manifest (bus joined)
     rosters: dict[str, int] = field(default_factory=dict)  # model -> its targets' roster when the bus formed
+    targets: dict[str, list] = field(default_factory=dict)  # model -> the actors its bus formed with (Ray)
+    stores: dict[str, tuple[str, int]] = field(default_factory=dict)  # model -> its bus's store (rank 0's)
+    backends: dict[str, str] = field(default_factory=dict)  # model -> its bus's backend
 
     def broadcasts(self, sync: Sync) -> bool:
         """Whether ``sync`` goes over a weight bus: its setting says so and the executor has
@@ -52,8 +55,23 @@ class WeightSyncs:
         bucket = int(self.placed.plan.spec.models[sync.model].rollout.sync_bucket_mb * MB)
         manifest = self.manifests[sync.model]
         send = self.ex.call(sync.source, "send_weights", sync.model, manifest, bucket)
-        receive = self.ex.call(sync.target, "receive_weights" + suffix, sync.model, manifest, bucket, version)
+        # to the bus's members, whatever the group holds now (an async run's producer thread may
+        # have dropped a lost replica since): one of them dead is seen in this sync (Runner.finish_sync)
+        receive = self.ex.call_on(sync.target, self.targets[sync.model], "receive_weights" + suffix,
+                                  sync.model, manifest, bucket, version)
         return send, receive
+
+    def can_give_up(self, sync: Sync) -> bool:
+        """Whether ``sync``'s bus can be given up mid-transfer (gloo: its waits are sliced)."""
+        return self.backends.get(sync.model) == "gloo"
+
+    def abort(self, sync: Sync) -> None:
+        """Give up ``sync.model``'s bus (a member died in a transfer): every member's transfer
+        ends (BusAborted); the next :meth:`start` forms it again."""
+        from dapo_flow.models.weight_bus import abort_bus
+
+        abort_bus(*self.stores[sync.model])
+        self.rosters[sync.model] = -1
 
     def seconds(self, handle: Any) -> float:
         """Wait for a transfer :meth:`start` queued (or an in-actor sync's one call); its
@@ -66,14 +84,18 @@ class WeightSyncs:
     def _join(self, sync: Sync) -> None:
         """The trainer and every rollout actor of ``sync.model`` form its bus (one rendezvous;
         each leaves the bus it was on)."""
-        self.rosters[sync.model] = self.ex.roster(sync.target)
+        self.rosters[sync.model], actors = self.ex.group_actors(sync.target)
+        self.targets[sync.model] = actors
         addr, port = self.ex.get(self.ex.call(sync.source, "weight_bus_address"))
-        targets = self.ex.members(sync.target)
+        self.stores[sync.model] = (addr, port)
+        targets = len(actors)
         backend = bus_backend(self.placed.stage(sync.source), self.placed.stage(sync.target))
         world = 1 + targets
+        self.backends[sync.model] = backend
         sender = self.ex.call(sync.source, "join_weight_bus", sync.model, addr, port, 0, world, backend)
         receivers = self.ex.call_each(sync.target, "join_weight_bus",
-                                      [(sync.model, addr, port, 1 + i, world, backend) for i in range(targets)])
+                                      [(sync.model, addr, port, 1 + i, world, backend) for i in range(targets)],
+                                      members=actors)
         self.ex.get((sender, receivers))
         self.manifests[sync.model] = self.ex.get(self.ex.call(sync.source, "weight_manifest", sync.model))
 

@@ -4,6 +4,7 @@ members in two threads of this process: each is a real gloo process group over T
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -114,3 +115,88 @@ def test_a_sender_whose_weights_differ_from_the_manifest_says_so():
     shuffled = [("q", weights["q"]), *((k, v) for k, v in weights.items() if k != "q")]
     with pytest.raises(RuntimeError, match=r"sent q \(8, 8\) where the manifest has embed \(50, 8\)"):
         bus.send(iter(shuffled), manifest, 512)
+
+
+def _member_until_aborted(rank: int, ports: tuple[int, int], where: str, out) -> None:
+    """A member of a 3-member bus (a process: the test kills rank 2) that transfers again and
+    again until the bus is given up; then ranks 0 and 1 form a new bus and transfer once."""
+    from dapo_flow.models.weight_bus import BusAborted
+
+    weights = {f"w{k}": torch.full((1 << 18,), float(k)) for k in range(16)}  # 16 buckets of 1 MB
+    manifest, bucket = manifest_of(weights.items()), 1 << 20
+    try:
+        bus = WeightBus("127.0.0.1", ports[0], rank, 3, timeout_s=120)
+        out.put(("up", rank, os.getpid()))
+        if rank == 2 and where == "rendezvous":  # it never comes to a transfer
+            time.sleep(600)
+        transfers = 0
+        while True:
+            if rank == 0:
+                bus.send(iter(weights.items()), manifest, bucket)
+            else:
+                for _ in bus.receive(manifest, bucket):
+                    pass
+            transfers += 1
+            if transfers == 1:
+                out.put(("transferred", rank, None))
+    except BusAborted as exc:
+        out.put(("aborted", rank, str(exc)))
+    except BaseException as exc:  # noqa: BLE001 - reported by the test
+        out.put(("error", rank, repr(exc)))
+        return
+    bus = WeightBus("127.0.0.1", ports[1], rank, 2, timeout_s=120)  # the survivors' new bus
+    if rank == 0:
+        bus.send(iter(weights.items()), manifest, bucket)
+        out.put(("again", rank, True))
+    else:
+        got = {name: t.clone() for name, t in bus.receive(manifest, bucket)}
+        out.put(("again", rank, all(torch.equal(got[n], w) for n, w in weights.items())))
+
+
+@pytest.mark.parametrize("where", ["broadcast", "rendezvous"])
+def test_a_bus_given_up_after_a_member_is_killed_frees_the_others_who_form_a_new_one(where):
+    """A member killed with SIGKILL in a transfer (or before it comes to one): the others, in a
+    gloo broadcast (failing, or waiting until the group's timeout: either happens) or in the
+    rendezvous (waiting for it forever), raise BusAborted once the bus is given up (abort_bus, as
+    the driver does), and form a new bus that transfers every weight exactly."""
+    import multiprocessing
+    import os as _os
+    import queue
+    import signal
+
+    from dapo_flow.models.weight_bus import abort_bus
+
+    ctx = multiprocessing.get_context("fork")
+    # a queue each: a member killed while it puts holds its queue's lock for good
+    outs, ports = [ctx.Queue() for _ in range(3)], (free_port(), free_port())
+    members = [ctx.Process(target=_member_until_aborted, args=(r, ports, where, outs[r]), daemon=True)
+               for r in range(3)]
+    for p in members:
+        p.start()
+    try:
+        said: dict[tuple[str, int], object] = {}
+
+        def until(*keys) -> None:
+            deadline = time.monotonic() + 120  # a bound on a hang, not a timing
+            while not all(k in said for k in keys):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no word from the members; so far {said}")
+                for out in outs:
+                    try:
+                        kind, rank, what = out.get(timeout=0.05)
+                    except queue.Empty:
+                        continue
+                    said[(kind, rank)] = what
+                    assert kind != "error", (rank, what)
+
+        until(("up", 0), ("up", 1), ("up", 2))
+        if where == "broadcast":
+            until(("transferred", 2))  # it is in its transfers now
+        _os.kill(said[("up", 2)], signal.SIGKILL)
+        members[2].join(timeout=30)
+        abort_bus("127.0.0.1", ports[0])
+        until(("aborted", 0), ("aborted", 1), ("again", 0), ("again", 1))
+        assert "given up" in said[("aborted", 0)] and said[("again", 1)] is True
+    finally:
+        for p in members:
+            p.kill()
