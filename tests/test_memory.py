@@ -449,6 +449,11 @@ def test_bad_settings_are_errors():
 # estimate within 4% unless its case says why not
 TOLERANCE = 0.10
 CLOSE = 0.04
+# and an absolute slack for the measurement itself: the baseline VmRSS taken at the reset may hold
+# allocator pages the passes then reuse, so a peak reads 1.0-1.3 MiB lower in some runs than in
+# others (every training case of the fast batch, in the test tier beside other xdist workers,
+# against the same case alone; the frozen forward's read the same): on a 58 MiB peak that alone is 2%
+ALLOCATOR_SLACK = 1.5 * 2**20
 # every measured case: what the subprocess runs, by the id the tests name it by, and what its
 # estimate must show: the moment it peaks at (where the case is about it) and how close it is
 CASES = {
@@ -461,9 +466,8 @@ CASES = {
     # 2 rows of 1024 positions, one shorter: the float attention masks SDPA saves are 8 MiB a layer
     "5m-long-padded": _case(LLAMA_5M, rows=2, prompt=256, response=768, pad=True),
     "5m-long-padded-ckpt": _case(LLAMA_5M, rows=2, prompt=256, response=768, pad=True, checkpointing=True),
-    # measured 1.023-1.025 alone, 1.041 once beside another xdist worker (the baseline taken at
-    # the reset holds allocator pages the passes reuse): a 1.3 MiB swing on an 84 MiB peak
-    "1m-entropy": _case(LLAMA_1M, entropy_coef=0.01, within=0.05),
+    # measured 1.023-1.025 alone, 1.041 once beside another xdist worker: ALLOCATOR_SLACK
+    "1m-entropy": _case(LLAMA_1M, entropy_coef=0.01),
     "5m-padded-entropy": _case(LLAMA_5M, pad=True, entropy_coef=0.01),
     "1m-bf16": _case(LLAMA_1M, dtype="bfloat16"),
     # LoRA (rank 16 on every linear): the base frozen, gradients and AdamW state the adapters'.
@@ -569,8 +573,10 @@ def test_estimates_match_measured(batch):
         if measured["params"] != ModelShape.from_config(args["config"]).num_params():
             missed.append(f"{c}: the measured model has {measured['params']} parameters, the estimate's shape "
                           f"{ModelShape.from_config(args['config']).num_params()}")
-        if abs(ratio - 1) > args["within"]:
-            missed.append(f"{c}: ratio {ratio:.3f}, not within {args['within']:.0%}\n{budget.format()}")
+        slack = 0 if args["forward"] else ALLOCATOR_SLACK  # the frozen forwards' peaks read alike
+        if abs(ratio - 1) * measured["peak"] > args["within"] * measured["peak"] + slack:
+            missed.append(f"{c}: ratio {ratio:.3f}, not within {args['within']:.0%} (and "
+                          f"{slack / 2**20:g} MiB)\n{budget.format()}")
         if args["phase"] is not None and budget.peak_phase() != args["phase"]:
             missed.append(f"{c}: peaks at {budget.peak_phase()!r}, not {args['phase']!r}")
         if args["mixed_precision"] and "bf16 weight copies (autocast)" not in {t.name for t in budget.terms}:
