@@ -22,18 +22,26 @@ if TYPE_CHECKING:
 MB = 1 << 20
 
 
+@dataclass(frozen=True)
+class _Bus:
+    """A model's weight bus as it formed: with which actors (their roster then), where its store
+    is (rank 0's), its backend, and the weights' manifest."""
+
+    roster: int
+    targets: list
+    store: tuple[str, int]
+    backend: str
+    manifest: list
+
+
 @dataclass
 class WeightSyncs:
     """Runs transfer syncs for a :class:`~dapo_flow.runtime.loop.Runner`; remembers each
-    model's bus (joined once) and manifest."""
+    model's bus (joined once, again when its targets change or it was given up)."""
 
     placed: Any
     ex: "Executor"
-    manifests: dict[str, list] = field(default_factory=dict)  # model -> its weights' manifest (bus joined)
-    rosters: dict[str, int] = field(default_factory=dict)  # model -> its targets' roster when the bus formed
-    targets: dict[str, list] = field(default_factory=dict)  # model -> the actors its bus formed with (Ray)
-    stores: dict[str, tuple[str, int]] = field(default_factory=dict)  # model -> its bus's store (rank 0's)
-    backends: dict[str, str] = field(default_factory=dict)  # model -> its bus's backend
+    buses: dict[str, _Bus] = field(default_factory=dict)  # model -> its bus
 
     def broadcasts(self, sync: Sync) -> bool:
         """Whether ``sync`` goes over a weight bus: its setting says so and the executor has
@@ -50,28 +58,28 @@ class WeightSyncs:
         if not self.broadcasts(sync):
             weights = self.ex.call(sync.source, "export_weights", sync.model)
             return self.ex.call(sync.target, "import_weights" + suffix, sync.model, weights, version)
-        if sync.model not in self.manifests or self.rosters[sync.model] != self.ex.roster(sync.target):
-            self._join(sync)  # first, or again: a rollout replica was lost or replaced since
+        bus = self.buses.get(sync.model)
+        if bus is None or bus.roster != self.ex.roster(sync.target):
+            bus = self._join(sync)  # first, or again: a rollout replica was lost or replaced since
         bucket = int(self.placed.plan.spec.models[sync.model].rollout.sync_bucket_mb * MB)
-        manifest = self.manifests[sync.model]
-        send = self.ex.call(sync.source, "send_weights", sync.model, manifest, bucket)
+        send = self.ex.call(sync.source, "send_weights", sync.model, bus.manifest, bucket)
         # to the bus's members, whatever the group holds now (an async run's producer thread may
         # have dropped a lost replica since): one of them dead is seen in this sync (Runner.finish_sync)
-        receive = self.ex.call_on(sync.target, self.targets[sync.model], "receive_weights" + suffix,
-                                  sync.model, manifest, bucket, version)
+        receive = self.ex.call_on(sync.target, bus.targets, "receive_weights" + suffix,
+                                  sync.model, bus.manifest, bucket, version)
         return send, receive
 
     def can_give_up(self, sync: Sync) -> bool:
         """Whether ``sync``'s bus can be given up mid-transfer (gloo: its waits are sliced)."""
-        return self.backends.get(sync.model) == "gloo"
+        bus = self.buses.get(sync.model)
+        return bus is not None and bus.backend == "gloo"
 
     def abort(self, sync: Sync) -> None:
         """Give up ``sync.model``'s bus (a member died in a transfer): every member's transfer
         ends (BusAborted); the next :meth:`start` forms it again."""
         from dapo_flow.models.weight_bus import abort_bus
 
-        abort_bus(*self.stores[sync.model])
-        self.rosters[sync.model] = -1
+        abort_bus(*self.buses.pop(sync.model).store)
 
     def seconds(self, handle: Any) -> float:
         """Wait for a transfer :meth:`start` queued (or an in-actor sync's one call); its
@@ -81,24 +89,21 @@ class WeightSyncs:
         got = self.ex.get(handle)
         return min(got) if isinstance(handle, tuple) else got
 
-    def _join(self, sync: Sync) -> None:
+    def _join(self, sync: Sync) -> _Bus:
         """The trainer and every rollout actor of ``sync.model`` form its bus (one rendezvous;
         each leaves the bus it was on)."""
-        self.rosters[sync.model], actors = self.ex.group_actors(sync.target)
-        self.targets[sync.model] = actors
+        roster, actors = self.ex.group_actors(sync.target)
         addr, port = self.ex.get(self.ex.call(sync.source, "weight_bus_address"))
-        self.stores[sync.model] = (addr, port)
-        targets = len(actors)
         backend = bus_backend(self.placed.stage(sync.source), self.placed.stage(sync.target))
-        world = 1 + targets
-        self.backends[sync.model] = backend
+        world = 1 + len(actors)
         sender = self.ex.call(sync.source, "join_weight_bus", sync.model, addr, port, 0, world, backend)
         receivers = self.ex.call_each(sync.target, "join_weight_bus",
-                                      [(sync.model, addr, port, 1 + i, world, backend) for i in range(targets)],
+                                      [(sync.model, addr, port, 1 + i, world, backend) for i in range(len(actors))],
                                       members=actors)
         self.ex.get((sender, receivers))
-        self.manifests[sync.model] = self.ex.get(self.ex.call(sync.source, "weight_manifest", sync.model))
-
+        manifest = self.ex.get(self.ex.call(sync.source, "weight_manifest", sync.model))
+        self.buses[sync.model] = _Bus(roster, actors, (addr, port), backend, manifest)
+        return self.buses[sync.model]
 
 def bus_backend(source: Stage, target: Stage) -> str:
     """`nccl` where the trainer's and the rollout actors' workers each hold whole GPUs (so each
