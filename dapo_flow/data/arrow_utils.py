@@ -24,12 +24,18 @@ def ragged_to_padded(
     Shape: (rows,) list column -> (rows, max_len) values, (rows,) int64 lengths.
     """
     arr = _flat(col)
+    values = arr.flatten().to_numpy(zero_copy_only=False)
+    return _padded(arr, values, pad, dtype or values.dtype)
+
+
+def _padded(arr: pa.ListArray, values: np.ndarray, pad: float | int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's ``values`` (its list's entries, in order) right-padded with ``pad``, and the
+    row lengths. Shape: values (entries, ...) -> (rows, max_len, ...), (rows,) int64."""
     offsets = arr.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
     offsets = offsets - offsets[0]
-    values = arr.flatten().to_numpy(zero_copy_only=False)
     lengths = np.diff(offsets)
     width = int(lengths.max()) if len(lengths) else 0
-    out = np.full((len(lengths), width), pad, dtype=dtype or values.dtype)
+    out = np.full((len(lengths), width) + values.shape[1:], pad, dtype=dtype)
     # row index and position of every flat value: one scatter, no Python loop over rows
     rows = np.repeat(np.arange(len(lengths)), lengths)
     pos = np.arange(len(values)) - np.repeat(offsets[:-1], lengths)
@@ -37,15 +43,21 @@ def ragged_to_padded(
     return out, lengths
 
 
+def _kept(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The first ``lengths[i]`` entries of each row i, end to end.
+    Shape: (rows, width, ...), (rows,) -> (sum(lengths), ...)."""
+    return values[np.arange(values.shape[1])[None, :] < lengths[:, None]]
+
+
+def _offsets(lengths: np.ndarray) -> pa.Array:
+    return pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), pa.int32())
+
+
 def padded_to_ragged(values: np.ndarray, lengths: np.ndarray, type_: pa.DataType) -> pa.ListArray:
     """Inverse of :func:`ragged_to_padded`: keep the first ``lengths[i]`` values of row i."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    mask = np.arange(values.shape[1])[None, :] < lengths[:, None] if values.ndim == 2 else None
-    flat = values[mask] if mask is not None else np.zeros(0, values.dtype)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return pa.ListArray.from_arrays(
-        pa.array(offsets, pa.int32()), pa.array(flat, type=type_.value_type)
-    )
+    flat = _kept(values, lengths) if values.ndim == 2 else np.zeros(0, values.dtype)
+    return pa.ListArray.from_arrays(_offsets(lengths), pa.array(flat, type=type_.value_type))
 
 
 def topk_to_ragged(values: np.ndarray, lengths: np.ndarray, type_: pa.DataType) -> pa.ListArray:
@@ -53,12 +65,10 @@ def topk_to_ragged(values: np.ndarray, lengths: np.ndarray, type_: pa.DataType) 
     (a teacher's top-K ids or logprobs). Shape: values (rows, width, K), lengths (rows,) ->
     (rows,) lists of lengths[i] lists of K."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    k = values.shape[2] if values.ndim == 3 else 0
-    flat = values[np.arange(values.shape[1])[None, :] < lengths[:, None]] if values.ndim == 3 else values
-    inner = pa.ListArray.from_arrays(pa.array(np.arange(len(flat) + 1, dtype=np.int32) * k, pa.int32()),
+    flat = _kept(values, lengths)  # (tokens, K)
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(len(flat) + 1, dtype=np.int32) * values.shape[2], pa.int32()),
                                      pa.array(flat.reshape(-1), type=type_.value_type.value_type))
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), inner)
+    return pa.ListArray.from_arrays(_offsets(lengths), inner)
 
 
 def topk_to_padded(col: pa.ChunkedArray | pa.Array, *, dtype) -> np.ndarray:
@@ -66,20 +76,13 @@ def topk_to_padded(col: pa.ChunkedArray | pa.Array, *, dtype) -> np.ndarray:
     number K of values (K = 1 when there are no tokens).
     Shape: (rows,) list<list<...>> column -> (rows, max_len, K)."""
     arr = _flat(col)
-    offsets = arr.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
-    lengths = np.diff(offsets)
     inner = arr.flatten()  # (tokens,) lists of K
     sizes = np.diff(inner.offsets.to_numpy(zero_copy_only=False).astype(np.int64))
     k = int(sizes[0]) if len(sizes) else 1
     if (sizes != k).any():
         raise ValueError(f"top-K column holds lists of {sorted(set(sizes.tolist()))} values per token, expected {k}")
     values = inner.flatten().to_numpy(zero_copy_only=False).reshape(-1, k)
-    width = int(lengths.max()) if len(lengths) else 0
-    out = np.zeros((len(lengths), width, k), dtype=dtype)
-    rows = np.repeat(np.arange(len(lengths)), lengths)
-    pos = np.arange(len(values)) - np.repeat(offsets[:-1] - offsets[0], lengths)
-    out[rows, pos] = values
-    return out
+    return _padded(arr, values, 0, dtype)[0]
 
 
 def response_mask(batch: pa.Table, lengths: np.ndarray, width: int) -> np.ndarray:
