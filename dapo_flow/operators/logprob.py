@@ -158,10 +158,11 @@ class Logprob:
                     prompts, responses, temperature=p.temperature, micro_batch_size=p.micro_batch_size,
                     with_entropy=entropy_wanted, **({"routes": routes, "tally": tally} if routes is not None else {}),
                     **({"top_k": top_k} if top_k else {}))
-        out = self._columns(logp, mask, topk if p.top_k else [])
         lengths = mask.sum(dim=1).numpy()
-        valid = mask.numpy() & response_mask(batch, lengths, mask.shape[1])  # the model's tokens, not a tool's
+        out = self._columns(logp, lengths, topk if p.top_k else [])
         self._metrics = {}
+        if entropy_wanted or p.role == "teacher":  # over the model's tokens, not a tool's
+            valid = mask.numpy() & response_mask(batch, lengths, mask.shape[1])
         if entropy_wanted:
             out[C.ENTROPY] = _ragged(entropy, lengths)
             self._metrics = {"actor/entropy": float(entropy.numpy()[valid].mean()) if valid.any() else 0.0}
@@ -171,10 +172,9 @@ class Logprob:
             self._metrics.update(self._mismatch(batch, logp, mask, routes, tally, prompts, responses, policy))
         return with_columns(batch, out)
 
-    def _columns(self, logp, mask, topk: list) -> dict:
+    def _columns(self, logp, lengths: np.ndarray, topk: list) -> dict:
         """The role's logprob column, and the teacher's top-K ones when asked (``topk``: [(ids,
-        logp)] of (B, R, K) each, or []). Shape: logp, mask (B, R)."""
-        lengths = mask.sum(dim=1).numpy()
+        logp)] of (B, R, K) each, or []). Shape: logp (B, R), lengths (B,)."""
         out = {_OUTPUT[self.params.role]: _ragged(logp, lengths)}
         if topk:  # (B, R, K) each: the teacher's top-K of every response position
             ids, top_logp = topk[0]
