@@ -166,7 +166,9 @@ def test_a_bus_given_up_after_a_member_is_killed_frees_the_others_who_form_a_new
 
     from dapo_flow.models.weight_bus import abort_bus
 
-    ctx = multiprocessing.get_context("fork")
+    # spawned, not forked: a fork of a test process that ran torch, Ray or MLflow before may
+    # inherit a lock some thread held and hang before it joins the bus
+    ctx = multiprocessing.get_context("spawn")
     # a queue each: a member killed while it puts holds its queue's lock for good
     outs, ports = [ctx.Queue() for _ in range(3)], (free_port(), free_port())
     members = [ctx.Process(target=_member_until_aborted, args=(r, ports, where, outs[r]), daemon=True)
