@@ -78,7 +78,11 @@ def test_models_health_completions_and_chat(served, client):
     for c in calls:  # <call>calculator: 12*34</call> comes back as an OpenAI tool call
         (call,) = c.message.tool_calls
         assert c.finish_reason == "tool_calls" and call.function.name == "calculator"
-        assert re.fullmatch(r"\d+\*\d+", json.loads(call.function.arguments)["expression"])  # a copy of a*b
+        # the arguments are what the sampled text put between "calculator:" and "</call>" (whatever this
+        # CPU's build of the model copied: a sample may garble the copy)
+        sampled = "".join(t.token for t in c.logprobs.content)
+        written = re.search(r"<call>calculator:\s*(.*?)</call>", sampled)
+        assert written and json.loads(call.function.arguments) == {"expression": written.group(1).strip()}, sampled
     for c in chat.choices:
         assert c.logprobs.content and all(t.logprob <= 0 for t in c.logprobs.content)
 
@@ -137,7 +141,8 @@ def test_64_concurrent_requests_cost_a_few_engine_calls(served):
                                                                 max_tokens=8, seed=i) for i in range(64)))
 
     answers = asyncio.run(many())
-    assert len(answers) == 64 and all(a.choices[0].text for a in answers)
+    # one choice each, at least the EOS sampled (a sample may stop at once: an empty text)
+    assert len(answers) == 64 and all(len(a.choices) == 1 and a.usage.completion_tokens >= 1 for a in answers)
     calls = engine.calls[before:]
     assert sum(len(prompts) for prompts, _ in calls) == 64
     assert len(calls) <= 8, [len(prompts) for prompts, _ in calls]  # batched, not one call a request
