@@ -115,6 +115,31 @@ SCHEMA: dict[str, pa.DataType] = {
 
 PROMPT_COLUMNS = (PROMPT_ID, PROMPT_TEXT, PROMPT_IDS, GROUND_TRUTH, DATA_SOURCE)
 
+# Schema metadata of a part of a generation batch (run.gen_stop_early). CONTINUES_CALL: the rest of
+# a batch whose first part the generating node's last call took: its prompts take that call's
+# seeds. PROMPT_WIDTH: the longest prompt of the whole batch, in tokens: an engine that pads prompts
+# pads each part to it. So a batch generated in parts samples, bitwise, what it would have whole.
+CONTINUES_CALL = b"dapo_flow.continues_call"
+PROMPT_WIDTH = b"dapo_flow.prompt_width"
+
+
+def batch_part(table: pa.Table, *, continues: bool, prompt_width: int) -> pa.Table:
+    """``table``, a part of a generation batch whose longest prompt has ``prompt_width`` tokens,
+    marked (with ``continues``) as the rest of the batch of the last generate call."""
+    marks = {PROMPT_WIDTH: str(prompt_width).encode(), **({CONTINUES_CALL: b"1"} if continues else {})}
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), **marks})
+
+
+def continues_call(table: pa.Table) -> bool:
+    """Whether ``table`` is the rest of the last generate call's batch (:func:`batch_part`)."""
+    return (table.schema.metadata or {}).get(CONTINUES_CALL) == b"1"
+
+
+def prompt_width(table: pa.Table) -> int | None:
+    """The longest prompt of the generation batch ``table`` is a part of (:func:`batch_part`)."""
+    width = (table.schema.metadata or {}).get(PROMPT_WIDTH)
+    return int(width) if width is not None else None
+
 
 def reward_source(choice: str, available: Mapping[str, pa.DataType] | None = None) -> str:
     """The column a `reward_column` param reads: `reward` or `score` as named, or for `auto`

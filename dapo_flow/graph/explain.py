@@ -132,6 +132,9 @@ def _explain_step(placed: PlacedPlan) -> list[str]:
     out = ["", f"step ({run.steps} steps, {run.prompts_per_step} prompt groups each):",
            f"  prompts: {train.label} [{train.split}], {per_batch}{_budget_note(spec.data, train)}",
            f"    emits {_columns(C.prompt_schema())}"]
+    if placed.generates_in_parts:
+        out.append("    each generation batch in parts (the first sized from the keep rate so far), the rest "
+                   "left once enough groups are kept (gen_stop_early)")
     headers = {
         "rollout": f"  rollout (repeated until {run.prompts_per_step} groups are kept; at most "
                    f"{{cap}} generation batches, then {{on_cap}}):",

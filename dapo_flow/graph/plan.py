@@ -20,7 +20,7 @@ from dapo_flow.core.contract import (Sampling, TrainSizing, forward_rows_of, gro
                                      sampling_of, train_sizing_of)
 from dapo_flow.data.prompt_budget import PromptBudget
 from dapo_flow.graph.prompt_room import declared_for_all, rooms, source_budget, tightest
-from dapo_flow.graph.spec import GraphSpec
+from dapo_flow.graph.spec import PROMPTS_SOURCE, GraphSpec
 from dapo_flow.models.engines import Backend
 
 if TYPE_CHECKING:
@@ -320,6 +320,22 @@ class PlacedPlan:
     calls: Mapping[str, tuple[Call, ...]] = field(default_factory=dict)  # phase -> calls, in order
     syncs: tuple[Sync, ...] = ()
     budgets: Mapping[str, "Budget"] = field(default_factory=dict)  # actor stage -> memory per worker
+
+    @property
+    def generates_in_parts(self) -> bool:
+        """Whether a generation batch is generated in parts, stopping once enough groups are
+        kept (run.gen_stop_early): where the trained batch stays the one the whole batch gives,
+        i.e. the surplus is dropped (not carried), the batch is not sized from the keep rate
+        already, no weight sync can come between its parts (not async), and its parts reach a
+        generating node that samples them as it would the whole (``BATCH_PARTS``: generate)
+        as they are (no chunks, no node before it)."""
+        run, calls = self.plan.spec.run, self.calls.get("rollout")
+        if not (run.gen_stop_early and not run.carry_surplus and not run.chunk_prompts and calls
+                and run.gen_prompts_per_batch != "auto" and run.rollout_mode != "async"
+                and self.plan.dynamic_sampling is not None):
+            return False
+        head = self.plan.node(calls[0].nodes[0])
+        return head.inputs == (PROMPTS_SOURCE,) and bool(getattr(head.op_cls, "BATCH_PARTS", False))
 
     def stage(self, name: str) -> Stage:
         for s in self.stages:

@@ -531,6 +531,18 @@ class RunSpec(_Frozen):
     carry_surplus: bool = Field(
         False, description="Carry kept groups beyond prompts_per_step to the next step."
     )
+    gen_stop_early: bool = Field(
+        True, description="Generate a generation batch in parts, the first sized from the keep rate "
+        "so far (none known: the whole batch; short: the rest), and stop once prompts_per_step "
+        "groups are kept: the prompts left are those the group filter would have dropped unused. "
+        "The trained batch is the one the whole batch gives (the parts share the batch's seeds and "
+        "are padded to its longest prompt), bitwise where each engine's share of the whole batch "
+        "holds a prompt of the batch's longest length (prompts of similar lengths, as the main "
+        "job's), else to float rounding; only generation is saved (sampling/prompts_ungenerated). "
+        "false: every drawn prompt is generated (verl). Applies to operator generate, and not "
+        "with carry_surplus (the surplus is trained on), chunk_prompts, gen_prompts_per_batch: "
+        "auto (sized already) or rollout_mode: async (a weight sync could come between parts).",
+    )
     val_every: int = Field(10, ge=0, description="Validate every N steps (0 = only at the end).")
     val_n: int = Field(1, ge=1, description="Samples per validation prompt.")
     val_temperature: float = Field(0.0, ge=0.0, description="0 = greedy validation.")

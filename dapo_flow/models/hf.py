@@ -671,7 +671,8 @@ class HFPolicy:
     ) -> tuple[list[list[int]], list[list[float]], list[bool], list[list[int]]]:
         """The decode loop: ``cfg.n`` samples of each prompt, up to ``cfg.max_tokens`` tokens each;
         (responses, their tokens' logprobs, truncated, each token's weights version), a list per sample."""
-        prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)
+        width = max(max(map(len, prompts), default=0), cfg.prompt_width or 0)
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_id, width)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         # the version of the weights behind the cache and logits
         cache, logits, weights = self._prefill_samples(prompt_ids, prompt_mask, cfg.n, log)

@@ -40,6 +40,9 @@ class SamplingConfig:
     # record each token's top-k experts per MoE layer (routing replay; the hf backend, a model
     # with routers): Rollouts.routes
     record_routes: bool = False
+    # an engine that left-pads prompts pads them to at least this many positions: the parts of a
+    # generation batch (run.gen_stop_early) padded as the whole batch is, for the same logits
+    prompt_width: int | None = None
 
     def seeds_for(self, num_prompts: int) -> list[int]:
         """Each prompt's seed: ``prompt_seeds``, or drawn from ``seed`` by position."""

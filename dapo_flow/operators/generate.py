@@ -54,6 +54,10 @@ class Generate:
     CARDINALITY = "expand"
     NEEDS_MODEL = True
     ROLE = "generate"
+    # a generation batch generated in parts (run.gen_stop_early) samples what it samples whole: the
+    # parts share the batch's call seeds and prompt width (agent-generate and harness-generate
+    # batch their turns across a call's episodes: whole batches only)
+    BATCH_PARTS = True
 
     @classmethod
     def sampling_settings(cls, params: Params) -> Sampling:
@@ -81,9 +85,10 @@ class Generate:
             top_p=p.top_p,
             top_k=p.top_k,
             max_tokens=p.max_tokens,
-            seed=self.ctx.seed * 1_000_003 + self.seeds.calls,
+            seed=self.ctx.seed * 1_000_003 + self.seeds.call_of(batch),
             prompt_seeds=self.seeds.take(batch),
             record_routes=self._records_routes(),
+            prompt_width=C.prompt_width(batch),
         )
         model = self.ctx.model
         out = model.generator.generate(token_lists(batch.column(C.PROMPT_IDS)), cfg)
@@ -137,10 +142,17 @@ class CallSeeds:
     def take(self, batch: pa.Table) -> tuple[int, ...]:
         """One seed per prompt of ``batch`` from (graph seed, call, prompt id), then the next
         call: a prompt samples the same responses whichever worker, replica or batch position it
-        lands on, so the samples do not depend on how many engines share the work."""
-        seeds = tuple(prompt_seed(self.seed, self.calls, pid) for pid in batch.column(C.PROMPT_ID).to_pylist())
-        self.calls += 1
+        lands on, so the samples do not depend on how many engines share the work, nor on
+        whether its generation batch was generated whole or in parts (:meth:`call_of`)."""
+        call = self.call_of(batch)
+        seeds = tuple(prompt_seed(self.seed, call, pid) for pid in batch.column(C.PROMPT_ID).to_pylist())
+        self.calls = call + 1
         return seeds
+
+    def call_of(self, batch: pa.Table) -> int:
+        """The call whose seeds ``batch`` takes: the next one, or for the rest of a generation
+        batch (``C.continues_call``) the last one, which took its first part."""
+        return self.calls - 1 if self.calls > 0 and C.continues_call(batch) else self.calls
 
     def state_dict(self) -> dict:
         return {"calls": self.calls}

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from dapo_flow.core import columns as C
 from dapo_flow.errors import ReplicaLost, RunError
 from dapo_flow.graph.plan import IN_ACTOR, Call, DynamicSampling, Sync
 from dapo_flow.reductions import Max, Min, Seconds
@@ -180,6 +182,9 @@ class Runner:
         self.nodes = {n.id: n for n in self.plan.nodes}
         self.stage_of = dict(placed.node_stage)
         self.chunk = self.run.chunk_prompts
+        self.stops_early = placed.generates_in_parts  # run.gen_stop_early, where it applies
+        if self.stops_early:  # a first part gives each engine of the generating stage its share of 4+ prompts
+            self.part_floor = PART_PROMPTS_PER_ENGINE * placed.stage(placed.calls["rollout"][0].stage).workers
         self.call_log: list[tuple[str, str, tuple[str, ...]]] = []
         self.syncs = WeightSyncs(placed, executor)
         self.traffic = Traffic()
@@ -350,7 +355,7 @@ class Runner:
         auto = self.run.gen_prompts_per_batch == "auto"
         kept = [state.carry] if state.carry is not None else []
         state.carry = None
-        groups, batches, generated, empty_in_a_row = _n_groups(kept), 0, 0, 0
+        groups, batches, generated, ungenerated, empty_in_a_row = _n_groups(kept), 0, 0, 0, 0
         while groups < need:
             if ds.max_gen_batches and batches >= ds.max_gen_batches:
                 if ds.on_cap == "error":
@@ -366,15 +371,29 @@ class Runner:
             size = (auto_batch_size(need - groups, state.keep_rate, need) if auto
                     else self.run.gen_prompts_per_batch or need)
             prompts = self.sample(size)
-            out = self.rollout_batch(prompts, acc)
-            generated += prompts.num_rows * self.plan.group_size
+            got, done = 0, 0
+            width = longest_prompt(prompts) if self.stops_early else 0
+            # under gen_stop_early a first part sized from the keep rate, then (rarely) all the rest:
+            # no generate call on a few prompts, whose prefill rounds differently (a batch of one
+            # prompt does); else the whole batch at once
+            while done < prompts.num_rows and (done == 0 or groups < need):
+                left = prompts.num_rows - done
+                take = (part_size(left, need - groups, state.keep_rate, self.part_floor)
+                        if self.stops_early and done == 0 else left)
+                part = prompts.slice(done, take)
+                if self.stops_early:
+                    part = C.batch_part(part, continues=done > 0, prompt_width=width)
+                out = self.rollout_batch(part, acc)
+                done += take
+                kept.append(out)
+                # group ids never repeat across generation batches (the sampler suffixes the epoch)
+                got += len(out.groups)
+                groups += len(out.groups)
+            generated += done * self.plan.group_size
+            ungenerated += prompts.num_rows - done
             batches += 1
-            kept.append(out)
-            # group ids never repeat across generation batches (the sampler suffixes the epoch)
-            got = len(out.groups)
-            groups += got
-            if auto:
-                state.keep_rate = _ema(state.keep_rate, got / max(prompts.num_rows, 1))
+            if auto or self.stops_early:
+                state.keep_rate = _ema(state.keep_rate, got / max(done, 1))
             empty_in_a_row = 0 if got else empty_in_a_row + 1
             limit = ds.max_skipped_steps
             if not ds.max_gen_batches and limit and empty_in_a_row >= limit:  # else: a hang
@@ -382,7 +401,10 @@ class Runner:
                     ds, f"{empty_in_a_row} generation batches in a row kept no prompt group at "
                     f"group-filter '{ds.node}' (with max_gen_batches: 0 the step "
                     f"would never end; max_skipped_steps={limit})"))
-        return self._trained_batch(state, kept, need, groups, batches, generated, acc)
+        rollout = self._trained_batch(state, kept, need, groups, batches, generated, acc)
+        if self.stops_early:
+            rollout.metrics["sampling/prompts_ungenerated"] = float(ungenerated)
+        return rollout
 
     def _trained_batch(self, state: LoopState, kept: list[Kept], need: int, groups: int, batches: int,
                        generated: int, acc: MetricAccumulator) -> Rollout:
@@ -674,6 +696,31 @@ def auto_batch_size(remaining: int, keep_rate: float | None, need: int) -> int:
         return need
     want = math.ceil(remaining * KEEP_RATE_MARGIN / max(keep_rate, KEEP_RATE_FLOOR))
     return max(1, min(want, 8 * need))
+
+
+def longest_prompt(prompts: pa.Table) -> int:
+    """The longest prompt of a generation batch, in tokens."""
+    lengths = pc.list_value_length(prompts.column(C.PROMPT_IDS))
+    return int(pc.max(lengths).as_py() or 0)
+
+
+PART_SIGMAS = 2.0  # a first part falls short (and the rest is generated) in ~2% of batches
+PART_PROMPTS_PER_ENGINE = 4
+
+
+def part_size(left: int, remaining: int, keep_rate: float | None, floor: int = 1) -> int:
+    """Prompts for the first part of a generation batch under run.gen_stop_early, of the ``left``
+    it holds: the fewest (at least ``floor``) whose kept groups, at ``keep_rate`` (kept groups per
+    prompt so far), reach ``remaining`` but in about 2% of batches (binomial mean minus
+    PART_SIGMAS standard deviations, the rate taken at most 0.98); all of them before any rate
+    is known."""
+    if keep_rate is None or keep_rate <= 0:
+        return left
+    p = min(keep_rate, 0.98)
+    for size in range(max(remaining, floor, 1), left):
+        if size * p - PART_SIGMAS * math.sqrt(size * p * (1 - p)) >= remaining:
+            return size
+    return left
 
 
 def _ema(old: float | None, new: float) -> float:
