@@ -72,6 +72,7 @@ def comparable_settings(placed, steps: int) -> dict:
         "steps": steps,
         "prompts_per_step": spec.run.prompts_per_step,
         "gen_prompts_per_batch": spec.run.gen_prompts_per_batch or spec.run.prompts_per_step,
+        "gen_in_parts": placed.generates_in_parts,
         "n": gen.n,
         "max_tokens": gen.max_tokens,
         "temperature": gen.temperature,
@@ -101,6 +102,9 @@ def differences(s: dict) -> list[str]:
     if s["dynamic_sampling"]:
         size = ("as many prompts as the keep rate so far predicts" if s["gen_prompts_per_batch"] == "auto"
                 else f"{s['gen_prompts_per_batch']} prompts")
+        if s.get("gen_in_parts"):
+            size = (f"up to {size} (in parts: the first sized from the keep rate, the rest left once "
+                    "enough groups are kept)")
         out.append(f"dynamic sampling: dapo-flow generates {size} x {s['n']} per batch and keeps {s['prompts_per_step']} groups with mixed rewards (more batches "
                    "if needed); TRL has none: it trains on every group, zero-advantage ones included")
     out += [

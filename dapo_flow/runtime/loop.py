@@ -43,6 +43,23 @@ class Kept:
 
 
 @dataclass
+class Queued:
+    """A generation batch's first calls, queued under the weights' ``version``: their handles."""
+
+    version: int
+    handles: list
+
+
+@dataclass
+class Prefetched:
+    """The next step's generation batch (``prompts``), its first ``part`` queued already."""
+
+    prompts: pa.Table
+    part: pa.Table
+    queued: Queued
+
+
+@dataclass
 class LoopState:
     step: int = 0  # completed steps
     carry: Kept | None = None  # kept groups beyond prompts_per_step (carry_surplus)
@@ -183,6 +200,7 @@ class Runner:
         self.stage_of = dict(placed.node_stage)
         self.chunk = self.run.chunk_prompts
         self.stops_early = placed.generates_in_parts  # run.gen_stop_early, where it applies
+        self.prefetched: Prefetched | None = None  # the next generation batch, its first part queued (prefetch)
         if self.stops_early:  # a first part gives each engine of the generating stage its share of 4+ prompts
             self.part_floor = PART_PROMPTS_PER_ENGINE * placed.stage(placed.calls["rollout"][0].stage).workers
         self.call_log: list[tuple[str, str, tuple[str, ...]]] = []
@@ -314,13 +332,13 @@ class Runner:
         return out
 
     # --- phase 1: rollout with dynamic sampling ---------------------------------
-    def rollout_batch(self, prompts: pa.Table, acc: MetricAccumulator) -> Kept:
+    def rollout_batch(self, prompts: pa.Table, acc: MetricAccumulator, queued: "Queued | None" = None) -> Kept:
         """One generation batch through the rollout phase, streamed in chunks: every chunk's
-        first call (generation, in its actor) is queued at once, and each finished chunk flows
-        on to scoring / shaping / filtering while later chunks still generate."""
+        first call (generation, in its actor) is queued at once (or was: ``queued``, by
+        :meth:`prefetch`), and each finished chunk flows on to scoring / shaping / filtering
+        while later chunks still generate."""
         head = self.placed.calls["rollout"][0]
-        size = self.chunk or prompts.num_rows
-        chunks = [prompts.slice(i, size) for i in range(0, prompts.num_rows, size)]
+        chunks = self._chunks(prompts)
         stream = self.nodes[head.nodes[0]].inputs == (PROMPTS_SOURCE,)
         # A weight sync and the queueing of a batch's generation never interleave, so the batch
         # knows its weights' version: the sync's calls go to the rollout actors after its
@@ -328,17 +346,58 @@ class Runner:
         # filtering after. Where the first call is not queued at once (it reads another node's
         # output) the sync waits for the whole batch.
         with contextlib.ExitStack() as held:
-            held.enter_context(self.rollout_lock)
-            version = self.rollout_version
-            handles = [self._submit("rollout", head, [c]) for c in chunks] if stream else [None] * len(chunks)
-            if stream:
-                held.close()  # the generate calls are queued: a sync may follow them now
+            if queued is None:
+                held.enter_context(self.rollout_lock)
+                version = self.rollout_version
+                handles = [self._submit("rollout", head, [c]) for c in chunks] if stream else [None] * len(chunks)
+                if stream:
+                    held.close()  # the generate calls are queued: a sync may follow them now
+            else:
+                version, handles = queued.version, queued.handles
             tables, groups = [], []
             for chunk, handle in zip(chunks, handles):
                 out = self.run_calls("rollout", {PROMPTS_SOURCE: chunk}, acc, first_done=handle)[self.plan.group_filter]
                 tables.append(out.table)
                 groups.extend(out.info.groups or ())
         return Kept(parts_of(tables), tuple(groups), version)
+
+    def _chunks(self, prompts: pa.Table) -> list[pa.Table]:
+        size = self.chunk or prompts.num_rows
+        return [prompts.slice(i, size) for i in range(0, prompts.num_rows, size)]
+
+    def can_prefetch(self) -> bool:
+        """Whether :meth:`prefetch` applies: on an executor that queues calls, a plan whose
+        generating actors are the trainer's (no weight sync: the next generation queued behind
+        the update samples with its weights), a group filter, generation reading the prompts,
+        and no carried groups (which could make the next step need no generation)."""
+        calls = self.placed.calls.get("rollout")
+        return bool(self.ex.queues_calls and not self.placed.syncs and self.plan.dynamic_sampling is not None
+                    and calls and self.nodes[calls[0].nodes[0]].inputs == (PROMPTS_SOURCE,)
+                    and not self.run.carry_surplus)
+
+    def prefetch(self, state: LoopState, version: int) -> None:
+        """Queue the next step's first generation call(s) now, behind the update just queued on
+        the same actors (:meth:`can_prefetch`): an actor runs its calls in order, so it samples
+        with the updated weights (``version``), as it would have queued once the driver saw the
+        update done, but the actors go from the update to the generation without waiting for
+        the driver. The next :meth:`collect` starts from it (the same prompts, part and seeds)."""
+        need = self.run.prompts_per_step
+        size = (auto_batch_size(need, state.keep_rate, need) if self.run.gen_prompts_per_batch == "auto"
+                else self.run.gen_prompts_per_batch or need)
+        prompts = self.sample(size)
+        part = self._first_part(prompts, need, state)
+        head = self.placed.calls["rollout"][0]
+        with self.rollout_lock:
+            self.rollout_version = version  # no weight sync: the update's own weights
+            handles = [self._submit("rollout", head, [c]) for c in self._chunks(part)]
+        self.prefetched = Prefetched(prompts, part, Queued(version, handles))
+
+    def _first_part(self, prompts: pa.Table, remaining: int, state: LoopState) -> pa.Table:
+        """The first part of a generation batch to generate (all of it unless gen_stop_early)."""
+        if not self.stops_early:
+            return prompts
+        take = part_size(prompts.num_rows, remaining, state.keep_rate, self.part_floor)
+        return C.batch_part(prompts.slice(0, take), continues=False, prompt_width=longest_prompt(prompts))
 
     def collect(self, state: LoopState) -> Rollout:
         """The next training batch: generation batches through the rollout phase until the
@@ -368,23 +427,24 @@ class Runner:
                                           "sampling/capped": 1.0, "sampling/skipped": 1.0},
                                    self.rollout_version)
                 break
-            size = (auto_batch_size(need - groups, state.keep_rate, need) if auto
-                    else self.run.gen_prompts_per_batch or need)
-            prompts = self.sample(size)
+            pre, self.prefetched = self.prefetched, None
+            if pre is None:
+                size = (auto_batch_size(need - groups, state.keep_rate, need) if auto
+                        else self.run.gen_prompts_per_batch or need)
+                prompts = self.sample(size)
+            else:  # drawn and its first part queued by the last step (prefetch)
+                prompts = pre.prompts
             got, done = 0, 0
-            width = longest_prompt(prompts) if self.stops_early else 0
             # under gen_stop_early a first part sized from the keep rate, then (rarely) all the rest:
             # no generate call on a few prompts, whose prefill rounds differently (a batch of one
             # prompt does); else the whole batch at once
             while done < prompts.num_rows and (done == 0 or groups < need):
-                left = prompts.num_rows - done
-                take = (part_size(left, need - groups, state.keep_rate, self.part_floor)
-                        if self.stops_early and done == 0 else left)
-                part = prompts.slice(done, take)
-                if self.stops_early:
-                    part = C.batch_part(part, continues=done > 0, prompt_width=width)
-                out = self.rollout_batch(part, acc)
-                done += take
+                if done == 0:
+                    part = pre.part if pre is not None else self._first_part(prompts, need - groups, state)
+                else:
+                    part = C.batch_part(prompts.slice(done), continues=True, prompt_width=longest_prompt(prompts))
+                out = self.rollout_batch(part, acc, pre.queued if pre is not None and done == 0 else None)
+                done += part.num_rows
                 kept.append(out)
                 # group ids never repeat across generation batches (the sampler suffixes the epoch)
                 got += len(out.groups)
@@ -445,8 +505,8 @@ class Runner:
                 f"max_skipped_steps={limit})"))
 
     # --- one step: rollout, update, weight sync -------------------------------------
-    def step(self, state: LoopState, ahead: Rollout | None, *, collect_next: bool, queue_next: bool = False
-             ) -> tuple[dict[str, float], Rollout | None]:
+    def step(self, state: LoopState, ahead: Rollout | None, *, collect_next: bool, queue_next: bool = False,
+             prefetch: bool = False) -> tuple[dict[str, float], Rollout | None]:
         """Train on ``ahead`` (the batch the last step collected, one_step_off) or on a batch
         collected now; with ``collect_next``, the next step's rollout phase runs beside the
         update (:class:`Ahead`) and is returned, complete, before the weight sync. Returns the
@@ -456,8 +516,10 @@ class Runner:
         complete, queues this step's weight sync behind the update in flight and, with
         ``queue_next`` (no validation, checkpoint or MLflow write between the two steps), the
         next step's update behind the sync: the trainer goes from one to the next without
-        waiting for the driver to see each finish. What each actor runs, in what order, is the
-        same."""
+        waiting for the driver to see each finish. With ``prefetch`` (a synchronous run, nothing
+        slow between the two steps), the next step's first generation call is queued behind the
+        update where the same actors generate (:meth:`prefetch`). What each actor runs, in what
+        order, is the same."""
         start = time.perf_counter()
         rollout = ahead if ahead is not None else self.collect(state)
         collected = time.perf_counter() - start  # 0 where the last step collected it ahead
@@ -472,6 +534,8 @@ class Runner:
         next_rollout = Ahead(self, state, behind) if collect_next else None
         if update is None:
             update = self.submit_update(rollout, state.policy_version)
+        if prefetch and next_rollout is None and rollout.batch is not None and self.can_prefetch():
+            self.prefetch(state, update.version + 1)
         metrics = {**rollout.metrics, **self.finish_update(state, update)}
         trained_at = time.perf_counter()
         metrics["time/rollout_phase"] = collected

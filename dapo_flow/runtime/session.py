@@ -499,7 +499,9 @@ def _train_step(record: RunRecord, runner: Runner, state: LoopState, total: int,
     faults = recovery.metrics(step) if recovery is not None else {}  # back where it failed
     metrics, ahead = _step(runner, state, ahead, producer,
                            collect_next=run.rollout_mode == "one_step_off" and step < total,
-                           queue_next=not (val_due or flush_due))
+                           queue_next=not (val_due or flush_due),
+                           # likewise the next step's first generation, queued behind this step's update
+                           prefetch=run.rollout_mode == "sync" and step < total and not (val_due or flush_due))
     before = recovery.count if recovery is not None else 0  # full recoveries of the run so far
     metrics.update(healed_in_place(runner.take_healed(), before + runner.healed_count, faults))
     runner.ex.observe_step(metrics["time/step"])  # the hang bound follows the step times
@@ -525,7 +527,7 @@ def _train_step(record: RunRecord, runner: Runner, state: LoopState, total: int,
 
 
 def _step(runner: Runner, state: LoopState, ahead: list[Rollout], producer: RolloutProducer | None,
-          collect_next: bool, queue_next: bool) -> tuple[dict, list[Rollout]]:
+          collect_next: bool, queue_next: bool, prefetch: bool = False) -> tuple[dict, list[Rollout]]:
     """One RL step (the async producer's, or the runner's on ``ahead``, collecting the next batch
     beside it when ``collect_next``, and queueing the next update when also ``queue_next``): its
     metrics with the step's time, throughputs and the samples generated so far, and the batch
@@ -535,7 +537,7 @@ def _step(runner: Runner, state: LoopState, ahead: list[Rollout], producer: Roll
         metrics = producer.step(state, queue_next)
     else:
         metrics, next_batch = runner.step(state, ahead[0] if ahead else None, collect_next=collect_next,
-                                          queue_next=queue_next)
+                                          queue_next=queue_next, prefetch=prefetch)
         ahead = [next_batch] if next_batch is not None else []
     seconds = time.perf_counter() - t0
     state.wall_seconds += seconds
