@@ -297,6 +297,9 @@ def _explain_syncs(placed: PlacedPlan, after: str) -> list[str]:
     if not syncs and any(a == after for a, _ in placed.plan.syncs):
         lines.append(f"    no weight sync: '{model}' generates with the policy {after} trains "
                      f"(same model in {placed.node_stage[after]})")
+        if placed.prefetches_generation:
+            lines.append("    on Ray the next step's first generation call is queued behind it (unless a "
+                         "validation, checkpoint or metrics write comes between)")
     return lines
 
 

@@ -337,6 +337,18 @@ class PlacedPlan:
         head = self.plan.node(calls[0].nodes[0])
         return head.inputs == (PROMPTS_SOURCE,) and bool(getattr(head.op_cls, "BATCH_PARTS", False))
 
+    @property
+    def prefetches_generation(self) -> bool:
+        """Whether, on an executor that queues calls (Ray), each update of a synchronous run has
+        the next step's first generation call queued behind it (unless a validation, checkpoint
+        or metrics write comes between the steps): the generating actors are the trainer's (no
+        weight sync, so it samples with the update's weights), a group filter ends the rollout,
+        generation reads the prompts, and no carried groups could make the next step need none."""
+        run, calls = self.plan.spec.run, self.calls.get("rollout")
+        return bool(run.rollout_mode == "sync" and not self.syncs and not run.carry_surplus and calls
+                    and self.plan.dynamic_sampling is not None
+                    and self.plan.node(calls[0].nodes[0]).inputs == (PROMPTS_SOURCE,))
+
     def stage(self, name: str) -> Stage:
         for s in self.stages:
             if s.name == name:

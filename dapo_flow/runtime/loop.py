@@ -366,14 +366,9 @@ class Runner:
         return [prompts.slice(i, size) for i in range(0, prompts.num_rows, size)]
 
     def can_prefetch(self) -> bool:
-        """Whether :meth:`prefetch` applies: on an executor that queues calls, a plan whose
-        generating actors are the trainer's (no weight sync: the next generation queued behind
-        the update samples with its weights), a group filter, generation reading the prompts,
-        and no carried groups (which could make the next step need no generation)."""
-        calls = self.placed.calls.get("rollout")
-        return bool(self.ex.queues_calls and not self.placed.syncs and self.plan.dynamic_sampling is not None
-                    and calls and self.nodes[calls[0].nodes[0]].inputs == (PROMPTS_SOURCE,)
-                    and not self.run.carry_surplus)
+        """Whether :meth:`prefetch` applies: the plan allows it (``prefetches_generation``) and
+        the executor queues calls."""
+        return self.ex.queues_calls and self.placed.prefetches_generation
 
     def prefetch(self, state: LoopState, version: int) -> None:
         """Queue the next step's first generation call(s) now, behind the update just queued on
