@@ -387,6 +387,22 @@ class Runner:
             handles = [self._submit("rollout", head, [c]) for c in self._chunks(part)]
         self.prefetched = Prefetched(prompts, part, Queued(version, handles))
 
+    def _batch_in_parts(self, prompts: pa.Table, pre: "Prefetched | None", remaining: int, state: LoopState,
+                        acc: MetricAccumulator) -> tuple[list[Kept], int]:
+        """One generation batch through the rollout phase: whole, or under gen_stop_early a first
+        part sized from the keep rate (queued already: ``pre``) and, only where its kept groups
+        fall short of the ``remaining`` ones, all the rest (no generate call on a few prompts,
+        whose prefill rounds differently: a batch of one prompt does). What each part kept, and
+        the prompts generated."""
+        first = pre.part if pre is not None else self._first_part(prompts, remaining, state)
+        parts = [self.rollout_batch(first, acc, pre.queued if pre is not None else None)]
+        done = first.num_rows
+        if done < prompts.num_rows and _n_groups(parts) < remaining:
+            rest = C.batch_part(prompts.slice(done), continues=True, prompt_width=longest_prompt(prompts))
+            parts.append(self.rollout_batch(rest, acc))
+            done = prompts.num_rows
+        return parts, done
+
     def _first_part(self, prompts: pa.Table, remaining: int, state: LoopState) -> pa.Table:
         """The first part of a generation batch to generate (all of it unless gen_stop_early)."""
         if not self.stops_early:
@@ -429,21 +445,11 @@ class Runner:
                 prompts = self.sample(size)
             else:  # drawn and its first part queued by the last step (prefetch)
                 prompts = pre.prompts
-            got, done = 0, 0
-            # under gen_stop_early a first part sized from the keep rate, then (rarely) all the rest:
-            # no generate call on a few prompts, whose prefill rounds differently (a batch of one
-            # prompt does); else the whole batch at once
-            while done < prompts.num_rows and (done == 0 or groups < need):
-                if done == 0:
-                    part = pre.part if pre is not None else self._first_part(prompts, need - groups, state)
-                else:
-                    part = C.batch_part(prompts.slice(done), continues=True, prompt_width=longest_prompt(prompts))
-                out = self.rollout_batch(part, acc, pre.queued if pre is not None and done == 0 else None)
-                done += part.num_rows
-                kept.append(out)
-                # group ids never repeat across generation batches (the sampler suffixes the epoch)
-                got += len(out.groups)
-                groups += len(out.groups)
+            parts, done = self._batch_in_parts(prompts, pre, need - groups, state, acc)
+            kept += parts
+            # group ids never repeat across generation batches (the sampler suffixes the epoch)
+            got = _n_groups(parts)
+            groups += got
             generated += done * self.plan.group_size
             ungenerated += prompts.num_rows - done
             batches += 1
