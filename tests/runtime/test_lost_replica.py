@@ -200,7 +200,11 @@ def _same_metrics(healed: dict, straight: dict) -> None:
     assert sorted(healed) == sorted(straight)
     for key, series in straight.items():
         assert [s for s, _ in healed[key]] == [s for s, _ in series], key
-        np.testing.assert_allclose([v for _, v in healed[key]], [v for _, v in series], rtol=1e-6, atol=1e-9,
+        # the gap between the rollout's and the trainer's logprobs is itself last bits: a re-issued
+        # share generates in a batch of its own, whose logprobs round differently on some CPUs (an
+        # AVX-512 Xeon: 2.8e-8 on a gap of 4.6e-7), so it is held to a float32 ulp of a logprob
+        atol = 1.2e-7 if key.startswith("rollout/logp_mismatch") else 1e-9
+        np.testing.assert_allclose([v for _, v in healed[key]], [v for _, v in series], rtol=1e-6, atol=atol,
                                    err_msg=key)
 
 
