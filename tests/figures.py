@@ -41,11 +41,13 @@ def _words(text: str) -> set[str]:
 
 def cpu_words() -> set[str]:
     """Words naming this machine's CPU type: its model name's, plus its widest vector set,
-    "avx 512" where it has AVX-512, else "avx2" where it has AVX2. A VM's model name can be as
-    coarse as "AMD EPYC", and the kernels torch picks (so a run's rounding) differ between an
-    AVX2 and an AVX-512 machine of one name."""
+    "avx 512" where it has AVX-512, else "avx2" where it has AVX2, and "amx" where it has AMX's
+    bf16 tiles. A VM's model name can be as coarse as "Intel Xeon Processor", and the kernels
+    torch picks (so a run's rounding) differ between an AVX2 and an AVX-512 machine of one
+    name, and in bf16 between Xeons with and without AMX."""
     flags = _cpuinfo("flags").split()
     extra = {"avx", "512"} if "avx512f" in flags else {"avx2"} if "avx2" in flags else set()
+    extra |= {"amx"} if "amx_bf16" in flags else set()
     return _words(cpu_model().replace("(R)", "").replace("(TM)", "")) | extra
 
 
