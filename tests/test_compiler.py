@@ -287,14 +287,30 @@ def test_rewrites_are_pure():
 
 def test_the_default_graph_trains_on_a_ddp_group_of_two():
     """graphs/dapo.yaml as shipped: two 1-thread DDP workers hold the policy; old logprobs taken
-    from the generator need no model, so they and the advantage run in the driver, and the train
-    phase is one call to the group."""
+    from the generator need no model and the GRPO advantage only its prompt group's rows, so both
+    run in the group, each worker on its share, and the train phase is one call to the group."""
     placed = place(plan(validate(load(DAPO))), Cluster(cpus=2))
     actor = placed.stage("model:policy")
     assert actor.is_group and (actor.workers, actor.strategy) == (2, "ddp")
-    assert actor.nodes == ("rollout", "train")
-    assert placed.calls["train"] == (Call("driver", ("old_logp", "adv")), Call("model:policy", ("train",)))
+    assert actor.nodes == ("rollout", "old_logp", "adv", "train")
+    assert placed.calls["train"] == (Call("model:policy", ("old_logp", "adv", "train")),)
+    assert placed.stage("driver").nodes == ("verify", "overlong", "dynamic_sampling")
     assert "policy" not in placed.stage("driver").models
+
+
+@pytest.mark.parametrize("estimator, in_group", [("grpo", True), ("rloo", True), ("opo", True),
+                                                 ("reinforce_pp_baseline", False), ("reinforce_pp", False)])
+def test_only_an_advantage_of_prompt_groups_runs_on_a_groups_shares(tmp_path, estimator, in_group):
+    """An advantage whitened over the batch needs every row: it stays in the driver's stage (one
+    call), and the copy of the rollout's logprobs before it stays with it; a group-normalised one
+    runs in the training group on each worker's share of whole groups."""
+    graph = tmp_path / "dapo.yaml"
+    graph.write_text(DAPO.read_text().replace("estimator: grpo", f"estimator: {estimator}"))
+    placed = place(plan(validate(load(graph))), Cluster(cpus=2))
+    assert (placed.node_stage["adv"] == "model:policy") is in_group
+    expected = ((Call("model:policy", ("old_logp", "adv", "train")),) if in_group
+                else (Call("driver", ("old_logp", "adv")), Call("model:policy", ("train",))))
+    assert placed.calls["train"] == expected
 
 
 def test_colocated_on_two_cpus():

@@ -20,6 +20,14 @@ An operator is a plain class (no base class to inherit from):
   ``{column: arrow type}`` reaching the node, before reading its columns, so a param can default
   to "whatever upstream provides" (e.g. advantage's ``reward_column: auto``). The resolved
   params are what explain shows, MLflow logs and the runtime runs.
+- optionally ``SCOPE``: which rows each output row depends on, one of :data:`SCOPES`: `row` (its
+  own row alone: a copied column, a per-response shaping), `group` (the rows of its prompt group
+  alone: a group-normalized advantage) or `batch` (the default: any row of the call, e.g. an
+  advantage whitened over the batch). An op whose params decide it has a ``scope(params)``
+  classmethod instead (``advantage``: `group` for its per-sequence group estimators). The placement
+  runs a stateless model-free `map` of `row` or `group` scope in the training group that consumes
+  its output, on each worker's share of whole prompt groups, instead of one more round trip through
+  the driver's stage (:func:`scope_of`).
 - ``NEEDS_MODEL``: whether the node must name a model (``model:``) and runs in its actor.
   Optionally ``uses_model(params) -> bool``: a classmethod saying whether with these params the
   node touches its model (e.g. logprob's ``source: rollout`` copies a column, so it is placed in
@@ -96,6 +104,10 @@ from pydantic import BaseModel, ConfigDict
 Cardinality = Literal["map", "filter", "group-filter", "expand", "sink"]
 CARDINALITIES: tuple[str, ...] = ("map", "filter", "group-filter", "expand", "sink")
 
+#: Which rows an operator's output row depends on (see the module docstring: ``SCOPE``).
+SCOPES: tuple[str, ...] = ("row", "group", "batch")
+DEFAULT_SCOPE = "batch"
+
 #: What an operator is to the compiler and runtime (see the module docstring).
 ROLES: tuple[str, ...] = ("generate", "reward", "logprob", "train", "advantage", "transform")
 DEFAULT_ROLE = "transform"
@@ -148,6 +160,8 @@ class Contract:
     # train setting -> columns added when the node's model has it on (PRODUCES_WITH_TRAIN)
     produces_with_train: Mapping[str, Mapping[str, pa.DataType]] = field(default_factory=dict)
     logprob_role: Callable[[BaseModel], str] | None = None  # a logprob op's: whose logprobs (LOGPROB_ROLES)
+    scope_fn: Callable[[BaseModel], str] | None = None  # which rows an output row depends on (SCOPES)
+    scope_static: str = DEFAULT_SCOPE
 
 
 def contract_of(op_cls: type) -> Contract:
@@ -181,6 +195,8 @@ def contract_of(op_cls: type) -> Contract:
         group_settings=hook("group_settings"),
         produces_with_train={k: dict(v) for k, v in dict(getattr(op_cls, "PRODUCES_WITH_TRAIN", None) or {}).items()},
         logprob_role=hook("logprob_role"),
+        scope_fn=hook("scope"),
+        scope_static=getattr(op_cls, "SCOPE", DEFAULT_SCOPE),
     )
 
 
@@ -343,6 +359,13 @@ def resolve(op_cls: type, params: BaseModel, available: Mapping[str, pa.DataType
     return fn(params, dict(available)) if fn else params
 
 
+def scope_of(op_cls: type, params: BaseModel) -> str:
+    """Which rows each output row of the node depends on (:data:`SCOPES`): ``scope(params)``, else
+    ``SCOPE``, else `batch` (nothing may be split off an operator that does not say)."""
+    c = contract_of(op_cls)
+    return c.scope_fn(params) if c.scope_fn is not None else c.scope_static
+
+
 def uses_model(op_cls: type, params: BaseModel) -> bool:
     """Whether a node of ``op_cls`` with ``params`` runs on its model (``NEEDS_MODEL``, unless
     the op's ``uses_model(params)`` hook says these params need none)."""
@@ -421,6 +444,8 @@ def contract_problems(op_cls: Any) -> list[str]:
         problems.append("`PRODUCES_WITH_TRAIN` must map train settings to {column: pyarrow DataType}")
     if not isinstance(getattr(op_cls, "NEEDS_MODEL", None), bool):
         problems.append("needs `NEEDS_MODEL = True/False`")
+    if not callable(getattr(op_cls, "scope", None)) and getattr(op_cls, "SCOPE", DEFAULT_SCOPE) not in SCOPES:
+        problems.append(f"`SCOPE` must be one of {', '.join(SCOPES)} (or left out: {DEFAULT_SCOPE})")
     declared_role = getattr(op_cls, "ROLE", DEFAULT_ROLE)
     if declared_role not in ROLES:
         problems.append(f"`ROLE` must be one of {', '.join(ROLES)} (or left out: {DEFAULT_ROLE})")

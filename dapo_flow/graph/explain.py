@@ -11,7 +11,7 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from dapo_flow.core import columns as C
-from dapo_flow.core.contract import contract_of, produces, requires
+from dapo_flow.core.contract import contract_of, produces, requires, uses_model
 from dapo_flow.graph import fit
 from dapo_flow.graph.plan import DRIVER, IN_ACTOR, PlacedPlan, Plan, PlanNode
 from dapo_flow.graph.problems import type_name
@@ -109,6 +109,12 @@ def _explain_stages(placed: PlacedPlan) -> list[str]:
                        f"group ({s.strategy}; resources above are per worker): each worker takes its share "
                        "of a call's rows (whole prompt groups) from the object store; the update cuts "
                        "the mini-batches one worker would, each worker training its rows of each")
+            nodes = [placed.plan.node(nid) for nid in s.nodes]
+            shared = [n.id for n in nodes if not uses_model(n.op_cls, n.params)]
+            if shared:
+                out.append(f"  {'':<16} {', '.join(shared)}: model-free, their rows need only their prompt group's "
+                           "(SCOPE row/group): each worker runs them on its share, no round trip through the "
+                           "driver's stage")
             split = max((placed.plan.spec.models[m].train.sequence_parallel for m in s.models), default=1)
             if split > 1:
                 out.append(f"  {'':<16} sequence parallel {split}: {s.workers // split} replica(s) of {split} "

@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
-from dapo_flow.core.contract import uses_model
+from dapo_flow.core.contract import contract_of, scope_of, uses_model
 from dapo_flow.errors import GraphError
 from dapo_flow.graph import fit, sizing
 from dapo_flow.graph.placement_checks import placement_problems
@@ -105,9 +105,13 @@ def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
     - its consumers all live in that actor, which is one worker, and each input in the driver's
       stage or that actor: the rows travel to the actor either way (``logprob`` with
       `source: rollout` -> ``advantage`` -> ``update`` for a one-worker trainer).
-    Never into a stage of several workers (a training group, rollout replicas): each worker sees
-    a share of the rows, and a CPU map may need them all (an advantage normalised over the
-    batch)."""
+    These two never into a training group: each of its workers sees a share of the rows (whole
+    prompt groups), and a CPU map may need them all (an advantage normalised over the batch).
+    Into a training group only a map whose rows need no other prompt group's (``SCOPE`` `row` or
+    `group`: ``logprob`` with `source: rollout` -> a group-normalised ``advantage`` -> ``update``,
+    each worker computing its own share's; an advantage whitened over the batch stays in the
+    driver's stage), that keeps no state, whose consumers are all in the group and whose inputs
+    are all in the driver's stage: it then heads the group's call. Never into rollout replicas."""
     consumers = plan.consumers()
     out = dict(stage_of)
 
@@ -133,7 +137,24 @@ def _pull_into_actors(plan: Plan, stage_of: dict[str, str]) -> dict[str, str]:
         if (len(after) == 1 and actor_ungrouped(stage) and _workers_of(plan, stage) == 1
                 and {out.get(i, DRIVER) for i in n.inputs} <= {DRIVER, stage}):
             out[n.id] = stage
+    for n in reversed(plan.nodes):  # into the training group that consumes it, on each worker's share
+        if not (movable(n) and _splits_by_group(n)):
+            continue
+        after = {out[c] for c in consumers[n.id]}
+        stage = next(iter(after))
+        group = _group_of(plan, stage)
+        if (len(after) == 1 and group is not None and group.grouped
+                and all(out.get(i, DRIVER) == DRIVER for i in n.inputs)):
+            out[n.id] = stage
     return out
+
+
+def _splits_by_group(node: PlanNode) -> bool:
+    """Whether ``node`` computes each share of whole prompt groups as it would the whole batch:
+    its rows need no other group's (:func:`~dapo_flow.core.contract.scope_of`) and it keeps no
+    state (each worker would keep its own) nor holds anything to release."""
+    c = contract_of(node.op_cls)
+    return scope_of(node.op_cls, node.params) in ("row", "group") and not c.stateful and not c.closes
 
 
 def _calls(plan: Plan, stage_of: Mapping[str, str]) -> dict[str, tuple[Call, ...]]:

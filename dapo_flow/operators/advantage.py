@@ -31,6 +31,7 @@ from dapo_flow.data.arrow_utils import (float_column, group_codes, padded_to_rag
                                        response_mask, with_columns)
 from dapo_flow.core import columns as C
 from dapo_flow.core.contract import PARAMS_CONFIG, OpContext, registered
+from dapo_flow.reductions import Max, Min
 
 class Params(BaseModel):
     model_config = PARAMS_CONFIG
@@ -74,6 +75,14 @@ class Advantage:
     CARDINALITY = "map"
     NEEDS_MODEL = False
     ROLE = "advantage"
+
+    @classmethod
+    def scope(cls, params: Params) -> str:
+        """`group` for a per-sequence estimator that reads only each prompt group's rewards (grpo,
+        rloo, ...: computed on any share of whole groups alike), else `batch`."""
+        estimator = algos.ESTIMATORS[params.estimator]
+        per_sequence = estimator.sequence is not None and params.distill_coef == 0
+        return estimator.scope if per_sequence else "batch"
 
     @classmethod
     def resolve(cls, params: Params, available: dict[str, pa.DataType]) -> Params:
@@ -158,8 +167,8 @@ class Advantage:
             self._metrics = {
                 "adv/mean": float(adv.mean()),
                 "adv/abs_mean": float(abs(adv).mean()),
-                "adv/max": float(adv.max()),
-                "adv/min": float(adv.min()),
+                "adv/max": Max(adv.max()),  # the extremes over a training group's shares too
+                "adv/min": Min(adv.min()),
             }
 
     def last_metrics(self) -> dict[str, float]:

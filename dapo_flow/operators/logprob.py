@@ -87,6 +87,7 @@ class Logprob:
     CARDINALITY = "map"
     NEEDS_MODEL = True
     ROLE = "logprob"
+    SCOPE = "row"  # each row's logprobs are its own (source rollout: a copy, run on any share)
     PARAM_EXAMPLES = ({"role": "teacher", "top_k": 8},)  # validate's hint for the top-K columns
 
     @classmethod

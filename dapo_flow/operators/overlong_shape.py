@@ -42,6 +42,7 @@ class OverlongShape:
     CARDINALITY = "map"
     NEEDS_MODEL = False
     ROLE = "transform"
+    SCOPE = "row"
 
     @classmethod
     def upstream_problems(cls, params: Params, generator_id: str, generator_params) -> list:

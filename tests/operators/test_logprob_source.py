@@ -41,11 +41,14 @@ def test_rollout_source_declares_its_columns_and_is_the_actors_only():
 
 
 def test_the_source_is_a_one_line_edit_and_decides_where_the_node_runs():
-    """graphs/dapo.yaml takes rollout logprobs: a column copy, placed in the driver (no round trip
-    to the model's workers); recomputing them is a forward pass, placed with the model."""
+    """graphs/dapo.yaml takes rollout logprobs: a column copy of each row alone, so the training
+    group's workers make it on their shares at the head of the update's call (no round trip of
+    its own); recomputing them is a forward pass of the model, a call of its own to the workers."""
     rollout = edit_file(DAPO, []).compile(Cluster(cpus=2))
     assert rollout.plan.node("old_logp").params.source == "rollout"
-    assert rollout.node_stage["old_logp"] == "driver"
+    assert rollout.node_stage["old_logp"] == "model:policy"
+    assert [c.nodes for c in rollout.calls["train"]] == [("old_logp", "adv", "train")]
     recompute = edit_file(DAPO, parse_cli_edits([("set", "old_logp.source=recompute")])).compile(Cluster(cpus=2))
     assert recompute.plan.node("old_logp").params.source == "recompute"
     assert recompute.node_stage["old_logp"] == "model:policy"
+    assert [c.nodes for c in recompute.calls["train"]] == [("old_logp",), ("adv",), ("train",)]
