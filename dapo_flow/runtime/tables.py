@@ -116,3 +116,19 @@ def merge_inputs(combine: Callable[[Any, list], pa.Table] | None, params: Any,
             if name not in merged.column_names:
                 merged = merged.append_column(name, other.column(name))
     return merged
+
+
+def table_to_ipc(table: pa.Table) -> pa.Buffer:
+    """``table`` as one Arrow IPC stream (schema and its metadata, chunks; of a slice only its
+    rows): how a table crosses between processes (Ray's object store), written in one pass and
+    read back in place by :func:`table_from_ipc`."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def table_from_ipc(buffer: Any) -> pa.Table:
+    """The table of an IPC stream (:func:`table_to_ipc`); its columns point into ``buffer``
+    (any object with the buffer protocol: the object store's memory), not copied."""
+    return pa.ipc.open_stream(pa.py_buffer(buffer)).read_all()

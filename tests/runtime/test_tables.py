@@ -3,13 +3,14 @@ group, the ChainInfo a call reports, and a group member's share of a whole input
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
 from dapo_flow.reductions import Seconds
 from dapo_flow.runtime import group
 from dapo_flow.runtime.tables import (ChainInfo, TableParts, assemble, cut, groups_of, info_of,
-                                      merge_inputs, parts_of)
+                                      merge_inputs, parts_of, table_from_ipc, table_to_ipc)
 from dapo_flow.runtime.worker import Share
 
 
@@ -86,3 +87,38 @@ def test_a_groups_info_joins_rows_and_groups_in_rank_order():
     assert joined.report == [("n", {"m": 2.5, "time/x": 2.0}, 3.0)]  # mean weighted by rows taken; a time the slowest
     sink = group.join_infos([a, b], sink=True)
     assert (sink.rows_out, sink.bytes_out) == (4, 40)
+
+
+# --- tables between processes: one Arrow IPC stream each (tables_as_ipc) --------------------
+
+
+def _varied() -> pa.Table:
+    """Two chunks, a dictionary column whose chunks have different dictionaries, list columns,
+    schema metadata (a generation part's marks travel there)."""
+    first = pa.table({"prompt_id": pa.array(["p", "q"]).dictionary_encode(),
+                      "ids": pa.array([[1, 2], [3]], pa.list_(pa.int32())),
+                      "logp": pa.array([[-0.5, -1.25], [-2.0]], pa.list_(pa.float32()))})
+    second = pa.table({"prompt_id": pa.array(["r"]).dictionary_encode(),
+                       "ids": pa.array([[4, 5, 6]], pa.list_(pa.int32())),
+                       "logp": pa.array([[0.0, -0.125, -3.5]], pa.list_(pa.float32()))})
+    return pa.concat_tables([first, second]).replace_schema_metadata({b"batch_part": b"first"})
+
+
+def test_a_table_crosses_as_one_ipc_stream_and_comes_back_as_it_was():
+    table = _varied()
+    back = table_from_ipc(table_to_ipc(table))
+    assert back.equals(table) and back.schema.metadata == table.schema.metadata
+    assert [c.num_chunks for c in back.columns] == [c.num_chunks for c in table.columns]
+    empty = table.slice(0, 0)
+    assert table_from_ipc(table_to_ipc(empty)).equals(empty)
+
+
+def test_a_slice_crosses_with_its_rows_only_and_is_read_in_place():
+    big = pa.table({"x": pa.array(np.arange(100_000, dtype=np.int64))})
+    part = big.slice(10, 5)
+    buffer = table_to_ipc(part)
+    assert buffer.size < 2_000  # not the 800 kB the slice's column points into
+    back = table_from_ipc(buffer)
+    assert back.column("x").to_pylist() == list(range(10, 15))
+    data = back.column("x").chunk(0).buffers()[1]
+    assert buffer.address <= data.address < buffer.address + buffer.size  # a view of the stream, not a copy
