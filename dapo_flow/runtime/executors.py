@@ -240,8 +240,8 @@ def tables_as_ipc() -> None:
     """In this process, tables go into Ray's object store as one Arrow IPC stream each, an
     out-of-band buffer that the reader's columns point into (:func:`~dapo_flow.runtime.tables.table_from_ipc`,
     named in each object: a process that did not call this reads them too). Ray's own reducer
-    pickles each column's buffers: ~1 ms more per 400-row batch put and 0.2 ms more per read, on
-    every hop of a step (benchmarks/README.md, step_overhead)."""
+    pickles each column's buffers, in Python: for a generation batch of the main job (384 rows)
+    a put took 1.9 ms against 1.3 and a read 0.39 ms against 0.18, on every hop of a step."""
     import ray
 
     ray.util.register_serializer(pa.Table, serializer=_ipc_out_of_band, deserializer=table_from_ipc)
