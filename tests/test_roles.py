@@ -79,10 +79,26 @@ def test_an_unknown_or_modelless_role_is_a_contract_problem():
     assert role(type("Plain", (), {})) == "transform"
 
 
+def test_a_scope_is_declared_read_from_params_or_batch_and_an_unknown_one_is_a_problem():
+    from dapo_flow.core.contract import scope_of
+    from dapo_flow.operators.advantage import Advantage
+    from dapo_flow.operators.advantage import Params as AdvParams
+    from dapo_flow.operators.overlong_shape import OverlongShape
+
+    assert scope_of(OverlongShape, None) == "row"
+    assert scope_of(OPERATORS["group-filter"], None) == "batch"  # says nothing: nothing split off it
+    assert scope_of(Advantage, AdvParams(estimator="grpo")) == "group"
+    assert scope_of(Advantage, AdvParams(estimator="reinforce_pp_baseline")) == "batch"  # whitened
+    assert scope_of(Advantage, AdvParams(estimator="grpo", distill_coef=1.0)) == "batch"  # per token
+    odd = type("Odd", (OverlongShape,), {"SCOPE": "rows"})
+    assert any("`SCOPE` must be one of row, group, batch" in p for p in contract_problems(odd))
+
+
 #: what an operator class declares (contract.py's docstring): read through contract_of only
-DECLARED = {"ROLE", "CARDINALITY", "NEEDS_MODEL", "REQUIRES", "PRODUCES", "MODEL_HEAD", "MODEL_PARAM", "INPUTS"}
+DECLARED = {"ROLE", "CARDINALITY", "NEEDS_MODEL", "REQUIRES", "PRODUCES", "MODEL_HEAD", "MODEL_PARAM", "INPUTS",
+            "SCOPE"}
 HOOKS = {"upstream_problems", "uses_model", "model_head", "combine", "input_requires", "last_metrics",
-         "sampling_settings", "train_sizing", "forward_rows", "group_settings", "logprob_role"}
+         "sampling_settings", "train_sizing", "forward_rows", "group_settings", "logprob_role", "scope"}
 
 
 def _contract_probes(path: Path) -> list[str]:

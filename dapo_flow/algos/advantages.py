@@ -279,15 +279,18 @@ class Estimator(NamedTuple):
 #: Every advantage estimator, in the order docs list them: the `advantage` operator's choices and
 #: the names :func:`sequence_advantages` / :func:`outcome_advantages` accept come from here.
 ESTIMATORS: dict[str, Estimator] = {
-    "grpo": Estimator("(r - group mean) / (group std + 1e-6); `norm_by_std: false` centres only (Dr.GRPO)", _adv_grpo, scope="group"),
-    "rloo": Estimator("r - mean of the other samples of the group (leave-one-out)", _adv_rloo, scope="group"),
+    "grpo": Estimator("(r - group mean) / (group std + 1e-6); `norm_by_std: false` centres only (Dr.GRPO)",
+                      _adv_grpo, scope="group"),
+    "rloo": Estimator("r - mean of the other samples of the group (leave-one-out)", _adv_rloo,
+                      scope="group"),
     "reinforce_pp_baseline": Estimator("r - group mean, whitened over the batch's valid tokens",
                                        _adv_reinforce_pp_baseline, needs_lengths=True),
     "reinforce_pp": Estimator("REINFORCE++: discounted return-to-go of the token rewards (`gamma`), whitened "
                               "over valid tokens; token-level, no groups", token=reinforce_pp_advantages),
     "grpo_passk": Estimator("pass@k: only each group's best sample gets its gap to the runner-up (n >= 2)",
                             _adv_grpo_passk, scope="group"),
-    "opo": Estimator("r - length-weighted group mean (optimal baseline)", _adv_opo, needs_lengths=True, scope="group"),
+    "opo": Estimator("r - length-weighted group mean (optimal baseline)", _adv_opo, needs_lengths=True,
+                     scope="group"),
     "gae": Estimator("PPO's GAE over a critic's per-token `values` (from a `values` node; `gamma`, `lam`), "
                      "whitened over the batch's valid tokens; token-level, no groups", with_input=_gae,
                      reads="values"),
