@@ -1,5 +1,6 @@
 """Tables by handle (dapo_flow.runtime.tables): joining parts, dynamic sampling's cut by prompt
-group, the ChainInfo a call reports, and a group member's share of a whole input."""
+group, the ChainInfo a call reports, a group member's share of a whole input, and a table as one
+Arrow IPC stream between processes (Ray's object store)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,41 @@ def test_a_slice_crosses_with_its_rows_only_and_is_read_in_place():
     assert back.column("x").to_pylist() == list(range(10, 15))
     data = back.column("x").chunk(0).buffers()[1]
     assert buffer.address <= data.address < buffer.address + buffer.size  # a view of the stream, not a copy
+
+
+@pytest.mark.slow  # a Ray cluster's start-up (5-40 s on 2 busy cores)
+@pytest.mark.shared_ray
+@pytest.mark.timeout(120)
+def test_tables_cross_the_object_store_between_processes_with_and_without_ipc():
+    """Through Ray's object store (executors.tables_as_ipc, which the executor and every stage
+    actor call): equal on the other side, schema metadata and chunks kept, a slice's rows only; a
+    process that did not call it reads them, and is read, alike."""
+    import ray
+
+    from dapo_flow.runtime.executors import tables_as_ipc
+
+    @ray.remote(num_cpus=0)
+    class Side:
+        def __init__(self, ipc: bool):
+            if ipc:
+                tables_as_ipc()
+
+        def tail(self, table: pa.Table) -> pa.Table:
+            return table.slice(1)
+
+        def read(self, refs: list) -> tuple[list, dict]:
+            table = ray.get(refs[0])
+            return table.column("logp").to_pylist(), table.schema.metadata
+
+    tables_as_ipc()  # this process, as the executor does
+    table = _varied()
+    ref = ray.put(table)
+    assert ray.get(ref).equals(table)
+    for ipc in (True, False):
+        side = Side.remote(ipc)
+        tail = ray.get(side.tail.remote(table))  # in as IPC; out as IPC, or as Ray pickles tables
+        assert tail.equals(table.slice(1)) and tail.schema.metadata == {b"batch_part": b"first"}
+        assert [c.num_chunks for c in tail.columns] == [2, 2, 2]
+        values, metadata = ray.get(side.read.remote([ref]))
+        assert values == table.column("logp").to_pylist() and metadata == table.schema.metadata
+        ray.kill(side)
